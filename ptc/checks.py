@@ -1,0 +1,142 @@
+"""Semantic checks that tie plan sections together.
+
+Each section validates its own fields; the rules here need two or more
+sections at once: the mesh must use exactly the GPUs there are, heads must
+split evenly over tp, layers over pipeline chunks, the batch over
+micro-batches and data-parallel ranks. Every rule reports through a
+`DiagnosticSink` with the field's place in the file, so all problems of a
+plan come out together. Errors say which factors disagree; warnings (tp
+spanning nodes) leave the plan valid.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import TYPE_CHECKING
+
+from ptc.errors import DiagnosticSink, Span
+
+if TYPE_CHECKING:
+    from ptc.plan import Plan
+
+
+def _span(section: object, name: str) -> Span | None:
+    return (getattr(section, "spans", None) or {}).get(name)
+
+
+def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
+    """Record in `sink` every cross-section problem of `plan`."""
+    _check_mesh(plan, sink)
+    _check_model_split(plan, sink)
+    _check_batch(plan, sink)
+    _check_pipeline(plan, sink)
+    _check_hardware_fit(plan, sink)
+
+
+def _check_mesh(plan: Plan, sink: DiagnosticSink) -> None:
+    par, hw = plan.parallel, plan.hardware
+    degrees = {a: par.degree(a) for a in ("tp", "pp", "dp")}
+    known = {a: d for a, d in degrees.items() if d != "auto"}
+    gpus = hw.num_gpus
+    gpu_text = f"{gpus} GPUs (nodes({hw.nodes}) * gpus_per_node({hw.gpus_per_node}))"
+    factors = " * ".join(f"{a}({d})" for a, d in degrees.items())
+    if len(known) == 3:
+        total = prod(known.values())
+        if total != gpus:
+            sink.error(f"{factors} = {total} != {gpu_text}", field="parallel.tp",
+                       span=_span(par, "tp") or _span(par, "pp") or _span(par, "dp"))
+    elif known and gpus % prod(known.values()):
+        fixed = " * ".join(f"{a}({d})" for a, d in known.items())
+        sink.error(f"{fixed} = {prod(known.values())} does not divide {gpu_text}, "
+                   f"so no value of the auto axes fits", field="parallel",
+                   span=next((_span(par, a) for a in known if _span(par, a)), None))
+    tp = degrees["tp"]
+    if tp != "auto" and tp > hw.gpus_per_node:
+        sink.warning(f"tp({tp}) > gpus_per_node({hw.gpus_per_node}): each tp group spans "
+                     f"nodes and its collectives run at the inter-node link speed",
+                     field="parallel.tp", span=_span(par, "tp"))
+    if par.sequence_parallel and tp == 1:
+        sink.warning("sequence_parallel has no effect with tp = 1",
+                     field="parallel.sequence_parallel", span=_span(par, "sequence_parallel"))
+
+
+def _check_model_split(plan: Plan, sink: DiagnosticSink) -> None:
+    model, par = plan.model, plan.parallel
+    if model.family == "custom":
+        return
+    tp = par.tp
+    if model.hidden % model.heads:
+        sink.error(f"hidden({model.hidden}) is not divisible by heads({model.heads})",
+                   field="model.hidden", span=_span(model, "hidden"))
+    kv = model.num_kv_heads
+    if model.heads % kv:
+        sink.error(f"heads({model.heads}) is not divisible by kv_heads({kv})",
+                   field="model.kv_heads", span=_span(model, "kv_heads"))
+    if tp != "auto":
+        if model.heads % tp:
+            sink.error(f"heads({model.heads}) is not divisible by tp({tp})",
+                       field="parallel.tp", span=_span(par, "tp"),
+                       choices=tuple(str(d) for d in _divisors(model.heads)))
+        if kv % tp and tp % kv:
+            sink.error(f"kv_heads({kv}) and tp({tp}): neither divides the other, so kv heads "
+                       f"can be neither split nor replicated evenly", field="parallel.tp",
+                       span=_span(par, "tp"), choices=tuple(str(d) for d in _divisors(kv)))
+        if model.ffn_size % tp:
+            sink.error(f"ffn({model.ffn_size}) is not divisible by tp({tp})",
+                       field="parallel.tp", span=_span(par, "tp"))
+    pp, v = par.pp, par.virtual_stages
+    if pp != "auto" and model.layers % (pp * v):
+        sink.error(f"layers({model.layers}) is not divisible by pp({pp}) * "
+                   f"virtual_stages({v}) = {pp * v}", field="parallel.pp",
+                   span=_span(par, "pp") or _span(par, "virtual_stages"))
+    if plan.train.seq_len > model.max_seq:
+        sink.error(f"seq_len({plan.train.seq_len}) > model max_seq({model.max_seq})",
+                   field="train.seq_len", span=_span(plan.train, "seq_len"))
+    ckpt = par.checkpoint
+    if isinstance(ckpt, tuple) and len(ckpt) != model.layers:
+        sink.error(f"per-layer checkpoint lists {len(ckpt)} entries for {model.layers} layers",
+                   field="parallel.checkpoint", span=_span(par, "checkpoint"))
+
+
+def _check_batch(plan: Plan, sink: DiagnosticSink) -> None:
+    train, par = plan.train, plan.parallel
+    dp = par.dp
+    if dp == "auto":
+        return
+    per_step = train.micro_batch * dp
+    if train.global_batch % per_step:
+        sink.error(f"global_batch({train.global_batch}) is not divisible by "
+                   f"micro_batch({train.micro_batch}) * dp({dp}) = {per_step}",
+                   field="train.global_batch", span=_span(train, "global_batch"))
+    elif par.microbatches is not None and par.microbatches * per_step != train.global_batch:
+        sink.error(f"microbatches({par.microbatches}) * micro_batch({train.micro_batch}) * "
+                   f"dp({dp}) = {par.microbatches * per_step} != global_batch"
+                   f"({train.global_batch})", field="parallel.microbatches",
+                   span=_span(par, "microbatches"))
+
+
+def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
+    par = plan.parallel
+    if par.pp == "auto" or par.pp == 1 or par.dp == "auto":
+        return
+    m = plan.num_microbatches
+    if par.schedule in ("1f1b", "interleaved") and m < par.pp:
+        sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
+                   f"got {m}", field="parallel.microbatches",
+                   span=_span(par, "microbatches") or _span(par, "schedule"))
+    if par.schedule == "interleaved" and m % par.pp:
+        sink.error(f"the interleaved schedule needs micro-batches({m}) divisible by "
+                   f"pp({par.pp})", field="parallel.microbatches",
+                   span=_span(par, "microbatches") or _span(par, "schedule"))
+
+
+def _check_hardware_fit(plan: Plan, sink: DiagnosticSink) -> None:
+    dtype = plan.train.dtype
+    if dtype not in plan.hardware.peak_flops:
+        sink.error(f"train dtype {dtype} has no peak in hardware {plan.hardware.gpu}",
+                   field="train.dtype", span=_span(plan.train, "dtype"),
+                   choices=tuple(plan.hardware.peak_flops))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,108 @@
+"""The `ptc` command line: check, compile, and the commands built on them.
+
+Each command parses its arguments, calls one library function and prints
+what it returns; the logic lives in the library so that Python users get
+the same results. Exit codes: 0 success, 1 the plan (or run) failed,
+2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from ptc.errors import PlanError, PtcError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _load(path: str):
+    from ptc.dsl import load_plan  # noqa: PLC0415 - keep `ptc --help` fast
+
+    plan = load_plan(path)
+    for warning in plan.warnings:
+        _err.print(warning.render(), markup=False)
+    return plan
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate plan files; print every error of each, with line and caret."""
+    status = EXIT_OK
+    for path in args.plans:
+        try:
+            plan = _load(path)
+        except PlanError as exc:
+            _err.print(str(exc), markup=False)
+            n = len(exc.diagnostics)
+            _err.print(f"{path}: {n} error{'s' if n != 1 else ''}", markup=False)
+            status = EXIT_FAILED
+            continue
+        except PtcError as exc:
+            _err.print(f"{path}: error: {exc}", markup=False)
+            status = EXIT_FAILED
+            continue
+        p = plan.parallel
+        _out.print(f"{path}: ok — {plan.model.family} on {plan.num_gpus} x {plan.hardware.gpu}, "
+                   f"tp={p.tp} pp={p.pp} dp={p.dp} zero={p.zero}", markup=False)
+    return status
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Capture the plan's model and print what the compiler works on."""
+    from ptc.api import capture_plan  # noqa: PLC0415
+    from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
+
+    plan = _load(args.plan)
+    gm = capture_plan(plan)
+    _out.print(render_summary(summarize(gm)))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every `ptc` command."""
+    parser = argparse.ArgumentParser(
+        prog="ptc", description="Compile and run parallel training plans.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help_text: str):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("check", cmd_check, "Check plan files; exit 0 when valid, 1 when not.")
+    p.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (.ptc)")
+
+    p = command("compile", cmd_compile,
+                "Capture the plan's model and summarise parameters, FLOPs and layers.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ptc` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        return args.func(args)
+    except PlanError as exc:
+        _err.print(str(exc), markup=False)
+        return EXIT_FAILED
+    except PtcError as exc:
+        _err.print(f"error: {exc}", markup=False)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

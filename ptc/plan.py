@@ -1,0 +1,628 @@
+"""The plan: frozen dataclasses that say everything one training run needs.
+
+A `Plan` has five sections — model, hardware, parallel, train, runtime — each
+a frozen dataclass that validates its own fields and names the field when one
+is wrong. `Plan` itself checks the rules that tie sections together (tp·pp·dp
+equals the GPUs, heads divisible by tp, ...) in `ptc.checks`. Plans parsed
+from a file keep, per section, a `spans` mapping from field name to the
+place in the file, so every error can point at line and column.
+
+Terms: an *axis* is a mesh axis (tp, pp, dp); a *dim* is a tensor dimension.
+All quantities are in base units: bytes, bytes/s, FLOP/s, seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from ptc.errors import DiagnosticSink, Span
+from ptc.presets import PRESETS
+
+Auto = Literal["auto"]
+AUTO: Auto = "auto"
+
+FAMILIES = ("gpt", "llama", "custom")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHECKPOINT_POLICIES = ("none", "full", "selective", "auto")
+LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
+SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
+AXES = ("tp", "dp", "pp")
+DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+DATA_KINDS = ("synthetic", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+INIT_KINDS = ("random", "state_dict")
+BACKENDS = ("auto", "nccl", "gloo")
+NAN_POLICIES = ("stop", "skip", "rollback")
+
+
+def _spans() -> Mapping[str, Span]:
+    return field(default_factory=dict, compare=False, repr=False)
+
+
+class _Section:
+    """Shared validation plumbing for plan sections (dataclasses with `spans`)."""
+
+    __slots__ = ()
+    _path: str = ""
+
+    def _sink(self) -> DiagnosticSink:
+        return DiagnosticSink()
+
+    def _bad(self, sink: DiagnosticSink, name: str, message: str,
+             choices: tuple[str, ...] = ()) -> None:
+        spans = getattr(self, "spans", {}) or {}
+        sink.error(message, field=f"{self._path}.{name}" if self._path else name,
+                   span=spans.get(name), choices=choices)
+
+    def _choice(self, sink: DiagnosticSink, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            self._bad(sink, name, f"{name} = {value!r} is not one of the valid choices", choices)
+
+    def _int(self, sink: DiagnosticSink, name: str, *, minimum: int = 1,
+             allow_auto: bool = False, allow_none: bool = False) -> None:
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if allow_auto and value == AUTO:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "an integer" + (" or auto" if allow_auto else "")
+            self._bad(sink, name, f"{name} must be {what}, got {value!r}")
+        elif value < minimum:
+            self._bad(sink, name, f"{name} must be >= {minimum}, got {value}")
+
+    def _number(self, sink: DiagnosticSink, name: str, *, minimum: float = 0.0,
+                strict: bool = False, allow_none: bool = False) -> None:
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self._bad(sink, name, f"{name} must be a number, got {value!r}")
+        elif value < minimum or (strict and value == minimum):
+            bound = ">" if strict else ">="
+            self._bad(sink, name, f"{name} must be {bound} {minimum:g}, got {value:g}")
+
+    def _bool(self, sink: DiagnosticSink, name: str) -> None:
+        if not isinstance(getattr(self, name), bool):
+            self._bad(sink, name, f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+# --------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec(_Section):
+    """Which model to train: a built-in family with its shape, or a user factory."""
+
+    _path = "model"
+    family: str
+    """"gpt", "llama", or "custom" (a user factory)."""
+    layers: int | None = None
+    """Number of transformer layers."""
+    hidden: int | None = None
+    """Hidden size h."""
+    heads: int | None = None
+    """Attention heads a."""
+    kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means equal to heads."""
+    ffn: int | None = None
+    """MLP inner size; None means 4·h for gpt. Required for llama."""
+    vocab: int | None = None
+    """Vocabulary size V."""
+    max_seq: int | None = None
+    """Longest sequence the model accepts (learned positions / RoPE table)."""
+    norm: str | None = None
+    """"layernorm" or "rmsnorm"; family default when None."""
+    activation: str | None = None
+    """"gelu", "relu" or "swiglu"; family default when None."""
+    tied_embeddings: bool | None = None
+    """Share the input embedding with the LM head; family default when None."""
+    bias: bool | None = None
+    """Biases in linear layers (gpt default true, llama false)."""
+    dropout: float = 0.0
+    """Dropout probability (gpt only)."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama only)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    factory: str | None = None
+    """For family "custom": "package.module:callable" returning an nn.Module."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the factory."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "family", FAMILIES)
+        if self.family == "custom":
+            if not isinstance(self.factory, str) or ":" not in self.factory:
+                self._bad(sink, "factory",
+                          f"a user model is given as \"package.module:callable\", got {self.factory!r}")
+        elif self.family in FAMILIES:
+            for name in ("layers", "hidden", "heads", "vocab", "max_seq"):
+                self._int(sink, name)
+            self._int(sink, "kv_heads", allow_none=True)
+            self._int(sink, "ffn", allow_none=True)
+            if self.family == "llama" and self.ffn is None:
+                self._bad(sink, "ffn", "llama needs ffn (the SwiGLU inner size), e.g. ffn = 28672")
+            if self.norm is not None:
+                self._choice(sink, "norm", NORMS)
+            if self.activation is not None:
+                self._choice(sink, "activation", ACTIVATIONS)
+            for name in ("tied_embeddings", "bias"):
+                if getattr(self, name) is not None:
+                    self._bool(sink, name)
+            self._number(sink, "dropout")
+            if isinstance(self.dropout, (int, float)) and self.dropout >= 1:
+                self._bad(sink, "dropout", f"dropout must be < 1, got {self.dropout:g}")
+            self._number(sink, "rope_theta", strict=True)
+            self._number(sink, "norm_eps", strict=True)
+            if self.family == "gpt" and self.activation == "swiglu":
+                self._bad(sink, "activation", "gpt uses gelu or relu; swiglu is llama's",
+                          ("gelu", "relu"))
+        sink.raise_if_errors()
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        """kv_heads, defaulting to heads."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def ffn_size(self) -> int | None:
+        """ffn, defaulting to 4·hidden."""
+        if self.ffn is not None:
+            return self.ffn
+        return 4 * self.hidden if self.hidden is not None else None
+
+
+# ------------------------------------------------------------------ hardware
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec(_Section):
+    """One kind of link between GPUs (NVLink inside a node, InfiniBand across)."""
+
+    _path = "hardware.link"
+    bandwidth: float
+    """Per-GPU, per-direction bandwidth, bytes/s."""
+    latency: float
+    """Latency of one transfer, seconds."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._number(sink, "bandwidth", strict=True)
+        self._number(sink, "latency")
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HardwareSpec(_Section):
+    """The machines: accelerator figures, how many, and how they are linked."""
+
+    _path = "hardware"
+    gpu: str
+    """Preset name (see `ptc.presets.PRESETS`) or "custom"."""
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int = 8
+    """Accelerators per node."""
+    hbm_bytes: float
+    """Memory per accelerator, bytes."""
+    peak_flops: Mapping[str, float]
+    """Dense peak FLOP/s per compute dtype."""
+    mem_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra: LinkSpec
+    """Link between accelerators of one node."""
+    inter: LinkSpec
+    """Link between nodes (per accelerator)."""
+    nvlink_sharp: bool = False
+    """Whether the intra-node switch reduces in the network (NVLS)."""
+    achievable_fraction: float = 0.5
+    """Share of peak a tuned transformer step reaches (cost model)."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    @classmethod
+    def preset(cls, gpu: str, *, nodes: int = 1, gpus_per_node: int | None = None,
+               **overrides: Any) -> HardwareSpec:
+        """Hardware from a preset name, with any field overridden."""
+        from ptc.errors import PlanError  # noqa: PLC0415 - avoid a cycle at import
+
+        if gpu not in PRESETS:
+            sink = DiagnosticSink()
+            sink.error(f"unknown gpu {gpu!r}", field="hardware.gpu",
+                       span=overrides.get("spans", {}).get("gpu"), choices=tuple(PRESETS))
+            raise PlanError(sink.errors)
+        p = PRESETS[gpu]
+        values: dict[str, Any] = dict(
+            gpu=gpu, nodes=nodes,
+            gpus_per_node=gpus_per_node if gpus_per_node is not None else p.gpus_per_node,
+            hbm_bytes=p.hbm_bytes, peak_flops=dict(p.peak_flops), mem_bandwidth=p.mem_bandwidth,
+            intra=LinkSpec(bandwidth=p.intra_bandwidth, latency=p.intra_latency),
+            inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
+            nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._int(sink, "nodes")
+        self._int(sink, "gpus_per_node")
+        self._number(sink, "hbm_bytes", strict=True)
+        self._number(sink, "mem_bandwidth", strict=True)
+        self._number(sink, "achievable_fraction", strict=True)
+        if isinstance(self.achievable_fraction, (int, float)) and self.achievable_fraction > 1:
+            self._bad(sink, "achievable_fraction",
+                      f"achievable_fraction is a share of peak (0, 1], got {self.achievable_fraction:g}")
+        if not self.peak_flops:
+            self._bad(sink, "peak_flops", "peak_flops needs at least one dtype, e.g. bf16 = 989 TFLOP/s")
+        for dtype, value in dict(self.peak_flops).items():
+            if dtype not in DTYPES + ("tf32", "fp8"):
+                self._bad(sink, "peak_flops", f"unknown compute dtype {dtype!r} in peak_flops",
+                          DTYPES + ("tf32", "fp8"))
+            elif not isinstance(value, (int, float)) or value <= 0:
+                self._bad(sink, "peak_flops", f"peak_flops.{dtype} must be > 0, got {value!r}")
+        sink.raise_if_errors()
+
+    @property
+    def num_gpus(self) -> int:
+        """nodes · gpus_per_node."""
+        return self.nodes * self.gpus_per_node
+
+
+# ------------------------------------------------------------------ parallel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardRule(_Section):
+    """An explicit sharding of the modules whose path matches a glob."""
+
+    _path = "parallel.shard"
+    pattern: str
+    """fnmatch glob over module paths, e.g. "layers.*.mlp.up"."""
+    style: str
+    """"colwise", "rowwise", "replicate" or "vocab"."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "style", SHARD_STYLES)
+        if not isinstance(self.pattern, str) or not self.pattern:
+            self._bad(sink, "pattern", "a shard rule needs a non-empty module-path glob")
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec(_Section):
+    """How the work is split: mesh axes, ZeRO, pipeline schedule, recompute, overlap."""
+
+    _path = "parallel"
+    tp: int | Auto = 1
+    """Tensor-parallel degree, or "auto"."""
+    pp: int | Auto = 1
+    """Pipeline stages, or "auto"."""
+    dp: int | Auto = 1
+    """Data-parallel degree, or "auto"."""
+    zero: int = 0
+    """ZeRO stage 0-3."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout activations along the sequence across tp."""
+    schedule: str = "1f1b"
+    """"gpipe", "1f1b" or "interleaved"."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule), v."""
+    microbatches: int | None = None
+    """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
+    checkpoint: str | tuple[str, ...] = "none"
+    """"none", "full", "selective", "auto", or one of none/full/selective per layer."""
+    overlap: bool = True
+    """Overlap communication with compute."""
+    order: tuple[str, ...] = ("tp", "dp", "pp")
+    """Mesh axes from innermost (fastest-varying rank) to outermost."""
+    shards: tuple[ShardRule, ...] = ()
+    """Explicit shard annotations that override what the compiler infers."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        for axis in AXES:
+            self._int(sink, axis, allow_auto=True)
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or not 0 <= self.zero <= 3:
+            self._bad(sink, "zero", f"zero must be a stage 0-3, got {self.zero!r}",
+                      ("0", "1", "2", "3"))
+        self._bool(sink, "sequence_parallel")
+        self._bool(sink, "overlap")
+        self._choice(sink, "schedule", SCHEDULES)
+        self._int(sink, "virtual_stages")
+        self._int(sink, "microbatches", allow_none=True)
+        if self.schedule == "interleaved" and isinstance(self.virtual_stages, int) \
+                and self.virtual_stages < 2:
+            self._bad(sink, "virtual_stages",
+                      f"the interleaved schedule needs virtual_stages >= 2, got {self.virtual_stages}")
+        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
+            self._bad(sink, "virtual_stages",
+                      f"virtual_stages = {self.virtual_stages} needs schedule = interleaved")
+        if isinstance(self.checkpoint, str):
+            self._choice(sink, "checkpoint", CHECKPOINT_POLICIES)
+        elif isinstance(self.checkpoint, tuple):
+            bad = sorted({c for c in self.checkpoint if c not in LAYER_CHECKPOINT_POLICIES})
+            if bad or not self.checkpoint:
+                self._bad(sink, "checkpoint",
+                          f"per-layer checkpoint entries must be none/full/selective, got {bad}",
+                          LAYER_CHECKPOINT_POLICIES)
+        else:
+            self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
+                      f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)
+        if sorted(self.order) != sorted(AXES):
+            self._bad(sink, "order", f"order must name each of tp, dp, pp once, got {self.order}")
+        sink.raise_if_errors()
+
+    def degree(self, axis: str) -> int | Auto:
+        """The degree of a mesh axis."""
+        return getattr(self, axis)
+
+
+# --------------------------------------------------------------------- train
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSpec(_Section):
+    """The optimizer and its hyper-parameters."""
+
+    _path = "train.optimizer"
+    name: str = "adamw"
+    """"adamw" or "sgd"."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "name", OPTIMIZERS)
+        self._number(sink, "lr", strict=True)
+        self._number(sink, "eps", strict=True)
+        self._number(sink, "weight_decay")
+        self._number(sink, "momentum")
+        betas = self.betas
+        if not (isinstance(betas, tuple) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            self._bad(sink, "betas", f"betas must be two numbers in [0, 1), got {betas!r}")
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LRScheduleSpec(_Section):
+    """Learning-rate schedule: linear warm-up, then constant, cosine or linear decay."""
+
+    _path = "train.lr_schedule"
+    kind: str = "constant"
+    """"constant", "cosine" or "linear"."""
+    warmup: int = 0
+    """Warm-up steps (linear from 0 to lr)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    decay_steps: int | None = None
+    """Steps over which to decay; None: the run's steps."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "kind", LR_SCHEDULES)
+        self._int(sink, "warmup", minimum=0)
+        self._number(sink, "min_lr")
+        self._int(sink, "decay_steps", allow_none=True)
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSpec(_Section):
+    """Where tokens come from: synthetic from a seed, or a token file."""
+
+    _path = "train.data"
+    kind: str = "synthetic"
+    """"synthetic" or "tokens"."""
+    seed: int = 0
+    """Seed of synthetic data."""
+    path: str | None = None
+    """Token file (.bin raw or .npy) for kind "tokens"."""
+    dtype: str = "uint16"
+    """Element type of a raw .bin token file."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "kind", DATA_KINDS)
+        self._int(sink, "seed", minimum=0)
+        self._choice(sink, "dtype", TOKEN_DTYPES)
+        if self.kind == "tokens" and not self.path:
+            self._bad(sink, "path", "tokens data needs a file path, e.g. data = tokens(\"train.bin\")")
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InitSpec(_Section):
+    """Initial weights: random from a seed, or a full (unsharded) state-dict file."""
+
+    _path = "train.init"
+    kind: str = "random"
+    """"random" or "state_dict"."""
+    seed: int = 0
+    """Seed of random initialisation."""
+    path: str | None = None
+    """State-dict file for kind "state_dict"."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "kind", INIT_KINDS)
+        self._int(sink, "seed", minimum=0)
+        if self.kind == "state_dict" and not self.path:
+            self._bad(sink, "path", "state_dict init needs a file, e.g. init = state_dict(\"w.pt\")")
+        sink.raise_if_errors()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSpec(_Section):
+    """What to train on and how long: batch shape, dtype, optimizer, data, init."""
+
+    _path = "train"
+    seq_len: int
+    """Tokens per sample s."""
+    global_batch: int
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch: int = 1
+    """Samples per micro-batch per rank, b."""
+    dtype: str = "bf16"
+    """Compute dtype: "fp32", "bf16" or "fp16" (master weights stay fp32)."""
+    steps: int = 1
+    """Optimizer steps to run."""
+    grad_clip: float | None = 1.0
+    """Global gradient-norm clip; None disables."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """Optimizer."""
+    lr_schedule: LRScheduleSpec = field(default_factory=LRScheduleSpec)
+    """Learning-rate schedule."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """Data source."""
+    init: InitSpec = field(default_factory=InitSpec)
+    """Initial weights."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        for name in ("seq_len", "global_batch", "micro_batch", "steps"):
+            self._int(sink, name)
+        self._choice(sink, "dtype", DTYPES)
+        self._number(sink, "grad_clip", strict=True, allow_none=True)
+        sink.raise_if_errors()
+
+
+# ------------------------------------------------------------------- runtime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeSpec(_Section):
+    """How the run lives: backend, checkpoints, NaN policy, metrics."""
+
+    _path = "runtime"
+    backend: str = "auto"
+    """"auto" (nccl on GPUs, gloo on CPUs), "nccl" or "gloo"."""
+    checkpoint_dir: str | None = None
+    """Directory of checkpoints; None disables checkpointing."""
+    checkpoint_every: int | None = None
+    """Save every N steps (None: only by time, if set)."""
+    checkpoint_interval: float | None = None
+    """Save every T seconds (None: only by steps)."""
+    keep: int = 3
+    """Complete checkpoints to keep."""
+    async_save: bool = True
+    """Write checkpoints while training goes on."""
+    nan_policy: str = "stop"
+    """On a non-finite loss or gradient: "stop", "skip" the step, or "rollback"."""
+    metrics: str | None = None
+    """JSONL file of per-step metrics."""
+    seed: int = 0
+    """Seed of everything random at run time (dropout)."""
+    log_every: int = 1
+    """Print a step line every N steps."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._choice(sink, "backend", BACKENDS)
+        self._int(sink, "checkpoint_every", allow_none=True)
+        self._number(sink, "checkpoint_interval", strict=True, allow_none=True)
+        self._int(sink, "keep")
+        self._bool(sink, "async_save")
+        self._choice(sink, "nan_policy", NAN_POLICIES)
+        self._int(sink, "seed", minimum=0)
+        self._int(sink, "log_every")
+        if self.nan_policy == "rollback" and not self.checkpoint_dir:
+            self._bad(sink, "nan_policy",
+                      "nan_policy = rollback needs checkpoint_dir to roll back to",
+                      ("stop", "skip"))
+        sink.raise_if_errors()
+
+
+# ---------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A whole parallel training plan. Construction runs every semantic check."""
+
+    model: ModelSpec
+    """The model."""
+    hardware: HardwareSpec
+    """The machines."""
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    """The parallel layout."""
+    train: TrainSpec
+    """The training job."""
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    """The run's production settings."""
+    source: str = "<python>"
+    """Where the plan came from (file path), for messages."""
+    warnings: tuple = field(default=(), compare=False, repr=False)
+    """Warning diagnostics of the semantic check (e.g. tp spanning nodes)."""
+
+    def __post_init__(self) -> None:
+        from ptc.checks import check_plan  # noqa: PLC0415 - checks imports this module
+
+        sink = DiagnosticSink()
+        check_plan(self, sink)
+        sink.raise_if_errors()
+        object.__setattr__(self, "warnings", tuple(sink.warnings))
+
+    @property
+    def num_gpus(self) -> int:
+        """Accelerators in the plan's hardware."""
+        return self.hardware.num_gpus
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when no mesh axis is "auto"."""
+        return all(self.parallel.degree(a) != AUTO for a in AXES)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step per pipeline (resolved plans only)."""
+        if self.parallel.microbatches is not None:
+            return self.parallel.microbatches
+        dp = self.parallel.dp
+        if dp == AUTO:
+            raise ValueError("num_microbatches needs a resolved dp")
+        return self.train.global_batch // (self.train.micro_batch * dp)
+
+
+def section_fields(cls: type) -> list[str]:
+    """Names of the user-settable fields of a plan section class (not spans)."""
+    return [f.name for f in fields(cls) if f.name != "spans"]

@@ -1,0 +1,87 @@
+"""Hardware presets: the GPUs (and the CPU) a plan can name by one word.
+
+Figures are the vendors' dense (no sparsity) peaks and per-direction link
+bandwidths per GPU. `achievable_fraction` is the one efficiency figure per
+preset the cost model uses: the share of the bf16 peak a well-tuned
+transformer GEMM mix reaches on that GPU in practice (Megatron-LM reports
+52 % of peak on A100 with full recompute counted; 45-50 % model FLOPs on
+H100). It is a property of the GPU, not of any one published run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptc.units import UNITS
+
+GiB = UNITS["GiB"][1]
+GB_S = UNITS["GB/s"][1]
+TFLOPS = UNITS["TFLOP/s"][1]
+US = UNITS["us"][1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuPreset:
+    """Published figures of one accelerator and its usual node."""
+
+    name: str
+    """Preset name as written in plans, e.g. "H100-SXM"."""
+    hbm_bytes: float
+    """Device memory in bytes."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per compute dtype ("fp32", "tf32", "bf16", "fp16", "fp8")."""
+    mem_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra_bandwidth: float
+    """Per-GPU, per-direction bandwidth inside a node (NVLink), bytes/s."""
+    intra_latency: float
+    """Latency of one intra-node transfer, seconds."""
+    inter_bandwidth: float
+    """Per-GPU, per-direction bandwidth across nodes (InfiniBand), bytes/s."""
+    inter_latency: float
+    """Latency of one inter-node transfer, seconds."""
+    gpus_per_node: int
+    """GPUs in the usual node (DGX/HGX)."""
+    nvlink_sharp: bool
+    """Whether the NVSwitch does in-network reductions (NVLS)."""
+    achievable_fraction: float
+    """Share of peak a tuned transformer step reaches (see module docstring)."""
+
+
+PRESETS: dict[str, GpuPreset] = {
+    p.name: p
+    for p in (
+        GpuPreset(name="A100-40GB", hbm_bytes=40 * GiB,
+                  peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                              "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+                  mem_bandwidth=1555 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
+                  inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
+                  nvlink_sharp=False, achievable_fraction=0.55),
+        GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
+                  peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                              "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+                  mem_bandwidth=2039 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
+                  inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
+                  nvlink_sharp=False, achievable_fraction=0.55),
+        GpuPreset(name="H100-SXM", hbm_bytes=80 * GiB,
+                  peak_flops={"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS,
+                              "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
+                              "fp8": 1979 * TFLOPS},
+                  mem_bandwidth=3350 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
+                  inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
+                  nvlink_sharp=True, achievable_fraction=0.5),
+        GpuPreset(name="H200", hbm_bytes=141 * 10**9,
+                  peak_flops={"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS,
+                              "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
+                              "fp8": 1979 * TFLOPS},
+                  mem_bandwidth=4800 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
+                  inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
+                  nvlink_sharp=True, achievable_fraction=0.5),
+        GpuPreset(name="cpu", hbm_bytes=16 * GiB,
+                  peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
+                  mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,
+                  inter_bandwidth=1 * GB_S, inter_latency=50 * US, gpus_per_node=8,
+                  nvlink_sharp=False, achievable_fraction=0.3),
+    )
+}
+"""Preset name -> figures. Names are matched exactly (case-sensitive)."""
