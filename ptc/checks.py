@@ -11,7 +11,7 @@ spanning nodes) leave the plan valid.
 
 from __future__ import annotations
 
-from math import prod
+from math import isqrt, prod
 from typing import TYPE_CHECKING
 
 from ptc.errors import DiagnosticSink, Span
@@ -123,7 +123,7 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
     if par.schedule in ("1f1b", "interleaved") and m < par.pp:
         sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
                    f"got {m}", field="parallel.microbatches",
-                   span=_span(par, "microbatches") or _span(par, "schedule"))
+                   span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
     if par.schedule == "interleaved" and m % par.pp:
         sink.error(f"the interleaved schedule needs micro-batches({m}) divisible by "
                    f"pp({par.pp})", field="parallel.microbatches",
@@ -138,5 +138,13 @@ def _check_hardware_fit(plan: Plan, sink: DiagnosticSink) -> None:
                    choices=tuple(plan.hardware.peak_flops))
 
 
+_MAX_DIVISOR_SEARCH = 10**10
+"""Above this, listing the divisors of a (surely mistyped) count is not worth the time."""
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    if n > _MAX_DIVISOR_SEARCH:
+        return []
+    # Trial division up to sqrt(n): a plan file can hold a huge head count.
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

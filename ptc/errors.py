@@ -9,6 +9,8 @@ Every error ptc raises derives from `PtcError`.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -113,6 +115,17 @@ class DiagnosticSink:
         """Raise one `PlanError` holding every error recorded so far."""
         if self.errors:
             raise PlanError(self.errors)
+
+
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """"; did you mean 'x'?" when a choice is close to `word`, else ""."""
+    # Case-insensitive first: `BF16` for `bf16` is the most common slip.
+    options = [str(c) for c in choices]
+    lowered = {c.lower(): c for c in options}
+    if word.lower() in lowered and lowered[word.lower()] != word:
+        return f"; did you mean '{lowered[word.lower()]}'?"
+    close = difflib.get_close_matches(word, options, n=1, cutoff=cutoff)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _source_order(d: Diagnostic) -> tuple:

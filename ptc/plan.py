@@ -13,11 +13,12 @@ All quantities are in base units: bytes, bytes/s, FLOP/s, seconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from ptc.errors import DiagnosticSink, Span
+from ptc.errors import DiagnosticSink, Span, did_you_mean
 from ptc.presets import PRESETS
 
 Auto = Literal["auto"]
@@ -63,7 +64,9 @@ class _Section:
     def _choice(self, sink: DiagnosticSink, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)
         if value not in choices:
-            self._bad(sink, name, f"{name} = {value!r} is not one of the valid choices", choices)
+            hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+            self._bad(sink, name, f"{name} = {value!r} is not one of the valid choices{hint}",
+                      choices)
 
     def _int(self, sink: DiagnosticSink, name: str, *, minimum: int = 1,
              allow_auto: bool = False, allow_none: bool = False) -> None:
@@ -85,6 +88,9 @@ class _Section:
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self._bad(sink, name, f"{name} must be a number, got {value!r}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            # NaN compares False with every bound, so it would pass silently.
+            self._bad(sink, name, f"{name} must be finite, got {value!r}")
         elif value < minimum or (strict and value == minimum):
             bound = ">" if strict else ">="
             self._bad(sink, name, f"{name} must be {bound} {minimum:g}, got {value:g}")
@@ -359,15 +365,19 @@ class ParallelSpec(_Section):
         if isinstance(self.checkpoint, str):
             self._choice(sink, "checkpoint", CHECKPOINT_POLICIES)
         elif isinstance(self.checkpoint, tuple):
-            bad = sorted({c for c in self.checkpoint if c not in LAYER_CHECKPOINT_POLICIES})
+            # repr() keeps the sort total when entries are not all strings.
+            bad = sorted({repr(c) for c in self.checkpoint if c not in LAYER_CHECKPOINT_POLICIES})
             if bad or not self.checkpoint:
                 self._bad(sink, "checkpoint",
-                          f"per-layer checkpoint entries must be none/full/selective, got {bad}",
+                          f"per-layer checkpoint entries must be none/full/selective, "
+                          f"got {', '.join(bad)}",
                           LAYER_CHECKPOINT_POLICIES)
         else:
             self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
                       f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)
-        if sorted(self.order) != sorted(AXES):
+        if not isinstance(self.order, tuple) or \
+                sorted(map(str, self.order)) != sorted(AXES) or \
+                not all(isinstance(a, str) for a in self.order):
             self._bad(sink, "order", f"order must name each of tp, dp, pp once, got {self.order}")
         sink.raise_if_errors()
 
@@ -589,8 +599,9 @@ class Plan:
     """The training job."""
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     """The run's production settings."""
-    source: str = "<python>"
-    """Where the plan came from (file path), for messages."""
+    source: str = field(default="<python>", compare=False)
+    """Where the plan came from (file path), for messages; not part of equality,
+    so a plan read back from `dump_plan` text equals the original."""
     warnings: tuple = field(default=(), compare=False, repr=False)
     """Warning diagnostics of the semantic check (e.g. tp spanning nodes)."""
 

@@ -1,0 +1,15 @@
+"""Graph passes, and the ordered list the compile pipeline runs.
+
+Each pass is `<verb>_<noun>_pass(gm, plan, *, knobs) -> GraphModule`
+(DESIGN convention 1); `ptc.compiler.pipeline.run_passes` runs them in the
+order below. A pass that does not apply to a plan returns the graph
+unchanged.
+"""
+
+from ptc.passes.zero import shard_params_pass
+
+PASSES = (shard_params_pass,)
+"""The pipeline, in order: tensor_parallel, sequence_parallel, pipeline_split, zero,
+activation_checkpoint, comm_overlap — those not written yet are absent."""
+
+__all__ = ["PASSES", "shard_params_pass"]

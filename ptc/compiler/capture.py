@@ -1,0 +1,702 @@
+"""Capture a model as one annotated fx graph on the meta device.
+
+Two front doors, one IR (see DESIGN.md):
+
+1. **fx** — `torch.fx.symbolic_trace` with a tracer that keeps torch.nn
+   modules (Linear, Embedding, norms, dropout, activations) as leaves. When
+   the model branches on a *shape* (`if x.size(1) > 1`, `assert t <=
+   block_size`), the tracer evaluates the condition on meta tensors and
+   follows the branch taken at the captured (micro_batch, seq_len), just as
+   torch.export specialises. A branch on tensor *values* (`if x.sum() > 0`)
+   cannot be captured; that is reported at once with the module and line.
+2. **export** — when symbolic tracing fails for another reason (Python that
+   needs a concrete value: `torch.finfo(x.dtype)`, `int(x.size(1))`, ...),
+   `torch.export.export` (non-strict) gives an aten graph whose nodes carry
+   their module in `nn_module_stack`.
+
+Both run on a meta copy of the model in the compute dtype, so no weight is
+ever allocated. The graph is then normalised (placeholders `tokens` and, with
+a loss, `targets`; one output), shape-propagated on meta tensors, and every
+node annotated once with a `NodeInfo` (ptc.compiler.meta).
+
+How forward is called (the calling rule):
+- the first parameter of forward receives tokens[b, s] (int64);
+- a parameter named `targets`, `labels`, `target` or `y` receives the targets
+  whenever the model has one — even without a loss — because models such as
+  nanoGPT compute full-sequence logits only when given targets;
+- `use_cache`, `output_attentions`, `output_hidden_states` are set False;
+  every other parameter keeps its default (e.g. `attention_mask=None`,
+  `past_key_values=None`); a parameter without default is an error.
+
+How the output is read (the output rule): the logits are the output named
+"logits", else the floating [b, s, V] tensor (largest V); the model's loss is
+the output named "loss", else its 0-d floating tensor. With `with_loss`, the
+graph returns the model's own loss when forward took targets, else the mean
+cross-entropy of logits[b·s, V] against targets[b·s] appended to the graph
+(module path "", so every other node keeps the user's module path).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.nn import functional as F
+from torch.utils._pytree import tree_leaves, tree_unflatten
+
+from ptc.compiler import flops as flops_mod
+from ptc.compiler import nodes
+from ptc.compiler.meta import CaptureInfo, NodeInfo, set_info
+from ptc.errors import CaptureError
+
+TARGET_NAMES = ("targets", "labels", "target", "y")
+FLAG_OVERRIDES = {"use_cache": False, "output_attentions": False,
+                  "output_hidden_states": False}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Nodes that only re-check what capture already specialised (concrete args,
+# export's input guards); they would pin the graph to no purpose.
+_CHECK_FUNCTIONS = {torch._assert, fx._symbolic_trace._assert_is_none}
+_CHECK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+              "sym_constrain_range", "sym_constrain_range_for_size",
+              "_assert_tensor_metadata.default"}
+
+
+def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
+            dtype: torch.dtype | str = torch.float32, with_loss: bool = True,
+            leaf_modules: tuple = ()) -> fx.GraphModule:
+    """Capture `model` at batch (micro_batch, seq_len) as an annotated GraphModule.
+
+    The graph takes `tokens` (and `targets` when `with_loss`) and returns the
+    logits[b, s, V], or the mean cross-entropy loss when `with_loss`. Its
+    parameters are meta tensors in `dtype` with the model's own names (see
+    `load_weights` to run it). Every node has a NodeInfo under
+    node.meta["ptc"]; the graph a CaptureInfo under gm.meta["ptc"].
+
+    `leaf_modules`: module classes, or fnmatch globs of module paths, that
+    the fx door keeps as single call_module nodes (for modules whose Python
+    cannot be traced but runs fine on meta tensors).
+    Raises CaptureError, naming the module and source line, when neither
+    front door can capture the model.
+    """
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    call = _call_rule(model)
+    root = _meta_model(model, dtype)
+    inputs = {call.tokens: torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")}
+    if call.targets:
+        inputs[call.targets] = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        gm, evaluator = _fx_door(root, call, inputs, leaf_modules)
+        door = "fx"
+    except _DataDependent as dd:
+        raise CaptureError(_data_dependent_message(model, dd)) from None
+    except Exception as fx_exc:  # anything symbolic tracing cannot do: try the other door
+        fx_where = _failure_site(fx_exc, getattr(fx_exc, "_ptc_module", None))
+        try:
+            gm, evaluator = _export_door(root, call, inputs)
+            door = "export"
+        except Exception as ex_exc:
+            raise CaptureError(_untraceable_message(model, fx_exc, fx_where, ex_exc)) from ex_exc
+    blocks, num_layers = find_blocks(root)
+    logits_vocab, model_loss = _normalise_io(gm, call, evaluator, micro_batch, seq_len,
+                                             with_loss, aten=door == "export")
+    gm.meta["ptc"] = CaptureInfo(
+        front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,
+        seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
+        blocks_path=blocks, num_layers=num_layers, vocab=logits_vocab)
+    _annotate(gm, root, evaluator, blocks, dtype)
+    return gm
+
+
+# ------------------------------------------------------------ calling rule
+
+
+@dataclass
+class _CallRule:
+    tokens: str
+    targets: str | None
+    concrete: dict = field(default_factory=dict)
+    """Every other forward parameter, with the value it is fixed to."""
+
+
+def _call_rule(model: nn.Module) -> _CallRule:
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not params:
+        raise CaptureError(f"{type(model).__name__}.forward takes no argument; capture "
+                           "calls forward(tokens[b, s]) (and targets, if it takes them)")
+    targets = next((p.name for p in params[1:] if p.name in TARGET_NAMES), None)
+    concrete = {}
+    for p in params[1:]:
+        if p.name == targets:
+            continue
+        if p.name in FLAG_OVERRIDES:
+            concrete[p.name] = FLAG_OVERRIDES[p.name]
+        elif p.default is not p.empty:
+            concrete[p.name] = p.default
+        else:
+            raise CaptureError(
+                f"{type(model).__name__}.forward needs argument {p.name!r}, which capture "
+                f"cannot supply: it calls forward(tokens[, {'/'.join(TARGET_NAMES)}]). "
+                f"Give {p.name!r} a default, or wrap the model in a module whose forward "
+                "takes tokens")
+    return _CallRule(params[0].name, targets, concrete)
+
+
+# -------------------------------------------------------------- meta model
+
+
+def _meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model itself if it is all meta in `dtype`, else a meta copy of it.
+
+    The copy is a deepcopy whose memo maps every parameter and buffer to an
+    empty meta tensor (floating ones in `dtype`), so no weight is copied and
+    tied parameters stay tied.
+    """
+    tensors = [t for m in model.modules()
+               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+    if all(t.device.type == "meta" and (not t.is_floating_point() or t.dtype == dtype)
+           for t in tensors):
+        return model
+    memo: dict = {}
+    for m in model.modules():
+        for store, is_param in ((m._parameters, True), (m._buffers, False)):
+            for t in store.values():
+                if t is None or id(t) in memo:
+                    continue
+                empty = torch.empty_like(t, device="meta",
+                                         dtype=dtype if t.is_floating_point() else t.dtype)
+                memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) \
+                    if is_param else empty
+    return copy.deepcopy(model, memo)
+
+
+def find_blocks(model: nn.Module) -> tuple[str | None, int]:
+    """(path, count) of the model's repeated blocks: the ModuleList/Sequential
+    of same-class children holding the most parameters; (None, 0) if none."""
+    best = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0 or not path:
+            continue
+        children = list(mod.named_children())
+        if len({type(c) for _, c in children}) != 1 or not all(n.isdigit() for n, _ in children):
+            continue
+        key = (sum(p.numel() for p in mod.parameters()), len(children))
+        if best is None or key > best[0]:
+            best = (key, path, len(children))
+    return (best[1], best[2]) if best else (None, 0)
+
+
+def layer_index(path: str, blocks: str | None) -> int | None:
+    """Index of the block a module path lies in ("layers.3.attn" -> 3), else None."""
+    if not blocks or not path.startswith(blocks + "."):
+        return None
+    head = path[len(blocks) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+# --------------------------------------------------------------- evaluator
+
+
+class _Evaluator:
+    """Computes node values on meta tensors, each node once, in any order.
+
+    Used while tracing (to decide shape-dependent branches) and afterwards
+    (shape propagation of the whole graph). Values are memoised per node and
+    also stored as torch's node.meta["val"]; FLOPs of nodes that must be run
+    to be counted (flops.needs_running) are kept in `counted`.
+    """
+
+    def __init__(self, root: nn.Module, inputs: dict[str, torch.Tensor]):
+        self.root = root
+        self.inputs = inputs
+        self.memo: dict[fx.Node, object] = {}
+        self.counted: dict[fx.Node, int] = {}
+
+    def value(self, node: fx.Node):
+        """The value of `node`, evaluating whatever it depends on first."""
+        memo = self.memo
+        if node in memo:
+            return memo[node]
+        todo = [node]
+        while todo:  # iterative post-order: graphs are thousands of nodes deep
+            n = todo[-1]
+            if n in memo:
+                todo.pop()
+                continue
+            missing = [a for a in n.all_input_nodes if a not in memo]
+            if missing:
+                todo.extend(missing)
+                continue
+            memo[n] = self._run(n)
+            n.meta["val"] = memo[n]
+            todo.pop()
+        return memo[node]
+
+    def run_all(self, graph: fx.Graph) -> None:
+        """Evaluate every node of the graph (in order, so no deep searches)."""
+        for n in graph.nodes:
+            if n.op != "output":
+                self.value(n)
+
+    def forget(self, node: fx.Node) -> None:
+        """Drop a node's value (it was erased or rewritten)."""
+        self.memo.pop(node, None)
+        self.counted.pop(node, None)
+
+    def _run(self, node: fx.Node):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.memo.__getitem__)
+        try:
+            if node.op == "placeholder":
+                if node.target in self.inputs:
+                    return self.inputs[node.target]
+                return node.args[0] if node.args else None  # a concrete arg's default
+            if node.op == "get_attr":
+                return _fetch(self.root, node.target)
+            if node.op == "call_function":
+                fn = node.target
+                if nodes.op_name(node) == "einsum":
+                    out, self.counted[node] = flops_mod.count_flops(fn, *args, **kwargs)
+                    return out
+                return fn(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            if node.op == "call_module":
+                mod = self.root.get_submodule(node.target)
+                if flops_mod.needs_running(node, nodes.classify(node)):
+                    out, self.counted[node] = flops_mod.count_flops(mod, *args, **kwargs)
+                    return out
+                return mod(*args, **kwargs)
+            return args[0] if args else None
+        except _DataDependent:
+            raise
+        except Exception as exc:
+            raise _NodeFailed(node, exc) from exc
+
+
+def _fetch(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _NodeFailed(RuntimeError):
+    """Evaluating a node on meta tensors raised."""
+
+    def __init__(self, node: fx.Node, exc: Exception):
+        self.node, self.exc = node, exc
+        super().__init__(f"evaluating node {node.name} ({node.op} {node.target}) on meta "
+                         f"tensors failed: {type(exc).__name__}: {exc}")
+
+
+# ----------------------------------------------------------------- fx door
+
+
+class _DataDependent(Exception):
+    """Control flow on tensor values met while tracing."""
+
+    def __init__(self, module: tuple[str, str] | None, frame: tuple[str, int, str] | None):
+        self.module, self.frame = module, frame
+        super().__init__("control flow depends on tensor values")
+
+
+class _Tracer(fx.Tracer):
+    """A symbolic tracer that resolves shape-dependent branches on meta tensors."""
+
+    def __init__(self, evaluator: _Evaluator, leaf_modules: tuple):
+        super().__init__()
+        self.record_stack_traces = True
+        # Buffers come back as proxies (get_attr nodes), so `self.cos[:s]`
+        # with a traced s is recorded rather than evaluated.
+        self.proxy_buffer_attributes = True
+        self.evaluator = evaluator
+        self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+        self.leaf_globs = tuple(m for m in leaf_modules if isinstance(m, str))
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        """torch.nn modules and those the caller named are leaves."""
+        import fnmatch  # noqa: PLC0415 - only for the rare leaf globs
+
+        if isinstance(m, self.leaf_types) or any(fnmatch.fnmatch(qualname, g)
+                                                 for g in self.leaf_globs):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        """Trace a module call; remember the innermost module a failure came from."""
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            if not hasattr(exc, "_ptc_module"):
+                try:
+                    exc._ptc_module = (self.path_of_module(m), type(m).__name__)
+                except Exception:  # noqa: BLE001 - an exception that refuses attributes
+                    pass
+            raise
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """Decide a branch on a traced value: concrete for shapes, an error for data."""
+        try:
+            value = self.evaluator.value(obj.node)
+        except _NodeFailed as failed:
+            raise fx.proxy.TraceError(
+                f"cannot decide a branch: {failed}") from failed.exc
+        if isinstance(value, torch.Tensor):
+            module = None
+            if self.module_stack:
+                path, cls = next(reversed(self.module_stack.values()))
+                module = (path, nodes.class_name(cls))
+            raise _DataDependent(module, _user_frame(sys._getframe(1)))
+        return bool(value)
+
+
+def _fx_door(root: nn.Module, call: _CallRule, inputs: dict, leaf_modules: tuple):
+    evaluator = _Evaluator(root, inputs)
+    tracer = _Tracer(evaluator, leaf_modules)
+    graph = tracer.trace(root, concrete_args=dict(call.concrete))
+    gm = fx.GraphModule(tracer.root, graph, type(root).__name__)
+    evaluator.root = gm
+    return gm, evaluator
+
+
+# ------------------------------------------------------------- export door
+
+
+def _export_door(root: nn.Module, call: _CallRule, inputs: dict):
+    kwargs = {k: v for k, v in call.concrete.items() if k in FLAG_OVERRIDES}
+    if call.targets:
+        kwargs[call.targets] = inputs[call.targets]
+    program = torch.export.export(root, (inputs[call.tokens],), kwargs, strict=False)
+    unlifted = program.module()
+    graph = unlifted.graph
+    out_spec = program.call_spec.out_spec
+    # Plain calling convention: flat placeholders in, our own output out.
+    graph._codegen = fx.graph.CodeGen()
+    for node in list(graph.nodes):
+        node.meta.pop("val", None)  # fake tensors in the model's dtype; recomputed on meta
+    gm = fx.GraphModule(unlifted, graph, type(root).__name__)
+    gm.meta["_ptc_out_spec"] = out_spec
+    return gm, _Evaluator(gm, inputs)
+
+
+# ------------------------------------------------- inputs, outputs and loss
+
+
+def _is_check(node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return str(node.target).startswith("_guards_fn")
+    if node.op != "call_function":
+        return False
+    if node.target in _CHECK_FUNCTIONS:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and \
+        node.target._opname in {n.split(".")[0] for n in _CHECK_OPS}
+
+
+def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b: int, s: int,
+                  with_loss: bool, aten: bool) -> tuple[int | None, bool]:
+    """Make the graph take (tokens[, targets]) and return logits or the loss.
+
+    Returns (vocab, whether the loss is the model's own).
+    """
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if _is_check(node):
+            graph.erase_node(node)
+            evaluator.forget(node)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tokens = next((n for n in placeholders if n.target == call.tokens), placeholders[0])
+    targets = next((n for n in placeholders if call.targets and n.target == call.targets), None)
+    out_node = graph.output_node()
+    structure = out_node.args[0]
+    out_spec = gm.meta.pop("_ptc_out_spec", None)
+    if out_spec is not None:
+        structure = tree_unflatten(list(structure), out_spec)
+    logits, loss = _pick_outputs(structure, evaluator, b, s)
+    model_loss = False
+    if with_loss and loss is not None and targets is not None:
+        result, model_loss = loss, True
+    elif with_loss:
+        if logits is None:
+            raise CaptureError(_no_logits_message(gm, structure, evaluator, b, s))
+        if targets is None:
+            with graph.inserting_after(tokens):
+                targets = graph.placeholder("targets")
+            evaluator.inputs["targets"] = torch.zeros(b, s, dtype=torch.long, device="meta")
+        with graph.inserting_before(out_node):
+            result = _append_loss(graph, logits, targets, evaluator.value(logits).shape[-1], aten)
+    else:
+        if logits is None:
+            raise CaptureError(_no_logits_message(gm, structure, evaluator, b, s))
+        result = logits
+    out_node.args = (result,)
+    graph.eliminate_dead_code()
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node is not tokens and not node.users \
+                and not (with_loss and node is targets):
+            graph.erase_node(node)
+    tokens.target = "tokens"
+    if with_loss:
+        targets.target = "targets"
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    evaluator.memo = {n: v for n, v in evaluator.memo.items() if not n._erased}
+    evaluator.inputs = {"tokens": evaluator.memo.get(tokens, evaluator.inputs[call.tokens]),
+                        "targets": torch.zeros(b, s, dtype=torch.long, device="meta")}
+    evaluator.run_all(graph)
+    vocab = evaluator.value(logits).shape[-1] if logits is not None else None
+    return vocab, model_loss
+
+
+def _named_leaves(obj, name: str = ""):
+    if isinstance(obj, fx.Node):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _named_leaves(value, str(key))
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _named_leaves(value, "")
+    elif hasattr(obj, "__dataclass_fields__"):
+        for key in obj.__dataclass_fields__:
+            yield from _named_leaves(getattr(obj, key), key)
+
+
+def _pick_outputs(structure, evaluator: _Evaluator, b: int, s: int):
+    """(logits node, loss node) of the model's outputs (see the output rule)."""
+    leaves = list(_named_leaves(structure))
+    named = {name: node for name, node in leaves if name}
+    vals = {node: evaluator.value(node) for _, node in leaves}
+
+    def floating(node):
+        return isinstance(vals[node], torch.Tensor) and vals[node].is_floating_point()
+
+    logits = named.get("logits")
+    if logits is None:
+        candidates = [n for _, n in leaves if floating(n) and vals[n].dim() == 3
+                      and tuple(vals[n].shape[:2]) == (b, s)]
+        logits = max(candidates, key=lambda n: vals[n].shape[-1], default=None)
+    loss = named.get("loss")
+    if loss is None:
+        loss = next((n for _, n in leaves if floating(n) and vals[n].dim() == 0), None)
+    return logits, loss
+
+
+def _append_loss(graph: fx.Graph, logits: fx.Node, targets: fx.Node, vocab: int,
+                 aten: bool) -> fx.Node:
+    """Append mean cross-entropy(logits[b·s, V], targets[b·s]) nodes; return the loss."""
+    if aten:
+        ops = torch.ops.aten
+        flat = graph.call_function(ops.reshape.default, (logits, [-1, vocab]))
+        flat_targets = graph.call_function(ops.reshape.default, (targets, [-1]))
+        return graph.call_function(ops.cross_entropy_loss.default, (flat, flat_targets))
+    flat = graph.call_method("reshape", (logits, -1, vocab))
+    flat_targets = graph.call_method("reshape", (targets, -1))
+    return graph.call_function(F.cross_entropy, (flat, flat_targets))
+
+
+# --------------------------------------------------------------- annotate
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _source(node: fx.Node) -> str | None:
+    """"file:line" of the innermost frame of the node's stack trace outside torch."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    found = [(p, n) for p, n in _FILE_LINE.findall(trace) if not _is_library(p)]
+    if not found:
+        return None
+    path, line = found[-1]
+    return f"{_short_path(path)}:{line}"
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _annotate(gm: fx.GraphModule, root: nn.Module, evaluator: _Evaluator,
+              blocks: str | None, dtype: torch.dtype) -> None:
+    """Attach a NodeInfo to every node (module path, layer, shapes, FLOPs, params)."""
+    itemsize = dtype.itemsize
+    param_cache: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        kind = nodes.classify(node)
+        path, mtype = _provenance(root, node)
+        value = evaluator.memo.get(node)
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        if node in evaluator.counted:
+            node_flops = evaluator.counted[node]
+        elif node.op in ("call_function", "call_method", "call_module"):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), evaluator.memo.__getitem__)
+            node_flops = flops_mod.node_flops(node, kind, args, kwargs, value)
+        else:
+            node_flops = 0
+        params = _params_read(gm, node, param_cache)
+        set_info(node, NodeInfo(
+            module_path=path, module_type=mtype, layer=layer_index(path, blocks), kind=kind,
+            shapes=tuple(tuple(t.shape) for t in tensors),
+            dtypes=tuple(t.dtype for t in tensors),
+            flops=int(node_flops), params=params,
+            param_bytes=params * itemsize if params else 0,
+            source=_source(node)))
+
+
+def _provenance(root: nn.Module, node: fx.Node) -> tuple[str, str]:
+    """(module path, class name) of a node; classes looked up in the captured model
+    (the graph module's own containers are plain Modules)."""
+    if node.op in ("call_module", "get_attr"):
+        path = str(node.target) if node.op == "call_module" else \
+            str(node.target).rpartition(".")[0]
+        try:
+            return path, (type(root.get_submodule(path)).__name__ if path else "")
+        except AttributeError:
+            return path, ""
+    path, cls = nodes.stack_entry(node)
+    return (path, nodes.class_name(cls)) if path else ("", "")
+
+
+def _params_read(gm: fx.GraphModule, node: fx.Node, cache: dict[str, int]) -> int:
+    if node.op == "call_module":
+        if node.target not in cache:
+            cache[node.target] = sum(p.numel() for p in gm.get_submodule(node.target).parameters())
+        return cache[node.target]
+    if node.op == "get_attr":
+        value = nodes.get_attr_value(node)
+        return value.numel() if isinstance(value, nn.Parameter) else 0
+    return 0
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIR) or filename.startswith(_HERE) or \
+        filename.startswith("<")
+
+
+def _user_frame(frame) -> tuple[str, int, str] | None:
+    """(file, line, text) of the innermost frame outside torch and ptc.compiler."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library(filename):
+            return filename, frame.f_lineno, _line_text(filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def _line_text(filename: str, lineno: int) -> str:
+    import linecache  # noqa: PLC0415 - error path only
+
+    return linecache.getline(filename, lineno).strip()
+
+
+def _failure_site(exc: BaseException, module) -> tuple[tuple | None, tuple | None]:
+    """(module (path, class), user frame) where a tracing exception was raised."""
+    frame = None
+    tb = exc.__traceback__
+    while tb is not None:  # the innermost user frame wins
+        filename = tb.tb_frame.f_code.co_filename
+        if not _is_library(filename):
+            frame = (filename, tb.tb_lineno, _line_text(filename, tb.tb_lineno))
+        tb = tb.tb_next
+    return module, frame
+
+
+def _where(module, frame) -> str:
+    text = ""
+    if module:
+        path, cls = module
+        text += f"module {path or '<root>'!r} ({cls})"
+    if frame:
+        filename, lineno, line = frame
+        text += f"{' at ' if text else 'at '}{_short_path(filename)}:{lineno}"
+        if line:
+            text += f"\n    {line}"
+    return text or "an unknown place"
+
+
+def _data_dependent_message(model: nn.Module, dd: _DataDependent) -> str:
+    return (
+        f"cannot capture {type(model).__name__}: Python control flow depends on tensor values "
+        f"in {_where(dd.module, dd.frame)}\n"
+        "The graph would differ from batch to batch, so neither torch.fx nor torch.export "
+        "can capture it. To make it capturable:\n"
+        "  - remove the data-dependent branch: compute both sides and select with "
+        "torch.where(cond, a, b), or use a mask;\n"
+        "  - or express it with torch.cond (torch.export-friendly control flow).\n"
+        "Branches on shapes and config flags (if x.size(1) > 1, if mask is not None) are fine.")
+
+
+def _untraceable_message(model: nn.Module, fx_exc: BaseException, fx_where, ex_exc) -> str:
+    module, frame = fx_where
+    first = str(ex_exc).strip().splitlines()
+    export_line = first[0] if first else type(ex_exc).__name__
+    return (
+        f"cannot capture {type(model).__name__}: symbolic tracing failed in "
+        f"{_where(module, frame)}\n"
+        f"  torch.fx: {type(fx_exc).__name__}: {_one_line(fx_exc)}\n"
+        f"  torch.export: {type(ex_exc).__name__}: {export_line}\n"
+        "To make it capturable, one of:\n"
+        "  - mark the module a leaf: capture(..., leaf_modules=(ThatModule,)) — it stays one "
+        "call_module node, run as is on meta tensors;\n"
+        "  - remove data-dependent control flow and Python that needs concrete tensor values "
+        "(int(t), t.item(), len(t), torch.finfo(t.dtype) on traced values);\n"
+        "  - write it torch.export-friendly (torch.cond for branches, no .item()).")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _no_logits_message(gm, structure, evaluator: _Evaluator, b: int, s: int) -> str:
+    found = []
+    for name, node in _named_leaves(structure):
+        value = evaluator.value(node)
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        found.append(f"{name or node.name}: {shape}")
+    return (f"cannot find the logits among {gm.__class__.__name__}'s outputs: capture needs a "
+            f"floating tensor of shape [{b}, {s}, vocab] (or an output named 'logits'); "
+            f"found {', '.join(found) or 'nothing'}")
+
+
+# ------------------------------------------------------------ real weights
+
+
+def load_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """Point every parameter and buffer of a captured graph at `model`'s tensor of that name.
+
+    This is how a graph captured on meta is run on real weights (tests,
+    single-process eager checks): parameters are shared, not copied, and
+    non-persistent buffers (RoPE tables) are included. Compute happens in the
+    dtype of `model`'s tensors.
+    """
+    real = dict(model.named_parameters(remove_duplicate=False))
+    real.update(dict(model.named_buffers(remove_duplicate=False)))
+    for store_name in ("_parameters", "_buffers"):
+        for mod_name, mod in gm.named_modules(remove_duplicate=False):
+            store = getattr(mod, store_name)
+            for name in list(store):
+                full = f"{mod_name}.{name}" if mod_name else name
+                if full not in real:
+                    raise KeyError(f"load_weights: the model has no tensor named {full!r}")
+                store[name] = real[full]
+    return gm
+

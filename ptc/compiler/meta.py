@@ -1,0 +1,151 @@
+"""Node metadata: what capture records about every node, under node.meta["ptc"].
+
+Terms: a node's *module path* is the dotted name of the innermost module
+whose forward created it ("layers.3.attn.q"; "" for the model's own
+forward). Its *layer* is the index of the repeated block it belongs to
+(`layers.3...` -> 3), None outside the blocks. Shapes and dtypes are those
+of the node's tensor outputs, flattened in output order.
+
+Convention: the metadata is a frozen dataclass, written once at capture.
+Passes change it only with `update_info` (dataclasses.replace), and every
+node a pass creates gets its source's metadata through `copy_meta`, so no
+two nodes ever share a mutable record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+KEY = "ptc"
+"""The one node.meta / gm.meta key ptc writes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeInfo:
+    """What capture knows about one node of the captured graph."""
+
+    module_path: str
+    """Innermost module whose forward produced the node; "" at the model's top level."""
+    module_type: str
+    """Class name of that module ("Linear", "LlamaAttention"); "" at top level."""
+    layer: int | None
+    """Index of the repeated block (`layers.{i}`) the node belongs to; None outside."""
+    kind: str
+    """What the node does, for passes and reports: one of `KINDS`."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the tensor outputs (one entry per output tensor; () for none)."""
+    dtypes: tuple[torch.dtype, ...]
+    """Dtypes of the tensor outputs, parallel to `shapes`."""
+    flops: int
+    """Forward FLOPs (see ptc.compiler.flops for the counting convention)."""
+    params: int
+    """Parameter elements the node reads directly (call_module leaf or get_attr)."""
+    param_bytes: int
+    """Bytes of those parameters at the captured compute dtype."""
+    source: str | None = None
+    """User source line that created the node, "file.py:123", when known."""
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of the node's tensor outputs."""
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * dtype.itemsize
+        return total
+
+
+KINDS = ("input", "param", "buffer", "output", "linear", "embedding", "attention", "matmul", "norm",
+         "activation", "pointwise", "reduction", "softmax", "dropout", "loss", "view",
+         "creation", "other")
+"""Node kinds. `view` covers every data-movement op (view, transpose, cat, getitem)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureInfo:
+    """What capture recorded about the whole graph, under gm.meta["ptc"]."""
+
+    front_door: str
+    """"fx" (torch.fx.symbolic_trace) or "export" (torch.export, aten graph)."""
+    model_class: str
+    """Class name of the captured model."""
+    micro_batch: int
+    """b the graph was captured at."""
+    seq_len: int
+    """s the graph was captured at."""
+    dtype: torch.dtype
+    """Compute dtype of parameters and activations in the annotations."""
+    with_loss: bool
+    """True: the graph takes (tokens, targets) and returns the mean loss."""
+    model_loss: bool
+    """True when the loss is the model's own (forward took targets/labels)."""
+    blocks_path: str | None
+    """Module path of the repeated blocks ("layers", "transformer.h"), if found."""
+    num_layers: int
+    """Number of repeated blocks."""
+    vocab: int | None
+    """Last dimension of the logits."""
+
+
+def get_info(node: fx.Node) -> NodeInfo | None:
+    """The node's NodeInfo, or None when it has none (e.g. not captured by ptc)."""
+    return node.meta.get(KEY)
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's NodeInfo; a KeyError naming the node when it has none."""
+    try:
+        return node.meta[KEY]
+    except KeyError:
+        raise KeyError(f"node {node.name!r} ({node.op} {node.target}) has no ptc metadata: "
+                       "was it created without copy_meta?") from None
+
+
+def set_info(node: fx.Node, value: NodeInfo) -> None:
+    """Attach `value` to a node (capture does this once per node)."""
+    node.meta[KEY] = value
+
+
+def update_info(node: fx.Node, **changes) -> NodeInfo:
+    """Replace some fields of the node's NodeInfo (a new frozen record) and return it."""
+    new = dataclasses.replace(info(node), **changes)
+    node.meta[KEY] = new
+    return new
+
+
+_PROVENANCE = ("nn_module_stack", "stack_trace")
+
+
+def copy_meta(src: fx.Node, dst: fx.Node, **changes) -> None:
+    """Give a created node `dst` the metadata of the node `src` it stands for.
+
+    Copies the NodeInfo (with `changes` applied through dataclasses.replace)
+    and torch's provenance keys, so the module path, layer and user source
+    line of `src` follow the new node. torch's "val" is not copied: a created
+    node's value generally differs from its source's; pass its `shapes` and
+    `dtypes` in `changes` when they do.
+    """
+    src_info = get_info(src)
+    if src_info is not None:
+        dst.meta[KEY] = dataclasses.replace(src_info, **changes) if changes else src_info
+    elif changes:
+        raise KeyError(f"copy_meta: source node {src.name!r} has no ptc metadata to change")
+    for key in _PROVENANCE:
+        if key in src.meta:
+            value = src.meta[key]
+            # nn_module_stack is a mutable dict: never let two nodes share one.
+            dst.meta[key] = dict(value) if isinstance(value, dict) else value
+
+
+def graph_info(gm: fx.GraphModule) -> CaptureInfo:
+    """The CaptureInfo of a captured GraphModule."""
+    try:
+        return gm.meta[KEY]
+    except KeyError:
+        raise KeyError("this GraphModule was not made by ptc.compiler.capture") from None

@@ -1,0 +1,460 @@
+"""Predicates passes use to recognise nodes, on both kinds of captured graph.
+
+A graph from the fx front door has `call_module` nodes for leaf modules
+(Linear, Embedding, LayerNorm, ...) and torch-level `call_function` /
+`call_method` nodes for the rest. A graph from the export front door has
+aten `call_function` nodes (`aten.linear`, `aten.addmm`, `aten.mm`,
+`aten.embedding`, `aten.scaled_dot_product_attention`, ...) with the module
+that made them in `node.meta["nn_module_stack"]`, and parameters as
+`get_attr` nodes. Every predicate here answers for both, so a pass is
+written once.
+
+Terms: an op's *name* is its function / method / aten name without leading
+underscores ("linear", "softmax", "unsafe_view"); a *transparent* op is one
+that moves or re-types data without computing (view, transpose, to, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from ptc.compiler.meta import get_info
+
+# ------------------------------------------------------------------ op names
+
+NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU,
+                      nn.ELU, nn.Softplus)
+
+LINEAR_OPS = frozenset({"linear"})
+MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"})
+ATTENTION_OPS = frozenset({"scaled_dot_product_attention",
+                           "scaled_dot_product_flash_attention",
+                           "scaled_dot_product_flash_attention_for_cpu",
+                           "scaled_dot_product_efficient_attention",
+                           "scaled_dot_product_cudnn_attention"})
+EMBEDDING_OPS = frozenset({"embedding"})
+NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm",
+                      "group_norm", "native_group_norm", "batch_norm", "native_batch_norm"})
+SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "safe_softmax"})
+DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "dropout_"})
+ACTIVATION_OPS = frozenset({"gelu", "relu", "silu", "sigmoid", "tanh", "mish", "leaky_relu",
+                            "elu", "softplus", "gelu_", "relu_", "silu_"})
+LOSS_OPS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
+                      "nll_loss_nd", "nll_loss2d_forward", "mse_loss"})
+POINTWISE_OPS = frozenset({
+    "add", "sub", "mul", "div", "truediv", "floordiv", "pow", "rsqrt", "sqrt", "exp", "log",
+    "neg", "abs", "reciprocal", "square", "sin", "cos", "erf", "addcmul", "addcdiv", "lerp",
+    "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill", "rsub",
+    "radd", "rmul", "iadd", "imul", "isub", "itruediv", "add_", "mul_", "sub_", "div_",
+    "masked_fill_", "exp2", "log1p", "expm1", "sign", "fmod", "remainder", "copysign",
+    "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and",
+})
+REDUCTION_OPS = frozenset({"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max",
+                           "min", "norm", "logsumexp", "argmax", "argmin", "prod", "any", "all"})
+VIEW_OPS = frozenset({
+    "view", "reshape", "unsafe_view", "transpose", "t", "permute", "contiguous", "expand",
+    "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "getitem", "split",
+    "split_with_sizes", "chunk", "unbind", "cat", "concat", "stack", "slice", "select",
+    "index_select", "narrow", "clone", "to", "type", "type_as", "float", "half", "bfloat16",
+    "to_copy", "repeat", "repeat_interleave", "detach", "alias", "getattr", "size", "dim",
+    "index", "gather", "movedim", "swapaxes", "view_as", "reshape_as", "masked_select",
+    "assert_tensor_metadata",
+})
+CREATION_OPS = frozenset({
+    "arange", "ones", "zeros", "full", "empty", "ones_like", "zeros_like", "full_like",
+    "empty_like", "tensor", "scalar_tensor", "triu", "tril", "new_ones", "new_zeros",
+    "new_full", "new_empty", "lift_fresh_copy", "rand", "randn", "rand_like", "randn_like",
+    "empty_strided", "new_empty_strided", "finfo",
+})
+TRANSPARENT_OPS = frozenset({
+    "view", "reshape", "unsafe_view", "transpose", "t", "permute", "contiguous", "expand",
+    "clone", "to", "type", "type_as", "float", "half", "bfloat16", "to_copy", "detach",
+    "alias", "unsqueeze", "squeeze", "flatten",
+})
+# Ops between the score matmul and the softmax of written-out attention:
+# scaling, masking, dtype casts.
+_SCORE_OPS = TRANSPARENT_OPS | {"mul", "div", "truediv", "add", "sub", "masked_fill", "where"}
+_PROBS_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
+
+
+def op_name(node: fx.Node) -> str:
+    """The node's op name without leading underscores ("linear", "softmax").
+
+    For call_module nodes, the module's class name; for placeholder, get_attr
+    and output nodes, the node's op.
+    """
+    if node.op == "call_module":
+        cls = module_type(node)
+        return cls if isinstance(cls, str) else cls.__name__
+    if node.op == "call_method":
+        return str(node.target).lstrip("_")
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname.lstrip("_")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1].lstrip("_")
+    return getattr(target, "__name__", str(target)).lstrip("_")
+
+
+# ----------------------------------------------------------- module lookup
+
+
+def module_of(node: fx.Node) -> nn.Module | None:
+    """The module a call_module node calls (None when the graph has no owner yet)."""
+    if node.op != "call_module":
+        return None
+    owner = node.graph.owning_module
+    if owner is None:
+        return None
+    try:
+        return owner.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def module_type(node: fx.Node) -> type | str:
+    """Class (fx graphs) or qualified class name (export graphs) of the node's module."""
+    mod = module_of(node)
+    if mod is not None:
+        return type(mod)
+    _, cls = stack_entry(node)
+    return cls
+
+
+def stack_entry(node: fx.Node) -> tuple[str, type | str]:
+    """(path, class) of the innermost module on the node's nn_module_stack; ("", "") if none.
+
+    fx records classes, torch.export qualified class names; export also puts
+    the root module on the stack with path "".
+    """
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return "", ""
+    path, cls = next(reversed(stack.values()))
+    return _clean_path(path), cls
+
+
+def _clean_path(path: str) -> str:
+    # Strict-mode export spells paths "L['self'].layers[0]"; keep the fqn form.
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+        path = path.replace("[", ".").replace("]", "")
+    return path
+
+
+def class_name(cls: type | str) -> str:
+    """Short class name of a class or of a qualified class-name string."""
+    if isinstance(cls, str):
+        return cls.rpartition(".")[2]
+    return cls.__name__
+
+
+def _is_a(cls: type | str, kinds: tuple[type, ...], names: tuple[str, ...] = ()) -> bool:
+    if isinstance(cls, type):
+        return issubclass(cls, kinds) or cls.__name__ in names
+    name = class_name(cls)
+    return name in {k.__name__ for k in kinds} or name in names
+
+
+def is_norm_class(cls: type | str) -> bool:
+    """Whether a module class is a normalisation (torch's or one named *Norm)."""
+    return bool(cls) and (_is_a(cls, NORM_MODULES) or class_name(cls).endswith("Norm"))
+
+
+def module_path(node: fx.Node) -> str:
+    """Module path of a node: its NodeInfo's when captured, else from the graph."""
+    meta = get_info(node)
+    if meta is not None:
+        return meta.module_path
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    return stack_entry(node)[0]
+
+
+# -------------------------------------------------------------- parameters
+
+
+def get_attr_value(node: fx.Node):
+    """The object a get_attr node reads (None when the graph has no owner)."""
+    owner = node.graph.owning_module
+    if owner is None or node.op != "get_attr":
+        return None
+    obj = owner
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def param_source(node) -> str | None:
+    """Name of the parameter `node` is, or is a transpose/cast/view of; None if not one."""
+    for _ in range(6):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "get_attr":
+            value = get_attr_value(node)
+            if value is None or isinstance(value, nn.Parameter):
+                return str(node.target)
+            return None
+        if op_name(node) not in TRANSPARENT_OPS or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _arg(node: fx.Node, index: int, name: str):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def _weight_arg(node: fx.Node):
+    name = op_name(node)
+    if name == "linear":
+        return _arg(node, 1, "weight")
+    if name == "addmm":
+        return _arg(node, 2, "mat2")
+    if name in ("mm", "matmul"):
+        return _arg(node, 1, "mat2" if name == "mm" else "other")
+    return None
+
+
+def linear_weight(node: fx.Node) -> str | None:
+    """Full name of the weight a linear node multiplies by ("head.weight"); None if no linear."""
+    if node.op == "call_module":
+        mod = module_of(node)
+        cls = type(mod) if mod is not None else module_type(node)
+        return f"{node.target}.weight" if _is_a(cls, (nn.Linear,)) else None
+    if node.op != "call_function" and node.op != "call_method":
+        return None
+    return param_source(_weight_arg(node))
+
+
+def is_linear(node: fx.Node) -> str | None:
+    """Module path of the Linear a node applies ("layers.3.attn.q"), or None.
+
+    A call_module Linear (fx), or aten.linear / F.linear / addmm / mm / matmul
+    whose weight operand is a parameter (export, or hand-written linears).
+    The path is that of the calling nn.Linear when there is one, so a head
+    whose weight is tied to the embedding is still "head".
+    """
+    weight = linear_weight(node)
+    if weight is None:
+        return None
+    if node.op == "call_module":
+        return str(node.target)
+    path, cls = stack_entry(node)
+    if cls and _is_a(cls, (nn.Linear,)):
+        return path
+    return weight.rpartition(".")[0]
+
+
+def is_embedding(node: fx.Node) -> str | None:
+    """Module path of the embedding table a lookup node reads, or None."""
+    if node.op == "call_module":
+        cls = module_type(node)
+        return str(node.target) if cls and _is_a(cls, (nn.Embedding,)) else None
+    if node.op != "call_function" or op_name(node) not in EMBEDDING_OPS:
+        return None
+    # aten.embedding(weight, indices) vs F.embedding(input, weight)
+    is_aten = isinstance(node.target, torch._ops.OpOverload)
+    weight = param_source(node.args[0] if is_aten else _arg(node, 1, "weight"))
+    path, cls = stack_entry(node)
+    if cls and _is_a(cls, (nn.Embedding,)):
+        return path
+    return weight.rpartition(".")[0] if weight else path
+
+
+def is_norm(node: fx.Node) -> str | None:
+    """Module path of the normalisation whose output this node is, or None.
+
+    A call_module norm (fx), an aten/functional norm op, or — for a norm the
+    front door traced through (a hand-written RMSNorm) — the last node inside
+    a module whose class name ends in "Norm".
+    """
+    if node.op == "call_module":
+        return str(node.target) if is_norm_class(module_type(node)) else None
+    if node.op not in ("call_function", "call_method"):
+        return None
+    path, cls = stack_entry(node)
+    if op_name(node) in NORM_OPS:
+        return path if cls and is_norm_class(cls) else module_path(node)
+    if not (cls and is_norm_class(cls)):
+        return None
+    inside = [u for u in node.users if u.op != "output" and module_path(u) == path]
+    return None if inside else path
+
+
+# --------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionParts:
+    """The nodes of one attention: query, key, value operands and the output node."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    out: fx.Node
+    fused: bool
+    """True for scaled_dot_product_attention, False for matmul-softmax-matmul."""
+
+
+def _back(node, through: frozenset[str], hops: int = 8):
+    """Follow first arguments back while the ops are in `through`."""
+    for _ in range(hops):
+        if not isinstance(node, fx.Node) or op_name(node) not in through or not node.args:
+            return node
+        node = node.args[0]
+    return node
+
+
+def _matmul_operands(node: fx.Node):
+    name = op_name(node)
+    if name in ("matmul", "mm", "bmm"):
+        return node.args[0], node.args[1]
+    if name in ("baddbmm", "addmm", "addbmm"):
+        return node.args[1], node.args[2]
+    return None
+
+
+def attention_parts(node: fx.Node) -> AttentionParts | None:
+    """The attention whose output `node` is, or None.
+
+    Fused: a scaled_dot_product_attention op (torch or aten, any backend).
+    Written out: the matmul of probabilities and values, where the
+    probabilities come from a softmax (then maybe dropout/casts) of scores
+    that come from a matmul (then maybe scale/mask/casts).
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = op_name(node)
+    if name in ATTENTION_OPS:
+        return AttentionParts(_arg(node, 0, "query"), _arg(node, 1, "key"),
+                              _arg(node, 2, "value"), node, True)
+    operands = _matmul_operands(node) if name in MATMUL_OPS else None
+    if operands is None or param_source(operands[1]) is not None:
+        return None
+    probs = _back(operands[0], _PROBS_OPS)
+    if not isinstance(probs, fx.Node) or op_name(probs) not in SOFTMAX_OPS:
+        return None
+    scores = _back(probs.args[0], _SCORE_OPS)
+    if not isinstance(scores, fx.Node) or op_name(scores) not in MATMUL_OPS:
+        return None
+    qk = _matmul_operands(scores)
+    if qk is None:
+        return None
+    return AttentionParts(qk[0], qk[1], operands[1], node, False)
+
+
+def is_attention(node: fx.Node) -> bool:
+    """Whether the node is the output of an attention (fused SDPA or written out)."""
+    return attention_parts(node) is not None
+
+
+# ---------------------------------------------------------------- reshapes
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsReshape:
+    """A reshape between [..., heads·head_dim] and [..., heads, head_dim]."""
+
+    split: bool
+    """True for [..., h] -> [..., a, d]; False for [..., a, d] -> [..., h]."""
+    heads: int
+    head_dim: int
+
+
+def node_shape(node) -> tuple[int, ...] | None:
+    """Shape of a node's (first) tensor output, from NodeInfo or torch's "val"."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = get_info(node)
+    if meta is not None and meta.shapes:
+        return meta.shapes[0]
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    return None
+
+
+_RESHAPE_OPS = frozenset({"view", "reshape", "unsafe_view", "unflatten", "flatten"})
+
+
+def heads_reshape(node: fx.Node) -> HeadsReshape | None:
+    """How a reshape splits or merges attention heads, or None if it does not."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in _RESHAPE_OPS:
+        return None
+    src, out = node_shape(node.args[0]) if node.args else None, node_shape(node)
+    if src is None or out is None:
+        return None
+    if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1] \
+            and out[-2] > 1 and out[-1] > 1:
+        return HeadsReshape(True, out[-2], out[-1])
+    if len(src) == len(out) + 1 and src[:-2] == out[:-1] and src[-2] * src[-1] == out[-1] \
+            and src[-2] > 1 and src[-1] > 1:
+        return HeadsReshape(False, src[-2], src[-1])
+    return None
+
+
+def is_reshape_of_heads(node: fx.Node) -> bool:
+    """Whether the node reshapes [..., a·d] <-> [..., a, d] (heads split or merge)."""
+    return heads_reshape(node) is not None
+
+
+# ------------------------------------------------------------------- kinds
+
+
+def classify(node: fx.Node) -> str:
+    """The node's kind (see ptc.compiler.meta.KINDS), from its op and operands."""
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "output":
+        return "output"
+    if node.op == "get_attr":
+        value = get_attr_value(node)
+        return "param" if isinstance(value, nn.Parameter) else "buffer"
+    if node.op == "call_module":
+        cls = module_type(node)
+        if not cls:
+            return "other"
+        if _is_a(cls, (nn.Linear,)):
+            return "linear"
+        if _is_a(cls, (nn.Embedding,)):
+            return "embedding"
+        if is_norm_class(cls):
+            return "norm"
+        if _is_a(cls, (nn.Dropout,)):
+            return "dropout"
+        if _is_a(cls, ACTIVATION_MODULES):
+            return "activation"
+        if _is_a(cls, (nn.Softmax, nn.LogSoftmax)):
+            return "softmax"
+        if _is_a(cls, (nn.MultiheadAttention,)):
+            return "attention"
+        return "other"
+    name = op_name(node)
+    if is_attention(node):
+        return "attention"
+    if name in LINEAR_OPS or (name in MATMUL_OPS and linear_weight(node)):
+        return "linear"
+    for kind, names in _NAME_KINDS:
+        if name in names:
+            return kind
+    return "other"
+
+
+_NAME_KINDS = (("matmul", MATMUL_OPS), ("embedding", EMBEDDING_OPS), ("norm", NORM_OPS),
+               ("softmax", SOFTMAX_OPS), ("dropout", DROPOUT_OPS),
+               ("activation", ACTIVATION_OPS), ("loss", LOSS_OPS),
+               ("pointwise", POINTWISE_OPS), ("reduction", REDUCTION_OPS),
+               ("view", VIEW_OPS), ("creation", CREATION_OPS))

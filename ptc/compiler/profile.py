@@ -1,0 +1,318 @@
+"""Per-shape profile of a model: closed-form per-layer quantities, read off its graph once.
+
+The cost model and the plan search evaluate thousands of layouts; none of
+them captures a graph. Instead a model *shape* (family, widths, vocab, dtype)
+is captured once, with a single transformer layer, at six (b, s) points on
+the meta device. Per graph region every quantity — saved activation bytes
+(`activations`), forward FLOPs (capture's `NodeInfo.flops`) — is a
+polynomial in b and s of degree <= 1 in b and <= 2 in s, so six points fix
+it exactly; a seventh checks it. All layers of a block stack are alike, so
+layer 0's polynomials times the layer count give the stack.
+
+Regions: `pre` (embedding, before the first layer), `layer` (layer 0),
+`post` (final norm, head, loss).
+
+Classes of saved bytes within a region, which decide how parallelism divides
+them:
+- `tp`: made between a column-parallel linear (qkv, q, k, v, up, gate, the
+  vocab-parallel head) and the row-parallel linear that closes the block
+  (o, down): each tensor-parallel rank holds 1/t of it;
+- `seq`: everything else that carries the batch (norm inputs, residual
+  stream, dropout masks after the row-parallel linear): replicated over tp,
+  split 1/t along the sequence with sequence parallelism;
+- `const`: terms with no batch factor (a causal mask built from s): every
+  rank holds them whole.
+Each class is also split by whether selective recompute (of the attention
+core: what lies between the q/k/v projections and o) drops it, and the
+layer's *output* (what the next layer keeps as its input under full
+recompute) is recorded separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx
+
+from ptc.compiler.activations import saved_storages
+from ptc.compiler.meta import get_info
+from ptc.compiler.nodes import is_linear
+from ptc.plan import ModelSpec
+
+b, s = sympy.symbols("b s", positive=True, integer=True)
+"""Micro-batch and sequence length symbols of every profile polynomial."""
+
+_MONOMIALS = (sympy.Integer(1), s, s**2, b, b * s, b * s**2)
+COLWISE = frozenset({"qkv", "q", "k", "v", "up", "gate"})
+"""Linear module names split by output features under tensor parallelism."""
+ROWWISE = frozenset({"o", "down"})
+"""Linear module names split by input features (their output is all-reduced)."""
+VOCAB = frozenset({"embed", "head"})
+"""Modules split along the vocabulary."""
+PROJECTIONS = frozenset({"qkv", "q", "k", "v"})
+"""The attention's input projections; the core starts at their outputs."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class SavedClasses:
+    """Saved-activation bytes of one region, per micro-batch, unsharded, by class."""
+
+    tp: sympy.Expr
+    """Between column- and row-parallel linears: 1/t per tp rank."""
+    seq: sympy.Expr
+    """Replicated over tp; 1/t with sequence parallelism."""
+    const: sympy.Expr
+    """No batch factor: whole on every rank."""
+    core_tp: sympy.Expr
+    """Part of `tp` that selective recompute drops."""
+    core_seq: sympy.Expr
+    """Part of `seq` that selective recompute drops."""
+    core_const: sympy.Expr
+    """Part of `const` that selective recompute drops."""
+
+    @property
+    def total(self) -> sympy.Expr:
+        """All classes together (no parallelism, no recompute)."""
+        return self.tp + self.seq + self.const
+
+
+@dataclass(frozen=True, slots=True)
+class ParamGroups:
+    """Parameter elements of one region, by how tensor parallelism splits them."""
+
+    split: int
+    """Elements divided by t (column/row-parallel weights, column biases, vocab tables)."""
+    replicated: int
+    """Elements every tp rank holds whole (norms, row-parallel biases, positions)."""
+    tensors: int
+    """Parameter tensors (an optimizer keeps a step counter per tensor)."""
+
+    @property
+    def total(self) -> int:
+        """All elements of the region."""
+        return self.split + self.replicated
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Everything the memory and cost models need to know about one model shape."""
+
+    layers: int
+    """Transformer layers L."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Attention heads a."""
+    vocab: int
+    """Vocabulary V."""
+    dtype_bytes: int
+    """Bytes per element of the compute dtype."""
+    saved: dict[str, SavedClasses]
+    """Saved activation bytes per region ("pre", "layer", "post")."""
+    layer_output: SavedClasses
+    """Bytes of a layer's output kept by the next layer: all a fully recomputed layer keeps."""
+    flops: dict[str, sympy.Expr]
+    """Forward FLOPs per region, per micro-batch."""
+    core_flops: sympy.Expr
+    """Forward FLOPs of one layer's attention core (what selective recompute reruns)."""
+    params: dict[str, ParamGroups]
+    """Parameters per region; "post" excludes a head tied to the embedding."""
+    tied: bool
+    """Head and embedding share one weight."""
+    tied_elements: int
+    """Elements of the tied weight (0 when untied)."""
+    boundary_elements: sympy.Expr
+    """Elements of the tensor passed between layers (b·s·h): pipeline and TP traffic."""
+    fn: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
+    """The polynomials above as fast functions of (b, s), by dotted name ("layer.tp",
+    "out.seq", "flops.post", "core_flops", "boundary"); they accept sympy symbols too."""
+
+
+def _shape_key(spec: ModelSpec) -> tuple:
+    return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec)
+                 if f.name not in ("layers", "spans", "kwargs"))
+
+
+def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
+    """The profile of `spec` at compute `dtype` ("bf16", ...); captured once per model shape."""
+    key = (_shape_key(spec), dtype)
+    if key not in _CACHE:
+        _CACHE[key] = _profile_one_layer(spec, dtype)
+    return dataclasses.replace(_CACHE[key], layers=spec.layers)
+
+
+_CACHE: dict[tuple, ModelProfile] = {}
+
+
+def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
+    from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
+    from ptc.models import build_model  # noqa: PLC0415
+
+    model = build_model(dataclasses.replace(spec, layers=1), device="meta")
+    points = _points(spec.max_seq)
+    samples = [_measure(capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype]))
+               for pb, ps in points]
+    fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
+    pb, ps = points[6]
+    for name, poly in fit.items():  # the seventh point checks the polynomial form
+        if poly.subs({b: pb, s: ps}) != samples[6][name]:
+            raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
+    params, tied_elements = _param_groups(model)
+    saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
+    flops = {r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")}
+    polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in saved.items()
+             for c in dataclasses.fields(SavedClasses)}
+    polys.update({f"flops.{r}": e for r, e in flops.items()})
+    polys.update(core_flops=fit["core.flops"], boundary=b * s * spec.hidden)
+    return ModelProfile(
+        layers=1, hidden=spec.hidden, heads=spec.heads, vocab=spec.vocab,
+        dtype_bytes=DTYPES[dtype].itemsize,
+        saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
+        flops=flops, core_flops=fit["core.flops"], params=params, tied=tied_elements > 0,
+        tied_elements=tied_elements, boundary_elements=b * s * spec.hidden,
+        fn={name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()})
+
+
+def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
+    """Split measured tp/seq bytes into their batch terms and the batch-free `const`."""
+    def split(name: str) -> tuple[sympy.Expr, sympy.Expr]:
+        poly = fit[f"{region}.{name}"]
+        free = poly.subs(b, 0)
+        return sympy.expand(poly - free), free
+
+    (tp, tp0), (seq, seq0) = split("tp"), split("seq")
+    (ctp, ctp0), (cseq, cseq0) = split("core_tp"), split("core_seq")
+    return SavedClasses(tp=tp, seq=seq, const=tp0 + seq0,
+                        core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0)
+
+
+def _points(max_seq: int) -> list[tuple[int, int]]:
+    q = max(1, min(max_seq, 64) // 4)
+    # A 2 x 3 grid fixes {1, b} x {1, s, s^2}; (3, 4q) checks the fit.
+    return [(pb, k * q) for pb in (1, 2) for k in (1, 2, 3)] + [(3, 4 * q)]
+
+
+def _fit(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
+    matrix = sympy.Matrix([[m.subs({b: pb, s: ps}) for m in _MONOMIALS] for pb, ps in points])
+    coeffs = matrix.LUsolve(sympy.Matrix(values))
+    return sympy.expand(sum(c * m for c, m in zip(coeffs, _MONOMIALS)))
+
+
+def _leaf(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _regions(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Node name -> "pre" / "layer" / "post" (layer 0 of a one-layer capture)."""
+    region, seen_layer = {}, False
+    for n in gm.graph.nodes:
+        info = get_info(n)
+        if info is not None and info.layer is not None:
+            region[n.name], seen_layer = "layer", True
+        else:
+            region[n.name] = "post" if seen_layer else "pre"
+    return region
+
+
+def _linear_leaf(n: torch.fx.Node) -> str:
+    path = is_linear(n)
+    return _leaf(path) if path else ""
+
+
+def _tp_sharded(gm: torch.fx.GraphModule) -> set[str]:
+    """Nodes whose output each tp rank holds 1/t of (between col- and row-parallel linears)."""
+    sharded: set[str] = set()
+    for n in gm.graph.nodes:
+        leaf = _linear_leaf(n)
+        if leaf in COLWISE or leaf == "head":
+            sharded.add(n.name)
+        elif leaf not in ROWWISE and any(a.name in sharded for a in n.all_input_nodes):
+            sharded.add(n.name)
+    return sharded
+
+
+def _attention_core(gm: torch.fx.GraphModule) -> set[str]:
+    """Nodes downstream of a q/k/v projection and upstream of the o projection."""
+    projections = {n.name for n in gm.graph.nodes if _linear_leaf(n) in PROJECTIONS}
+    down: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.name in projections or any(a.name in down for a in n.all_input_nodes):
+            down.add(n.name)
+    up: set[str] = set()
+    for n in reversed(gm.graph.nodes):
+        if any(u.name in up or _linear_leaf(u) == "o" for u in n.users):
+            up.add(n.name)
+    return (down & up) - projections
+
+
+def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    tensors = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            info = get_info(n)
+            tensors.append(torch.zeros(info.shapes[0], dtype=info.dtypes[0], device="meta"))
+    return tensors
+
+
+def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Saved bytes by region and class, and FLOPs by region, of one capture."""
+    region, sharded, core = _regions(gm), _tp_sharded(gm), _attention_core(gm)
+    out = {f"{r}.{c}": 0 for r in ("pre", "layer", "post", "out")
+           for c in ("tp", "seq", "core_tp", "core_seq")}
+    storages = saved_storages(gm, _inputs(gm))
+    for st in storages:
+        cls = "tp" if st.producer in sharded else "seq"
+        # A graph input (targets) belongs where it is used.
+        r = region[st.savers[0] if st.producer in _placeholders(gm) else st.producer]
+        # Kept by a node after the layer: the next layer's input.
+        leaves = r == "layer" and any(region[x] != "layer" for x in st.savers)
+        dropped = st.producer in core and all(x in core for x in st.savers)
+        for target in (r, "out") if leaves else (r,):
+            out[f"{target}.{cls}"] += st.nbytes
+            if dropped:
+                out[f"{target}.core_{cls}"] += st.nbytes
+    # Selective recompute keeps the core's inputs, whether or not backward saved them.
+    saved_outputs = {st.producer for st in storages if not st.internal}
+    for n in gm.graph.nodes:
+        if n.name in core or n.op in ("get_attr", "placeholder") or n.name in saved_outputs:
+            continue
+        if any(u.name in core for u in n.users):
+            cls = "tp" if n.name in sharded else "seq"
+            out[f"{region[n.name]}.core_{cls}"] -= get_info(n).out_bytes
+    out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core")})
+    for n in gm.graph.nodes:
+        info = get_info(n)
+        if info is not None and info.flops:
+            out[f"{region[n.name]}.flops"] += info.flops
+            if n.name in core:
+                out["core.flops"] += info.flops
+    return out
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> set[str]:
+    return {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+
+
+def _param_groups(model: torch.nn.Module) -> tuple[dict[str, ParamGroups], int]:
+    groups = {r: [0, 0, 0] for r in ("pre", "layer", "post")}
+    seen: dict[int, str] = {}
+    tied_elements = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        module, _, kind = name.rpartition(".")
+        leaf = _leaf(module)
+        region = "layer" if module.startswith("layers.") else (
+            "pre" if leaf in ("embed", "pos_embed") else "post")
+        if id(p) in seen:  # a tied head: the embedding's weight, counted there
+            tied_elements = p.numel()
+            continue
+        seen[id(p)] = name
+        split = leaf in COLWISE or leaf in VOCAB or (leaf in ROWWISE and kind == "weight")
+        g = groups[region]
+        g[0 if split else 1] += p.numel()
+        g[2] += 1
+    return {r: ParamGroups(*g) for r, g in groups.items()}, tied_elements

@@ -1,0 +1,250 @@
+"""The Program: what the compiler hands the runtime.
+
+A Program holds one lowered graph per pipeline stage (graphs are per stage,
+not per rank: the dp ranks of a stage share a graph and differ only in the
+shards they hold), the *layout* that says where every parameter lives, and
+the reports (pass log, predicted step time, per-rank state bytes).
+
+Terms. A *unit* is a group of parameters that the runtime stores as one flat
+buffer, padded to a multiple of dp and cut into dp equal *shards* (rank r of
+the dp axis holds shard r). It is the ZeRO-3 gather granularity and, at every
+ZeRO stage, the gradient-reduction bucket. Units follow the graph: one per
+transformer layer (`layers.{i}`) and one per other top-level module (`embed`,
+`pos_embed`, `norm`, `head`), in order of first use, so that backward
+completes them in reverse order and each reduction overlaps the rest of
+backward. A parameter belongs to the unit of its first use; a tied parameter
+(head sharing embed's weight) has one slot and several names (*aliases*).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx, nn
+
+from ptc.compiler.nodes import module_path
+from ptc.errors import CompileError
+
+if TYPE_CHECKING:
+    from ptc.plan import Plan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES = 4
+"""Master weights, gradient buffers and Adam moments are fp32 whatever the compute dtype."""
+ADAM_STATES = 2
+"""exp_avg and exp_avg_sq."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSlot:
+    """Where one parameter lives: its unit and its element offset in the unit's flat buffer."""
+
+    name: str
+    """Canonical name: the first name under which the graph module holds it."""
+    aliases: tuple[str, ...]
+    """Every name under which the graph module holds it, canonical first (tied weights)."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+    unit: int
+    """Index of the unit in `ParamLayout.units`."""
+    offset: int
+    """First element of the parameter in the unit's flat buffer."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardUnit:
+    """A group of parameters stored as one flat buffer and sharded evenly over dp."""
+
+    name: str
+    """"layers.3", "embed", ... (the group key of its first use)."""
+    params: tuple[str, ...]
+    """Canonical names of its parameters, in buffer order."""
+    numel: int
+    """Elements of all its parameters."""
+    shards: int
+    """Number of shards (the dp degree)."""
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per shard; the last shard carries the zero padding."""
+        return -(-self.numel // self.shards)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the full flat buffer: numel rounded up to a multiple of shards."""
+        return self.shard_numel * self.shards
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamLayout:
+    """The sharding of every parameter: units in order of first use, and each parameter's slot."""
+
+    units: tuple[ShardUnit, ...]
+    """Units in order of first use in the forward graph."""
+    params: Mapping[str, ParamSlot]
+    """Canonical name -> slot, in unit order."""
+
+    def slots(self, unit: int) -> list[ParamSlot]:
+        """The slots of one unit, in buffer order."""
+        return [self.params[name] for name in self.units[unit].params]
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements (each tied parameter once, without padding)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of all full flat buffers, padding included."""
+        return sum(u.padded_numel for u in self.units)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's shards of all units."""
+        return sum(u.shard_numel for u in self.units)
+
+
+def group_key(path: str) -> str:
+    """The unit a module path belongs to: "layers.3.attn.qkv" -> "layers.3", "head" -> "head"."""
+    parts = path.split(".")
+    if len(parts) > 1 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def used_params(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `node` reads directly, as (name in gm, parameter)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return [(f"{node.target}.{n}", p) for n, p in module.named_parameters()]
+    if node.op == "get_attr":
+        owner, _, leaf = str(node.target).rpartition(".")
+        value = getattr(gm.get_submodule(owner), leaf)
+        if isinstance(value, nn.Parameter):
+            return [(str(node.target), value)]
+    return []
+
+
+def param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
+    """Group the parameters of `gm` into units by first use and give each its slot.
+
+    Deterministic in the graph alone, so every rank computes the same layout.
+    """
+    names: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    unit_names: list[str] = []
+    members: dict[str, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for node in gm.graph.nodes:
+        params = used_params(gm, node)
+        if not params:
+            continue
+        key = group_key(module_path(node) or params[0][0])
+        for _, p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if key not in members:
+                unit_names.append(key)
+                members[key] = []
+            members[key].append(p)
+    unused = [ns[0] for pid, ns in names.items() if pid not in seen]
+    if unused:
+        raise CompileError(f"parameters not used by the graph cannot be placed: {unused}")
+    units, slots = [], {}
+    for index, key in enumerate(unit_names):
+        offset, unit_params = 0, []
+        for p in members[key]:
+            aliases = tuple(names[id(p)])
+            slots[aliases[0]] = ParamSlot(name=aliases[0], aliases=aliases, shape=tuple(p.shape),
+                                          unit=index, offset=offset)
+            unit_params.append(aliases[0])
+            offset += p.numel()
+        units.append(ShardUnit(name=key, params=tuple(unit_params), numel=offset, shards=shards))
+    return ParamLayout(units=tuple(units), params=slots)
+
+
+class ZeroShards(nn.Module):
+    """Holds a ZeRO-3 graph's parameter shards (`shard_{i}` for unit i) and the layout.
+
+    The zero pass replaces every parameter of the graph module by this one
+    submodule, so the lowered graph reads shards (`get_attr zero.shard_3`)
+    and gathers them explicitly; the runtime fills the shards with its own.
+    """
+
+    def __init__(self, layout: ParamLayout):
+        super().__init__()
+        self.layout = layout
+        for i, unit in enumerate(layout.units):
+            self.register_parameter(f"shard_{i}", nn.Parameter(
+                torch.empty(unit.shard_numel, device="meta")))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    """One pipeline stage's lowered graph."""
+
+    index: int
+    """Pipeline stage number."""
+    graph: fx.GraphModule
+    """The lowered graph on the meta device: (tokens, targets) -> mean loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Program:
+    """A compiled plan: lowered graphs per stage, the parameter layout, and reports."""
+
+    plan: Plan
+    """The plan it was compiled from."""
+    stages: tuple[Stage, ...]
+    """One lowered graph per pipeline stage."""
+    layout: ParamLayout
+    """Where every parameter lives (units, shards, aliases)."""
+    pass_log: tuple[str, ...] = ()
+    """What each pass did, in order ("zero: inserted 4 gather_params")."""
+    predicted_step_time: float | None = None
+    """The cost model's step time in seconds, when one is available."""
+
+    @property
+    def zero_sharded(self) -> bool:
+        """Whether the graphs gather parameters from shards (ZeRO-3)."""
+        return any(isinstance(getattr(s.graph, "zero", None), ZeroShards) for s in self.stages)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes one dp rank holds between steps, per category: params, grads, optimizer.
+
+        Exact for this layout (padding included): "params" are the weights the
+        graph computes with (full in the compute dtype; fp32 shards at ZeRO-3),
+        "grads" the fp32 gradient buffers (full, or shards from ZeRO-2), and
+        "optimizer" the Adam moments plus a separate fp32 master copy when the
+        compute dtype is not fp32 (shards from ZeRO-1).
+        """
+        zero = self.plan.parallel.zero
+        full, shard = self.layout.padded_numel, self.layout.shard_numel
+        compute = DTYPE_BYTES[self.plan.train.dtype]
+        moments = ADAM_STATES if self.plan.train.optimizer.name == "adamw" else \
+            int(self.plan.train.optimizer.momentum > 0)
+        owned = full if zero == 0 else shard  # elements this rank's optimizer updates
+        if zero == 3:
+            return {"params": MASTER_BYTES * shard, "grads": MASTER_BYTES * shard,
+                    "optimizer": moments * MASTER_BYTES * shard}
+        master = MASTER_BYTES * owned if compute != MASTER_BYTES else 0
+        return {"params": compute * full,
+                "grads": MASTER_BYTES * (full if zero < 2 else shard),
+                "optimizer": moments * MASTER_BYTES * owned + master}
+
+    def run(self, **kwargs: Any):
+        """Train this program: see `ptc.runtime.run` for the arguments."""
+        from ptc.runtime import run  # noqa: PLC0415 - the compiler never needs the runtime
+
+        return run(self, **kwargs)

@@ -1,0 +1,59 @@
+"""Which link each mesh axis uses, from the mesh order and the node size.
+
+A *group* of an axis is the set of ranks that differ only in that axis's
+coordinate. Ranks are numbered with the innermost axis of `order` varying
+fastest (tp innermost by default), and rank r sits on node r // gpus_per_node.
+So an axis's group members are `stride` ranks apart, where stride is the
+product of the degrees of the axes inside it; a group stays inside one node
+when stride · size <= gpus_per_node and otherwise spans nodes, with
+`per_node` members on each node it touches. Collectives of a spanning group
+run hierarchically (NVLink inside each node, InfiniBand across), see `comm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+
+@dataclass(frozen=True, slots=True)
+class AxisGroup:
+    """Placement of one group of a mesh axis on the nodes."""
+
+    axis: str
+    """"tp", "dp" or "pp"."""
+    size: int
+    """Ranks in the group (the axis degree)."""
+    stride: int
+    """Distance between consecutive members' global ranks."""
+    per_node: int
+    """Members of the group that share one node."""
+
+    @property
+    def nodes(self) -> int:
+        """Nodes one group touches."""
+        return ceil(self.size / self.per_node)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when the group's traffic crosses the inter-node link."""
+        return self.nodes > 1
+
+    @property
+    def link(self) -> str:
+        """"intra" (NVLink only) or "inter" (some traffic over InfiniBand)."""
+        return "inter" if self.spans_nodes else "intra"
+
+
+def axis_groups(degrees: dict[str, int], order: tuple[str, ...],
+                gpus_per_node: int) -> dict[str, AxisGroup]:
+    """Placement of every mesh axis, innermost first in `order`."""
+    groups: dict[str, AxisGroup] = {}
+    stride = 1
+    for axis in order:
+        size = degrees[axis]
+        # Members `stride` apart: gpus_per_node // stride of them fit in a node.
+        per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
+        groups[axis] = AxisGroup(axis=axis, size=size, stride=stride, per_node=per_node)
+        stride *= size
+    return groups

@@ -1,0 +1,156 @@
+"""What each section of a plan file may contain: its keys, their kinds, defaults.
+
+One table per section maps a key as written in the file to the plan field
+it sets and the converter that reads it. The semantic step is driven by
+these tables, so adding a key is one line here (and one in
+docs/plan-language.md, which a test keeps in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ptc.dsl import calls
+from ptc.dsl.values import (
+    Converter,
+    boolean,
+    int_or_auto,
+    integer,
+    number,
+    optional,
+    quantity,
+    string,
+    word,
+    word_tuple,
+)
+from ptc.plan import (
+    ACTIVATIONS,
+    BACKENDS,
+    DTYPES,
+    NAN_POLICIES,
+    NORMS,
+    LinkSpec,
+)
+from ptc.presets import PRESETS
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of a section."""
+
+    field: str
+    """The plan dataclass field it sets."""
+    convert: Converter
+    """Reads the value."""
+    required: bool = False
+    """Whether the section is invalid without it."""
+    example: str = ""
+    """`key = value` example for messages about a missing key."""
+    placeholder: Any = None
+    """Stand-in when the key is missing or wrong, so the rest can still be checked."""
+
+
+def _req(field: str, convert: Converter, example: str, placeholder: Any = 1) -> Key:
+    return Key(field, convert, required=True, example=example, placeholder=placeholder)
+
+
+GPU_CHOICES = (*PRESETS, "custom")
+
+MODEL_KEYS: dict[str, Key] = {
+    "layers": _req("layers", integer, "layers = 32"),
+    "hidden": _req("hidden", integer, "hidden = 4096"),
+    "heads": _req("heads", integer, "heads = 32"),
+    "kv_heads": Key("kv_heads", optional(integer)),
+    "ffn": Key("ffn", optional(integer), example="ffn = 11008"),
+    "vocab": _req("vocab", integer, "vocab = 32000"),
+    "max_seq": _req("max_seq", integer, "max_seq = 4096"),
+    "norm": Key("norm", optional(word(NORMS))),
+    "activation": Key("activation", optional(word(ACTIVATIONS))),
+    "tied_embeddings": Key("tied_embeddings", optional(boolean)),
+    "bias": Key("bias", optional(boolean)),
+    "dropout": Key("dropout", number),
+    "rope_theta": Key("rope_theta", number),
+    "norm_eps": Key("norm_eps", number),
+}
+"""model gpt|llama { ... }. llama also requires ffn."""
+
+MODEL_FAMILIES = ("gpt", "llama")
+"""Built-in families, written as `model gpt { ... }`."""
+
+HARDWARE_KEYS: dict[str, Key] = {
+    "gpu": _req("gpu", word(GPU_CHOICES), 'gpu = "H100-SXM"', placeholder="custom"),
+    "nodes": Key("nodes", integer),
+    "gpus_per_node": Key("gpus_per_node", integer),
+    "hbm": Key("hbm_bytes", quantity("bytes"), example="hbm = 80 GiB", placeholder=1.0),
+    "peak": Key("peak_flops", calls.flops, example="peak = flops(bf16 = 989 TFLOP/s)",
+                placeholder={"bf16": 1.0, "fp32": 1.0, "fp16": 1.0}),
+    "mem_bandwidth": Key("mem_bandwidth", quantity("bandwidth"),
+                         example="mem_bandwidth = 3350 GB/s", placeholder=1.0),
+    "intra": Key("intra", calls.link, example="intra = link(bandwidth = 450 GB/s, latency = 2 us)",
+                 placeholder=LinkSpec(bandwidth=1.0, latency=0.0)),
+    "inter": Key("inter", calls.link, example="inter = link(bandwidth = 50 GB/s, latency = 5 us)",
+                 placeholder=LinkSpec(bandwidth=1.0, latency=0.0)),
+    "nvlink_sharp": Key("nvlink_sharp", boolean),
+    "achievable_fraction": Key("achievable_fraction", number),
+}
+"""hardware { ... }. Fields of a preset gpu may be overridden."""
+
+CUSTOM_GPU_KEYS = ("hbm", "peak", "mem_bandwidth", "intra", "inter")
+"""Keys `gpu = custom` requires (a preset supplies them otherwise)."""
+
+PARALLEL_KEYS: dict[str, Key] = {
+    "tp": Key("tp", int_or_auto),
+    "pp": Key("pp", int_or_auto),
+    "dp": Key("dp", int_or_auto),
+    "zero": Key("zero", integer),
+    "sequence_parallel": Key("sequence_parallel", boolean),
+    "schedule": Key("schedule", calls.schedule),
+    "virtual_stages": Key("virtual_stages", integer),
+    "microbatches": Key("microbatches", optional(integer)),
+    # Replaced per plan by calls.checkpoint(layers), which needs the model.
+    "checkpoint": Key("checkpoint", calls.checkpoint(None)),
+    "overlap": Key("overlap", boolean),
+    "order": Key("order", word_tuple),
+}
+"""parallel { ... }, plus `shard "glob" style` lines."""
+
+TRAIN_KEYS: dict[str, Key] = {
+    "seq_len": _req("seq_len", integer, "seq_len = 4096"),
+    "global_batch": _req("global_batch", integer, "global_batch = 256"),
+    "micro_batch": Key("micro_batch", integer),
+    "dtype": Key("dtype", word(DTYPES)),
+    "steps": Key("steps", integer),
+    "grad_clip": Key("grad_clip", optional(number)),
+    "optimizer": Key("optimizer", calls.optimizer),
+    "lr_schedule": Key("lr_schedule", calls.lr_schedule),
+    "data": Key("data", calls.data),
+    "init": Key("init", calls.init),
+}
+"""train { ... }."""
+
+RUNTIME_KEYS: dict[str, Key] = {
+    "backend": Key("backend", word(BACKENDS)),
+    "checkpoint_dir": Key("checkpoint_dir", optional(string)),
+    "checkpoint_every": Key("checkpoint_every", optional(integer)),
+    "checkpoint_interval": Key("checkpoint_interval", optional(quantity("time"))),
+    "keep": Key("keep", integer),
+    "async_save": Key("async_save", boolean),
+    "nan_policy": Key("nan_policy", word(NAN_POLICIES)),
+    "metrics": Key("metrics", optional(string)),
+    "seed": Key("seed", integer),
+    "log_every": Key("log_every", integer),
+}
+"""runtime { ... }."""
+
+SECTIONS: dict[str, dict[str, Key]] = {
+    "model": MODEL_KEYS, "hardware": HARDWARE_KEYS, "parallel": PARALLEL_KEYS,
+    "train": TRAIN_KEYS, "runtime": RUNTIME_KEYS,
+}
+"""Section name -> its keys, in the order sections are written."""
+
+REQUIRED_SECTIONS = ("model", "hardware", "train")
+"""Sections every plan must have; parallel and runtime have defaults."""
+
+DIRECTIVES = {"parallel": ("shard",)}
+"""Section -> the `keyword "string" word` lines it accepts."""

@@ -1,0 +1,180 @@
+"""ZeRO-3: parameters live as dp shards and are gathered where the graph uses them.
+
+The pass rewrites a graph whose weights are module parameters into one
+whose weights are values: every parameter use (a `call_module` Linear /
+Embedding / LayerNorm / RMSNorm, or a `get_attr`) reads a view of a full
+buffer that a `gather_params` node produced from the unit's shards
+(`zero.shard_{i}`, see `ptc.compiler.program.ZeroShards`). One gather per
+*group* — a transformer layer, or another top-level module — sits before the
+group's first use. A tied weight used by two groups (embed and head) is
+gathered by each; both gathers' backwards add into the same shard gradient.
+
+With prefetch, each gather's `gather_params_start` moves to just after the
+previous gather's `gather_params`, so layer i+1's weights travel while layer i
+computes; the runtime's session does the same in backward (see
+`ptc.runtime.zero3`).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ptc.compiler.meta import copy_meta, get_info
+from ptc.compiler.nodes import module_path
+from ptc.compiler.program import ParamLayout, ParamSlot, ZeroShards, group_key, param_layout, used_params
+from ptc.errors import CompileError
+from ptc.plan import Plan
+from ptc.runtime.collectives import gather_params, gather_params_start
+
+log = logging.getLogger("ptc.passes.zero")
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHARDS_ATTR = "zero"
+
+
+def shard_params_pass(gm: fx.GraphModule, plan: Plan, *,
+                      knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    """Insert gather_params before each layer's first use and keep only parameter shards.
+
+    ZeRO-3 stores 1/dp of every parameter per rank; the graph itself shows
+    where full weights are materialised, so memory and overlap are visible
+    to later passes and to `ptc inspect`. Runs only when `parallel.zero` is 3.
+    Knob `prefetch` (default: `parallel.overlap`) starts each gather one
+    group early.
+    """
+    if plan.parallel.zero < 3:
+        return gm
+    if hasattr(gm, SHARDS_ATTR):
+        raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
+    prefetch = dict(knobs or {}).get("prefetch", plan.parallel.overlap)
+    dtype = COMPUTE_DTYPES[plan.train.dtype]
+    layout = param_layout(gm, plan.parallel.dp)
+    slots = _slots_by_param(gm, layout)
+    gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
+    gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]
+    if prefetch:
+        _prefetch(gathers)
+    _drop_params(gm, layout)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    log.info("inserted %d gather_params%s", len(gathers), " (prefetched)" if prefetch else "")
+    return gm
+
+
+def _slots_by_param(gm: fx.GraphModule, layout: ParamLayout) -> dict[int, ParamSlot]:
+    by_alias = {alias: slot for slot in layout.params.values() for alias in slot.aliases}
+    return {id(p): by_alias[name] for name, p in gm.named_parameters(remove_duplicate=False)}
+
+
+def _uses_by_group(gm: fx.GraphModule) -> dict[str, list[tuple[fx.Node, list]]]:
+    groups: dict[str, list[tuple[fx.Node, list]]] = {}
+    for node in list(gm.graph.nodes):
+        params = used_params(gm, node)
+        if params:
+            key = group_key(module_path(node) or params[0][0])
+            groups.setdefault(key, []).append((node, params))
+    return groups
+
+
+def _meta(src: fx.Node, dst: fx.Node, **changes: Any) -> None:
+    # Created nodes stand for `src` (provenance, layer); they compute nothing themselves.
+    if get_info(src) is None:
+        copy_meta(src, dst)
+    else:
+        copy_meta(src, dst, **changes)
+
+
+def _insert_gather(gm: fx.GraphModule, uses: list[tuple[fx.Node, list]],
+                   slots: dict[int, ParamSlot], dtype: torch.dtype) -> tuple[fx.Node, ...]:
+    """Insert shard reads, start, wait and weight views before the group's first use."""
+    graph, first = gm.graph, uses[0][0]
+    units = sorted({slots[id(p)].unit for _, params in uses for _, p in params})
+    free = dict(flops=0, params=0, param_bytes=0)
+    views: dict[str, fx.Node] = {}
+    with graph.inserting_before(first):
+        shards = tuple(graph.get_attr(f"{SHARDS_ATTR}.shard_{u}") for u in units)
+        start = graph.call_function(gather_params_start, (shards,), {"axis": "dp", "dtype": dtype})
+        wait = graph.call_function(gather_params, (start, shards))
+        for node in (*shards, start, wait):
+            _meta(first, node, kind="other", shapes=(), dtypes=(), **free)
+        flats = {}
+        for i, u in enumerate(units):
+            flats[u] = graph.call_function(operator.getitem, (wait, i))
+            _meta(first, flats[u], kind="view", shapes=(), dtypes=(), **free)
+        for node, params in uses:
+            for _, p in params:
+                slot = slots[id(p)]
+                if slot.name in views:
+                    continue
+                piece = graph.call_function(operator.getitem, (
+                    flats[slot.unit], slice(slot.offset, slot.offset + slot.numel)))
+                view = graph.create_node("call_method", "view", (piece, slot.shape),
+                                         name=slot.name.replace(".", "_"))
+                for n in (piece, view):
+                    _meta(node, n, kind="view", shapes=(slot.shape,), dtypes=(dtype,), **free)
+                views[slot.name] = view
+    for node, params in uses:
+        _rewrite(gm, node, {name: views[slots[id(p)].name] for name, p in params})
+    return (*shards, start, wait)
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: dict[str, fx.Node]) -> None:
+    """Make `node` read its weights from `weights` (name in gm -> view node)."""
+    graph = gm.graph
+    if node.op == "get_attr":
+        node.replace_all_uses_with(weights[str(node.target)])
+        graph.erase_node(node)
+        return
+    module = gm.get_submodule(str(node.target))
+    if len(node.args) != 1 or node.kwargs:
+        raise CompileError(f"zero: {node.target} ({type(module).__name__}) is called with "
+                           f"{len(node.args)} args and {len(node.kwargs)} kwargs; expected one input")
+
+    def w(name: str):
+        return weights.get(f"{node.target}.{name}") if getattr(module, name, None) is not None else None
+
+    x = node.args[0]
+    if isinstance(module, nn.Linear):
+        fn, args = F.linear, (x, w("weight"), w("bias"))
+    elif isinstance(module, nn.Embedding):
+        fn, args = F.embedding, (x, w("weight"), module.padding_idx, module.max_norm,
+                                 module.norm_type, module.scale_grad_by_freq, module.sparse)
+    elif isinstance(module, nn.LayerNorm):
+        fn, args = F.layer_norm, (x, tuple(module.normalized_shape), w("weight"), w("bias"),
+                                  module.eps)
+    elif isinstance(module, nn.RMSNorm):
+        fn, args = F.rms_norm, (x, tuple(module.normalized_shape), w("weight"), module.eps)
+    else:
+        raise CompileError(
+            f"zero: cannot shard the parameters of {node.target} ({type(module).__name__}); "
+            "leaf modules with parameters must be Linear, Embedding, LayerNorm or RMSNorm")
+    with graph.inserting_before(node):
+        new = graph.create_node("call_function", fn, args, name=node.name)
+    copy_meta(node, new)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _prefetch(gathers: list[tuple[fx.Node, ...]]) -> None:
+    """Move each gather's shard reads and start right after the previous gather's wait."""
+    for previous, current in zip(gathers, gathers[1:]):
+        anchor = previous[-1]
+        for node in current[:-1]:
+            anchor.append(node)
+            anchor = node
+
+
+def _drop_params(gm: fx.GraphModule, layout: ParamLayout) -> None:
+    for slot in layout.params.values():
+        for alias in slot.aliases:
+            owner, _, leaf = alias.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            module._parameters.pop(leaf, None)

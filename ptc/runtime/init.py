@@ -1,0 +1,98 @@
+"""Initial weights and buffers: the same full tensors whatever the parallel layout.
+
+- random(seed), built-in family: each parameter from `ptc.models.initial_value`
+  (its own generator, seeded from the run seed and its name), computed from
+  the meta model, so no rank ever materialises the whole model.
+- random(seed), custom family: the user's factory run under the seed on CPU.
+- state_dict(path): a full (unsharded) `torch.save`d state dict, by parameter
+  name; a tied weight may appear under any of its names.
+
+Buffers the graph reads (RoPE tables) come from the state dict when it has
+them, else are recomputed by their module's `reset_buffers()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import fx, nn
+
+from ptc.compiler.program import ParamLayout
+from ptc.errors import PtcError
+from ptc.plan import Plan
+
+
+def reference_model(plan: Plan) -> nn.Module:
+    """The model whose names and init rules the weights follow (meta for built-ins)."""
+    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
+
+    device = "cpu" if plan.model.family == "custom" else "meta"
+    return build_model(plan.model, device=device, seed=plan.train.init.seed)
+
+
+def initial_params(plan: Plan, layout: ParamLayout,
+                   model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 CPU value of every parameter of `layout`, by canonical name."""
+    init = plan.train.init
+    if init.kind == "state_dict":
+        state = torch.load(init.path, map_location="cpu", weights_only=True)
+        return params_from_state_dict(state, layout, source=init.path)
+    model = model if model is not None else reference_model(plan)
+    if any(p.is_meta for p in model.parameters()):
+        from ptc.models import initial_value  # noqa: PLC0415
+
+        names = {n for n, _ in model.named_parameters()}
+        return {slot.name: initial_value(model, next(a for a in slot.aliases if a in names),
+                                         init.seed)
+                for slot in layout.params.values()}
+    return params_from_state_dict(model.state_dict(), layout, source="the model")
+
+
+def params_from_state_dict(state: Mapping[str, torch.Tensor], layout: ParamLayout, *,
+                           source: str) -> dict[str, torch.Tensor]:
+    """Pick every layout parameter out of a full state dict, checking names and shapes."""
+    values, missing = {}, []
+    for slot in layout.params.values():
+        name = next((a for a in slot.aliases if a in state), None)
+        if name is None:
+            missing.append(slot.name)
+            continue
+        value = state[name]
+        if tuple(value.shape) != slot.shape:
+            raise PtcError(f"{source}: {name} has shape {tuple(value.shape)}, "
+                           f"the model needs {slot.shape}")
+        values[slot.name] = value.detach().to("cpu", torch.float32)
+    if missing:
+        raise PtcError(f"{source}: missing parameters {missing}")
+    return values
+
+
+def initial_buffers(gm: fx.GraphModule, plan: Plan,
+                    model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Real values of the graph module's buffers (they are on meta after compile)."""
+    names = [name for name, _ in gm.named_buffers()]
+    if not names:
+        return {}
+    state = {}
+    if plan.train.init.kind == "state_dict":
+        state = torch.load(plan.train.init.path, map_location="cpu", weights_only=True)
+    model = model if model is not None else reference_model(plan)
+    values = {}
+    for name in names:
+        if name in state:
+            values[name] = state[name]
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        buffer = getattr(owner, leaf)
+        if buffer.is_meta:
+            reset = getattr(owner, "reset_buffers", None)
+            if not callable(reset):
+                raise PtcError(f"buffer {name} has no value: it is not in the state dict and "
+                               f"{type(owner).__name__} has no reset_buffers()")
+            owner.to_empty(device="cpu", recurse=False)
+            reset()
+            buffer = getattr(owner, leaf)
+        values[name] = buffer
+    return values

@@ -1,0 +1,71 @@
+"""The optimizer over this rank's fp32 master weights, with clipping across shards.
+
+At ZeRO-0 every rank updates the full masters; from ZeRO-1 on each rank
+updates only its shard of every unit, so optimizer state is 1/dp per rank.
+The update itself is `torch.optim.AdamW` (or SGD) run on the flat master
+buffers: AdamW is elementwise, so updating a flat shard gives the same
+numbers as updating the full model's parameters one by one.
+
+Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
+all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced), then
+every gradient times min(1, max_norm / (norm + 1e-6)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ptc.plan import OptimizerSpec
+from ptc.runtime.comm import all_reduce_flat
+from ptc.runtime.params import UnitState
+
+CLIP_EPS = 1e-6
+"""torch.nn.utils.clip_grad_norm_'s epsilon."""
+
+
+class ShardedOptimizer:
+    """AdamW / SGD on the rank's masters, learning rate set per step, clipping over dp."""
+
+    def __init__(self, units: list[UnitState], spec: OptimizerSpec,
+                 group: dist.ProcessGroup | None, *, sharded: bool):
+        self.units, self.group, self.sharded = units, group, sharded
+        masters = [u.master for u in units]
+        if spec.name == "adamw":
+            self.inner = torch.optim.AdamW(masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                           weight_decay=spec.weight_decay)
+        else:
+            self.inner = torch.optim.SGD(masters, lr=spec.lr, momentum=spec.momentum,
+                                         weight_decay=spec.weight_decay)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradient (over every rank's shard when sharded)."""
+        squares = torch.stack([u.master.grad.pow(2).sum() for u in self.units]).sum()
+        if self.sharded:
+            all_reduce_flat(squares.view(1), self.group).wait()
+        return squares.sqrt()
+
+    def clip(self, max_norm: float | None) -> float:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+        norm = self.grad_norm()
+        if max_norm is not None:
+            scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+            for unit in self.units:
+                unit.master.grad.mul_(scale)
+        return float(norm)
+
+    def step(self, lr: float) -> None:
+        """One update of the masters at learning rate `lr`."""
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient accumulators (kept allocated: they are reused every step)."""
+        for unit in self.units:
+            unit.grad.zero_()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the optimizer state (moments and step counters)."""
+        return [t for state in self.inner.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]

@@ -1,0 +1,148 @@
+"""The rank's parameter storage: flat buffers per unit, bound into the graph module.
+
+Per unit (see `ptc.compiler.program`) a dp rank holds, by ZeRO stage:
+
+| stage | weights the graph reads        | fp32 master the optimizer updates | fp32 gradient |
+|-------|--------------------------------|-----------------------------------|---------------|
+| 0     | full buffer, compute dtype     | full (the same buffer when fp32)  | full          |
+| 1     | full buffer                    | shard r (a view of full when fp32)| full          |
+| 2     | full buffer                    | shard r                           | shard r       |
+| 3     | gathered by the graph per use  | shard r = the graph's zero.shard_i| shard r       |
+
+At ZeRO 0-2 the graph's parameters are views into the unit's full buffer,
+so the all-gather after an optimizer step updates them in place and a
+unit's gradient is one contiguous buffer to reduce. Padding elements are
+zero and stay zero (zero gradient, zero weight decay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ptc.compiler.program import ParamLayout, ParamSlot, ShardUnit
+from ptc.errors import PtcError
+from ptc.runtime.comm import Work, all_gather_flat
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(eq=False)
+class UnitState:
+    """One unit's tensors on this rank (see the module table)."""
+
+    spec: ShardUnit
+    slots: list[ParamSlot]
+    master: torch.Tensor
+    """fp32 values the optimizer updates: the full buffer (ZeRO-0) or this rank's shard."""
+    grad: torch.Tensor
+    """fp32 gradient accumulator: full (ZeRO 0-1) or this rank's shard (ZeRO 2-3)."""
+    full: torch.Tensor | None = None
+    """Full buffer in the compute dtype that the graph's parameters view (ZeRO 0-2)."""
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The graph's parameters, in slot order (ZeRO 0-2)."""
+
+
+def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
+                zero: int, dtype: torch.dtype, rank: int, world: int,
+                device: torch.device) -> list[UnitState]:
+    """Create this rank's buffers from full initial `values` and bind them into `gm`."""
+    units = []
+    for index, spec in enumerate(layout.units):
+        slots = layout.slots(index)
+        full32 = torch.zeros(spec.padded_numel, dtype=torch.float32, device=device)
+        for slot in slots:
+            full32[slot.offset:slot.offset + slot.numel] = values[slot.name].reshape(-1)
+        shard32 = full32.view(world, -1)[rank]
+        if zero == 3:
+            master = nn.Parameter(shard32.clone())
+            gm.zero.register_parameter(f"shard_{index}", master)
+            unit = UnitState(spec=spec, slots=slots, master=master, grad=torch.zeros_like(master))
+        else:
+            full = full32 if dtype == torch.float32 else full32.to(dtype)
+            if zero == 0:
+                master = full32
+            else:
+                master = shard32 if dtype == torch.float32 else shard32.clone()
+            grad = torch.zeros(spec.padded_numel if zero < 2 else spec.shard_numel,
+                               dtype=torch.float32, device=device)
+            unit = UnitState(spec=spec, slots=slots, master=master, grad=grad, full=full,
+                             params=[_bind_param(gm, full, slot) for slot in slots])
+        # ZeRO-1 keeps full gradients but updates only its shard of them.
+        unit.master.grad = unit.grad.view(world, -1)[rank] if zero == 1 else unit.grad
+        units.append(unit)
+    return units
+
+
+def _bind_param(gm: fx.GraphModule, full: torch.Tensor, slot: ParamSlot) -> nn.Parameter:
+    param = nn.Parameter(full[slot.offset:slot.offset + slot.numel].view(slot.shape))
+    for alias in slot.aliases:  # tied weights: one Parameter under every name
+        owner, _, leaf = alias.rpartition(".")
+        (gm.get_submodule(owner) if owner else gm)._parameters[leaf] = param
+    return param
+
+
+def bind_buffers(gm: fx.GraphModule, values: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
+    """Replace the graph module's meta buffers by real ones; fail on anything left on meta."""
+    for name, value in values.items():
+        owner, _, leaf = name.rpartition(".")
+        (gm.get_submodule(owner) if owner else gm)._buffers[leaf] = value.to(device)
+    left = [n for n, t in (*gm.named_parameters(), *gm.named_buffers()) if t.is_meta]
+    if left:
+        raise PtcError(f"tensors still on the meta device after initialisation: {left}")
+
+
+def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero: int,
+            rank: int, world: int) -> None:
+    """Make the graph's weights equal the updated masters (cast, then all-gather shards)."""
+    works: list[Work] = []
+    with torch.no_grad():
+        for unit in units:
+            if unit.full is None:  # ZeRO-3: the graph gathers from the master shards itself
+                continue
+            if zero == 0:
+                if unit.full.data_ptr() != unit.master.data_ptr():
+                    unit.full.copy_(unit.master)
+                continue
+            mine = unit.full.view(world, -1)[rank]
+            if mine.data_ptr() != unit.master.data_ptr():
+                mine.copy_(unit.master)
+            # A copy of our shard as input: the output buffer must not alias the input.
+            works.append(all_gather_flat(mine.clone(), group, out=unit.full))
+    for work in works:
+        work.wait()
+
+
+def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],
+               optimizer_state: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes this rank holds per category, counting each storage once.
+
+    params: the graph module's parameters (full buffers, or ZeRO-3 shards);
+    grads: gradient accumulators and any `.grad` left on the graph's
+    parameters; optimizer: state tensors (0-dim step counters excluded) and
+    master copies that are not already counted as params.
+    """
+    seen: set[int] = set()
+
+    def total(tensors: Iterable[torch.Tensor | None]) -> int:
+        count = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                count += storage.nbytes()
+        return count
+
+    units = list(units)
+    params = list(gm.parameters())
+    return {"params": total(params),
+            "grads": total([u.grad for u in units] + [p.grad for p in params]),
+            "optimizer": total([t for t in optimizer_state if t.dim() > 0] +
+                               [u.master for u in units])}

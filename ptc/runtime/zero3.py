@@ -1,0 +1,138 @@
+"""The life of gathered ZeRO-3 weights over one micro-batch's forward and backward.
+
+Terms: a *gather* is one `gather_params` call, identified by its
+`GatherHandle`; its result is the full flat buffer of each of its units.
+
+Forward: autograd would keep every gathered weight alive until backward
+(linear saves its weight), which is exactly what ZeRO-3 must not do. The
+session's saved-tensor hooks store a reference instead — (gather, unit,
+view geometry) — whenever autograd saves a view of a gathered buffer, so a
+buffer dies after its last use in the graph.
+
+Backward: the first unpack of a gather's reference re-gathers it (or waits
+for the prefetch already in flight), then starts gathering the previous
+gather that has saved references — the next one backward will need — so
+communication overlaps the current layer's gradient computation. When
+`gather_params`'s own backward runs, every use of the gather is done: the
+session drops the re-gathered buffers and queues the gradient
+reduce-scatter, which `finish` waits for and adds into each shard's `.grad`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ptc.runtime.collectives import GatherHandle
+    from ptc.runtime.comm import Work
+
+# A module global, not a contextvar: backward may run on autograd's own threads.
+_SESSION: ParamSession | None = None
+
+
+def current_session() -> ParamSession | None:
+    """The session of the micro-batch being run, if any."""
+    return _SESSION
+
+
+class _Ref:
+    """A saved view of a gathered buffer, kept as (gather, unit, geometry) instead of data."""
+
+    __slots__ = ("handle", "unit", "offset", "size", "stride")
+
+    def __init__(self, handle: GatherHandle, unit: int, offset: int, size, stride):
+        self.handle, self.unit, self.offset, self.size, self.stride = handle, unit, offset, size, stride
+
+
+class ParamSession(AbstractContextManager):
+    """Saved-tensor hooks, backward re-gather with prefetch, and deferred gradient reductions."""
+
+    def __init__(self, prefetch: bool = True):
+        self.prefetch = prefetch
+        self._live: dict[int, tuple[weakref.ref, GatherHandle, int]] = {}
+        self._saved: list[GatherHandle] = []  # gathers with saved references, forward order
+        self._full: dict[int, list[torch.Tensor]] = {}  # id(handle) -> re-gathered buffers
+        self._released: set[int] = set()
+        self._deferred: list[tuple[GatherHandle, list[Work]]] = []
+
+    def __enter__(self) -> ParamSession:
+        global _SESSION
+        _SESSION = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _SESSION
+        _SESSION = None
+
+    def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks to run the forward under."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def track(self, handle: GatherHandle, flats: list[torch.Tensor]) -> None:
+        """Remember that `flats` are the buffers of `handle` (called by gather_params)."""
+        for unit, flat in enumerate(flats):
+            self._live[id(flat)] = (weakref.ref(flat), handle, unit)
+
+    def release(self, handle: GatherHandle) -> None:
+        """Drop `handle`'s re-gathered buffers: backward is done with them."""
+        self._full.pop(id(handle), None)
+        self._released.add(id(handle))
+
+    def defer(self, handle: GatherHandle, works: list[Work]) -> None:
+        """Queue `handle`'s gradient reduce-scatters for `finish`."""
+        self._deferred.append((handle, works))
+
+    def finish(self) -> None:
+        """Wait for every gradient reduce-scatter and add it into its shard's `.grad`."""
+        with torch.no_grad():
+            for handle, works in self._deferred:
+                for shard, work in zip(handle.shards, works):
+                    grad = work.wait()
+                    if shard.grad is None:
+                        shard.grad = grad.clone()
+                    else:
+                        shard.grad.add_(grad)
+        self._deferred.clear()
+        self._full.clear()
+        self._live.clear()
+
+    def _pack(self, tensor: torch.Tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        entry = self._live.get(id(base))
+        if entry is None or entry[0]() is not base:  # not a gathered buffer (or a stale id)
+            return tensor
+        _, handle, unit = entry
+        if not any(h is handle for h in self._saved):
+            self._saved.append(handle)
+        return _Ref(handle, unit, tensor.storage_offset() - base.storage_offset(),
+                    tensor.size(), tensor.stride())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Ref):
+            return saved
+        flat = self._regather(saved.handle)[saved.unit]
+        return flat.as_strided(saved.size, saved.stride, flat.storage_offset() + saved.offset)
+
+    def _regather(self, handle: GatherHandle) -> list[torch.Tensor]:
+        flats = self._full.get(id(handle))
+        if flats is None:
+            if not handle.started:
+                handle.start()
+            flats = self._full[id(handle)] = handle.wait()
+            if self.prefetch:
+                self._prefetch_before(handle)
+        return flats
+
+    def _prefetch_before(self, handle: GatherHandle) -> None:
+        index = next(i for i, h in enumerate(self._saved) if h is handle)
+        for previous in reversed(self._saved[:index]):
+            key = id(previous)
+            if key in self._released or key in self._full:
+                continue
+            if not previous.started:
+                previous.start()
+            return
