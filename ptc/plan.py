@@ -375,7 +375,7 @@ class ParallelSpec(_Section):
         else:
             self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
                       f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)
-        if not isinstance(self.order, tuple) or \
+        if not isinstance(self.order, (tuple, list)) or \
                 sorted(map(str, self.order)) != sorted(AXES) or \
                 not all(isinstance(a, str) for a in self.order):
             self._bad(sink, "order", f"order must name each of tp, dp, pp once, got {self.order}")

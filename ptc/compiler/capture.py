@@ -39,6 +39,7 @@ cross-entropy of logits[b·s, V] against targets[b·s] appended to the graph
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import re
@@ -73,7 +74,7 @@ _CHECK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
 
 def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
             dtype: torch.dtype | str = torch.float32, with_loss: bool = True,
-            leaf_modules: tuple = ()) -> fx.GraphModule:
+            leaf_modules: tuple = (), front_door: str = "auto") -> fx.GraphModule:
     """Capture `model` at batch (micro_batch, seq_len) as an annotated GraphModule.
 
     The graph takes `tokens` (and `targets` when `with_loss`) and returns the
@@ -85,9 +86,13 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     `leaf_modules`: module classes, or fnmatch globs of module paths, that
     the fx door keeps as single call_module nodes (for modules whose Python
     cannot be traced but runs fine on meta tensors).
+    `front_door`: "auto" (fx, then export), or "fx" / "export" to force one
+    (tests use it to check that both graphs answer the same).
     Raises CaptureError, naming the module and source line, when neither
     front door can capture the model.
     """
+    if front_door not in ("auto", "fx", "export"):
+        raise ValueError(f"front_door must be 'auto', 'fx' or 'export', got {front_door!r}")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     call = _call_rule(model)
     root = _meta_model(model, dtype)
@@ -95,24 +100,31 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     if call.targets:
         inputs[call.targets] = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     try:
-        gm, evaluator = _fx_door(root, call, inputs, leaf_modules)
+        if front_door == "export":
+            raise _Skipped("the export front door was asked for")
+        graph, evaluator, owner, out_spec = _fx_door(root, call, inputs, leaf_modules)
         door = "fx"
     except _DataDependent as dd:
         raise CaptureError(_data_dependent_message(model, dd)) from None
     except Exception as fx_exc:  # anything symbolic tracing cannot do: try the other door
         fx_where = _failure_site(fx_exc, getattr(fx_exc, "_ptc_module", None))
+        if front_door == "fx":
+            raise CaptureError(_untraceable_message(model, fx_exc, fx_where, None)) from fx_exc
         try:
-            gm, evaluator = _export_door(root, call, inputs)
+            graph, evaluator, owner, out_spec = _export_door(root, call, inputs)
             door = "export"
         except Exception as ex_exc:
             raise CaptureError(_untraceable_message(model, fx_exc, fx_where, ex_exc)) from ex_exc
+    graph.owning_module = owner  # DCE's purity check looks modules up (GraphModule resets it)
+    vocab, model_loss = _normalise_io(graph, call, evaluator, out_spec, micro_batch, seq_len,
+                                      with_loss, aten=door == "export",
+                                      model_name=type(model).__name__)
+    gm = fx.GraphModule(owner, graph, type(model).__name__)
     blocks, num_layers = find_blocks(root)
-    logits_vocab, model_loss = _normalise_io(gm, call, evaluator, micro_batch, seq_len,
-                                             with_loss, aten=door == "export")
     gm.meta["ptc"] = CaptureInfo(
         front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
-        blocks_path=blocks, num_layers=num_layers, vocab=logits_vocab)
+        blocks_path=blocks, num_layers=num_layers, vocab=vocab)
     _annotate(gm, root, evaluator, blocks, dtype)
     return gm
 
@@ -214,6 +226,12 @@ class _Evaluator:
     (shape propagation of the whole graph). Values are memoised per node and
     also stored as torch's node.meta["val"]; FLOPs of nodes that must be run
     to be counted (flops.needs_running) are kept in `counted`.
+
+    Repeated layers cost one evaluation: a meta op's output depends only on
+    the op and its operands' metadata, so results are cached under (op,
+    operand shapes/dtypes/strides, constants) — for a leaf module, its class,
+    configuration and parameter shapes. Layer 1..L-1 of identical blocks hit
+    the cache of layer 0. In-place ops are never cached.
     """
 
     def __init__(self, root: nn.Module, inputs: dict[str, torch.Tensor]):
@@ -221,6 +239,8 @@ class _Evaluator:
         self.inputs = inputs
         self.memo: dict[fx.Node, object] = {}
         self.counted: dict[fx.Node, int] = {}
+        self._cache: dict[tuple, tuple[object, int | None]] = {}
+        self._module_sigs: dict[int, tuple] = {}
 
     def value(self, node: fx.Node):
         """The value of `node`, evaluating whatever it depends on first."""
@@ -228,6 +248,12 @@ class _Evaluator:
         if node in memo:
             return memo[node]
         todo = [node]
+        with torch.no_grad():  # shapes only: no autograd graph between meta tensors
+            self._drain(todo)
+        return memo[node]
+
+    def _drain(self, todo: list) -> None:
+        memo = self.memo
         while todo:  # iterative post-order: graphs are thousands of nodes deep
             n = todo[-1]
             if n in memo:
@@ -240,7 +266,6 @@ class _Evaluator:
             memo[n] = self._run(n)
             n.meta["val"] = memo[n]
             todo.pop()
-        return memo[node]
 
     def run_all(self, graph: fx.Graph) -> None:
         """Evaluate every node of the graph (in order, so no deep searches)."""
@@ -254,33 +279,111 @@ class _Evaluator:
         self.counted.pop(node, None)
 
     def _run(self, node: fx.Node):
+        op = node.op
+        if op == "placeholder":
+            if node.target in self.inputs:
+                return self.inputs[node.target]
+            return node.args[0] if node.args else None  # a concrete arg's default
+        if op == "get_attr":
+            return _fetch(self.root, node.target)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.memo.__getitem__)
-        try:
-            if node.op == "placeholder":
-                if node.target in self.inputs:
-                    return self.inputs[node.target]
-                return node.args[0] if node.args else None  # a concrete arg's default
-            if node.op == "get_attr":
-                return _fetch(self.root, node.target)
-            if node.op == "call_function":
-                fn = node.target
-                if nodes.op_name(node) == "einsum":
-                    out, self.counted[node] = flops_mod.count_flops(fn, *args, **kwargs)
-                    return out
-                return fn(*args, **kwargs)
-            if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
-            if node.op == "call_module":
-                mod = self.root.get_submodule(node.target)
-                if flops_mod.needs_running(node, nodes.classify(node)):
-                    out, self.counted[node] = flops_mod.count_flops(mod, *args, **kwargs)
-                    return out
-                return mod(*args, **kwargs)
+        if op == "output":
             return args[0] if args else None
+        try:
+            fn, count = self._callable(node)
+            key = self._key(node, fn, args, kwargs)
+            if key is not None and key in self._cache:
+                out, flops = self._cache[key]
+            elif count:
+                out, flops = flops_mod.count_flops(fn, *args, **kwargs)
+            else:
+                out, flops = fn(*args, **kwargs), None
+            if key is not None:
+                self._cache[key] = (out, flops)
+            if flops is not None:
+                self.counted[node] = flops
+            return out
         except _DataDependent:
             raise
         except Exception as exc:
             raise _NodeFailed(node, exc) from exc
+
+    def _callable(self, node: fx.Node):
+        """(function to call with the node's evaluated args, whether to count its FLOPs)."""
+        if node.op == "call_module":
+            mod = self.root.get_submodule(node.target)
+            return mod, nodes.module_kind(type(mod)) == "other"
+        if node.op == "call_method":
+            return (lambda obj, *a, **k: getattr(obj, node.target)(*a, **k)), False
+        return node.target, nodes.op_name(node) == "einsum"
+
+    def _key(self, node: fx.Node, fn, args, kwargs) -> tuple | None:
+        """Cache key of a call, or None when it must not be cached (in-place, odd args)."""
+        try:
+            if node.op == "call_module":
+                head = ("M", self._module_sig(fn))
+            elif node.op == "call_method":
+                if node.target.endswith("_") and not node.target.endswith("__"):
+                    return None
+                head = ("C", node.target)
+            else:
+                if _mutates(node.target):
+                    return None
+                head = ("F", node.target)
+            return head + (_sig(args), _sig(kwargs))
+        except _Unhashable:
+            return None
+
+    def _module_sig(self, mod: nn.Module) -> tuple:
+        sig = self._module_sigs.get(id(mod))
+        if sig is None:
+            sig = _module_signature(mod)
+            self._module_sigs[id(mod)] = sig
+        return sig
+
+
+class _Unhashable(Exception):
+    """A value that cannot be part of a cache key."""
+
+
+_SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _sig(x):
+    """Hashable description of a value: tensors by metadata, containers element-wise."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.stride(), x.storage_offset(), x.device.type)
+    if x is None or isinstance(x, _SCALARS):
+        return (type(x), x)  # 1, 1.0 and True hash alike but type differently
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_sig(v) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _sig(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return (slice, _sig(x.start), _sig(x.stop), _sig(x.step))
+    raise _Unhashable(type(x).__name__)
+
+
+def _module_signature(mod: nn.Module) -> tuple:
+    """Class, simple configuration attributes, tensors' metadata, and children, recursively."""
+    config = []
+    for name, value in sorted(vars(mod).items()):
+        if name.startswith("_") or name == "training":
+            continue
+        try:
+            config.append((name, _sig(value)))
+        except _Unhashable:
+            config.append((name, id(value)))  # unknown config: equal only to itself
+    tensors = tuple((n, _sig(t)) for n, t in (*mod._parameters.items(), *mod._buffers.items()))
+    children = tuple((n, _module_signature(c)) for n, c in mod.named_children())
+    return (type(mod), mod.training, tuple(config), tensors, children)
+
+
+def _mutates(target) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _fetch(root: nn.Module, target: str):
@@ -302,6 +405,10 @@ class _NodeFailed(RuntimeError):
 # ----------------------------------------------------------------- fx door
 
 
+class _Skipped(Exception):
+    """The fx door was not tried."""
+
+
 class _DataDependent(Exception):
     """Control flow on tensor values met while tracing."""
 
@@ -315,13 +422,46 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, evaluator: _Evaluator, leaf_modules: tuple):
         super().__init__()
-        self.record_stack_traces = True
         # Buffers come back as proxies (get_attr nodes), so `self.cos[:s]`
         # with a traced s is recorded rather than evaluated.
         self.proxy_buffer_attributes = True
         self.evaluator = evaluator
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_globs = tuple(m for m in leaf_modules if isinstance(m, str))
+        self._tensor_names: dict[int, str] | None = None
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        """Create a node and record the user source line that made it.
+
+        fx's own `record_stack_traces` formats the whole stack for every node
+        (a third of the time of tracing a 70B model); the innermost user frame
+        is all capture and error messages need.
+        """
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        frame = _user_frame(sys._getframe(1), with_text=False)
+        if frame is not None:
+            node.stack_trace = f'File "{frame[0]}", line {frame[1]}, in {frame[2]}'
+        return node
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        """Parameters and buffers become get_attr proxies, found by identity.
+
+        fx scans every named parameter/buffer of the model for each access;
+        capture looks the name up in a table built once.
+        """
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        if self._tensor_names is None:
+            names: dict[int, str] = {}
+            for name, t in (*self.root.named_buffers(), *self.root.named_parameters()):
+                names.setdefault(id(t), name)
+            self._tensor_names = names
+        name = self._tensor_names.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         """torch.nn modules and those the caller named are leaves."""
@@ -347,7 +487,10 @@ class _Tracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         """Decide a branch on a traced value: concrete for shapes, an error for data."""
         try:
-            value = self.evaluator.value(obj.node)
+            # fx patches nn.Module.__call__ while tracing; evaluating module
+            # calls on real meta tensors must not be traced themselves.
+            with fx._symbolic_trace._maybe_revert_all_patches():
+                value = self.evaluator.value(obj.node)
         except _NodeFailed as failed:
             raise fx.proxy.TraceError(
                 f"cannot decide a branch: {failed}") from failed.exc
@@ -361,18 +504,18 @@ class _Tracer(fx.Tracer):
 
 
 def _fx_door(root: nn.Module, call: _CallRule, inputs: dict, leaf_modules: tuple):
+    """(graph, evaluator, module owning the graph's targets, None) by symbolic tracing."""
     evaluator = _Evaluator(root, inputs)
     tracer = _Tracer(evaluator, leaf_modules)
     graph = tracer.trace(root, concrete_args=dict(call.concrete))
-    gm = fx.GraphModule(tracer.root, graph, type(root).__name__)
-    evaluator.root = gm
-    return gm, evaluator
+    return graph, evaluator, tracer.root, None
 
 
 # ------------------------------------------------------------- export door
 
 
 def _export_door(root: nn.Module, call: _CallRule, inputs: dict):
+    """(graph, evaluator, module owning the graph's targets, output pytree spec) by torch.export."""
     kwargs = {k: v for k, v in call.concrete.items() if k in FLAG_OVERRIDES}
     if call.targets:
         kwargs[call.targets] = inputs[call.targets]
@@ -384,9 +527,7 @@ def _export_door(root: nn.Module, call: _CallRule, inputs: dict):
     graph._codegen = fx.graph.CodeGen()
     for node in list(graph.nodes):
         node.meta.pop("val", None)  # fake tensors in the model's dtype; recomputed on meta
-    gm = fx.GraphModule(unlifted, graph, type(root).__name__)
-    gm.meta["_ptc_out_spec"] = out_spec
-    return gm, _Evaluator(gm, inputs)
+    return graph, _Evaluator(unlifted, inputs), unlifted, out_spec
 
 
 # ------------------------------------------------- inputs, outputs and loss
@@ -403,13 +544,13 @@ def _is_check(node: fx.Node) -> bool:
         node.target._opname in {n.split(".")[0] for n in _CHECK_OPS}
 
 
-def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b: int, s: int,
-                  with_loss: bool, aten: bool) -> tuple[int | None, bool]:
+def _normalise_io(graph: fx.Graph, call: _CallRule, evaluator: _Evaluator, out_spec,
+                  b: int, s: int, with_loss: bool, aten: bool,
+                  model_name: str) -> tuple[int | None, bool]:
     """Make the graph take (tokens[, targets]) and return logits or the loss.
 
     Returns (vocab, whether the loss is the model's own).
     """
-    graph = gm.graph
     for node in reversed(list(graph.nodes)):
         if _is_check(node):
             graph.erase_node(node)
@@ -419,7 +560,6 @@ def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b:
     targets = next((n for n in placeholders if call.targets and n.target == call.targets), None)
     out_node = graph.output_node()
     structure = out_node.args[0]
-    out_spec = gm.meta.pop("_ptc_out_spec", None)
     if out_spec is not None:
         structure = tree_unflatten(list(structure), out_spec)
     logits, loss = _pick_outputs(structure, evaluator, b, s)
@@ -428,7 +568,7 @@ def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b:
         result, model_loss = loss, True
     elif with_loss:
         if logits is None:
-            raise CaptureError(_no_logits_message(gm, structure, evaluator, b, s))
+            raise CaptureError(_no_logits_message(model_name, structure, evaluator, b, s))
         if targets is None:
             with graph.inserting_after(tokens):
                 targets = graph.placeholder("targets")
@@ -437,7 +577,7 @@ def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b:
             result = _append_loss(graph, logits, targets, evaluator.value(logits).shape[-1], aten)
     else:
         if logits is None:
-            raise CaptureError(_no_logits_message(gm, structure, evaluator, b, s))
+            raise CaptureError(_no_logits_message(model_name, structure, evaluator, b, s))
         result = logits
     out_node.args = (result,)
     graph.eliminate_dead_code()
@@ -448,8 +588,6 @@ def _normalise_io(gm: fx.GraphModule, call: _CallRule, evaluator: _Evaluator, b:
     tokens.target = "tokens"
     if with_loss:
         targets.target = "targets"
-    gm.delete_all_unused_submodules()
-    gm.recompile()
     evaluator.memo = {n: v for n, v in evaluator.memo.items() if not n._erased}
     evaluator.inputs = {"tokens": evaluator.memo.get(tokens, evaluator.inputs[call.tokens]),
                         "targets": torch.zeros(b, s, dtype=torch.long, device="meta")}
@@ -523,7 +661,9 @@ def _source(node: fx.Node) -> str | None:
     return f"{_short_path(path)}:{line}"
 
 
+@functools.lru_cache(maxsize=256)
 def _short_path(path: str) -> str:
+    """`path` relative to the working directory when it lies below it."""
     try:
         rel = os.path.relpath(path)
     except ValueError:
@@ -591,12 +731,16 @@ def _is_library(filename: str) -> bool:
         filename.startswith("<")
 
 
-def _user_frame(frame) -> tuple[str, int, str] | None:
-    """(file, line, text) of the innermost frame outside torch and ptc.compiler."""
+def _user_frame(frame, with_text: bool = True) -> tuple[str, int, str] | None:
+    """(file, line, text) of the innermost frame outside torch and ptc.compiler.
+
+    With `with_text` False the third item is the function name instead.
+    """
     while frame is not None:
         filename = frame.f_code.co_filename
         if not _is_library(filename):
-            return filename, frame.f_lineno, _line_text(filename, frame.f_lineno)
+            third = _line_text(filename, frame.f_lineno) if with_text else frame.f_code.co_name
+            return filename, frame.f_lineno, third
         frame = frame.f_back
     return None
 
@@ -646,13 +790,12 @@ def _data_dependent_message(model: nn.Module, dd: _DataDependent) -> str:
 
 def _untraceable_message(model: nn.Module, fx_exc: BaseException, fx_where, ex_exc) -> str:
     module, frame = fx_where
-    first = str(ex_exc).strip().splitlines()
-    export_line = first[0] if first else type(ex_exc).__name__
+    export = "not tried" if ex_exc is None else f"{type(ex_exc).__name__}: {_one_line(ex_exc)}"
     return (
         f"cannot capture {type(model).__name__}: symbolic tracing failed in "
         f"{_where(module, frame)}\n"
         f"  torch.fx: {type(fx_exc).__name__}: {_one_line(fx_exc)}\n"
-        f"  torch.export: {type(ex_exc).__name__}: {export_line}\n"
+        f"  torch.export: {export}\n"
         "To make it capturable, one of:\n"
         "  - mark the module a leaf: capture(..., leaf_modules=(ThatModule,)) — it stays one "
         "call_module node, run as is on meta tensors;\n"
@@ -666,13 +809,14 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else ""
 
 
-def _no_logits_message(gm, structure, evaluator: _Evaluator, b: int, s: int) -> str:
+def _no_logits_message(model_name: str, structure, evaluator: _Evaluator, b: int,
+                       s: int) -> str:
     found = []
     for name, node in _named_leaves(structure):
         value = evaluator.value(node)
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         found.append(f"{name or node.name}: {shape}")
-    return (f"cannot find the logits among {gm.__class__.__name__}'s outputs: capture needs a "
+    return (f"cannot find the logits among {model_name}'s outputs: capture needs a "
             f"floating tensor of shape [{b}, {s}, vocab] (or an output named 'logits'); "
             f"found {', '.join(found) or 'nothing'}")
 
@@ -680,23 +824,31 @@ def _no_logits_message(gm, structure, evaluator: _Evaluator, b: int, s: int) -> 
 # ------------------------------------------------------------ real weights
 
 
-def load_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
-    """Point every parameter and buffer of a captured graph at `model`'s tensor of that name.
+def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """A runnable copy of a captured graph whose parameters and buffers are `model`'s.
 
-    This is how a graph captured on meta is run on real weights (tests,
-    single-process eager checks): parameters are shared, not copied, and
-    non-persistent buffers (RoPE tables) are included. Compute happens in the
-    dtype of `model`'s tensors.
+    A graph is captured on meta; to run it (eager checks, tests) bind it to a
+    materialised model with the same module paths: the new GraphModule looks
+    every call_module / get_attr target up in `model`, so weights are shared,
+    not copied, and non-persistent buffers (RoPE tables) come along. The
+    graph, with its NodeInfo metadata, is copied; `gm` is left untouched.
+    Compute happens in the dtype of `model`'s tensors. An export-door graph
+    records the device of the tensors it creates (`arange(..., device=meta)`);
+    those become the device of `model`'s parameters.
     """
-    real = dict(model.named_parameters(remove_duplicate=False))
-    real.update(dict(model.named_buffers(remove_duplicate=False)))
-    for store_name in ("_parameters", "_buffers"):
-        for mod_name, mod in gm.named_modules(remove_duplicate=False):
-            store = getattr(mod, store_name)
-            for name in list(store):
-                full = f"{mod_name}.{name}" if mod_name else name
-                if full not in real:
-                    raise KeyError(f"load_weights: the model has no tensor named {full!r}")
-                store[name] = real[full]
-    return gm
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    meta = torch.device("meta")
 
+    def on_device(arg):
+        return device if isinstance(arg, torch.device) and arg == meta else arg
+
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, val_map.__getitem__)
+        new.args = fx.node.map_aggregate(new.args, on_device)
+        new.kwargs = fx.node.map_aggregate(new.kwargs, on_device)
+        val_map[node] = new
+    bound = fx.GraphModule(model, graph, type(gm).__name__)
+    bound.meta.update(gm.meta)
+    return bound

@@ -77,69 +77,93 @@ def _tp_collectives(size: float, layout: Layout, group: AxisGroup, hw: HardwareS
     return count * ar.seconds, ar.algorithm
 
 
+def _cached(memo: dict | None, key: tuple, make):
+    """`make()`, remembered under `key` in `memo` when one is given."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,
-              *, seq_len: int, dtype: str) -> StepCost:
-    """Predict one optimizer step of `layout` (see module docstring)."""
+              *, seq_len: int, dtype: str, memo: dict | None = None) -> StepCost:
+    """Predict one optimizer step of `layout` (see module docstring).
+
+    `memo`: a dict to share collective and FLOP figures between calls for the
+    same plan (plan search prices thousands of layouts that repeat them).
+    """
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
     bb, ss = layout.micro_batch, seq_len
     rate = hw.peak_flops[dtype] * hw.achievable_fraction
-    groups = axis_groups({"tp": tp, "pp": p, "dp": layout.dp}, layout.order, hw.gpus_per_node)
+    groups = _cached(memo, ("groups", tp, p, layout.dp, layout.order),
+                     lambda: axis_groups({"tp": tp, "pp": p, "dp": layout.dp}, layout.order,
+                                         hw.gpus_per_node))
     algos: dict[str, str] = {}
 
-    layer_f, core_f = f["flops.layer"](bb, ss) / tp, f["core_flops"](bb, ss) / tp
-    boundary = prec.weight * f["boundary"](bb, ss)
-    layer_params = profile.params["layer"]
-    layer_weight_bytes = prec.weight * (layer_params.split / tp + layer_params.replicated)
+    layer_f, core_f, boundary, pre_f, post_f = _cached(memo, ("flops", bb, ss, tp), lambda: (
+        f["flops.layer"](bb, ss) / tp, f["core_flops"](bb, ss) / tp,
+        prec.weight * f["boundary"](bb, ss), f["flops.pre"](bb, ss) / tp,
+        f["flops.post"](bb, ss) / tp))
 
     # Per-layer communication, by recompute policy.
-    tp_layer = {}
-    for policy in ("none", "selective", "full"):
-        count = 6 if policy == "full" else 4
-        tp_layer[policy], algos["tp"] = _tp_collectives(boundary, layout, groups["tp"], hw, count)
+    tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
+                                   lambda: _tp_collectives(boundary, layout, groups["tp"], hw, 1))
+    tp_layer = {"none": 4 * tp_unit, "selective": 4 * tp_unit, "full": 6 * tp_unit}
     z3 = {}
     if layout.zero >= 3:
-        ag = comm.all_gather(layer_weight_bytes, groups["dp"], hw)
-        rs = comm.reduce_scatter(layer_weight_bytes / prec.weight * prec.grad, groups["dp"], hw)
+        layer_params = profile.params["layer"]
+        layer_bytes = prec.weight * (layer_params.split / tp + layer_params.replicated)
+        ag, rs = _cached(memo, ("z3", tp, groups["dp"]), lambda: (
+            comm.all_gather(layer_bytes, groups["dp"], hw),
+            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["dp"], hw)))
         algos["dp"] = f"ag:{ag.algorithm} rs:{rs.algorithm}"
         for policy in ("none", "selective", "full"):
             z3[policy] = (3 if policy == "full" else 2) * ag.seconds + rs.seconds
 
-    p2p = comm.send_recv(boundary / tp, groups["pp"], hw)
-    stages = []
-    for i in range(p):
+    p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
+                  lambda: comm.send_recv(boundary / tp, groups["pp"], hw))
+    tp_edge = tp_unit if tp > 1 else 0.0
+
+    def stage(first: bool, last: bool, policies: tuple[tuple[str, int], ...]) -> _Stage:
         st = _Stage()
-        for layer in layout.stage_layers(i):
-            policy = layout.checkpoint[layer]
+        for policy, count in policies:
             work = 3 * layer_f / rate
             extra = {"none": 0.0, "selective": core_f / rate, "full": layer_f / rate}[policy]
-            st.compute += work
-            st.recompute += extra
+            st.compute += count * work
+            st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
-            st.tp += max(0.0, tp_layer[policy] - hide) if layout.sp or not layout.overlap \
-                else tp_layer[policy]
+            exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
+            st.tp += count * exposed_tp
             if z3:
-                st.dp += max(0.0, z3[policy] - hide)
-        if i == 0:
-            st.compute += 3 * f["flops.pre"](bb, ss) / tp / rate
-        if i == p - 1:
-            st.compute += 3 * f["flops.post"](bb, ss) / tp / rate
-        if i in (0, p - 1) and tp > 1:  # vocab-parallel embedding forward, head input backward
-            st.tp += _tp_collectives(boundary, layout, groups["tp"], hw, 1)[0]
+                st.dp += count * max(0.0, z3[policy] - hide)
+        if first:
+            st.compute += 3 * pre_f / rate
+        if last:
+            st.compute += 3 * post_f / rate
+        if first or last:  # vocab-parallel embedding forward, head input backward
+            st.tp += tp_edge
         if not layout.overlap:
             st.pp += 2 * v * p2p.seconds
-        stages.append(st)
+        return st
 
-    slowest = max(stages, key=lambda x: x.total)
-    mean = sum(x.total for x in stages) / p
+    # Stages differ only in being first or last and in their policy mix: price each kind once.
+    kinds: dict[tuple, list] = {}
+    for i in range(p):
+        key = (i == 0, i == p - 1, layout.stage_policies(i))
+        if key not in kinds:
+            kinds[key] = [stage(*key), 0]
+        kinds[key][1] += 1
+    slowest = max((st for st, _ in kinds.values()), key=lambda x: x.total)
+    mean = sum(st.total * n for st, n in kinds.values()) / p
     bubble = (p - 1) / v * mean
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
-    dp_exposed = _dp_exposed(profile, layout, groups["dp"], hw, prec, slowest, algos) \
+    dp_exposed = _dp_exposed(profile, layout, groups["dp"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
     if layout.zero >= 3 and not layout.overlap:
         dp_exposed = 0.0  # already counted in full per stage
-    opt_elements = max(sum(stage_params(profile, layout, i)[:2]) for i in range(p))
-    opt_elements /= (layout.dp if layout.zero >= 1 else 1)
-    optimizer = opt_elements / tp * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
+    opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
+    optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
 
     breakdown = {
         "compute": mb * slowest.compute,
@@ -150,30 +174,56 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "bubble": bubble,
         "optimizer": optimizer,
     }
-    per_micro = 3 * (profile.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
-                     + f["flops.post"](bb, ss))
-    recomputed = sum({"none": 0.0, "selective": f["core_flops"](bb, ss),
-                      "full": f["flops.layer"](bb, ss)}[c] for c in layout.checkpoint)
+    per_micro = 3 * tp * (profile.layers * layer_f + pre_f + post_f)
+    per_policy = {"none": 0.0, "selective": tp * core_f, "full": tp * layer_f}
+    recomputed = sum(per_policy[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
                     model_flops=per_micro * micro_total,
                     hw_flops=(per_micro + recomputed) * micro_total, algorithms=algos)
 
 
+def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
+                  dtype: str) -> float:
+    """A lower bound of `step_cost(...).step_time`: compute and recompute plus their bubble.
+
+    The step is at least m times the mean stage's work plus the bubble, both
+    without any communication; plan search prices layouts fully only while
+    this bound can still beat the ones it has.
+    """
+    f, bb, ss = profile.fn, layout.micro_batch, seq_len
+    per_policy = {"none": 0.0, "selective": f["core_flops"](bb, ss), "full": f["flops.layer"](bb, ss)}
+    work = 3 * (layout.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
+                + f["flops.post"](bb, ss))
+    work += sum(per_policy[pol] * n for pol, n in layout.policy_counts())
+    mean_stage = work / layout.tp / layout.pp / (hw.peak_flops[dtype] * hw.achievable_fraction)
+    return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
+
+
+def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
+    """Parameter elements per tp rank on the stage holding most (the first or the last)."""
+    def per_rank(stage: int) -> float:
+        split, whole, _ = stage_params(profile, layout, stage)
+        return split / layout.tp + whole
+    return max(per_rank(0), per_rank(layout.pp - 1))
+
+
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,
-                prec: Precision, slowest: _Stage, algos: dict[str, str]) -> float:
+                prec: Precision, slowest: _Stage, algos: dict[str, str], memo: dict | None
+                ) -> float:
     """Exposed seconds of the once-per-step gradient sync (ZeRO 0-2)."""
     if group.size == 1:
         return 0.0
-    elements = max(stage_params(profile, layout, i)[0] / layout.tp + stage_params(profile, layout, i)[1]
-                   for i in range(layout.pp))
+    elements = _max_stage_elements(profile, layout)
     if layout.zero == 0:
-        ar = comm.all_reduce(elements * prec.grad, group, hw)
+        ar = _cached(memo, ("ar", elements, group), lambda: comm.all_reduce(
+            elements * prec.grad, group, hw))
         algos["dp"] = ar.algorithm
         grad_sync, gather = ar.seconds, 0.0
     else:
-        rs = comm.reduce_scatter(elements * prec.grad, group, hw)
-        ag = comm.all_gather(elements * prec.weight, group, hw)
+        rs, ag = _cached(memo, ("rs+ag", elements, group), lambda: (
+            comm.reduce_scatter(elements * prec.grad, group, hw),
+            comm.all_gather(elements * prec.weight, group, hw)))
         algos["dp"] = f"rs:{rs.algorithm} ag:{ag.algorithm}"
         grad_sync, gather = rs.seconds, ag.seconds
     if not layout.overlap:

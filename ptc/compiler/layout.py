@@ -9,6 +9,7 @@ per pipeline, L the layers.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ptc.plan import Plan
@@ -36,8 +37,10 @@ class Layout:
     """Sequence parallelism."""
     schedule: str
     """"gpipe", "1f1b" or "interleaved"."""
-    checkpoint: tuple[str, ...]
-    """Per-layer policy: "none", "selective" or "full"."""
+    layers: int
+    """L."""
+    checkpoint: str | tuple[str, ...]
+    """Recompute policy, "none", "selective" or "full": one for all layers, or one per layer."""
     overlap: bool
     """Communication overlapped with compute where the schedule allows."""
     order: tuple[str, ...] = ("tp", "dp", "pp")
@@ -45,22 +48,35 @@ class Layout:
 
     def stage_layers(self, stage: int) -> list[int]:
         """Indices of the layers pipeline rank `stage` holds (all its chunks)."""
-        per_chunk = len(self.checkpoint) // (self.pp * self.vstages)
+        per_chunk = self.layers // (self.pp * self.vstages)
         return [layer for chunk in range(self.vstages)
                 for layer in range((chunk * self.pp + stage) * per_chunk,
                                    (chunk * self.pp + stage + 1) * per_chunk)]
 
 
-def layout_of(plan: Plan, checkpoint: tuple[str, ...] | None = None) -> Layout:
+    def stage_policies(self, stage: int) -> tuple[tuple[str, int], ...]:
+        """(policy, layers) pairs of the layers `stage` holds, sorted by policy."""
+        if isinstance(self.checkpoint, str):
+            return ((self.checkpoint, self.layers // self.pp),)
+        return tuple(sorted(Counter(self.checkpoint[i] for i in self.stage_layers(stage)).items()))
+
+    def policy_counts(self) -> tuple[tuple[str, int], ...]:
+        """(policy, layers) pairs over the whole model."""
+        if isinstance(self.checkpoint, str):
+            return ((self.checkpoint, self.layers),)
+        return tuple(sorted(Counter(self.checkpoint).items()))
+
+
+def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> Layout:
     """The layout of a resolved plan (no "auto" axis).
 
     `checkpoint` overrides the plan's policy (estimate resolves "auto" this way).
     """
-    par, layers = plan.parallel, plan.model.layers
+    par = plan.parallel
     if checkpoint is None:
-        ckpt = par.checkpoint
-        checkpoint = ckpt if isinstance(ckpt, tuple) else (ckpt,) * layers
+        checkpoint = par.checkpoint
     return Layout(tp=par.tp, pp=par.pp, dp=par.dp, vstages=par.virtual_stages,
                   micro_batch=plan.train.micro_batch, microbatches=plan.num_microbatches,
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
-                  checkpoint=checkpoint, overlap=par.overlap, order=par.order)
+                  layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,
+                  order=par.order)

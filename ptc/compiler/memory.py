@@ -71,7 +71,7 @@ def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0) -> Precis
 
 def in_flight(layout: Layout, stage: int, mn: Callable) -> tuple:
     """(units in flight, layers per unit) on `stage`: micro-batches or interleaved chunks."""
-    p, v, layers = layout.pp, layout.vstages, len(layout.checkpoint)
+    p, v, layers = layout.pp, layout.vstages, layout.layers
     mb = m if mn is sympy.Min else layout.microbatches
     if layout.schedule == "gpipe":
         return mb, layers // p
@@ -82,7 +82,7 @@ def in_flight(layout: Layout, stage: int, mn: Callable) -> tuple:
 
 def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int, int, int]:
     """(tp-split elements, replicated elements, tensors) of the parameters `stage` holds."""
-    pr, layers = profile.params, len(layout.stage_layers(stage))
+    pr, layers = profile.params, layout.layers // layout.pp
     split, whole = pr["layer"].split * layers, pr["layer"].replicated * layers
     tensors = pr["layer"].tensors * layers
     if stage == 0:
@@ -101,62 +101,97 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     """The memory terms of pipeline `stage` (see module docstring).
 
     `bb, ss, tt, dd` are b, s, t, d as numbers, or as sympy symbols (with
-    `mn=sympy.Min`) to get the expression.
+    `mn=sympy.Min`) to get the expression. Each part is remembered in the
+    profile's memo under everything it depends on: plan search asks for the
+    same parts thousands of times.
     """
-    f, p, zero = profile.fn, layout.pp, layout.zero
-    first, last = stage == 0, stage == p - 1
-    seq_div = tt if layout.sp else 1
-    mb = m if mn is sympy.Min else layout.microbatches
+    lay, zero = layout, layout.zero
+    weights, grads, optimizer = _memo(
+        profile, ("state", lay.pp, lay.layers, stage, prec, tt, dd, zero),
+        lambda: _model_state(profile, lay, stage, prec, tt, dd))
+    mb = m if mn is sympy.Min else lay.microbatches
+    activations, recompute = _memo(
+        profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, mb, stage,
+                  lay.stage_policies(stage), bb, ss, tt, lay.sp),
+        lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
+    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt),
+                    lambda: _buffers(profile, lay, prec, bb, ss, tt))
+    return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
+                recompute=recompute, buffers=buffers)
 
-    # --- model state
+
+def _memo(profile: ModelProfile, key: tuple, make: Callable):
+    if key not in profile.memo:
+        profile.memo[key] = make()
+    return profile.memo[key]
+
+
+def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, tt, dd
+                 ) -> tuple:
+    """(weights, grads, optimizer) bytes of one rank of `stage`."""
+    zero = layout.zero
     split, whole, tensors = stage_params(profile, layout, stage)
     n = split / tt + whole
     weights = prec.weight * n / (dd if zero >= 3 else 1)
     grads = prec.grad * n / (dd if zero >= 2 else 1)
     counters = 4 * tensors if prec.optimizer else 0
     optimizer = (prec.optimizer * n + counters) / (dd if zero >= 1 else 1)
+    return weights, grads, optimizer
 
-    # --- activations
+
+def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt, mb,
+                       mn: Callable) -> tuple:
+    """(activations in flight, recompute working set) bytes of one rank of `stage`."""
+    p, f = layout.pp, profile.fn
+    seq_div = tt if layout.sp else 1
+
     def act(region: str, policy: str) -> object:
-        if policy == "full":
-            region = "out"
-        full = f[f"{region}.tp"](bb, ss) / tt + f[f"{region}.seq"](bb, ss) / seq_div \
-            + f[f"{region}.const"](bb, ss)
-        if policy != "selective":
-            return full
-        return full - (f[f"{region}.core_tp"](bb, ss) / tt
-                       + f[f"{region}.core_seq"](bb, ss) / seq_div + f[f"{region}.core_const"](bb, ss))
+        return _activation(f, region, policy, bb, ss, tt, seq_div)
 
     units, per_unit = in_flight(layout, stage, mn)
-    policies = [layout.checkpoint[i] for i in layout.stage_layers(stage)]
+    pairs = layout.stage_policies(stage)
+    policies = [pol for pol, _ in pairs]
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.
-    per_layer = sum(act("layer", pol) for pol in policies) / len(policies)
+    per_layer = sum(count * act("layer", pol) for pol, count in pairs) / sum(c for _, c in pairs)
     activations = units * per_unit * per_layer
-    micro_in_flight = units if layout.schedule != "interleaved" else mn(p - stage, mb)
-    if first:
-        activations += micro_in_flight * act("pre", "none")
-    if last:
+    if stage == 0:
+        activations += (units if layout.schedule != "interleaved" else mn(p, mb)) * act("pre", "none")
+    if stage == p - 1:
         activations += (1 if layout.schedule != "gpipe" else units) * act("post", "none")
     recompute = 0
     if "full" in policies:
         recompute = act("layer", "none")
     elif "selective" in policies:
         recompute = act("layer", "none") - act("layer", "selective")
+    return activations, recompute
 
-    # --- buffers
-    boundary = prec.weight * f["boundary"](bb, ss)
+
+def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt) -> object:
+    """Communication buffers and runtime reserve of one rank."""
+    boundary = prec.weight * profile.fn["boundary"](bb, ss)
     buffers = RUNTIME_RESERVE
-    if p > 1:
-        buffers += 2 * boundary / seq_div
+    if layout.pp > 1:
+        buffers += 2 * boundary / (tt if layout.sp else 1)
     if layout.sp:
         buffers += boundary
     if layout.dp > 1:
         buffers += 2 * GRAD_BUCKET_ELEMENTS * prec.grad
-    if zero >= 3:
+    if layout.zero >= 3:
         layer = profile.params["layer"]
         buffers += 2 * prec.weight * (layer.split / tt + layer.replicated)
-    return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
-                recompute=recompute, buffers=buffers)
+    return buffers
+
+
+def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, seq_div) -> object:
+    """Saved bytes of one region for one micro-batch on one rank, under a recompute policy."""
+    if policy == "full":
+        region = "out"
+    full = f[f"{region}.tp"](bb, ss) / tt + f[f"{region}.seq"](bb, ss) / seq_div \
+        + f[f"{region}.const"](bb, ss)
+    if policy != "selective":
+        return full
+    return full - (f[f"{region}.core_tp"](bb, ss) / tt + f[f"{region}.core_seq"](bb, ss) / seq_div
+                   + f[f"{region}.core_const"](bb, ss))
 
 
 def stage_memory(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int
@@ -171,8 +206,12 @@ def stage_memory_expr(profile: ModelProfile, layout: Layout, prec: Precision, st
                       ) -> dict[str, sympy.Expr]:
     """Memory terms of `stage` as sympy expressions in b, s, t, d, m."""
     terms = stage_memory_terms(profile, layout, stage, prec, bb=b, ss=s, tt=t, dd=d, mn=sympy.Min)
-    return {k: sympy.nsimplify(v) if not isinstance(v, sympy.Expr) else sympy.simplify(v)
-            for k, v in terms.items()}
+    return {k: sympy.sympify(v) for k, v in terms.items()}
+
+
+def layer_activations(profile: ModelProfile, policy: str, *, sp: bool) -> sympy.Expr:
+    """Saved bytes of one layer for one micro-batch on one tp rank, in b, s, t."""
+    return sympy.expand(_activation(profile.fn, "layer", policy, b, s, t, t if sp else 1))
 
 
 def peak(terms: dict[str, float]) -> float:

@@ -387,6 +387,14 @@ def node_shape(node) -> tuple[int, ...] | None:
     return None
 
 
+def _is_floating(node: fx.Node) -> bool:
+    meta = get_info(node)
+    if meta is not None and meta.dtypes:
+        return meta.dtypes[0].is_floating_point
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
 _RESHAPE_OPS = frozenset({"view", "reshape", "unsafe_view", "unflatten", "flatten"})
 
 
@@ -395,12 +403,14 @@ def heads_reshape(node: fx.Node) -> HeadsReshape | None:
     if node.op not in ("call_function", "call_method") or op_name(node) not in _RESHAPE_OPS:
         return None
     src, out = node_shape(node.args[0]) if node.args else None, node_shape(node)
-    if src is None or out is None:
+    if src is None or out is None or not _is_floating(node):
         return None
-    if len(out) == len(src) + 1 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1] \
+    # Heads live beside at least one token dimension: [.., tokens, a, d] <-> [.., tokens, h]
+    # (this keeps e.g. flattening targets[b, s] -> [b·s] out).
+    if len(out) == len(src) + 1 and len(out) >= 3 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1] \
             and out[-2] > 1 and out[-1] > 1:
         return HeadsReshape(True, out[-2], out[-1])
-    if len(src) == len(out) + 1 and src[:-2] == out[:-1] and src[-2] * src[-1] == out[-1] \
+    if len(src) == len(out) + 1 and len(src) >= 3 and src[:-2] == out[:-1] and src[-2] * src[-1] == out[-1] \
             and src[-2] > 1 and src[-1] > 1:
         return HeadsReshape(False, src[-2], src[-1])
     return None
@@ -424,24 +434,7 @@ def classify(node: fx.Node) -> str:
         value = get_attr_value(node)
         return "param" if isinstance(value, nn.Parameter) else "buffer"
     if node.op == "call_module":
-        cls = module_type(node)
-        if not cls:
-            return "other"
-        if _is_a(cls, (nn.Linear,)):
-            return "linear"
-        if _is_a(cls, (nn.Embedding,)):
-            return "embedding"
-        if is_norm_class(cls):
-            return "norm"
-        if _is_a(cls, (nn.Dropout,)):
-            return "dropout"
-        if _is_a(cls, ACTIVATION_MODULES):
-            return "activation"
-        if _is_a(cls, (nn.Softmax, nn.LogSoftmax)):
-            return "softmax"
-        if _is_a(cls, (nn.MultiheadAttention,)):
-            return "attention"
-        return "other"
+        return module_kind(module_type(node))
     name = op_name(node)
     if is_attention(node):
         return "attention"
@@ -450,6 +443,27 @@ def classify(node: fx.Node) -> str:
     for kind, names in _NAME_KINDS:
         if name in names:
             return kind
+    return "other"
+
+
+def module_kind(cls: type | str) -> str:
+    """The kind of a call to a leaf module of class `cls` ("other" for unknown classes)."""
+    if not cls:
+        return "other"
+    if _is_a(cls, (nn.Linear,)):
+        return "linear"
+    if _is_a(cls, (nn.Embedding,)):
+        return "embedding"
+    if is_norm_class(cls):
+        return "norm"
+    if _is_a(cls, (nn.Dropout,)):
+        return "dropout"
+    if _is_a(cls, ACTIVATION_MODULES):
+        return "activation"
+    if _is_a(cls, (nn.Softmax, nn.LogSoftmax)):
+        return "softmax"
+    if _is_a(cls, (nn.MultiheadAttention,)):
+        return "attention"
     return "other"
 
 

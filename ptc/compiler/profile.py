@@ -131,6 +131,8 @@ class ModelProfile:
     fn: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
     """The polynomials above as fast functions of (b, s), by dotted name ("layer.tp",
     "out.seq", "flops.post", "core_flops", "boundary"); they accept sympy symbols too."""
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """Cache of derived per-layer values, shared by copies that differ only in `layers`."""
 
 
 def _shape_key(spec: ModelSpec) -> tuple:

@@ -23,7 +23,7 @@ from ptc.plan import Plan
 
 __all__ = ["dump_plan", "load_plan", "parse"]
 
-MAX_PLAN_BYTES = 4 * 2**20
+MAX_PLAN_CHARS = 4 * 2**20
 """Plans are a few kilobytes; refuse anything absurdly large before parsing it."""
 
 
@@ -36,9 +36,9 @@ def parse(text: str, file: str = "<string>") -> Plan:
     """
     if not isinstance(text, str):
         raise PtcError(f"plan text must be a str, got {type(text).__name__}")
-    if len(text) > MAX_PLAN_BYTES:
+    if len(text) > MAX_PLAN_CHARS:
         raise PlanError([Diagnostic(message=f"plan is {len(text)} characters long; plans "
-                                            f"are limited to {MAX_PLAN_BYTES}", field=file)])
+                                            f"are limited to {MAX_PLAN_CHARS}", field=str(file))])
     source = Source(file=str(file), text=text.removeprefix("\ufeff"))
     try:
         tree = parse_syntax(source)
@@ -47,7 +47,7 @@ def parse(text: str, file: str = "<string>") -> Plan:
         return build_plan(tree, source)
     except PtcError:
         raise
-    except (Exception, RecursionError) as exc:  # noqa: BLE001 - the promise above
+    except Exception as exc:  # noqa: BLE001 - the promise above
         # A bug in ptc, not in the plan; still reported as a plan error with
         # what was found so far, so callers handle one kind of exception.
         source.sink.error(f"internal error while checking the plan: "

@@ -263,11 +263,11 @@ def number(value: float) -> str:
 
 def quantity(value: float, dimension: str) -> str:
     """`value` (in base units) with the unit of `dimension` that writes it shortest
-    and reads back exactly, e.g. `80 GiB`, `450 GB/s`, `2 us`."""
+    and reads back exactly, e.g. `80 GiB`, `450 GB/s`, `2 us`, `30 min`."""
     value = float(value)
     if not math.isfinite(value):
         raise PtcError(f"cannot write the non-finite quantity {value!r} in a plan file")
-    best: tuple[int, float, str] | None = None
+    best: tuple | None = None
     for unit, (dim, scale) in UNITS.items():
         if dim != dimension:
             continue
@@ -278,12 +278,23 @@ def quantity(value: float, dimension: str) -> str:
         read_back = (int(text) if q.is_integer() and abs(q) < 2**53 else float(text)) * scale
         if read_back != value:
             continue
-        candidate = (len(text), -scale, f"{text} {unit}")
-        if best is None or candidate[:2] < best[:2]:
+        # As an engineer writes it: a value in [1, 1000) (30 min, not 1800 s),
+        # whole if possible (450 GB/s, not 3.6 Tb/s), short, bytes over bits.
+        candidate = (_off_range(q, scale), not q.is_integer(), len(text), "b/" in unit,
+                     -scale, f"{text} {unit}")
+        if best is None or candidate[:5] < best[:5]:
             best = candidate
     if best is None:  # unreachable: the base unit (scale 1) always reads back
         raise PtcError(f"cannot write the quantity {value!r} ({dimension})")
-    return best[2]
+    return best[5]
+
+
+def _off_range(q: float, scale: float) -> float:
+    """How many decades `q` lies outside [1, 1000); zero belongs to the base unit."""
+    if q == 0:
+        return 0.0 if scale == 1.0 else 1.0
+    decade = math.log10(abs(q))
+    return max(0.0, -decade, decade - 3 + 1e-12) if not 1 <= abs(q) < 1000 else 0.0
 
 
 def word(text: str) -> str:

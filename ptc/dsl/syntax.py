@@ -151,8 +151,6 @@ class _Builder:
         # The section's position is its header: that is where "missing key"
         # errors point, not at the closing brace many lines below.
         pos = ast.Pos(kw_pos.line, kw_pos.column, header_end.end_line, header_end.end_column)
-        if isinstance(argument, ast.Invalid):
-            argument = None
         return ast.Section(keyword=str(keyword), keyword_pos=kw_pos, argument=argument,
                            items=tuple(items), pos=pos)
 
@@ -162,14 +160,10 @@ class _Builder:
             return ast.Assign(key=str(key), key_pos=_token_pos(key), value=self.value(value))
         keyword, pattern, word = tree.children
         pattern_node = self.string(pattern, _token_pos(pattern))
-        if isinstance(pattern_node, ast.Invalid):
-            pattern_node = ast.Str("", pattern_node.pos)
         return ast.Directive(keyword=str(keyword), keyword_pos=_token_pos(keyword),
                              pattern=pattern_node, word=ast.Name(str(word), _token_pos(word)))
 
-    def value(self, node: Tree | Token) -> ast.Value:
-        if isinstance(node, Token):  # a lone token that lark did not wrap
-            return self.number(node, _token_pos(node))
+    def value(self, node: Tree) -> ast.Value:
         kind, children, pos = node.data, node.children, _tree_pos(node)
         if kind in ("int", "float"):
             return self.number(children[0], pos)
@@ -223,7 +217,7 @@ class _Builder:
             return ast.Invalid(pos)
         return ast.Float(value, pos)
 
-    def string(self, token: Token, pos: ast.Pos) -> ast.Str | ast.Invalid:
+    def string(self, token: Token, pos: ast.Pos) -> ast.Str:
         return ast.Str(unescape(str(token)[1:-1]), pos)
 
 

@@ -108,9 +108,10 @@ class RotaryTables(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x[b, heads, s, d] by the angles of positions 0..s-1."""
         s = x.size(2)
-        # Slicing by a traced size keeps this symbolic-traceable.
-        cos = self.cos[:s].to(x.dtype)
-        sin = self.sin[:s].to(x.dtype)
+        # torch.narrow, not self.cos[:s]: under torch.fx.symbolic_trace s is a
+        # traced value, which a torch op accepts and Python slicing does not.
+        cos = torch.narrow(self.cos, 0, 0, s).to(x.dtype)
+        sin = torch.narrow(self.sin, 0, 0, s).to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
 

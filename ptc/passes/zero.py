@@ -157,10 +157,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: dict[str, fx.Node]) -> 
             f"zero: cannot shard the parameters of {node.target} ({type(module).__name__}); "
             "leaf modules with parameters must be Linear, Embedding, LayerNorm or RMSNorm")
     with graph.inserting_before(node):
-        new = graph.create_node("call_function", fn, args, name=node.name)
+        new = graph.create_node("call_function", fn, args)
     copy_meta(node, new)
     node.replace_all_uses_with(new)
+    name = node.name
     graph.erase_node(node)
+    new.name = name  # the functional call stands for the module call: keep its readable name
 
 
 def _prefetch(gathers: list[tuple[fx.Node, ...]]) -> None:

@@ -77,6 +77,10 @@ class ParamSession(AbstractContextManager):
         for unit, flat in enumerate(flats):
             self._live[id(flat)] = (weakref.ref(flat), handle, unit)
 
+    def alive(self) -> int:
+        """How many buffers gathered in forward are still alive (0 after forward: by design)."""
+        return sum(ref() is not None for ref, _, _ in self._live.values())
+
     def release(self, handle: GatherHandle) -> None:
         """Drop `handle`'s re-gathered buffers: backward is done with them."""
         self._full.pop(id(handle), None)

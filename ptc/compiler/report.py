@@ -1,0 +1,128 @@
+"""Rich renderings of estimates and searches, for `ptc explain` and `ptc plan`.
+
+Only presentation lives here: every number comes from `estimate`, `search`,
+`memory` and `fit`. `render_explain(plan)` shows one plan's step-time
+breakdown, per-stage memory (numbers and the symbolic expression of the most
+loaded stage) and what would fit; `render_search(plan, top)` the fastest
+layouts that fit and the nearest ones that do not.
+"""
+
+from __future__ import annotations
+
+import sympy
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ptc.compiler.estimate import Estimate, estimate, plan_precision
+from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
+from ptc.compiler.layout import Layout
+from ptc.compiler.memory import TERMS, stage_memory_expr
+from ptc.compiler.profile import model_profile
+from ptc.compiler.search import search_all
+from ptc.plan import Plan
+from ptc.units import format_bytes, format_seconds
+
+PARTS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+"""Step-time parts in display order."""
+
+
+def describe_layout(layout: Layout) -> str:
+    """One line naming a layout: `tp8 pp4 dp2 v2 b1 zero1 sp ckpt=selective`."""
+    ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "mixed(" + ",".join(
+        f"{p}:{n}" for p, n in layout.policy_counts()) + ")"
+    parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}"]
+    if layout.vstages > 1:
+        parts.append(f"v{layout.vstages}")
+    parts += [f"b{layout.micro_batch}", f"m{layout.microbatches}", f"zero{layout.zero}"]
+    if layout.sp:
+        parts.append("sp")
+    parts.append(f"ckpt={ckpt}")
+    return " ".join(parts)
+
+
+def _summary(est: Estimate) -> Table:
+    table = Table(title="Step", show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [("layout", describe_layout(est.layout)),
+            ("step time", format_seconds(est.step_time_s)),
+            ("tokens/s", f"{est.tokens_per_s:,.0f}"),
+            ("TFLOP/s per GPU (model)", f"{est.tflops_per_gpu:.1f}"),
+            ("TFLOP/s per GPU (hardware, incl. recompute)", f"{est.hw_tflops_per_gpu:.1f}"),
+            ("MFU", f"{est.mfu:.1%}"),
+            ("peak memory", f"{format_bytes(est.peak_memory_bytes)} of "
+                            f"{format_bytes(est.hbm_bytes)}" + ("" if est.fits else "  DOES NOT FIT")),
+            ("collectives", ", ".join(f"{k}: {v}" for k, v in est.algorithms.items()) or "none")]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _breakdown(est: Estimate) -> Table:
+    table = Table(title="Where the step time goes")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    for part in PARTS:
+        seconds = est.breakdown[part]
+        table.add_row(part, format_seconds(seconds), f"{seconds / est.step_time_s:.1%}")
+    return table
+
+
+def _memory(est: Estimate) -> Table:
+    table = Table(title="Memory per pipeline stage (most loaded rank)")
+    table.add_column("stage", justify="right")
+    for term in TERMS:
+        table.add_column(term, justify="right")
+    table.add_column("peak", justify="right")
+    for i, terms in enumerate(est.memory_terms):
+        table.add_row(str(i), *(format_bytes(terms[k]) for k in TERMS),
+                      format_bytes(est.stage_memory_bytes[i]))
+    return table
+
+
+def _expression(plan: Plan, est: Estimate) -> Text:
+    profile = model_profile(plan.model, plan.train.dtype)
+    stage = est.stage_memory_bytes.index(est.peak_memory_bytes)
+    terms = stage_memory_expr(profile, est.layout, plan_precision(plan, profile), stage)
+    lines = [f"Memory of stage {stage} in bytes (b micro-batch, s sequence, t tp, d dp, "
+             f"m micro-batches):"]
+    lines += [f"  {name} = {sympy.sstr(expr)}" for name, expr in terms.items()]
+    return Text("\n".join(lines))
+
+
+def _fit_hints(plan: Plan) -> Text:
+    mb = largest_micro_batch(plan)
+    mp = smallest_model_parallel(plan)
+    return Text(f"Largest micro-batch that fits: {mb if mb is not None else 'none'}; "
+                f"smallest tp x pp that fits: "
+                f"{f'tp{mp[0]} x pp{mp[1]}' if mp else 'none'}")
+
+
+def render_explain(plan: Plan) -> Group:
+    """The full explanation of one resolved plan, as a rich renderable."""
+    est = estimate(plan)
+    return Group(_summary(est), _breakdown(est), _memory(est), _expression(plan, est),
+                 _fit_hints(plan))
+
+
+def render_search(plan: Plan, top: int = 5) -> Group:
+    """The `top` fastest layouts of `plan` that fit, and the nearest misses."""
+    result = search_all(plan, top)
+    table = Table(title=f"Fastest layouts ({result.fitting} of {result.candidates} fit)")
+    for name in ("#", "layout", "step", "tokens/s", "MFU", "peak mem", *PARTS):
+        table.add_column(name, justify="left" if name == "layout" else "right")
+    for rank, (_, est) in enumerate(result.ranked, 1):
+        table.add_row(str(rank), describe_layout(est.layout), format_seconds(est.step_time_s),
+                      f"{est.tokens_per_s:,.0f}", f"{est.mfu:.1%}",
+                      format_bytes(est.peak_memory_bytes),
+                      *(format_seconds(est.breakdown[p]) for p in PARTS))
+    misses = Table(title=f"Nearest layouts that do not fit ({len(result.rejected)} rejected)")
+    misses.add_column("layout")
+    misses.add_column("peak", justify="right")
+    misses.add_column("over by", justify="right")
+    for rej in result.rejected[:top]:
+        misses.add_row(describe_layout(rej.layout), format_bytes(rej.peak_bytes),
+                       format_bytes(rej.over_bytes))
+    return Group(table, misses)

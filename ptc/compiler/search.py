@@ -1,0 +1,158 @@
+"""Plan search: every valid layout of a plan, filtered by memory, ranked by step time.
+
+The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
+divisors that the model and GPU count allow; the rest of the layout is
+always enumerated: virtual stages (1F1B, or interleaved with v dividing the
+layers per stage), micro-batch (divisors of the per-rank batch), ZeRO stage
+(0-3, >0 only with dp > 1), sequence parallelism (with tp > 1), and a
+uniform checkpoint policy (none, selective, full). GPipe is not enumerated:
+it has 1F1B's bubble and more activation memory, so never wins.
+
+Nothing is captured per candidate: the model's profile is captured once and
+each layout is priced by the closed-form memory and cost models. A layout
+that does not fit is kept with its overshoot so the report can say why it
+lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from dataclasses import dataclass
+
+from ptc.compiler.cost import compute_floor, step_cost
+from ptc.compiler.estimate import Estimate, estimate_layout, plan_precision
+from ptc.compiler.layout import Layout
+from ptc.compiler.memory import peak, stage_memory_terms
+from ptc.compiler.profile import model_profile
+from ptc.plan import AUTO, Plan
+
+CHECKPOINTS = ("none", "selective", "full")
+"""Uniform checkpoint policies the search tries."""
+MAX_MICRO_BATCH = 64
+"""Largest micro-batch tried; larger ones only add activation memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A layout that does not fit in memory."""
+
+    layout: Layout
+    """The layout."""
+    peak_bytes: float
+    """Its peak bytes on the most loaded stage."""
+    over_bytes: float
+    """By how much that exceeds the HBM."""
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """Ranked layouts that fit, and those that do not."""
+
+    ranked: list[tuple[Plan, Estimate]]
+    """The fastest fitting layouts, fastest first."""
+    rejected: list[Rejected]
+    """Layouts that do not fit, least over first."""
+    candidates: int
+    """Layouts enumerated."""
+    fitting: int
+    """Layouts that fit in memory."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def axis_choices(plan: Plan) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) triples the model and GPU count allow, honouring fixed axes."""
+    par, model, gpus = plan.parallel, plan.model, plan.num_gpus
+    kv = model.num_kv_heads
+    out = []
+    for tp in ([par.tp] if par.tp != AUTO else _divisors(gpus)):
+        if model.heads % tp or model.ffn_size % tp or (kv % tp and tp % kv):
+            continue
+        for pp in ([par.pp] if par.pp != AUTO else _divisors(gpus // tp)):
+            if model.layers % pp or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if par.dp != AUTO and par.dp != dp:
+                continue
+            out.append((tp, pp, dp))
+    return out
+
+
+def enumerate_layouts(plan: Plan) -> list[Layout]:
+    """Every valid layout of `plan` (see module docstring)."""
+    model, batch, par = plan.model, plan.train.global_batch, plan.parallel
+    layouts = []
+    for tp, pp, dp in axis_choices(plan):
+        if batch % dp:
+            continue
+        per_rank = batch // dp
+        for mb in [k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH]:
+            m = per_rank // mb
+            if pp > 1 and m < pp:
+                continue
+            vs = [1] + ([v for v in _divisors(model.layers // pp)[1:] if m % pp == 0]
+                        if pp > 1 else [])
+            for v in vs:
+                for zero in (range(4) if dp > 1 else (0,)):
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        for ckpt in CHECKPOINTS:
+                            layouts.append(Layout(
+                                tp=tp, pp=pp, dp=dp, vstages=v, micro_batch=mb, microbatches=m,
+                                zero=zero, sp=sp, schedule="interleaved" if v > 1 else "1f1b",
+                                layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
+                                order=par.order))
+    return layouts
+
+
+def to_plan(plan: Plan, layout: Layout) -> Plan:
+    """`plan` with its parallel section and micro-batch set to `layout`."""
+    parallel = dataclasses.replace(
+        plan.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=layout.zero,
+        sequence_parallel=layout.sp, schedule=layout.schedule, virtual_stages=layout.vstages,
+        checkpoint=layout.checkpoint, microbatches=None)
+    train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
+    return dataclasses.replace(plan, parallel=parallel, train=train)
+
+
+def search_all(plan: Plan, top: int = 5) -> SearchResult:
+    """Enumerate, filter by memory, rank by step time; the `top` fastest become Plans."""
+    profile = model_profile(plan.model, plan.train.dtype)
+    prec = plan_precision(plan, profile)
+    hbm, seq, dtype = plan.hardware.hbm_bytes, plan.train.seq_len, plan.train.dtype
+    layouts = enumerate_layouts(plan)
+    fitting, rejected, memo = [], [], {}
+    for lay in layouts:
+        # Stage 0 holds the most micro-batches in flight and the embedding, the last
+        # stage the head: no middle stage can peak above both.
+        worst = max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch, ss=seq,
+                                            tt=lay.tp, dd=lay.dp))
+                    for i in {0, lay.pp - 1})
+        if worst > hbm:
+            rejected.append(Rejected(lay, worst, worst - hbm))
+        else:
+            fitting.append((compute_floor(profile, lay, plan.hardware, seq_len=seq, dtype=dtype), lay))
+    rejected.sort(key=lambda r: r.over_bytes)
+    # Branch and bound: price layouts in order of their compute floor, until the floor
+    # alone is slower than the `top`-th fastest priced so far.
+    fitting.sort(key=lambda pair: pair[0])
+    best: list[tuple[float, int, Layout]] = []
+    for n, (floor, lay) in enumerate(fitting):
+        if len(best) == top and floor >= -best[0][0]:
+            break
+        time = step_cost(profile, lay, plan.hardware, prec, seq_len=seq, dtype=dtype,
+                         memo=memo).step_time
+        heapq.heappush(best, (-time, -n, lay))
+        if len(best) > top:
+            heapq.heappop(best)
+    ranked = [(to_plan(plan, lay), estimate_layout(profile, lay, plan, prec))
+              for _, _, lay in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    return SearchResult(ranked=ranked, rejected=rejected, candidates=len(layouts),
+                        fitting=len(fitting))
+
+
+def search(plan: Plan, top: int = 5) -> list[tuple[Plan, Estimate]]:
+    """The `top` fastest layouts of `plan` that fit in memory, with their estimates."""
+    return search_all(plan, top).ranked

@@ -1,0 +1,53 @@
+"""`plan_from_shape`: a Plan for a built-in family from shape numbers alone.
+
+For scoring tables of published runs and for notebooks: no plan file, only
+the numbers a paper states. Everything not given takes the plan defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ptc.plan import (
+    HardwareSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    Plan,
+    TrainSpec,
+)
+
+
+def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab: int,
+                    seq_len: int, global_batch: int, gpu: str | HardwareSpec, num_gpus: int,
+                    ffn: int | None = None, kv_heads: int | None = None,
+                    tied_embeddings: bool | None = None, dropout: float = 0.0,
+                    tp: int | str = 1, pp: int | str = 1, dp: int | str = "auto",
+                    micro_batch: int = 1, dtype: str = "bf16", gpus_per_node: int | None = None,
+                    optimizer: str = "adamw", **parallel: Any) -> Plan:
+    """A Plan of a `family` ("gpt", "llama") model of the given shape on `num_gpus` GPUs.
+
+    `gpu` is a preset name or a HardwareSpec (its node count is recomputed
+    from `num_gpus`). `dp = "auto"` takes what tp·pp leaves; other keyword
+    arguments (zero, sequence_parallel, schedule, virtual_stages, checkpoint,
+    overlap, order, microbatches) go to ParallelSpec.
+    """
+    model = ModelSpec(family=family, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                      ffn=ffn, kv_heads=kv_heads, max_seq=seq_len, tied_embeddings=tied_embeddings,
+                      dropout=dropout)
+    if isinstance(gpu, HardwareSpec):
+        per_node = gpus_per_node or gpu.gpus_per_node
+        hardware = HardwareSpec(**{**{f: getattr(gpu, f) for f in gpu.__dataclass_fields__},
+                                   "gpus_per_node": min(per_node, num_gpus),
+                                   "nodes": max(1, num_gpus // per_node)})
+    else:
+        probe = HardwareSpec.preset(gpu)
+        per_node = min(gpus_per_node or probe.gpus_per_node, num_gpus)
+        hardware = HardwareSpec.preset(gpu, nodes=num_gpus // per_node, gpus_per_node=per_node)
+    if dp == "auto" and tp != "auto" and pp != "auto":
+        dp = num_gpus // (tp * pp)
+    return Plan(model=model, hardware=hardware,
+                parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, **parallel),
+                train=TrainSpec(seq_len=seq_len, global_batch=global_batch,
+                                micro_batch=micro_batch, dtype=dtype,
+                                optimizer=OptimizerSpec(name=optimizer)))

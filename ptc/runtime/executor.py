@@ -1,0 +1,206 @@
+"""One rank's training step on its part of a Program.
+
+The rank runs its stage's lowered graph under `GraphRunner`, an
+`fx.Interpreter` that turns any failure into a `RankError` naming the rank,
+the graph node and the user's source line. A step is: for each micro-batch,
+forward and backward of loss / (micro-batches · dp) — so that gradient sums
+over micro-batches and ranks are the global-batch mean — with gradient
+reduction overlapped (ZeRO 0-2: `GradReducer`; ZeRO-3: the graph's
+`gather_params` under a `ParamSession`); then the global-norm clip, the
+optimizer update of the rank's masters, and publishing the new weights.
+
+This runtime runs pp = tp = 1 (any dp); later axes come with their passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ptc.compiler.meta import get_info
+from ptc.compiler.program import Program
+from ptc.errors import PtcError
+from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
+from ptc.runtime.data import TokenSource, microbatch_start
+from ptc.runtime.grads import GradReducer
+from ptc.runtime.init import initial_buffers, initial_params, reference_model
+from ptc.runtime.lr import learning_rate
+from ptc.runtime.optimizer import ShardedOptimizer
+from ptc.runtime.params import COMPUTE_DTYPES, bind_buffers, build_units, held_bytes, publish
+from ptc.runtime.zero3 import ParamSession
+
+
+class RankError(PtcError):
+    """A rank failed; the message names the rank, the graph node and the user's source line."""
+
+
+def source_line(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Where in the user's code `node` comes from ("file.py:12"), as well as known."""
+    info = get_info(node)
+    if info is not None and info.source:
+        return info.source
+    trace = node.meta.get("stack_trace")
+    if trace:
+        frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        if frames:
+            return f"{frames[-1][0]}:{frames[-1][1]}"
+    path = info.module_path if info is not None else (
+        str(node.target) if node.op == "call_module" else None)
+    if path:
+        try:
+            module = gm.get_submodule(path)
+            lines, start = inspect.getsourcelines(type(module).forward)
+            return f"{inspect.getsourcefile(type(module))}:{start} ({path})"
+        except (AttributeError, OSError, TypeError):
+            return f"module {path}"
+    return None
+
+
+class GraphRunner(fx.Interpreter):
+    """Runs a lowered graph node by node; failures become RankErrors naming the node."""
+
+    def __init__(self, gm: fx.GraphModule, rank: int):
+        super().__init__(gm)
+        self.extra_traceback = False  # our message already says which node
+        self.rank = rank
+
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except RankError:
+            raise
+        except Exception as exc:
+            where = source_line(self.module, n)
+            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n"
+                            f"  while executing node {n.name}: {n.format_node()}"
+                            + (f"\n  from {where}" if where else "")) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one optimizer step did."""
+
+    step: int
+    """1-based step number."""
+    loss: float
+    """Mean loss over the global batch."""
+    lr: float
+    """Learning rate of the update."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    step_time: float
+    """Wall-clock seconds of the step on this rank."""
+    tokens: int
+    """Tokens in the global batch."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Global-batch tokens per second."""
+        return self.tokens / self.step_time if self.step_time > 0 else 0.0
+
+
+class Trainer:
+    """One rank's training state for a Program: graph, weights, gradients, optimizer, data."""
+
+    def __init__(self, program: Program, groups: Mapping[str, dist.ProcessGroup | None], *,
+                 device: torch.device | str = "cpu", model: nn.Module | None = None,
+                 values: Mapping[str, torch.Tensor] | None = None):
+        """`groups` maps axis names to process groups; `values` overrides the initial weights."""
+        plan = self.plan = program.plan
+        if plan.parallel.tp != 1 or plan.parallel.pp != 1:
+            raise PtcError(f"this runtime runs tp = pp = 1, the plan has tp = {plan.parallel.tp}, "
+                           f"pp = {plan.parallel.pp}")
+        self.program, self.groups = program, dict(groups)
+        self.device = torch.device(device)
+        self.group = self.groups.get("dp")
+        self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.zero = plan.parallel.zero
+        torch.manual_seed(plan.runtime.seed + self.rank)  # dropout differs per rank, repeatably
+        self.gm = copy.deepcopy(program.stages[0].graph)
+        model = model if model is not None else reference_model(plan)
+        if values is None:
+            values = initial_params(plan, program.layout, model)
+        self.units = build_units(self.gm, program.layout, values, zero=self.zero,
+                                 dtype=COMPUTE_DTYPES[plan.train.dtype], rank=self.dp_rank,
+                                 world=self.dp, device=self.device)
+        bind_buffers(self.gm, initial_buffers(self.gm, plan, model), self.device)
+        self.optimizer = ShardedOptimizer(self.units, plan.train.optimizer, self.group,
+                                          sharded=self.zero >= 1)
+        self.reducer = GradReducer(self.units, self.group, self.zero) if self.zero < 3 else None
+        self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
+        self.runner = GraphRunner(self.gm, self.rank)
+
+    def train_step(self, step: int) -> StepStats:
+        """Run optimizer step `step` (0-based) on this rank; collective over the dp group."""
+        train = self.plan.train
+        start = time.perf_counter()
+        micro = self.plan.num_microbatches
+        scale = 1.0 / (micro * self.dp)
+        loss_sum = torch.zeros((), device=self.device)
+        with bind_axes(self.groups):
+            for m in range(micro):
+                first = microbatch_start(step, m, dp_rank=self.dp_rank, dp=self.dp,
+                                         global_batch=train.global_batch,
+                                         micro_batch=train.micro_batch)
+                tokens, targets = (t.to(self.device) for t in self.data.batch(first, train.micro_batch))
+                loss_sum += self._forward_backward(tokens, targets, scale, step, m, micro)
+            if self.reducer is not None:
+                self.reducer.finish()
+            all_reduce_flat(loss_sum.view(1), self.group).wait()
+            norm = self.optimizer.clip(train.grad_clip)
+            lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
+            self.optimizer.step(lr)
+            publish(self.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
+            self.optimizer.zero_grad()
+        return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
+                         grad_norm=norm, step_time=time.perf_counter() - start,
+                         tokens=train.global_batch * train.seq_len)
+
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
+                          step: int, micro: int, micros: int) -> torch.Tensor:
+        if self.zero == 3:
+            session = ParamSession(prefetch=self.plan.parallel.overlap)
+            with session, session.saved_tensor_hooks():
+                loss = self.runner.run(tokens, targets)
+        else:
+            session = None
+            self.reducer.begin(last_micro=micro == micros - 1)
+            loss = self.runner.run(tokens, targets)
+        try:
+            if session is None:
+                (loss * scale).backward()
+            else:
+                with session:
+                    (loss * scale).backward()
+                    session.finish()
+        except Exception as exc:
+            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n"
+                            f"  during backward of micro-batch {micro} of step {step + 1}") from exc
+        return loss.detach().float()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 master weights by canonical name (collective over dp)."""
+        out = {}
+        with torch.no_grad():
+            for unit in self.units:
+                if self.zero == 0:
+                    full = unit.master
+                else:
+                    full = all_gather_flat(unit.master.detach().contiguous(), self.group).wait()
+                for slot in unit.slots:
+                    out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(
+                        slot.shape).clone().cpu()
+        return out
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now."""
+        return held_bytes(self.gm, self.units, self.optimizer.state_tensors())

@@ -1,0 +1,107 @@
+"""Starting one process per rank with PyTorch's elastic launcher (torchrun).
+
+`launch(plan_path, nproc, extra_launcher_args)` is what `ptc run PLAN` calls:
+it hands torchrun `--nproc-per-node`, the user's launcher flags (`--nnodes`,
+`--node-rank`, `--rdzv-endpoint`, ... pass through unchanged; without them
+the job is `--standalone` on this machine) and the worker module
+`ptc.runtime.worker`. When we already are a launched worker —
+`torchrun ... -m ptc run PLAN` — it trains in this process instead.
+
+`run_local(fn, nproc, *args)` starts `fn(*args)` on nproc local processes
+through `elastic_launch` and returns each rank's return value; a failing
+rank stops the others and raises `RankError` with its message.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+WORKER_MODULE = "ptc.runtime.worker"
+_RENDEZVOUS_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--nnodes", "--master-addr",
+                     "--master_addr", "--standalone")
+
+
+def in_worker() -> bool:
+    """Whether this process was started by torchrun / the elastic agent."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = ()) -> list[str]:
+    """The torchrun command line (without "torchrun") that runs `plan_path` on nproc processes."""
+    args = [f"--nproc-per-node={nproc}"]
+    if not any(a.split("=")[0] in _RENDEZVOUS_FLAGS for a in extra):
+        args.append("--standalone")
+    if not any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in extra):
+        args.append("--max-restarts=0")  # a training failure is not fixed by restarting it
+    return [*args, *extra, "-m", WORKER_MODULE, plan_path]
+
+
+def launch(plan_path: str, nproc: int | None = None,
+           extra_launcher_args: Sequence[str] = ()) -> int:
+    """Run the plan file on nproc local processes (per node); return the exit code.
+
+    nproc defaults to tp * pp * dp divided by the plan's nodes. Inside a
+    launched worker, trains in this process.
+    """
+    from ptc.dsl import load_plan  # noqa: PLC0415
+    from ptc.runtime.mesh import world_size  # noqa: PLC0415
+
+    if in_worker():
+        from ptc.runtime.worker import main  # noqa: PLC0415
+
+        return main([plan_path])
+    if nproc is None:
+        plan = load_plan(plan_path)
+        nproc = max(1, world_size(plan) // plan.hardware.nodes)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import parse_args, run  # noqa: PLC0415
+
+    try:
+        run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args)))
+    except ChildFailedError as exc:
+        print(_failure_text(exc))
+        return 1
+    return 0
+
+
+def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> dict[int, Any]:
+    """Run `fn(*args, **kwargs)` on nproc local processes; return {rank: return value}."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"ptc-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    try:
+        return elastic_launch(config, _call)(fn, args, kwargs)
+    except ChildFailedError as exc:
+        from ptc.runtime.executor import RankError  # noqa: PLC0415
+
+        raise RankError(_failure_text(exc)) from None
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: n processes with all cores' threads each would oversubscribe.
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)
+    return fn(*args, **kwargs)
+
+
+def _failure_text(exc: Exception) -> str:
+    """The first failed rank's error message (the root cause), else the launcher's summary."""
+    get_first = getattr(exc, "get_first_failure", None)
+    if get_first is None:
+        return str(exc)
+    rank, failure = get_first()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return f"rank {rank} failed (exit code {failure.exitcode}):\n{message}"

@@ -1,0 +1,103 @@
+"""The process group of the run and a DeviceMesh over the plan's axes.
+
+The mesh's dimensions are the plan's axes from outermost to innermost:
+`parallel.order` lists them innermost first (tp, dp, pp by default), so tp
+ranks are adjacent (inside a node) and pp ranks farthest apart. Each mesh
+dimension's process group is what `bind_axes` gives the graphs under the
+axis name.
+
+Every group gets a finite timeout (`PTC_TIMEOUT` seconds, default 300): a
+rank that waits for a dead peer raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ptc.errors import PtcError
+from ptc.plan import Plan
+
+DEFAULT_TIMEOUT_S = 300.0
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def timeout() -> datetime.timedelta:
+    """The collective timeout: `PTC_TIMEOUT` seconds, or 300."""
+    return datetime.timedelta(seconds=float(os.environ.get("PTC_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+def backend_for(plan: Plan) -> str:
+    """"nccl" or "gloo": the plan's choice, or NCCL when CUDA is available ("auto")."""
+    if plan.runtime.backend != "auto":
+        return plan.runtime.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def world_size(plan: Plan) -> int:
+    """Processes the plan runs on: tp * pp * dp."""
+    p = plan.parallel
+    return p.tp * p.pp * p.dp
+
+
+def init_distributed(plan: Plan) -> bool:
+    """Join (or create) the default process group; True when this call created it.
+
+    Inside a launched worker the launcher's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, ...) says where the others are; a single-process run gets a
+    private in-memory store.
+    """
+    if dist.is_initialized():
+        return False
+    backend = backend_for(plan)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout())
+    elif world_size(plan) == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout())
+    else:
+        raise PtcError(f"the plan needs {world_size(plan)} processes; start them with "
+                       f"`ptc run` or torchrun")
+    if dist.get_world_size() != world_size(plan):
+        raise PtcError(f"the plan needs tp*pp*dp = {world_size(plan)} processes, "
+                       f"but {dist.get_world_size()} were started")
+    return True
+
+
+def build_mesh(plan: Plan) -> DeviceMesh:
+    """A DeviceMesh over the plan's axes, outermost first (cached per shape in this process)."""
+    names = tuple(reversed(plan.parallel.order))
+    shape = tuple(plan.parallel.degree(a) for a in names)
+    backend = backend_for(plan)
+    key = (id(dist.group.WORLD), names, shape, backend)
+    if key not in _MESHES:
+        device = "cuda" if backend == "nccl" else "cpu"
+        _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names,
+                                        backend_override={n: (backend, _options(backend))
+                                                          for n in names})
+    return _MESHES[key]
+
+
+def _options(backend: str):
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())
+    options._timeout = timeout()
+    return options
+
+
+def axis_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+    """Axis name -> this rank's process group along that mesh dimension."""
+    return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+
+
+def device_for(plan: Plan) -> torch.device:
+    """The device this rank computes on: its GPU under NCCL, else the CPU."""
+    if backend_for(plan) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

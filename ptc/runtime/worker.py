@@ -1,0 +1,31 @@
+"""`python -m ptc.runtime.worker PLAN`: what each process started by `launch` runs.
+
+`record` writes the exception of a failing rank to the file torchrun reads,
+so the launcher reports that rank's message (rank, graph node, source line)
+as the root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """Load the plan file and train it as this rank; return the exit code."""
+    from ptc.dsl import load_plan  # noqa: PLC0415
+    from ptc.runtime.train import train_worker  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="ptc.runtime.worker")
+    parser.add_argument("plan", help="plan file (.ptc)")
+    args = parser.parse_args(argv)
+    train_worker(load_plan(args.plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Shared helpers of the multi-process tests: tiny plans, the eager reference, workers.
+
+Workers run inside processes started by `ptc.runtime.run_local` (the elastic
+launcher, spawn): they must live in an importable module, not a test file.
+One launch runs many cases in a row so that process start-up (seconds on a
+shared 2-core machine) is paid once per process count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ptc.plan import (  # noqa: E402
+    DataSpec,
+    HardwareSpec,
+    InitSpec,
+    LRScheduleSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    Plan,
+    RuntimeSpec,
+    TrainSpec,
+)
+
+STEPS = 5
+SEQ = 16
+# Collectives give up after this long in tests: a bug fails the test instead of hanging it.
+os.environ.setdefault("PTC_TIMEOUT", "60")
+
+
+def tiny_model(family: str) -> ModelSpec:
+    """A 2-layer model small enough for 4 processes on 2 cores (Llama with GQA)."""
+    if family == "gpt":
+        return ModelSpec(family="gpt", layers=2, hidden=32, heads=4, vocab=64, max_seq=SEQ)
+    return ModelSpec(family="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64,
+                     vocab=64, max_seq=SEQ)
+
+
+def tiny_plan(family: str, *, zero: int, dp: int, accum: int, steps: int = STEPS,
+              dtype: str = "fp32", data: DataSpec | None = None, init: InitSpec | None = None,
+              metrics: str | None = None, overlap: bool = True) -> Plan:
+    """A plan of the tiny model: `accum` micro-batches of one sample (two without accum)."""
+    micro_batch = 1 if accum > 1 else 2
+    return Plan(
+        model=tiny_model(family),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=dp),
+        parallel=ParallelSpec(tp=1, pp=1, dp=dp, zero=zero, overlap=overlap),
+        train=TrainSpec(seq_len=SEQ, global_batch=dp * accum * micro_batch,
+                        micro_batch=micro_batch, dtype=dtype, steps=steps, grad_clip=1.0,
+                        optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+                        lr_schedule=LRScheduleSpec(kind="cosine", warmup=2, min_lr=3e-4),
+                        data=data or DataSpec(kind="synthetic", seed=7),
+                        init=init or InitSpec(kind="random", seed=3)),
+        runtime=RuntimeSpec(backend="gloo", metrics=metrics),
+    )
+
+
+def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process PyTorch training of the plan's model on the full global batch.
+
+    torch.optim.AdamW on the eager model, the same initial weights and samples,
+    `clip_grad_norm_`, the same learning-rate schedule: the ground truth.
+    """
+    from ptc.models import build_model
+    from ptc.runtime.data import TokenSource
+    from ptc.runtime.lr import learning_rate
+
+    train = plan.train
+    model = build_model(plan.model, device="cpu", seed=train.init.seed)
+    if train.init.kind == "state_dict":
+        model.load_state_dict(torch.load(train.init.path, weights_only=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr, betas=train.optimizer.betas,
+                            eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
+    source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
+    losses = []
+    for step in range(train.steps):
+        tokens, targets = source.batch(step * train.global_batch, train.global_batch)
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_cases(cases: list[tuple[str, int, int]], dp: int) -> dict:
+    """Worker: train every (family, zero, accum) case; rank 0 returns losses, weights, bytes."""
+    import torch.distributed as dist
+
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+
+    results = {}
+    for family, zero, accum in cases:
+        plan = tiny_plan(family, zero=zero, dp=dp, accum=accum)
+        init_distributed(plan)
+        program = compile_plan(plan)
+        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+        state = trainer.full_state_dict()
+        held = trainer.held_bytes()
+        if dist.get_rank() == 0:
+            results[(family, zero, accum)] = {
+                "losses": losses, "state": state, "held": held,
+                "predicted": program.state_bytes(), "log": program.pass_log}
+    dist.destroy_process_group()
+    return results
+
+
+def assert_same_training(got: dict, losses: list[float], state: dict[str, torch.Tensor], *,
+                         loss_tol: dict, param_tol: dict, what: str) -> None:
+    """Losses of every step and every parameter agree; name the parameter that does not."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), **loss_tol,
+                               msg=lambda m: f"{what}: losses differ\n{m}")
+    for name, expected in state.items():
+        assert name in got["state"], f"{what}: parameter {name} missing from the run"
+        torch.testing.assert_close(got["state"][name], expected, **param_tol,
+                                   msg=lambda m, name=name: f"{what}: parameter {name}\n{m}")

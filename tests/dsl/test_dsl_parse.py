@@ -1,0 +1,191 @@
+"""Parsing valid plans: the examples, every value form, and load_plan's file handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dsl_helpers import BASE, EXAMPLES, ROOT, edit, errors, find
+
+from ptc.dsl import load_plan, parse
+from ptc.errors import PlanError, PtcError
+from ptc.plan import Plan
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_parses_and_checks_clean(path: Path) -> None:
+    plan = load_plan(path)
+    assert isinstance(plan, Plan)
+    assert plan.source == str(path)
+    if "70b" in path.stem:
+        assert plan.warnings == ()
+        assert plan.num_gpus == 64
+        parallel = plan.parallel
+        assert parallel.tp * parallel.pp * parallel.dp == 64
+    for section in (plan.model, plan.hardware, plan.parallel, plan.train):
+        for span in section.spans.values():
+            assert span.file == str(path) and span.line >= 1 and span.column >= 1
+            assert span.source_line == path.read_text().split("\n")[span.line - 1]
+
+
+def test_example_count() -> None:
+    assert len(EXAMPLES) == 6
+
+
+def test_example_values_are_in_base_units() -> None:
+    plan = load_plan(ROOT / "examples" / "llama70b_h100x64_tp8_pp4_dp2.ptc")
+    hw = plan.hardware
+    assert hw.inter.bandwidth == 400e9 / 8 and hw.inter.latency == pytest.approx(5e-6)
+    assert hw.intra.bandwidth == 450e9
+    assert hw.hbm_bytes == 80 * GiB  # from the H100-SXM preset
+    assert plan.parallel.schedule == "interleaved" and plan.parallel.virtual_stages == 2
+    assert plan.train.optimizer.lr == 1.5e-4 and plan.train.optimizer.betas == (0.9, 0.95)
+    assert plan.train.lr_schedule.kind == "cosine" and plan.train.lr_schedule.min_lr == 1.5e-5
+    assert plan.runtime.nan_policy == "rollback"
+    assert plan.model.rope_theta == 500000.0
+
+
+def test_llama7b_example_shards_and_token_data() -> None:
+    plan = load_plan(ROOT / "examples" / "llama7b_h100x8.ptc")
+    assert [(r.pattern, r.style) for r in plan.parallel.shards] == [
+        ("layers.*.mlp.gate", "colwise"), ("layers.*.mlp.up", "colwise"),
+        ("layers.*.mlp.down", "rowwise")]
+    assert plan.train.data.kind == "tokens" and plan.train.data.path == "/data/tokens.bin"
+    assert plan.train.init.kind == "state_dict"
+    assert plan.runtime.checkpoint_interval == 1800.0
+
+
+def test_tiny_gpt_uses_cpu_preset() -> None:
+    plan = load_plan(ROOT / "examples" / "tiny_gpt_cpu.ptc")
+    assert plan.hardware.gpu == "cpu" and plan.model.tied_embeddings is True
+
+
+# ------------------------------------------------------------ value forms
+
+
+def test_numbers_units_and_separators() -> None:
+    plan = parse(edit("global_batch = 16", "global_batch = 1_6",
+                      "nodes = 1", "nodes = 1; hbm = 141 GB; mem_bandwidth = 4.8 TB/s",
+                      "adamw(lr = 3e-4)", "adamw(lr = 1.5e-4, eps = 1E-8, weight_decay = 0)"))
+    assert plan.train.global_batch == 16
+    assert plan.hardware.hbm_bytes == 141e9 and plan.hardware.mem_bandwidth == 4.8e12
+    assert plan.train.optimizer.eps == 1e-8 and plan.train.optimizer.weight_decay == 0.0
+
+
+def test_one_line_sections_comments_crlf_and_bom() -> None:
+    text = "\ufeff" + edit("model llama {", "model llama { # the model").replace("\n", "\r\n")
+    plan = parse(text)
+    assert plan.model.layers == 8
+    compact = ('model gpt { layers = 2; hidden = 8; heads = 2; vocab = 16; max_seq = 8 }\n'
+               'hardware { gpu = cpu; gpus_per_node = 1 }\n'
+               'train { seq_len = 8; global_batch = 2 }')
+    assert parse(compact).hardware.num_gpus == 1
+
+
+def test_calls_may_span_lines() -> None:
+    plan = parse(edit("adamw(lr = 3e-4)", "adamw(\n    lr = 3e-4,\n    betas = (0.8,\n"
+                                          "      0.9),  # comment inside\n  )"))
+    assert plan.train.optimizer.betas == (0.8, 0.9)
+
+
+def test_auto_axes_and_optional_values() -> None:
+    plan = parse(edit("dp = 2", "dp = auto", "steps = 10", "steps = 10\n  grad_clip = none",
+                      "optimizer = adamw(lr = 3e-4)", "lr_schedule = constant"))
+    assert plan.parallel.dp == "auto" and plan.train.grad_clip is None
+    assert plan.train.lr_schedule.kind == "constant"
+
+
+def test_per_layer_checkpoint_forms() -> None:
+    ranges = parse(edit("checkpoint = selective",
+                        "checkpoint = layers(full = [0..1, 6..7], selective = 2..4, none = 5)"))
+    assert ranges.parallel.checkpoint == ("full", "full", "selective", "selective", "selective",
+                                          "none", "full", "full")
+    listed = parse(edit("checkpoint = selective", "checkpoint = [" + ", ".join(["full"] * 8) + "]"))
+    assert listed.parallel.checkpoint == ("full",) * 8
+
+
+def test_schedule_order_and_virtual_stages_key() -> None:
+    plan = parse(edit("schedule = 1f1b", "schedule = interleaved\n  virtual_stages = 2",
+                      "zero = 1", "zero = 1\n  order = (dp, tp, pp)"))
+    assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "pp")
+
+
+def test_preset_fields_can_be_overridden() -> None:
+    plan = parse(edit("nodes = 1", "nodes = 1\n  hbm = 94 GB\n  peak = flops(bf16 = 900 TFLOP/s)"
+                                   "\n  achievable_fraction = 0.4\n  nvlink_sharp = false"))
+    hw = plan.hardware
+    assert hw.gpu == "H100-SXM" and hw.hbm_bytes == 94e9 and hw.peak_flops == {"bf16": 900e12}
+    assert hw.achievable_fraction == 0.4 and hw.nvlink_sharp is False
+    assert hw.mem_bandwidth == 3350e9  # untouched preset figure
+
+
+def test_custom_model_items_become_factory_kwargs() -> None:
+    text = edit(BASE[:BASE.index("hardware {")],
+                'model "my_pkg.models:build" {\n  width = 64; act = gelu; name = "x\\ty"\n'
+                '  sizes = (1, 2.5); flags = [true, false, none]; budget = 1 KiB\n}\n\n')
+    plan = parse(text)
+    assert plan.model.family == "custom" and plan.model.factory == "my_pkg.models:build"
+    assert dict(plan.model.kwargs) == {"width": 64, "act": "gelu", "name": "x\ty",
+                                       "sizes": (1, 2.5), "flags": [True, False, None],
+                                       "budget": 1024.0}
+
+
+def test_string_escapes() -> None:
+    plan = parse(edit('checkpoint_dir = "ckpt"', r'checkpoint_dir = "C:\data \"q\" \u00e9\\"'))
+    assert plan.runtime.checkpoint_dir == 'C:\\data "q" é\\'
+
+
+def test_diagnostic_render_has_location_caret_and_choices() -> None:
+    d = find(errors(edit("dtype = bf16", "dtype = bf61")), "dtype")
+    assert d.render() == ("plan.ptc:31:11: error: dtype = bf61 is not a valid choice"
+                          "; did you mean 'bf16'? [train.dtype]\n"
+                          "      dtype = bf61\n"
+                          "              ^^^^\n"
+                          "    valid: fp32, bf16, fp16")
+
+
+# -------------------------------------------------------------- load_plan
+
+
+def test_load_plan_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PtcError, match="cannot read plan file .*nope.ptc"):
+        load_plan(tmp_path / "nope.ptc")
+
+
+def test_load_plan_directory(tmp_path: Path) -> None:
+    with pytest.raises(PtcError, match="cannot read plan file"):
+        load_plan(tmp_path)
+
+
+def test_load_plan_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.ptc"
+    path.write_bytes(BASE.replace("golden", "gold\xe9n").encode("latin-1"))
+    with pytest.raises(PtcError, match="is not UTF-8 text"):
+        load_plan(path)
+
+
+def test_load_plan_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.ptc"
+    path.write_text(edit("zero = 1", "zero = 9"))
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    assert info.value.diagnostics[0].span.file == str(path)
+    assert str(info.value).startswith(f"{path}:22:10: error: zero must be a stage 0-3")
+
+
+def test_parse_rejects_non_text() -> None:
+    with pytest.raises(PtcError):
+        parse(b"model gpt {}")  # type: ignore[arg-type]
+
+
+def test_internal_errors_still_come_out_as_plan_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ptc.dsl as dsl
+
+    def broken(tree, source):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(dsl, "build_plan", broken)
+    with pytest.raises(PlanError, match="internal error while checking the plan: KeyError"):
+        dsl.parse(BASE)

@@ -1,0 +1,75 @@
+"""Model-state bytes: the ZeRO formulas as identities, and exact counts against torch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+import torch
+from torch.nn import functional as F
+
+from ptc.compiler.layout import Layout
+from ptc.compiler.memory import d, precision, stage_memory, stage_memory_expr
+from ptc.compiler.profile import model_profile
+from ptc.models import build_model
+from ptc.plan import ModelSpec
+
+GPT = ModelSpec(family="gpt", layers=2, hidden=64, heads=4, vocab=128, max_seq=32)
+LLAMA = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160,
+                  vocab=128, max_seq=32)
+
+
+def _layout(layers: int, **changes) -> Layout:
+    base = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=2, microbatches=1, zero=0, sp=False,
+                  schedule="1f1b", layers=layers, checkpoint="none", overlap=True)
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize("zero, per_param", [(0, 16), (1, 4 + 12 / d), (2, 2 + 14 / d),
+                                             (3, 16 / d)])
+def test_zero_bytes_per_parameter(zero, per_param):
+    profile = model_profile(GPT, "bf16")
+    layout = _layout(GPT.layers, dp=8, zero=zero)
+    terms = stage_memory_expr(profile, layout, precision(2, "adamw"), 0)
+    n = profile.params["layer"].total * GPT.layers + profile.params["pre"].total \
+        + profile.params["post"].total
+    state = terms["weights"] + terms["grads"] + terms["optimizer"]
+    counters = 4 * (profile.params["layer"].tensors * GPT.layers + profile.params["pre"].tensors
+                    + profile.params["post"].tensors) / (d if zero else 1)
+    assert sympy.simplify(state - per_param * n - counters) == 0
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_fp32_adam_state_is_exact(spec):
+    torch.manual_seed(0)
+    model = build_model(spec, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, spec.vocab, (2, 16))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    params = list(model.parameters())
+    measured = {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "optimizer": sum(v.numel() * v.element_size() for st in opt.state.values()
+                         for v in st.values()),
+    }
+    terms = stage_memory(model_profile(spec, "fp32"), _layout(spec.layers),
+                         precision(4, "adamw"), 16)[0]
+    assert {k: terms[k] for k in measured} == measured
+
+
+def test_tied_head_is_a_second_copy_on_the_last_stage():
+    profile = model_profile(GPT, "bf16")
+    prec = precision(2, "adamw")
+    one = stage_memory(profile, _layout(GPT.layers), prec, 16)[0]["weights"]
+    two = stage_memory(profile, _layout(GPT.layers, pp=2, microbatches=2), prec, 16)
+    assert sum(st["weights"] for st in two) == one + 2 * profile.tied_elements
+
+
+def test_tensor_parallel_keeps_norms_whole():
+    profile = model_profile(GPT, "bf16")
+    layer = profile.params["layer"]
+    # Two LayerNorms (weight + bias) and the two row-parallel biases stay whole.
+    assert layer.replicated == 4 * GPT.hidden + 2 * GPT.hidden

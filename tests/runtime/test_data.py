@@ -1,0 +1,78 @@
+"""Samples are numbered globally; which rank reads which does not change them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from runtime_helpers import tiny_plan  # noqa: F401 - puts the repo root on sys.path
+
+from ptc.errors import PtcError
+from ptc.plan import DataSpec
+from ptc.runtime.data import TokenSource, microbatch_start
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_synthetic_samples_depend_only_on_seed_and_index():
+    a = TokenSource(DataSpec(seed=5), vocab=50, seq_len=8)
+    b = TokenSource(DataSpec(seed=5), vocab=50, seq_len=8)
+    assert np.array_equal(a.sample(17), b.sample(17))
+    assert not np.array_equal(a.sample(17), a.sample(18))
+    assert not np.array_equal(a.sample(17), TokenSource(DataSpec(seed=6), vocab=50,
+                                                         seq_len=8).sample(17))
+    assert a.sample(3).shape == (9,) and a.sample(3).max() < 50
+
+
+def test_inputs_and_targets_are_the_sample_shifted_by_one():
+    src = TokenSource(DataSpec(seed=1), vocab=100, seq_len=6)
+    tokens, targets = src.batch(4, 3)
+    assert tokens.shape == targets.shape == (3, 6) and tokens.dtype == torch.int64
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+    assert torch.equal(tokens[1], torch.from_numpy(src.sample(5)[:-1]))
+
+
+@pytest.mark.parametrize("dp,micro_batch", [(1, 8), (2, 2), (4, 1), (8, 1)])
+def test_every_layout_reads_the_same_global_batch(dp, micro_batch):
+    global_batch, step = 8, 3
+    micros = global_batch // (dp * micro_batch)
+    seen = []
+    for rank in range(dp):
+        for m in range(micros):
+            first = microbatch_start(step, m, dp_rank=rank, dp=dp, global_batch=global_batch,
+                                     micro_batch=micro_batch)
+            seen.extend(range(first, first + micro_batch))
+    assert seen == list(range(step * global_batch, (step + 1) * global_batch))
+
+
+def test_rank_takes_a_contiguous_slice_micro_batch_by_micro_batch():
+    kw = dict(dp=2, global_batch=8, micro_batch=2)
+    assert [microbatch_start(0, m, dp_rank=1, **kw) for m in range(2)] == [4, 6]
+
+
+@pytest.mark.parametrize("suffix,dtype", [(".bin", "uint16"), (".bin", "uint32"),
+                                          (".npy", "uint16"), (".npy", "uint32")])
+def test_token_files_are_windows_in_order_that_wrap(tmp_path, suffix, dtype):
+    tokens = np.arange(23, dtype=dtype)
+    path = tmp_path / f"t{suffix}"
+    if suffix == ".npy":
+        np.save(path, tokens)
+    else:
+        tokens.tofile(path)
+    src = TokenSource(DataSpec(kind="tokens", path=str(path), dtype=dtype), vocab=100, seq_len=5)
+    assert list(src.sample(0)) == [0, 1, 2, 3, 4, 5]
+    assert list(src.sample(1)) == [5, 6, 7, 8, 9, 10]
+    assert list(src.sample(4)) == list(src.sample(0))  # (23 - 1) // 5 = 4 windows, then wrap
+    assert src.sample(3).dtype == np.int64
+
+
+def test_bad_token_files_are_reported(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros(10, dtype=np.float32))
+    with pytest.raises(PtcError, match="uint16 or uint32"):
+        TokenSource(DataSpec(kind="tokens", path=str(tmp_path / "f.npy")), vocab=10, seq_len=4)
+    with pytest.raises(PtcError, match="does not exist"):
+        TokenSource(DataSpec(kind="tokens", path=str(tmp_path / "no.bin")), vocab=10, seq_len=4)
+    np.zeros(4, dtype=np.uint16).tofile(tmp_path / "short.bin")
+    with pytest.raises(PtcError, match="one sample needs"):
+        TokenSource(DataSpec(kind="tokens", path=str(tmp_path / "short.bin")), vocab=10,
+                    seq_len=4)

@@ -1,0 +1,78 @@
+"""One rank's training step, in a single process (dp = 1): numerics, errors, mixed precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from runtime_helpers import reference_run, tiny_plan
+
+from ptc.compiler.pipeline import compile_plan
+from ptc.errors import PtcError
+from ptc.plan import DataSpec, ParallelSpec
+from ptc.runtime.executor import RankError, Trainer
+
+pytestmark = pytest.mark.timeout(60)
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-5)  # see tests/distributed/test_zero_equivalence.py
+
+
+def train(plan):
+    trainer = Trainer(compile_plan(plan), {})
+    stats = [trainer.train_step(k) for k in range(plan.train.steps)]
+    return trainer, stats
+
+
+@pytest.mark.parametrize("family,zero", [("gpt", 0), ("gpt", 3), ("llama", 2)])
+def test_single_process_equals_eager_adamw(family, zero):
+    plan = tiny_plan(family, zero=zero, dp=1, accum=2)
+    trainer, stats = train(plan)
+    losses, state = reference_run(plan)
+    torch.testing.assert_close(torch.tensor([s.loss for s in stats]), torch.tensor(losses),
+                               **LOSS_TOL)
+    got = trainer.full_state_dict()
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, **PARAM_TOL, msg=lambda m, n=name: f"{n}\n{m}")
+
+
+def test_step_stats():
+    plan = tiny_plan("gpt", zero=1, dp=1, accum=2, steps=3)
+    _, stats = train(plan)
+    assert [s.step for s in stats] == [1, 2, 3]
+    assert stats[0].lr == pytest.approx(plan.train.optimizer.lr / 2)  # warm-up of 2 steps
+    assert stats[0].tokens == plan.train.global_batch * plan.train.seq_len
+    assert all(s.step_time > 0 and s.tokens_per_s > 0 and s.grad_norm > 0 for s in stats)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_failure_names_rank_node_and_source_line(tmp_path, zero):
+    np.full(100, 200, dtype=np.uint16).tofile(tmp_path / "bad.bin")  # ids >= vocab 64
+    plan = tiny_plan("gpt", zero=zero, dp=1, accum=1,
+                     data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
+    trainer = Trainer(compile_plan(plan), {})
+    with pytest.raises(RankError) as info:
+        trainer.train_step(0)
+    message = str(info.value)
+    assert message.startswith("rank 0: IndexError")
+    assert "while executing node embed:" in message
+    assert "ptc/models/gpt.py:" in message
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_bf16_compute_trains_near_fp32_and_holds_predicted_bytes(zero):
+    fp32 = [s.loss for s in train(tiny_plan("llama", zero=zero, dp=1, accum=1))[1]]
+    trainer, stats = train(tiny_plan("llama", zero=zero, dp=1, accum=1, dtype="bf16"))
+    assert all(p.dtype == torch.bfloat16 for p in trainer.gm.parameters()) or zero == 3
+    assert all(u.master.dtype == torch.float32 for u in trainer.units)
+    # The captured loss is computed in the compute dtype: bf16 spaces values near 4 by 1/32.
+    torch.testing.assert_close(torch.tensor([s.loss for s in stats]), torch.tensor(fp32),
+                               rtol=0, atol=2 / 32)
+    assert trainer.held_bytes() == trainer.program.state_bytes()
+
+
+def test_tp_and_pp_are_refused():
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    program = compile_plan(plan)
+    object.__setattr__(program.plan, "parallel", ParallelSpec(tp=2, dp=1))
+    with pytest.raises(PtcError, match="tp = pp = 1"):
+        Trainer(program, {})
