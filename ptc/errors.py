@@ -124,6 +124,10 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
     lowered = {c.lower(): c for c in options}
     if word.lower() in lowered and lowered[word.lower()] != word:
         return f"; did you mean '{lowered[word.lower()]}'?"
+    # A unique completion beats a near miss: "H100" means "H100-SXM", not "H200".
+    longer = [c for c in options if word and c.lower().startswith(word.lower()) and c != word]
+    if len(longer) == 1:
+        return f"; did you mean '{longer[0]}'?"
     close = difflib.get_close_matches(word, options, n=1, cutoff=cutoff)
     return f"; did you mean '{close[0]}'?" if close else ""
 

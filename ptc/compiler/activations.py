@@ -15,12 +15,14 @@ Terms:
 - parameters and buffers saved for backward (a linear's weight, a RoPE table)
   are model state, not activations, and are skipped.
 
-Two ops run as their GPU kernels do, since GPUs are what the memory model
-is for: attention through `scaled_dot_product_attention` as flash attention
-(it saves q, k, v, its output and the fp32 log-sum-exp, never the s x s
-scores — on meta torch would take its math fallback), and dropout as the
-fused CUDA kernel, keeping a 1-byte mask (off CUDA torch keeps a mask in the
-input's dtype).
+Two ops run as their fused GPU kernels do, since GPUs are what the memory
+model is for, where meta would take torch's composite fallback: attention
+through `scaled_dot_product_attention` as flash attention (it saves q, k, v,
+its output — laid out [b, s, heads, d] as flash kernels write it, so the
+usual transpose-and-reshape after it is a view — and the fp32 log-sum-exp,
+never the s x s scores), and dropout as CUDA's fused kernel, keeping a 1-byte
+mask (off CUDA torch keeps a mask in the input's dtype). Everything else,
+RMSNorm included, saves what torch's own kernels save.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):  # noqa: D102 - autograd.Function protocol
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        if q.dim() == 4:
+            b, heads, sq = q.shape[:3]
+            out = q.new_empty(b, sq, heads, v.shape[-1]).transpose(1, 2)
+        else:
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.nn import functional as F
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from ptc.compiler import flops as flops_mod
 from ptc.compiler import nodes
@@ -68,8 +68,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # export's input guards); they would pin the graph to no purpose.
 _CHECK_FUNCTIONS = {torch._assert, fx._symbolic_trace._assert_is_none}
 _CHECK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
-              "sym_constrain_range", "sym_constrain_range_for_size",
-              "_assert_tensor_metadata.default"}
+              "sym_constrain_range", "sym_constrain_range_for_size"}
 
 
 def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
@@ -79,9 +78,10 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
 
     The graph takes `tokens` (and `targets` when `with_loss`) and returns the
     logits[b, s, V], or the mean cross-entropy loss when `with_loss`. Its
-    parameters are meta tensors in `dtype` with the model's own names (see
-    `load_weights` to run it). Every node has a NodeInfo under
-    node.meta["ptc"]; the graph a CaptureInfo under gm.meta["ptc"].
+    parameters are meta tensors in `dtype` with the model's own names (bind
+    it to real weights with `with_weights` to run it). Every node has a
+    NodeInfo under node.meta["ptc"]; the graph a CaptureInfo under
+    gm.meta["ptc"]. `dtype` is a torch dtype or "fp32" / "bf16" / "fp16".
 
     `leaf_modules`: module classes, or fnmatch globs of module paths, that
     the fx door keeps as single call_module nodes (for modules whose Python
@@ -99,26 +99,15 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     inputs = {call.tokens: torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")}
     if call.targets:
         inputs[call.targets] = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    try:
-        if front_door == "export":
-            raise _Skipped("the export front door was asked for")
-        graph, evaluator, owner, out_spec = _fx_door(root, call, inputs, leaf_modules)
-        door = "fx"
-    except _DataDependent as dd:
-        raise CaptureError(_data_dependent_message(model, dd)) from None
-    except Exception as fx_exc:  # anything symbolic tracing cannot do: try the other door
-        fx_where = _failure_site(fx_exc, getattr(fx_exc, "_ptc_module", None))
-        if front_door == "fx":
-            raise CaptureError(_untraceable_message(model, fx_exc, fx_where, None)) from fx_exc
-        try:
-            graph, evaluator, owner, out_spec = _export_door(root, call, inputs)
-            door = "export"
-        except Exception as ex_exc:
-            raise CaptureError(_untraceable_message(model, fx_exc, fx_where, ex_exc)) from ex_exc
+    door, graph, evaluator, owner, out_spec = _open_a_door(model, root, call, inputs,
+                                                           leaf_modules, front_door)
     graph.owning_module = owner  # DCE's purity check looks modules up (GraphModule resets it)
-    vocab, model_loss = _normalise_io(graph, call, evaluator, out_spec, micro_batch, seq_len,
-                                      with_loss, aten=door == "export",
-                                      model_name=type(model).__name__)
+    try:
+        vocab, model_loss = _normalise_io(graph, call, evaluator, out_spec, micro_batch,
+                                          seq_len, with_loss, aten=door == "export",
+                                          model_name=type(model).__name__)
+    except _NodeFailed as failed:
+        raise CaptureError(_meta_failure_message(model, failed)) from failed.exc
     gm = fx.GraphModule(owner, graph, type(model).__name__)
     blocks, num_layers = find_blocks(root)
     gm.meta["ptc"] = CaptureInfo(
@@ -127,6 +116,24 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         blocks_path=blocks, num_layers=num_layers, vocab=vocab)
     _annotate(gm, root, evaluator, blocks, dtype)
     return gm
+
+
+def _open_a_door(model, root, call, inputs, leaf_modules, front_door):
+    """(door, graph, evaluator, owner, out_spec) from fx, else export; CaptureError if neither."""
+    fx_exc = None
+    if front_door != "export":
+        try:
+            return ("fx", *_fx_door(root, call, inputs, leaf_modules))
+        except _DataDependent as dd:  # no door can capture this: say so at once
+            raise CaptureError(_data_dependent_message(model, dd)) from None
+        except Exception as exc:  # anything symbolic tracing cannot do: try the other door
+            if front_door == "fx":
+                raise CaptureError(_untraceable_message(model, exc, None)) from exc
+            fx_exc = exc
+    try:
+        return ("export", *_export_door(root, call, inputs))
+    except Exception as ex_exc:
+        raise CaptureError(_untraceable_message(model, fx_exc, ex_exc)) from ex_exc
 
 
 # ------------------------------------------------------------ calling rule
@@ -294,6 +301,7 @@ class _Evaluator:
             key = self._key(node, fn, args, kwargs)
             if key is not None and key in self._cache:
                 out, flops = self._cache[key]
+                out = tree_map(_fresh, out)
             elif count:
                 out, flops = flops_mod.count_flops(fn, *args, **kwargs)
             else:
@@ -352,7 +360,7 @@ _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torc
 def _sig(x):
     """Hashable description of a value: tensors by metadata, containers element-wise."""
     if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.dtype, x.stride(), x.storage_offset(), x.device.type)
+        return ("T", tuple(x.shape), x.dtype, x.stride(), x.device.type)
     if x is None or isinstance(x, _SCALARS):
         return (type(x), x)  # 1, 1.0 and True hash alike but type differently
     if isinstance(x, (list, tuple)):
@@ -362,6 +370,14 @@ def _sig(x):
     if isinstance(x, slice):
         return (slice, _sig(x.start), _sig(x.stop), _sig(x.step))
     raise _Unhashable(type(x).__name__)
+
+
+def _fresh(x):
+    """A new meta tensor like x, so that nodes sharing a cached result never share
+    a tensor object (an in-place unsqueeze_ on one must not reshape the other)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    return x
 
 
 def _module_signature(mod: nn.Module) -> tuple:
@@ -403,10 +419,6 @@ class _NodeFailed(RuntimeError):
 
 
 # ----------------------------------------------------------------- fx door
-
-
-class _Skipped(Exception):
-    """The fx door was not tried."""
 
 
 class _DataDependent(Exception):
@@ -540,8 +552,7 @@ def _is_check(node: fx.Node) -> bool:
         return False
     if node.target in _CHECK_FUNCTIONS:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        node.target._opname in {n.split(".")[0] for n in _CHECK_OPS}
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in _CHECK_OPS
 
 
 def _normalise_io(graph: fx.Graph, call: _CallRule, evaluator: _Evaluator, out_spec,
@@ -788,20 +799,38 @@ def _data_dependent_message(model: nn.Module, dd: _DataDependent) -> str:
         "Branches on shapes and config flags (if x.size(1) > 1, if mask is not None) are fine.")
 
 
-def _untraceable_message(model: nn.Module, fx_exc: BaseException, fx_where, ex_exc) -> str:
-    module, frame = fx_where
-    export = "not tried" if ex_exc is None else f"{type(ex_exc).__name__}: {_one_line(ex_exc)}"
+def _untraceable_message(model: nn.Module, fx_exc: BaseException | None,
+                         ex_exc: BaseException | None) -> str:
+    """Why neither door worked, where (fx's failure site, else export's), and the fixes."""
+    module, frame = None, None
+    for exc in (fx_exc, ex_exc):
+        if exc is not None and frame is None:
+            module, frame = _failure_site(exc, getattr(exc, "_ptc_module", None))
+
+    def line(exc):
+        return "not tried" if exc is None else f"{type(exc).__name__}: {_one_line(exc)}"
+
     return (
-        f"cannot capture {type(model).__name__}: symbolic tracing failed in "
-        f"{_where(module, frame)}\n"
-        f"  torch.fx: {type(fx_exc).__name__}: {_one_line(fx_exc)}\n"
-        f"  torch.export: {export}\n"
+        f"cannot capture {type(model).__name__}: tracing failed in {_where(module, frame)}\n"
+        f"  torch.fx: {line(fx_exc)}\n"
+        f"  torch.export: {line(ex_exc)}\n"
         "To make it capturable, one of:\n"
         "  - mark the module a leaf: capture(..., leaf_modules=(ThatModule,)) — it stays one "
         "call_module node, run as is on meta tensors;\n"
         "  - remove data-dependent control flow and Python that needs concrete tensor values "
         "(int(t), t.item(), len(t), torch.finfo(t.dtype) on traced values);\n"
         "  - write it torch.export-friendly (torch.cond for branches, no .item()).")
+
+
+def _meta_failure_message(model: nn.Module, failed: "_NodeFailed") -> str:
+    src = _source(failed.node)
+    path, cls = nodes.stack_entry(failed.node)
+    where = f"module {path!r} ({nodes.class_name(cls)})" if path else "the model's forward"
+    return (f"cannot capture {type(model).__name__}: computing shapes on the meta device failed "
+            f"at node {failed.node.name} in {where}{' at ' + src if src else ''}: "
+            f"{type(failed.exc).__name__}: {_one_line(failed.exc)}\n"
+            "The op may lack a meta kernel; mark its module a leaf "
+            "(capture(..., leaf_modules=(ThatModule,))) or use a standard torch op.")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -407,13 +407,17 @@ def heads_reshape(node: fx.Node) -> HeadsReshape | None:
         return None
     # Heads live beside at least one token dimension: [.., tokens, a, d] <-> [.., tokens, h]
     # (this keeps e.g. flattening targets[b, s] -> [b·s] out).
-    if len(out) == len(src) + 1 and len(out) >= 3 and out[:-2] == src[:-1] and out[-2] * out[-1] == src[-1] \
-            and out[-2] > 1 and out[-1] > 1:
+    if len(out) == len(src) + 1 and len(out) >= 3 and _splits(src, out):
         return HeadsReshape(True, out[-2], out[-1])
-    if len(src) == len(out) + 1 and len(src) >= 3 and src[:-2] == out[:-1] and src[-2] * src[-1] == out[-1] \
-            and src[-2] > 1 and src[-1] > 1:
+    if len(src) == len(out) + 1 and len(src) >= 3 and _splits(out, src):
         return HeadsReshape(False, src[-2], src[-1])
     return None
+
+
+def _splits(flat: tuple[int, ...], split: tuple[int, ...]) -> bool:
+    """Whether `split` is `flat` with its last dim h written as (a, d), a, d > 1."""
+    return split[:-2] == flat[:-1] and split[-2] * split[-1] == flat[-1] \
+        and split[-2] > 1 and split[-1] > 1
 
 
 def is_reshape_of_heads(node: fx.Node) -> bool:

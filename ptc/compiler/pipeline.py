@@ -24,7 +24,7 @@ from typing import Any
 from torch import fx, nn
 
 from ptc.compiler.program import Program, Stage, ZeroShards, param_layout
-from ptc.errors import CompileError
+from ptc.errors import CompileError, PtcError
 from ptc.plan import Plan
 
 Pass = Callable[..., fx.GraphModule]
@@ -107,12 +107,16 @@ def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
 
 
 def predicted_step_time(plan: Plan) -> float | None:
-    """The cost model's predicted step time in seconds; None until ptc.compiler has one.
+    """The cost model's predicted step time in seconds (`ptc.compiler.estimate`), if it has one.
 
-    The one hook between the runtime's step report and the cost model.
+    The one hook between the cost model and the runtime's step report. A
+    plan the cost model cannot price still compiles and trains: the reason
+    is logged and the prediction is None.
     """
+    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model (slow once)
+
     try:
-        from ptc.compiler.cost import predict_step_time  # noqa: PLC0415
-    except ImportError:
+        return float(estimate(plan).step_time_s)
+    except (PtcError, ValueError) as exc:
+        logging.getLogger("ptc.compiler").warning("no predicted step time: %s", exc)
         return None
-    return float(predict_step_time(plan))

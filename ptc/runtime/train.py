@@ -70,10 +70,13 @@ def run(plan_or_program: Plan | Program, *, steps: int | None = None) -> RunResu
     """Train a plan (compiling it) or a compiled Program; return rank 0's RunResult.
 
     From a plain Python process, a plan for several processes is run on
-    local processes started by the elastic launcher (one per rank); inside
-    a launched worker, or for a one-process plan, it runs right here.
+    local processes started by the elastic launcher (one per rank), each
+    compiling the plan itself; inside a launched worker, or for a
+    one-process plan, it runs right here (on the given Program).
     """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     if in_worker() or dist.is_initialized() or world_size(plan) == 1:
         return train_worker(plan_or_program, steps=steps)
-    return run_local(train_worker, world_size(plan), plan_or_program, steps=steps)[0]
+    # Workers get the plan and compile it again: compiling is deterministic, and the plan
+    # travels to spawned processes where a GraphModule may not pickle.
+    return run_local(train_worker, world_size(plan), plan, steps=steps)[0]

@@ -81,7 +81,8 @@ class TestAnnotations:
             i = info(node)
             if i.module_path.startswith(f"layers.{layer}."):
                 assert i.layer == layer, node
-        assert all(info(n).layer is None for n in by_path(gpt_gm, "head") + by_path(gpt_gm, "embed"))
+        outside = by_path(gpt_gm, "head") + by_path(gpt_gm, "embed")
+        assert all(info(n).layer is None for n in outside)
 
     def test_written_out_attention(self, gpt_gm):
         matmuls = by_path(gpt_gm, "layers.0.attn", "matmul") + by_path(gpt_gm, "layers.0.attn",
@@ -128,7 +129,8 @@ class TestAnnotations:
 
     def test_graph_info(self, gpt_gm):
         cap = graph_info(gpt_gm)
-        assert (cap.front_door, cap.blocks_path, cap.num_layers, cap.vocab) == ("fx", "layers", 2, V)
+        assert (cap.front_door, cap.blocks_path, cap.num_layers) == ("fx", "layers", 2)
+        assert cap.vocab == V
         assert (cap.micro_batch, cap.seq_len, cap.with_loss, cap.model_loss) == (B, S, True, False)
 
     def test_loss_nodes_keep_model_paths(self, gpt_gm):
@@ -189,7 +191,8 @@ class TestUserModels:
         torch.manual_seed(0)
         real = nanogpt(**NANO)
         tokens, targets = tokens_and_targets()
-        torch.testing.assert_close(with_weights(gm, real)(tokens, targets), real(tokens, targets)[1])
+        torch.testing.assert_close(with_weights(gm, real)(tokens, targets),
+                                   real(tokens, targets)[1])
 
     def test_nanogpt_logits_need_targets(self):
         # nanoGPT returns last-position logits without targets; capture passes them.
@@ -206,7 +209,8 @@ class TestUserModels:
         cap = graph_info(gm)
         assert (cap.front_door, cap.model_loss, cap.blocks_path, cap.num_layers) == \
             ("export", True, "model.layers", 2)
-        q = one([n for n in by_path(gm, "model.layers.1.self_attn.q_proj") if n.op == "call_function"])
+        q = one([n for n in by_path(gm, "model.layers.1.self_attn.q_proj")
+                 if n.op == "call_function"])
         assert (info(q).kind, info(q).layer, info(q).flops) == ("linear", 1, 2 * B * S * H * H)
         assert "hf_llama.py" in info(q).source
         torch.manual_seed(0)

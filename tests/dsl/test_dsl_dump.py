@@ -71,7 +71,7 @@ def test_unwritable_values_raise_ptc_error() -> None:
 # ------------------------------------------------------- generated plans
 
 _DEEP = int(os.environ.get("PTC_FUZZ_EXAMPLES", "0"))
-ROUND_TRIP = settings(max_examples=_DEEP or 80, deadline=None, derandomize=not _DEEP,
+ROUND_TRIP = settings(max_examples=_DEEP or 50, deadline=None, derandomize=not _DEEP,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 positive = st.floats(min_value=1e-9, max_value=1e15, allow_nan=False, allow_infinity=False)

@@ -167,7 +167,7 @@ def values(depth: int = 2) -> st.SearchStrategy[str]:
 section = st.tuples(
     st.sampled_from([*SECTIONS, "modle"]),
     st.sampled_from(["", "gpt", "llama", '"pkg.mod:make"', "bogus"]),
-    st.lists(st.tuples(st.sampled_from(NAMES), values()), max_size=12),
+    st.lists(st.tuples(st.sampled_from(NAMES), values(depth=1)), max_size=8),
 )
 
 
@@ -178,7 +178,7 @@ def render(sec: tuple[str, str, list[tuple[str, str]]]) -> str:
 
 
 @FUZZ
-@given(st.lists(section, min_size=1, max_size=6))
+@given(st.lists(section, min_size=1, max_size=5))
 def test_random_well_formed_sections(sections: list) -> None:
     check_outcome("\n".join(render(s) for s in sections))
 
@@ -202,7 +202,7 @@ ALL_KEYS = sorted({k for keys in SECTIONS.values() for k in keys})
 
 @FUZZ
 @given(st.sampled_from(range(len(TEXTS))),
-       st.lists(st.tuples(st.sampled_from(ALL_KEYS), values()), min_size=1, max_size=3))
+       st.lists(st.tuples(st.sampled_from(ALL_KEYS), values(depth=1)), min_size=1, max_size=3))
 def test_examples_with_keys_set_to_anything(index: int, changes: list[tuple[str, str]]) -> None:
     # Setting real keys to random values keeps the file well formed and
     # reaches the converters, the section checks and the cross-section

@@ -1,0 +1,70 @@
+"""Step-time model: its parts, its conventions, and the public Estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ptc.compiler.estimate import estimate
+from ptc.compiler.shapes import plan_from_shape
+
+SHAPE = dict(family="gpt", layers=8, hidden=256, heads=8, vocab=512, seq_len=128,
+             global_batch=64, gpu="H100-SXM")
+
+
+def _plan(**kw):
+    return plan_from_shape(**{**SHAPE, **kw})
+
+
+def test_estimate_fields_are_consistent():
+    plan = _plan(num_gpus=8, tp=2, pp=2, dp=2, sequence_parallel=True, zero=1)
+    est = estimate(plan)
+    gpus = 8
+    assert est.step_time_s == pytest.approx(sum(est.breakdown.values()))
+    assert est.tokens_per_s == pytest.approx(64 * 128 / est.step_time_s)
+    assert est.mfu == pytest.approx(est.tflops_per_gpu * 1e12 / 989e12)
+    assert len(est.stage_memory_bytes) == 2
+    assert est.peak_memory_bytes == max(est.stage_memory_bytes)
+    assert est.hw_tflops_per_gpu == pytest.approx(est.tflops_per_gpu)  # no recompute
+    assert gpus == est.layout.tp * est.layout.pp * est.layout.dp
+
+
+def test_full_recompute_costs_one_more_forward():
+    est = estimate(_plan(num_gpus=1, tp=1, pp=1, dp=1, checkpoint="full"))
+    assert est.hw_tflops_per_gpu / est.tflops_per_gpu == pytest.approx(4 / 3, rel=0.02)
+    assert est.breakdown["recompute"] == pytest.approx(est.breakdown["compute"] / 3, rel=0.02)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_bubble_is_p_minus_1_over_v_m(v):
+    plan = _plan(num_gpus=4, tp=1, pp=4, dp=1, micro_batch=8,
+                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    est = estimate(plan)
+    m = est.layout.microbatches
+    per_micro = est.breakdown["compute"] / m
+    # Stages are nearly equal here (embedding and head are small).
+    assert est.breakdown["bubble"] == pytest.approx(3 / v * per_micro, rel=0.15)
+
+
+def test_overlap_hides_data_parallel_traffic():
+    base = dict(num_gpus=16, tp=1, pp=1, dp=16)
+    hidden, exposed = estimate(_plan(**base, overlap=True)), estimate(_plan(**base, overlap=False))
+    assert hidden.breakdown["dp_comm"] < exposed.breakdown["dp_comm"]
+    assert exposed.breakdown["dp_comm"] > 0
+
+
+def test_zero3_moves_traffic_every_micro_batch():
+    plan = _plan(num_gpus=16, tp=1, pp=1, dp=16, zero=3, overlap=False)
+    z0 = estimate(dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, zero=0)))
+    assert estimate(plan).breakdown["dp_comm"] > z0.breakdown["dp_comm"]
+
+
+def test_auto_checkpoint_fits_with_least_recompute():
+    plan = _plan(num_gpus=1, tp=1, pp=1, dp=1, micro_batch=64, checkpoint="auto")
+    tight = dataclasses.replace(plan.hardware, hbm_bytes=estimate(
+        _plan(num_gpus=1, tp=1, pp=1, dp=1, micro_batch=64, checkpoint="selective")
+    ).peak_memory_bytes * 1.01)
+    est = estimate(dataclasses.replace(plan, hardware=tight))
+    assert est.fits
+    assert est.hw_tflops_per_gpu > est.tflops_per_gpu  # some layers recompute

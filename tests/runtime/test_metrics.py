@@ -1,0 +1,64 @@
+"""Rank 0's step report: the line, the JSONL file, the predicted-time hook."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+from runtime_helpers import tiny_plan
+
+from ptc.compiler import pipeline
+from ptc.runtime.executor import StepStats
+from ptc.runtime.metrics import StepReporter, format_step
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def stats(step: int) -> StepStats:
+    return StepStats(step=step, loss=4.25, lr=1e-3, grad_norm=0.5, step_time=0.2, tokens=4096)
+
+
+def test_line_has_step_loss_time_and_throughput():
+    line = format_step(stats(3), 20, None)
+    assert line == "step 3/20  loss 4.2500  lr 0.001  |g| 0.5  200.0 ms  20,480 tok/s"
+    assert format_step(stats(3), 20, 0.15).endswith("(predicted 150.0 ms)")
+
+
+def test_jsonl_gets_every_step_and_lines_follow_log_every(tmp_path):
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1, metrics=str(tmp_path / "m" / "metrics.jsonl"))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    with StepReporter(plan, steps=3, enabled=True, predicted_step_time=None,
+                      console=console) as reporter:
+        for k in (1, 2, 3):
+            reporter.report(stats(k))
+    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0] == {"step": 1, "loss": 4.25, "lr": 1e-3, "grad_norm": 0.5, "step_time": 0.2,
+                          "tokens_per_s": 20480.0, "predicted_step_time": None}
+    assert out.getvalue().count("loss 4.2500") == 3
+
+
+def test_other_ranks_stay_silent(tmp_path):
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1, metrics=str(tmp_path / "metrics.jsonl"))
+    out = io.StringIO()
+    with StepReporter(plan, steps=1, enabled=False, console=Console(file=out)) as reporter:
+        reporter.report(stats(1))
+    assert out.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_progress_bar_on_a_terminal():
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with StepReporter(plan, steps=2, enabled=True, console=console) as reporter:
+        reporter.report(stats(1))
+        reporter.report(stats(2))
+    assert "2/2" in out.getvalue()
+
+
+def test_predicted_step_time_hook_is_none_or_positive():
+    value = pipeline.predicted_step_time(tiny_plan("gpt", zero=0, dp=1, accum=1))
+    assert value is not None and value > 0
