@@ -27,7 +27,6 @@ RMSNorm included, saves what torch's own kernels save.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -166,11 +165,3 @@ def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
         out.append(SavedStorage(producer=producer or savers[0], internal=producer is None,
                                 savers=tuple(savers), nbytes=nbytes))
     return out
-
-
-def saved_bytes_by_producer(storages: Sequence[SavedStorage]) -> dict[str, int]:
-    """Saved bytes attributed to their producing node."""
-    total: dict[str, int] = defaultdict(int)
-    for st in storages:
-        total[st.producer] += st.nbytes
-    return dict(total)

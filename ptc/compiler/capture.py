@@ -38,9 +38,12 @@ cross-entropy of logits[b·s, V] against targets[b·s] appended to the graph
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import io
+import logging
 import os
 import re
 import sys
@@ -128,12 +131,12 @@ def _open_a_door(model, root, call, inputs, leaf_modules, front_door):
             raise CaptureError(_data_dependent_message(model, dd)) from None
         except Exception as exc:  # anything symbolic tracing cannot do: try the other door
             if front_door == "fx":
-                raise CaptureError(_untraceable_message(model, exc, None)) from exc
+                raise CaptureError(_untraceable_message(model, root, exc, None)) from exc
             fx_exc = exc
     try:
         return ("export", *_export_door(root, call, inputs))
     except Exception as ex_exc:
-        raise CaptureError(_untraceable_message(model, fx_exc, ex_exc)) from ex_exc
+        raise CaptureError(_untraceable_message(model, root, fx_exc, ex_exc)) from ex_exc
 
 
 # ------------------------------------------------------------ calling rule
@@ -306,8 +309,8 @@ class _Evaluator:
                 out, flops = flops_mod.count_flops(fn, *args, **kwargs)
             else:
                 out, flops = fn(*args, **kwargs), None
-            if key is not None:
-                self._cache[key] = (out, flops)
+            if key is not None and key not in self._cache:
+                self._cache[key] = (tree_map(_fresh, out), flops)
             if flops is not None:
                 self.counted[node] = flops
             return out
@@ -531,7 +534,8 @@ def _export_door(root: nn.Module, call: _CallRule, inputs: dict):
     kwargs = {k: v for k, v in call.concrete.items() if k in FLAG_OVERRIDES}
     if call.targets:
         kwargs[call.targets] = inputs[call.targets]
-    program = torch.export.export(root, (inputs[call.tokens],), kwargs, strict=False)
+    with _quiet(_EXPORT_LOGGERS):  # a failure is reported by capture, with the user's line
+        program = torch.export.export(root, (inputs[call.tokens],), kwargs, strict=False)
     unlifted = program.module()
     graph = unlifted.graph
     out_spec = program.call_spec.out_spec
@@ -540,6 +544,28 @@ def _export_door(root: nn.Module, call: _CallRule, inputs: dict):
     for node in list(graph.nodes):
         node.meta.pop("val", None)  # fake tensors in the model's dtype; recomputed on meta
     return graph, _Evaluator(unlifted, inputs), unlifted, out_spec
+
+
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export")
+
+
+@contextlib.contextmanager
+def _quiet(names: tuple[str, ...]):
+    """Silence these loggers and stderr for the duration.
+
+    A failing torch.export logs warnings and prints its partial graph to
+    stderr; capture reports the failure itself, with the user's line.
+    """
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # ------------------------------------------------- inputs, outputs and loss
@@ -762,35 +788,47 @@ def _line_text(filename: str, lineno: int) -> str:
     return linecache.getline(filename, lineno).strip()
 
 
-def _failure_site(exc: BaseException, module) -> tuple[tuple | None, tuple | None]:
-    """(module (path, class), user frame) where a tracing exception was raised."""
-    frame = None
+def _failure_site(exc: BaseException, root: nn.Module | None,
+                  module=None) -> tuple[tuple | None, tuple | None]:
+    """(module (path, class), user frame) where a tracing exception was raised.
+
+    The frame is the innermost one in user code; the module is the one the
+    fx tracer recorded, else the `self` of the innermost user frame that is
+    a module of `root`.
+    """
+    frame, owner = None, None
+    names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
     tb = exc.__traceback__
     while tb is not None:  # the innermost user frame wins
-        filename = tb.tb_frame.f_code.co_filename
-        if not _is_library(filename):
-            frame = (filename, tb.tb_lineno, _line_text(filename, tb.tb_lineno))
+        code = tb.tb_frame.f_code
+        if not _is_library(code.co_filename):
+            frame = (code.co_filename, tb.tb_lineno, _line_text(code.co_filename, tb.tb_lineno))
+            this = tb.tb_frame.f_locals.get("self")
+            if isinstance(this, nn.Module) and id(this) in names:
+                owner = (names[id(this)], type(this).__name__)
         tb = tb.tb_next
-    return module, frame
+    return module or owner, frame
 
 
 def _where(module, frame) -> str:
-    text = ""
+    """"in module 'p' (Cls) at file:line" plus the line's text, or what is known of it."""
+    parts = []
     if module:
         path, cls = module
-        text += f"module {path or '<root>'!r} ({cls})"
+        parts.append(f"in module {path or '<root>'!r} ({cls})")
     if frame:
-        filename, lineno, line = frame
-        text += f"{' at ' if text else 'at '}{_short_path(filename)}:{lineno}"
-        if line:
-            text += f"\n    {line}"
-    return text or "an unknown place"
+        filename, lineno, _ = frame
+        parts.append(f"at {_short_path(filename)}:{lineno}")
+    text = " ".join(parts) or "at an unknown place"
+    if frame and frame[2]:
+        text += f"\n    {frame[2]}"
+    return text
 
 
 def _data_dependent_message(model: nn.Module, dd: _DataDependent) -> str:
     return (
         f"cannot capture {type(model).__name__}: Python control flow depends on tensor values "
-        f"in {_where(dd.module, dd.frame)}\n"
+        f"{_where(dd.module, dd.frame)}\n"
         "The graph would differ from batch to batch, so neither torch.fx nor torch.export "
         "can capture it. To make it capturable:\n"
         "  - remove the data-dependent branch: compute both sides and select with "
@@ -799,19 +837,19 @@ def _data_dependent_message(model: nn.Module, dd: _DataDependent) -> str:
         "Branches on shapes and config flags (if x.size(1) > 1, if mask is not None) are fine.")
 
 
-def _untraceable_message(model: nn.Module, fx_exc: BaseException | None,
+def _untraceable_message(model: nn.Module, root: nn.Module, fx_exc: BaseException | None,
                          ex_exc: BaseException | None) -> str:
     """Why neither door worked, where (fx's failure site, else export's), and the fixes."""
     module, frame = None, None
     for exc in (fx_exc, ex_exc):
         if exc is not None and frame is None:
-            module, frame = _failure_site(exc, getattr(exc, "_ptc_module", None))
+            module, frame = _failure_site(exc, root, getattr(exc, "_ptc_module", None))
 
     def line(exc):
         return "not tried" if exc is None else f"{type(exc).__name__}: {_one_line(exc)}"
 
     return (
-        f"cannot capture {type(model).__name__}: tracing failed in {_where(module, frame)}\n"
+        f"cannot capture {type(model).__name__}: tracing failed {_where(module, frame)}\n"
         f"  torch.fx: {line(fx_exc)}\n"
         f"  torch.export: {line(ex_exc)}\n"
         "To make it capturable, one of:\n"

@@ -160,8 +160,6 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
     dp_exposed = _dp_exposed(profile, layout, groups["dp"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
-    if layout.zero >= 3 and not layout.overlap:
-        dp_exposed = 0.0  # already counted in full per stage
     opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
     optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
 

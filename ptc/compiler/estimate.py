@@ -12,7 +12,7 @@ A plan with checkpoint = "auto" gets, per stage, the mix of none / selective
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ptc.compiler.cost import StepCost, step_cost
 from ptc.compiler.layout import Layout, layout_of
@@ -106,8 +106,6 @@ def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_
     those, the mix recomputing least. The tightest stage's mix is used for all.
     When nothing fits, every layer is fully recomputed.
     """
-    from dataclasses import replace  # noqa: PLC0415
-
     per_stage = len(layout.stage_layers(0))
     f = profile.fn
     layer_cost, core_cost = f["flops.layer"](1, seq_len), f["core_flops"](1, seq_len)

@@ -69,10 +69,12 @@ def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0) -> Precis
     return Precision(weight=dtype_bytes, grad=dtype_bytes, optimizer=master + states)
 
 
-def in_flight(layout: Layout, stage: int, mn: Callable) -> tuple:
-    """(units in flight, layers per unit) on `stage`: micro-batches or interleaved chunks."""
+def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
+    """(units in flight, layers per unit) on `stage`: micro-batches or interleaved chunks.
+
+    `mb` is the number of micro-batches per step (or the symbol m, with `mn=sympy.Min`).
+    """
     p, v, layers = layout.pp, layout.vstages, layout.layers
-    mb = m if mn is sympy.Min else layout.microbatches
     if layout.schedule == "gpipe":
         return mb, layers // p
     if layout.schedule == "1f1b":
@@ -148,7 +150,7 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     def act(region: str, policy: str) -> object:
         return _activation(f, region, policy, bb, ss, tt, seq_div)
 
-    units, per_unit = in_flight(layout, stage, mn)
+    units, per_unit = in_flight(layout, stage, mb, mn)
     pairs = layout.stage_policies(stage)
     policies = [pol for pol, _ in pairs]
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.

@@ -31,8 +31,12 @@ recompute) is recorded separately.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import sympy
 import torch
@@ -141,14 +145,45 @@ def _shape_key(spec: ModelSpec) -> tuple:
 
 
 def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
-    """The profile of `spec` at compute `dtype` ("bf16", ...); captured once per model shape."""
+    """The profile of `spec` at compute `dtype` ("bf16", ...); captured once per model shape.
+
+    Kept in memory for the process and on disk (see `cache_dir`) across
+    processes, keyed by the shape and by the source of everything that
+    shapes a profile, so editing a model or the capture invalidates it.
+    """
     key = (_shape_key(spec), dtype)
     if key not in _CACHE:
-        _CACHE[key] = _profile_one_layer(spec, dtype)
+        _CACHE[key] = _load_or_capture(spec, dtype, key)
     return dataclasses.replace(_CACHE[key], layers=spec.layers)
 
 
 _CACHE: dict[tuple, ModelProfile] = {}
+_SOURCES = ("compiler/capture.py", "compiler/activations.py", "compiler/profile.py",
+            "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
+
+
+def cache_dir() -> Path:
+    """Where profiles are kept between processes: $PTC_CACHE_DIR, else ~/.cache/ptc/profiles."""
+    base = os.environ.get("PTC_CACHE_DIR")
+    return Path(base) if base else Path.home() / ".cache" / "ptc" / "profiles"
+
+
+def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile:
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(repr((key, torch.__version__)).encode())
+    for name in _SOURCES:
+        for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+            digest.update(path.read_bytes())
+    path = cache_dir() / f"{digest.hexdigest()[:32]}.pkl"
+    if path.exists():
+        stored = pickle.loads(path.read_bytes())
+        return dataclasses.replace(stored, fn=_functions(stored), memo={})
+    profile = _profile_one_layer(spec, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(pickle.dumps(dataclasses.replace(profile, fn={}, memo={})))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the whole new one
+    return profile
 
 
 def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
@@ -166,18 +201,24 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
             raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     params, tied_elements = _param_groups(model)
     saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
-    flops = {r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")}
-    polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in saved.items()
-             for c in dataclasses.fields(SavedClasses)}
-    polys.update({f"flops.{r}": e for r, e in flops.items()})
-    polys.update(core_flops=fit["core.flops"], boundary=b * s * spec.hidden)
-    return ModelProfile(
+    profile = ModelProfile(
         layers=1, hidden=spec.hidden, heads=spec.heads, vocab=spec.vocab,
         dtype_bytes=DTYPES[dtype].itemsize,
         saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
-        flops=flops, core_flops=fit["core.flops"], params=params, tied=tied_elements > 0,
-        tied_elements=tied_elements, boundary_elements=b * s * spec.hidden,
-        fn={name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()})
+        flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
+        core_flops=fit["core.flops"], params=params, tied=tied_elements > 0,
+        tied_elements=tied_elements, boundary_elements=b * s * spec.hidden)
+    return dataclasses.replace(profile, fn=_functions(profile))
+
+
+def _functions(profile: ModelProfile) -> dict[str, Callable]:
+    """The profile's polynomials as fast functions of (b, s), by dotted name."""
+    regions = {**profile.saved, "out": profile.layer_output}
+    polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in regions.items()
+             for c in dataclasses.fields(SavedClasses)}
+    polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
+    polys.update(core_flops=profile.core_flops, boundary=profile.boundary_elements)
+    return {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
 
 
 def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:

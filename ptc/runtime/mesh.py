@@ -23,7 +23,6 @@ from ptc.errors import PtcError
 from ptc.plan import Plan
 
 DEFAULT_TIMEOUT_S = 300.0
-_MESHES: dict[tuple, DeviceMesh] = {}
 
 
 def timeout() -> datetime.timedelta:
@@ -71,17 +70,12 @@ def init_distributed(plan: Plan) -> bool:
 
 
 def build_mesh(plan: Plan) -> DeviceMesh:
-    """A DeviceMesh over the plan's axes, outermost first (cached per shape in this process)."""
+    """A DeviceMesh over the plan's axes, outermost first, with timeouts on every group."""
     names = tuple(reversed(plan.parallel.order))
     shape = tuple(plan.parallel.degree(a) for a in names)
     backend = backend_for(plan)
-    key = (id(dist.group.WORLD), names, shape, backend)
-    if key not in _MESHES:
-        device = "cuda" if backend == "nccl" else "cpu"
-        _MESHES[key] = init_device_mesh(device, shape, mesh_dim_names=names,
-                                        backend_override={n: (backend, _options(backend))
-                                                          for n in names})
-    return _MESHES[key]
+    return init_device_mesh("cuda" if backend == "nccl" else "cpu", shape, mesh_dim_names=names,
+                            backend_override={n: (backend, _options(backend)) for n in names})
 
 
 def _options(backend: str):

@@ -252,6 +252,13 @@ class TestErrors:
         assert "if y.sum() > 0:" in text
         assert "torch.where" in text and "torch.cond" in text
 
+    def test_export_door_reports_the_same_place(self):
+        with pytest.raises(CaptureError) as err:
+            capture(Untraceable(), micro_batch=B, seq_len=S, front_door="export")
+        text = str(err.value)
+        assert "'layers.0.gate' (Gate)" in text
+        assert "tests/user_models/untraceable.py:14" in text and "torch.export:" in text
+
     def test_forced_fx_door_failure_says_how_to_fix(self):
         with torch.device("meta"):
             model = hf_llama(**HF)

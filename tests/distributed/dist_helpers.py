@@ -97,8 +97,11 @@ def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_cases(cases: list[tuple[str, int, int]], dp: int) -> dict:
-    """Worker: train every (family, zero, accum) case; rank 0 returns losses, weights, bytes."""
+def run_cases(cases: list[tuple], dp: int) -> dict:
+    """Worker: train every (family, zero, accum[, overlap]) case; rank 0 returns the results.
+
+    Results per case: losses, full weights after training, held and predicted bytes, pass log.
+    """
     import torch.distributed as dist
 
     from ptc.compiler.pipeline import compile_plan
@@ -106,8 +109,9 @@ def run_cases(cases: list[tuple[str, int, int]], dp: int) -> dict:
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 
     results = {}
-    for family, zero, accum in cases:
-        plan = tiny_plan(family, zero=zero, dp=dp, accum=accum)
+    for case in cases:
+        family, zero, accum, overlap = (*case, True)[:4]
+        plan = tiny_plan(family, zero=zero, dp=dp, accum=accum, overlap=overlap)
         init_distributed(plan)
         program = compile_plan(plan)
         trainer = Trainer(program, axis_groups(build_mesh(plan)))
@@ -115,7 +119,7 @@ def run_cases(cases: list[tuple[str, int, int]], dp: int) -> dict:
         state = trainer.full_state_dict()
         held = trainer.held_bytes()
         if dist.get_rank() == 0:
-            results[(family, zero, accum)] = {
+            results[case] = {
                 "losses": losses, "state": state, "held": held,
                 "predicted": program.state_bytes(), "log": program.pass_log}
     dist.destroy_process_group()

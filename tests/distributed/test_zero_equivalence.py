@@ -37,6 +37,8 @@ ACCUM = (1, 2)
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 CASES = [(f, z, a) for f in FAMILIES for z in ZERO for a in ACCUM]
+NO_OVERLAP = ("llama", 3, 2, False)
+"""ZeRO-3 without prefetch (gathers on demand), run with every llama launch."""
 
 _runs: dict[tuple[int, str], dict] = {}
 _refs: dict[tuple[int, str, int], tuple] = {}
@@ -45,6 +47,7 @@ _refs: dict[tuple[int, str, int], tuple] = {}
 def _run(dp: int, family: str) -> dict:
     if (dp, family) not in _runs:
         cases = [(family, z, a) for z in ZERO for a in ACCUM]
+        cases += [NO_OVERLAP] if family == NO_OVERLAP[0] else []
         _runs[(dp, family)] = run_local(run_cases, dp, cases, dp)[0]
     return _runs[(dp, family)]
 
@@ -64,6 +67,17 @@ def test_matches_single_process_adamw(dp: int, family: str, zero: int, accum: in
     assert len(got["losses"]) == STEPS
     assert_same_training(got, losses, state, loss_tol=LOSS_TOL, param_tol=PARAM_TOL,
                          what=f"{family} zero={zero} dp={dp} accum={accum}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_without_prefetch_matches_too(dp: int) -> None:
+    family, zero, accum, _ = NO_OVERLAP
+    got = _run(dp, family)[NO_OVERLAP]
+    losses, state = _reference(dp, family, accum)
+    assert got["log"] == ("shard_params_pass: inserted 5 gather_params",)
+    assert_same_training(got, losses, state, loss_tol=LOSS_TOL, param_tol=PARAM_TOL,
+                         what=f"{family} zero=3 dp={dp} accum={accum} without prefetch")
 
 
 @pytest.mark.timeout(120)

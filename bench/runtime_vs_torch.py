@@ -1,0 +1,155 @@
+"""Step time of ptc's runtime against PyTorch's own data parallelism, same model, same data.
+
+Two gloo processes on this machine train the same tiny model from the same
+weights on the same samples four ways: ptc ZeRO-0 (plain DP) against
+`DistributedDataParallel`, and ptc ZeRO-3 against FSDP2 (`fully_shard` per
+layer and at the root). Every way runs the same step: micro-batches with
+gradient accumulation (DDP: `no_sync` but the last; FSDP2: reduce-scatter per
+micro-batch, as ptc does), global-norm clipping, AdamW. Each way warms up,
+then times `--repeat` steps (a barrier on both sides of each); the table
+shows the median step time and ptc / torch (below 1: ptc is faster).
+
+    python bench/runtime_vs_torch.py [--family gpt] [--hidden 64] [--layers 2]
+                                     [--seq 32] [--micro-batch 4] [--accum 2] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+NPROC = 2
+
+
+def make_plan(args, zero: int):
+    """The benchmark plan: the tiny model on 2 CPU processes at ZeRO stage `zero`."""
+    from ptc.plan import (DataSpec, HardwareSpec, ModelSpec, OptimizerSpec, ParallelSpec, Plan,
+                          RuntimeSpec, TrainSpec)
+
+    model = ModelSpec(family=args.family, layers=args.layers, hidden=args.hidden, heads=4,
+                      vocab=args.vocab, max_seq=args.seq,
+                      ffn=4 * args.hidden if args.family == "llama" else None)
+    return Plan(model=model, hardware=HardwareSpec.preset("cpu", gpus_per_node=NPROC),
+                parallel=ParallelSpec(dp=NPROC, zero=zero),
+                train=TrainSpec(seq_len=args.seq, micro_batch=args.micro_batch,
+                                global_batch=NPROC * args.micro_batch * args.accum, dtype="fp32",
+                                steps=args.warmup + args.repeat, grad_clip=1.0,
+                                optimizer=OptimizerSpec(lr=1e-3), data=DataSpec(seed=1)),
+                runtime=RuntimeSpec(backend="gloo"))
+
+
+def timed(step, repeat: int, warmup: int) -> float:
+    """Median seconds of `step(k)` over `repeat` steps after `warmup`, all ranks in lockstep."""
+    import torch.distributed as dist
+
+    times = []
+    for k in range(warmup + repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        step(k)
+        dist.barrier()
+        if k >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ptc_step_time(args, zero: int) -> float:
+    """ptc's runtime at ZeRO stage `zero`."""
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh
+
+    plan = make_plan(args, zero)
+    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+    return timed(trainer.train_step, args.repeat, args.warmup)
+
+
+def torch_step_time(args, wrap: str) -> float:
+    """Eager PyTorch with DDP ("ddp") or FSDP2 ("fsdp2") on the same model, data and optimizer."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ptc.models import build_model
+    from ptc.runtime.data import TokenSource, microbatch_start
+
+    plan = make_plan(args, 0)
+    train = plan.train
+    model = build_model(plan.model, device="cpu", seed=0)
+    if wrap == "ddp":
+        model = DistributedDataParallel(model)
+    else:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr)
+    source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
+    rank, micros = dist.get_rank(), plan.num_microbatches
+
+    def step(k: int) -> None:
+        for m in range(micros):
+            first = microbatch_start(k, m, dp_rank=rank, dp=NPROC, global_batch=train.global_batch,
+                                     micro_batch=train.micro_batch)
+            tokens, targets = source.batch(first, train.micro_batch)
+            last = m == micros - 1
+            sync = model.no_sync() if wrap == "ddp" and not last else contextlib.nullcontext()
+            with sync:
+                loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                (loss / micros).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+
+    return timed(step, args.repeat, args.warmup)
+
+
+def worker(args) -> dict[str, float]:
+    """Run every way on this rank; rank 0's numbers are the result."""
+    import torch
+    import torch.distributed as dist
+
+    from ptc.runtime.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(make_plan(args, 0))
+    result = {"ptc dp (zero 0)": ptc_step_time(args, 0), "torch DDP": torch_step_time(args, "ddp"),
+              "ptc zero 3": ptc_step_time(args, 3), "torch FSDP2": torch_step_time(args, "fsdp2")}
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="gpt", choices=("gpt", "llama"))
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    from ptc.runtime.launcher import run_local
+
+    times = run_local(worker, NPROC, args)[0]
+    print(f"{args.family} h={args.hidden} layers={args.layers} seq={args.seq} "
+          f"micro_batch={args.micro_batch} accum={args.accum}, {NPROC} gloo processes, "
+          f"median of {args.repeat} steps")
+    for ours, theirs in (("ptc dp (zero 0)", "torch DDP"), ("ptc zero 3", "torch FSDP2")):
+        print(f"  {ours:16s} {times[ours] * 1e3:8.2f} ms   {theirs:12s} "
+              f"{times[theirs] * 1e3:8.2f} ms   ptc / torch = {times[ours] / times[theirs]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
