@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch.fx
     from torch import nn
 
+    from ptc.compiler.estimate import Estimate
     from ptc.plan import Plan
 
 
@@ -28,3 +29,17 @@ def capture_plan(plan: Plan, model: nn.Module | None = None) -> torch.fx.GraphMo
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.train.dtype]
     return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
                    dtype=dtype)
+
+
+def estimate(plan: Plan) -> Estimate:
+    """Predict step time, throughput, MFU and per-stage peak memory of a resolved plan."""
+    from ptc.compiler.estimate import estimate as _estimate  # noqa: PLC0415
+
+    return _estimate(plan)
+
+
+def search(plan: Plan, top: int = 5) -> list[tuple[Plan, Estimate]]:
+    """The `top` fastest layouts of `plan` that fit memory, fastest first."""
+    from ptc.compiler.search import search as _search  # noqa: PLC0415
+
+    return _search(plan, top=top)

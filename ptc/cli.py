@@ -64,6 +64,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search the layouts of a plan and print the best ones and why others failed."""
+    from ptc.compiler.report import render_search  # noqa: PLC0415
+
+    _out.print(render_search(_load(args.plan), top=args.top))
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Print the plan's memory per stage (with its formula) and its time breakdown."""
+    from ptc.compiler.report import render_explain  # noqa: PLC0415
+
+    _out.print(render_explain(_load(args.plan)))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every `ptc` command."""
     parser = argparse.ArgumentParser(
@@ -81,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("compile", cmd_compile,
                 "Capture the plan's model and summarise parameters, FLOPs and layers.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
+    p = command("plan", cmd_plan, "Search every valid layout (tp/pp/dp may be auto) and "
+                "rank them by predicted step time.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
+
+    p = command("explain", cmd_explain, "Explain a plan: memory per stage against HBM with "
+                "the symbolic formula, step-time breakdown, bubble and warnings.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
     return parser
 

@@ -16,6 +16,8 @@ that moves or re-types data without computing (view, transpose, to, ...).
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +157,31 @@ def class_name(cls: type | str) -> str:
     return cls.__name__
 
 
+@functools.lru_cache(maxsize=512)
+def _resolve(qualified: str) -> type | str:
+    """The class a qualified name ("torch.nn.modules.linear.Linear") names, else the name.
+
+    Export records module classes by name; resolving them lets subclasses of
+    nn.Linear & co. be recognised as such. Only modules already imported are
+    searched (the model's classes are), so nothing is imported here; classes
+    defined inside functions stay names.
+    """
+    module_name, _, attr = qualified.rpartition(".")
+    while module_name:
+        obj = sys.modules.get(module_name)
+        if obj is None:
+            module_name, _, head = module_name.rpartition(".")
+            attr = f"{head}.{attr}"
+            continue
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, type) else qualified
+    return qualified
+
+
 def _is_a(cls: type | str, kinds: tuple[type, ...], names: tuple[str, ...] = ()) -> bool:
+    if isinstance(cls, str) and "." in cls:
+        cls = _resolve(cls)
     if isinstance(cls, type):
         return issubclass(cls, kinds) or cls.__name__ in names
     name = class_name(cls)

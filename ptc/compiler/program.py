@@ -32,6 +32,8 @@ from ptc.errors import CompileError
 if TYPE_CHECKING:
     from ptc.plan import Plan
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Plan dtype name -> the torch dtype the lowered graphs compute in."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4
 """Master weights, gradient buffers and Adam moments are fp32 whatever the compute dtype."""
@@ -211,14 +213,9 @@ class Program:
     layout: ParamLayout
     """Where every parameter lives (units, shards, aliases)."""
     pass_log: tuple[str, ...] = ()
-    """What each pass did, in order ("zero: inserted 4 gather_params")."""
+    """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
     predicted_step_time: float | None = None
     """The cost model's step time in seconds, when one is available."""
-
-    @property
-    def zero_sharded(self) -> bool:
-        """Whether the graphs gather parameters from shards (ZeRO-3)."""
-        return any(isinstance(getattr(s.graph, "zero", None), ZeroShards) for s in self.stages)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes one dp rank holds between steps, per category: params, grads, optimizer.

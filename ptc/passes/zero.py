@@ -28,14 +28,14 @@ from torch import fx, nn
 
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_path
-from ptc.compiler.program import ParamLayout, ParamSlot, ZeroShards, group_key, param_layout, used_params
+from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
+                                  param_layout, used_params)
 from ptc.errors import CompileError
 from ptc.plan import Plan
 from ptc.runtime.collectives import gather_params, gather_params_start
 
 log = logging.getLogger("ptc.passes.zero")
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHARDS_ATTR = "zero"
 
 
@@ -136,10 +136,13 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: dict[str, fx.Node]) -> 
     module = gm.get_submodule(str(node.target))
     if len(node.args) != 1 or node.kwargs:
         raise CompileError(f"zero: {node.target} ({type(module).__name__}) is called with "
-                           f"{len(node.args)} args and {len(node.kwargs)} kwargs; expected one input")
+                           f"{len(node.args)} args and {len(node.kwargs)} kwargs; "
+                           "expected one input")
 
-    def w(name: str):
-        return weights.get(f"{node.target}.{name}") if getattr(module, name, None) is not None else None
+    def w(name: str):  # the view node of module.<name>, or None where the module has none
+        if getattr(module, name, None) is None:
+            return None
+        return weights[f"{node.target}.{name}"]
 
     x = node.args[0]
     if isinstance(module, nn.Linear):

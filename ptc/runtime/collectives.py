@@ -102,7 +102,8 @@ def gather_params_start(shards: tuple[torch.Tensor, ...], axis: str = "dp",
     return handle
 
 
-def gather_params(handle: GatherHandle, shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def gather_params(handle: GatherHandle,
+                  shards: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Wait for `handle`'s gather; return the full flat buffer of each unit of `shards`.
 
     Forward: wait for the all-gather. Backward: reduce-scatter (sum, fp32) each

@@ -14,6 +14,7 @@ This runtime runs pp = tp = 1 (any dp); later axes come with their passes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ptc.compiler.meta import get_info
-from ptc.compiler.program import Program
+from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.errors import PtcError
 from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
@@ -34,7 +35,7 @@ from ptc.runtime.grads import GradReducer
 from ptc.runtime.init import initial_buffers, initial_params, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
-from ptc.runtime.params import COMPUTE_DTYPES, bind_buffers, build_units, held_bytes, publish
+from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -57,7 +58,7 @@ def source_line(gm: fx.GraphModule, node: fx.Node) -> str | None:
     if path:
         try:
             module = gm.get_submodule(path)
-            lines, start = inspect.getsourcelines(type(module).forward)
+            _, start = inspect.getsourcelines(type(module).forward)
             return f"{inspect.getsourcefile(type(module))}:{start} ({path})"
         except (AttributeError, OSError, TypeError):
             return f"module {path}"
@@ -113,7 +114,13 @@ class Trainer:
     def __init__(self, program: Program, groups: Mapping[str, dist.ProcessGroup | None], *,
                  device: torch.device | str = "cpu", model: nn.Module | None = None,
                  values: Mapping[str, torch.Tensor] | None = None):
-        """`groups` maps axis names to process groups; `values` overrides the initial weights."""
+        """Build this rank's state: weights bound into a copy of the stage graph, optimizer, data.
+
+        `groups` maps axis names to this rank's process groups (empty: one
+        process). `model` is the model whose names, init rules and buffers
+        the weights follow (default: the plan's, on meta); `values` replaces
+        the plan's initial weights (full tensors by canonical name).
+        """
         plan = self.plan = program.plan
         if plan.parallel.tp != 1 or plan.parallel.pp != 1:
             raise PtcError(f"this runtime runs tp = pp = 1, the plan has tp = {plan.parallel.tp}, "
@@ -151,7 +158,8 @@ class Trainer:
                 first = microbatch_start(step, m, dp_rank=self.dp_rank, dp=self.dp,
                                          global_batch=train.global_batch,
                                          micro_batch=train.micro_batch)
-                tokens, targets = (t.to(self.device) for t in self.data.batch(first, train.micro_batch))
+                tokens, targets = self.data.batch(first, train.micro_batch)
+                tokens, targets = tokens.to(self.device), targets.to(self.device)
                 loss_sum += self._forward_backward(tokens, targets, scale, step, m, micro)
             if self.reducer is not None:
                 self.reducer.finish()
@@ -172,15 +180,13 @@ class Trainer:
             with session, session.saved_tensor_hooks():
                 loss = self.runner.run(tokens, targets)
         else:
-            session = None
+            session = contextlib.nullcontext()
             self.reducer.begin(last_micro=micro == micros - 1)
             loss = self.runner.run(tokens, targets)
         try:
-            if session is None:
+            with session:
                 (loss * scale).backward()
-            else:
-                with session:
-                    (loss * scale).backward()
+                if self.zero == 3:
                     session.finish()
         except Exception as exc:
             raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n"

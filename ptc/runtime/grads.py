@@ -12,8 +12,10 @@ backward goes on with earlier layers:
   freed, so between micro-batches only shards are held.
 
 The loss each micro-batch differentiates is already divided by dp times the
-number of micro-batches, so sums are means. `finish` reduces units that got
-no gradient (so every rank issues the same collectives) and waits for all.
+number of micro-batches, so sums are means. At most `IN_FLIGHT` reductions
+run behind backward (ZeRO-2's each hold a unit's full gradient). `finish`
+reduces units that got no gradient (so every rank issues the same
+collectives) and waits for all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from ptc.runtime.comm import Work, all_reduce_flat, reduce_scatter_flat
 from ptc.runtime.params import UnitState
+from ptc.runtime.zero3 import IN_FLIGHT
 
 
 class GradReducer:
@@ -73,14 +76,19 @@ class GradReducer:
         else:
             self._works.append((index, reduce_scatter_flat(self._buffer(index), self.group)))
             del self._micro[index]
+        while len(self._works) > IN_FLIGHT:
+            self._complete(*self._works.pop(0))
 
     def finish(self) -> None:
         """Reduce the units that got no gradient, wait for every reduction, fill shard grads."""
         for index in range(len(self.units)):
             self._flush(index)
-        with torch.no_grad():
-            for index, work in self._works:
-                out = work.wait()
-                if self.zero == 2:
-                    self.units[index].grad.add_(out)
+        for index, work in self._works:
+            self._complete(index, work)
         self._works.clear()
+
+    def _complete(self, index: int, work: Work) -> None:
+        out = work.wait()
+        if self.zero == 2:
+            with torch.no_grad():
+                self.units[index].grad.add_(out)

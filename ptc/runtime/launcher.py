@@ -15,6 +15,7 @@ rank stops the others and raises `RankError` with its message.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +47,8 @@ def launch(plan_path: str, nproc: int | None = None,
     """Run the plan file on nproc local processes (per node); return the exit code.
 
     nproc defaults to tp * pp * dp divided by the plan's nodes. Inside a
-    launched worker, trains in this process.
+    launched worker, trains in this process. When a rank fails, the others
+    are stopped and its error (rank, graph node, source line) goes to stderr.
     """
     from ptc.dsl import load_plan  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
@@ -64,7 +66,7 @@ def launch(plan_path: str, nproc: int | None = None,
     try:
         run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args)))
     except ChildFailedError as exc:
-        print(_failure_text(exc))
+        print(_failure_text(exc), file=sys.stderr)
         return 1
     return 0
 

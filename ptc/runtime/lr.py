@@ -26,5 +26,6 @@ def learning_rate(step: int, peak: float, schedule: LRScheduleSpec, total_steps:
     span = max(1, decay - warmup)
     progress = min(1.0, max(0.0, (step - warmup) / span))
     if schedule.kind == "cosine":
-        return schedule.min_lr + (peak - schedule.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return schedule.min_lr + (peak - schedule.min_lr) * cosine
     return peak + (schedule.min_lr - peak) * progress

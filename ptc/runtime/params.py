@@ -28,9 +28,6 @@ from ptc.compiler.program import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import PtcError
 from ptc.runtime.comm import Work, all_gather_flat
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclass(eq=False)
 class UnitState:
     """One unit's tensors on this rank (see the module table)."""

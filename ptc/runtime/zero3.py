@@ -15,7 +15,8 @@ gather that has saved references — the next one backward will need — so
 communication overlaps the current layer's gradient computation. When
 `gather_params`'s own backward runs, every use of the gather is done: the
 session drops the re-gathered buffers and queues the gradient
-reduce-scatter, which `finish` waits for and adds into each shard's `.grad`.
+reduce-scatter; it waits for one when more than `IN_FLIGHT` are running (and
+for the rest in `finish`) and adds the result into each shard's `.grad`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ if TYPE_CHECKING:
 # A module global, not a contextvar: backward may run on autograd's own threads.
 _SESSION: ParamSession | None = None
 
+IN_FLIGHT = 2
+"""Gradient reduce-scatters left running while backward goes on. Each holds its gather's
+full-size gradient, so this bounds that memory to two layers while one reduction still
+overlaps the next layer's backward."""
+
 
 def current_session() -> ParamSession | None:
     """The session of the micro-batch being run, if any."""
@@ -45,7 +51,8 @@ class _Ref:
     __slots__ = ("handle", "unit", "offset", "size", "stride")
 
     def __init__(self, handle: GatherHandle, unit: int, offset: int, size, stride):
-        self.handle, self.unit, self.offset, self.size, self.stride = handle, unit, offset, size, stride
+        self.handle, self.unit, self.offset = handle, unit, offset
+        self.size, self.stride = size, stride
 
 
 class ParamSession(AbstractContextManager):
@@ -87,22 +94,28 @@ class ParamSession(AbstractContextManager):
         self._released.add(id(handle))
 
     def defer(self, handle: GatherHandle, works: list[Work]) -> None:
-        """Queue `handle`'s gradient reduce-scatters for `finish`."""
+        """Queue `handle`'s gradient reduce-scatters; complete all but the last IN_FLIGHT."""
         self._deferred.append((handle, works))
+        while len(self._deferred) > IN_FLIGHT:
+            self._complete(*self._deferred.pop(0))
 
     def finish(self) -> None:
-        """Wait for every gradient reduce-scatter and add it into its shard's `.grad`."""
-        with torch.no_grad():
-            for handle, works in self._deferred:
-                for shard, work in zip(handle.shards, works):
-                    grad = work.wait()
-                    if shard.grad is None:
-                        shard.grad = grad.clone()
-                    else:
-                        shard.grad.add_(grad)
+        """Complete every gradient reduce-scatter still in flight; end the micro-batch."""
+        for handle, works in self._deferred:
+            self._complete(handle, works)
         self._deferred.clear()
         self._full.clear()
         self._live.clear()
+
+    @staticmethod
+    def _complete(handle: GatherHandle, works: list[Work]) -> None:
+        with torch.no_grad():
+            for shard, work in zip(handle.shards, works):
+                grad = work.wait()
+                if shard.grad is None:
+                    shard.grad = grad.clone()
+                else:
+                    shard.grad.add_(grad)
 
     def _pack(self, tensor: torch.Tensor):
         base = tensor._base if tensor._base is not None else tensor

@@ -122,3 +122,28 @@ def test_op_names():
             graph.call_function(torch.nn.functional.scaled_dot_product_attention, (x, x, x))]
     assert [nodes.op_name(n) for n in made] == ["softmax", "view", "scaled_dot_product_attention"]
     assert [nodes.classify(n) for n in made] == ["softmax", "view", "attention"]
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear subclass: fx traces through it, export names it by qualified class."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class WithSubclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.proj = ScaledLinear(16, 16)
+        self.head = nn.Linear(16, 100)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.proj(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("door", ["fx", "export"])
+def test_linear_subclass_and_tied_head(door):
+    gm = capture(WithSubclass(), micro_batch=B, seq_len=S, front_door=door)
+    assert found(gm, nodes.is_linear) == ["proj", "head"]

@@ -72,7 +72,7 @@ def test_failing_rank_stops_the_job_and_names_rank_node_and_line(tmp_path, capsy
     plan = tiny_plan("gpt", zero=0, dp=2, accum=1,
                      data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
     assert launch(write_plan(tmp_path, plan), nproc=2) == 1
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "rank 1 failed" in out
     assert "rank 1: IndexError: index out of range" in out
     assert "while executing node embed:" in out

@@ -34,7 +34,8 @@ def test_jsonl_gets_every_step_and_lines_follow_log_every(tmp_path):
                       console=console) as reporter:
         for k in (1, 2, 3):
             reporter.report(stats(k))
-    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    text = (tmp_path / "m" / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0] == {"step": 1, "loss": 4.25, "lr": 1e-3, "grad_norm": 0.5, "step_time": 0.2,
                           "tokens_per_s": 20480.0, "predicted_step_time": None}
