@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ptc.compiler.program import Program, Stage, ZeroShards, param_layout
+from ptc.compiler.program import COMPUTE_DTYPES, Program, Stage, ZeroShards, param_layout
 from ptc.errors import CompileError, PtcError
 from ptc.plan import Plan
 
@@ -101,9 +101,14 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | No
 
 def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
     """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program."""
-    from ptc.api import capture_plan  # noqa: PLC0415 - the shared capture front door
+    from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
+    from ptc.models import build_model  # noqa: PLC0415
 
-    return compile_graph(capture_plan(plan, model), plan)
+    if model is None:
+        model = build_model(plan.model, device="meta")
+    gm = capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
+                 dtype=COMPUTE_DTYPES[plan.train.dtype])
+    return compile_graph(gm, plan)
 
 
 def predicted_step_time(plan: Plan) -> float | None:

@@ -38,7 +38,7 @@ class StepReporter(AbstractContextManager):
                  predicted_step_time: float | None = None, console: Console | None = None):
         self.plan, self.steps, self.enabled = plan, steps, enabled
         self.predicted = predicted_step_time
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task = None
         self._file: IO[str] | None = None

@@ -9,7 +9,7 @@ from runtime_helpers import reference_run, tiny_plan
 
 from ptc.compiler.pipeline import compile_plan
 from ptc.errors import PtcError
-from ptc.plan import DataSpec, ParallelSpec
+from ptc.plan import DataSpec, HardwareSpec, ParallelSpec, Plan
 from ptc.runtime.executor import RankError, Trainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,8 +71,8 @@ def test_bf16_compute_trains_near_fp32_and_holds_predicted_bytes(zero):
 
 
 def test_tp_and_pp_are_refused():
-    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
-    program = compile_plan(plan)
-    object.__setattr__(program.plan, "parallel", ParallelSpec(tp=2, dp=1))
-    with pytest.raises(PtcError, match="tp = pp = 1"):
-        Trainer(program, {})
+    base = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    plan = Plan(model=base.model, hardware=HardwareSpec.preset("cpu", gpus_per_node=2),
+                parallel=ParallelSpec(tp=2, dp=1), train=base.train)
+    with pytest.raises(PtcError, match="this runtime runs tp = pp = 1"):
+        Trainer(compile_plan(plan), {})
