@@ -7,39 +7,55 @@ notebook user and the `ptc` command get identical results.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch.fx
     from torch import nn
 
     from ptc.compiler.estimate import Estimate
+    from ptc.compiler.program import Program
     from ptc.plan import Plan
+    from ptc.runtime.train import RunResult
 
 
-def capture_plan(plan: Plan, model: nn.Module | None = None) -> torch.fx.GraphModule:
-    """Capture the plan's model (or `model`) on the meta device at the plan's batch shape."""
-    import torch  # noqa: PLC0415 - torch loads only when a command needs it
+def _as_plan(plan: Plan | str | os.PathLike) -> Plan:
+    if isinstance(plan, (str, os.PathLike)):
+        from ptc.dsl import load_plan  # noqa: PLC0415
 
-    from ptc.compiler.capture import capture  # noqa: PLC0415
-    from ptc.models import build_model  # noqa: PLC0415
-
-    if model is None:
-        model = build_model(plan.model, device="meta")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.train.dtype]
-    return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
-                   dtype=dtype)
+        return load_plan(plan)
+    return plan
 
 
-def estimate(plan: Plan) -> Estimate:
+def compile(model: nn.Module | None, plan: Plan | str | os.PathLike) -> Program:  # noqa: A001
+    """Compile `model` (any nn.Module; None: the plan's own model) under `plan` into a Program.
+
+    `plan` is a `ptc.Plan` or the path of a `.ptc` file: its hardware,
+    parallel and train sections say how the module is split and trained.
+    Compiling needs no process group and no GPU.
+    """
+    from ptc.compiler.pipeline import compile_plan  # noqa: PLC0415 - torch loads on first use
+
+    return compile_plan(_as_plan(plan), model=model)
+
+
+def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None) -> RunResult:
+    """Train a plan (or a compiled Program) on local processes and return the losses."""
+    from ptc.compiler.program import Program  # noqa: PLC0415
+    from ptc.runtime import run as _run  # noqa: PLC0415
+
+    return _run(plan if isinstance(plan, Program) else _as_plan(plan), steps=steps)
+
+
+def estimate(plan: Plan | str | os.PathLike) -> Estimate:
     """Predict step time, throughput, MFU and per-stage peak memory of a resolved plan."""
     from ptc.compiler.estimate import estimate as _estimate  # noqa: PLC0415
 
-    return _estimate(plan)
+    return _estimate(_as_plan(plan))
 
 
-def search(plan: Plan, top: int = 5) -> list[tuple[Plan, Estimate]]:
+def search(plan: Plan | str | os.PathLike, top: int = 5) -> list[tuple[Plan, Estimate]]:
     """The `top` fastest layouts of `plan` that fit memory, fastest first."""
     from ptc.compiler.search import search as _search  # noqa: PLC0415
 
-    return _search(plan, top=top)
+    return _search(_as_plan(plan), top=top)

@@ -54,14 +54,30 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Capture the plan's model and print what the compiler works on."""
-    from ptc.api import capture_plan  # noqa: PLC0415
+    """Compile a plan: summarise the captured model and list what the passes did."""
+    from ptc.compiler.pipeline import compile_graph, capture_plan  # noqa: PLC0415
     from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
 
     plan = _load(args.plan)
     gm = capture_plan(plan)
     _out.print(render_summary(summarize(gm)))
+    program = compile_graph(gm, plan)
+    for line in program.pass_log:
+        _out.print(f"pass: {line}", markup=False)
     return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a plan on one process per rank through torch's elastic launcher."""
+    from ptc.runtime import launch  # noqa: PLC0415
+
+    extra = [f"--{flag.replace('_', '-')}={value}" for flag, value in
+             (("nnodes", args.nnodes), ("node_rank", args.node_rank),
+              ("rdzv_endpoint", args.rdzv_endpoint), ("rdzv_backend", args.rdzv_backend),
+              ("rdzv_id", args.rdzv_id), ("max_restarts", args.max_restarts))
+             if value is not None]
+    _load(args.plan)  # report plan errors before any process starts
+    return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -98,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compile", cmd_compile,
                 "Capture the plan's model and summarise parameters, FLOPs and layers.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
+    p = command("run", cmd_run, "Train a plan: one process per rank (gloo on CPUs, NCCL on "
+                "GPUs) through torch's elastic launcher; rank 0 prints each step.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this node (default: tp*pp*dp / nodes)")
+    p.add_argument("--nnodes", default=None, help="nodes, or MIN:MAX for an elastic job")
+    p.add_argument("--node-rank", dest="node_rank", default=None, help="this node's rank")
+    p.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None,
+                   help="rendezvous HOST:PORT for multi-node runs")
+    p.add_argument("--rdzv-backend", dest="rdzv_backend", default=None,
+                   help="rendezvous backend (default c10d)")
+    p.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all nodes")
+    p.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
+                   help="restart the whole group up to N times after a rank fails")
 
     p = command("plan", cmd_plan, "Search every valid layout (tp/pp/dp may be auto) and "
                 "rank them by predicted step time.")

@@ -99,16 +99,20 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | No
                    pass_log=tuple(log), predicted_step_time=predicted_step_time(plan))
 
 
-def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
-    """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program."""
+def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
+    """Capture the plan's model (or `model`) on meta at the plan's micro-batch shape and dtype."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     from ptc.models import build_model  # noqa: PLC0415
 
     if model is None:
         model = build_model(plan.model, device="meta")
-    gm = capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
-                 dtype=COMPUTE_DTYPES[plan.train.dtype])
-    return compile_graph(gm, plan)
+    return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
+                   dtype=COMPUTE_DTYPES[plan.train.dtype])
+
+
+def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
+    """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program."""
+    return compile_graph(capture_plan(plan, model), plan)
 
 
 def predicted_step_time(plan: Plan) -> float | None:

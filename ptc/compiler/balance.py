@@ -1,0 +1,231 @@
+"""Cutting a chain of graph pieces into pipeline stages so that the slowest is as fast as possible.
+
+Terms: an *atom* is a run of graph nodes that stays in one stage (the
+embedding, one transformer layer, the final norm, the head with the loss);
+cuts go between atoms. Each atom is priced once, from the graph:
+- `seconds` per micro-batch: forward F (its nodes' FLOPs), backward 2F and
+  recompute (F again for a fully recomputed layer, the attention core's
+  FLOPs for a selective one), at the plan's achievable FLOP rate — so an
+  embedding (a lookup, no FLOPs) weighs little and an LM head over a large
+  vocabulary weighs several layers;
+- `state_bytes`: weights, gradients and optimizer state of the parameters
+  it first uses, divided as the plan's ZeRO stage divides them;
+- `activation_bytes`: what one micro-batch's forward leaves saved for
+  backward in it (ptc.compiler.activations, read off the graph).
+A cut costs the point-to-point time of the tensors crossing it (forward
+activations and backward gradients), charged to the stages on both sides:
+a cut where little crosses is preferred among equally fast ones.
+
+`balance` picks k contiguous chunks minimising the slowest chunk's time,
+then the sum of squared chunk times (so the rest are even too), such that
+each chunk fits its memory: model state + activations × the units its rank
+keeps in flight under the schedule (`memory.in_flight`), within the HBM
+less the runtime reserve. With v chunks per rank the rank's HBM and its
+in-flight units are shared by its chunks, and each chunk is charged 1/v of
+both (exact when the rank's chunks are alike). Pinned cuts are kept.
+Dynamic programming over the atoms, O(n²·k).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ptc.compiler.activations import saved_storages
+from ptc.compiler.meta import get_info
+from ptc.compiler.program import used_params
+from ptc.errors import CompileError, PtcError
+from ptc.plan import Plan
+
+log = logging.getLogger("ptc.compiler.balance")
+
+RECOMPUTE_CORE_KINDS = frozenset({"matmul", "attention", "softmax", "dropout"})
+"""Node kinds of the attention core, what selective recompute runs again."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AtomCost:
+    """The price of one atom, per micro-batch."""
+
+    name: str
+    """"embed", "layers.3", "head", ..."""
+    flops: int
+    """Forward FLOPs."""
+    seconds: float
+    """Forward + backward + recompute seconds."""
+    state_bytes: float
+    """Weights, gradients and optimizer state of its parameters on one rank."""
+    activation_bytes: float
+    """Bytes one micro-batch saves for backward in it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Split:
+    """A chosen cut: where each chunk starts, and its predicted time and memory."""
+
+    starts: tuple[int, ...]
+    """Index of each chunk's first atom (starts[0] == 0)."""
+    seconds: tuple[float, ...]
+    """Per chunk: seconds per micro-batch, its cuts' transfers included."""
+    memory: tuple[float, ...]
+    """Per chunk: predicted peak bytes (model state + in-flight activations)."""
+
+
+def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: Sequence[str],
+                plan: Plan) -> list[AtomCost]:
+    """Price every atom of the captured graph `gm` for `plan` (see module docstring)."""
+    from ptc.compiler.memory import precision  # noqa: PLC0415 - memory imports sympy (slow)
+
+    hw, train, par = plan.hardware, plan.train, plan.parallel
+    rate = hw.peak_flops[train.dtype] * hw.achievable_fraction
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[train.dtype]
+    prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum)
+    zero, dp = par.zero, par.dp
+    per_element = (prec.weight / (dp if zero >= 3 else 1) + prec.grad / (dp if zero >= 2 else 1)
+                   + prec.optimizer / (dp if zero >= 1 else 1))
+    policies = layer_policies(plan)
+    saved = _saved_bytes(gm, atoms)
+    seen: set[int] = set()
+    costs = []
+    for index, (nodes, name) in enumerate(zip(atoms, names)):
+        flops = core = elements = 0
+        layer = None
+        for node in nodes:
+            info = get_info(node)
+            if info is not None:
+                flops += info.flops
+                core += info.flops if info.kind in RECOMPUTE_CORE_KINDS else 0
+                layer = info.layer if layer is None else layer
+            for _, p in used_params(gm, node):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    elements += p.numel()
+        policy = "none" if layer is None else policies(layer)
+        recompute = {"none": 0, "selective": core, "full": flops}[policy]
+        costs.append(AtomCost(name=name, flops=flops, seconds=(3 * flops + recompute) / rate,
+                              state_bytes=elements * per_element, activation_bytes=saved[index]))
+    return costs
+
+
+def layer_policies(plan: Plan) -> Callable[[int], str]:
+    """Layer index -> recompute policy ("none", "selective", "full") the plan asks for.
+
+    "auto" is resolved as `ptc.compiler.estimate` resolves it for a built-in
+    family; a custom model's "auto" is priced as "none".
+    """
+    ckpt = plan.parallel.checkpoint
+    if ckpt == "auto":
+        ckpt = "none"
+        if plan.model.family != "custom":
+            from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model
+
+            try:
+                ckpt = estimate(plan).layout.checkpoint
+            except (PtcError, ValueError) as exc:
+                log.warning("checkpoint = auto priced as none: %s", exc)
+    if isinstance(ckpt, str):
+        return lambda layer: ckpt
+    return lambda layer: ckpt[layer] if 0 <= layer < len(ckpt) else "none"
+
+
+def _saved_bytes(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]) -> list[float]:
+    """Bytes saved for backward per atom: each storage counts in every atom that saves it."""
+    atom_of = {node.name: i for i, nodes in enumerate(atoms) for node in nodes}
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            info = get_info(node)
+            inputs.append(torch.zeros(info.shapes[0], dtype=info.dtypes[0], device="meta"))
+    out = [0.0] * len(atoms)
+    for storage in saved_storages(gm, inputs):
+        for index in {atom_of[s] for s in storage.savers if s in atom_of}:
+            out[index] += storage.nbytes
+    return out
+
+
+def balance(costs: Sequence[AtomCost], cut_seconds: Sequence[float], chunks: int, *,
+            pins: Mapping[int, int], units: Sequence[float], budget: float) -> Split:
+    """Cut the atoms into `chunks` contiguous chunks (see the module docstring).
+
+    `cut_seconds[a]`: transfer time of the cut after atom a. `pins`: chunk
+    index -> the atom it must start with. `units[c]`: activation multiplier
+    of chunk c (its share of the in-flight units of its rank). `budget`:
+    bytes one chunk may use. Raises CompileError when no cut fits.
+    """
+    n = len(costs)
+    if n < chunks:
+        raise CompileError(f"the graph has {n} pieces ({', '.join(c.name for c in costs)}) and "
+                           f"cannot be cut into {chunks} non-empty stages")
+    seconds = _prefix([c.seconds for c in costs])
+    state = _prefix([c.state_bytes for c in costs])
+    act = _prefix([c.activation_bytes for c in costs])
+
+    def time(c: int, i: int, j: int) -> float:
+        edges = (cut_seconds[i - 1] if i > 0 else 0.0) + (cut_seconds[j - 1] if j < n else 0.0)
+        return seconds[j] - seconds[i] + edges
+
+    def memory(c: int, i: int, j: int) -> float:
+        return state[j] - state[i] + units[c] * (act[j] - act[i])
+
+    split = _cut(n, chunks, pins, time, lambda c, i, j: memory(c, i, j) <= budget)
+    if split is None:
+        least = _cut(n, chunks, pins, memory, lambda c, i, j: True)
+        worst = max(range(chunks), key=lambda c: memory(c, *_bounds(least, c, n)))
+        raise CompileError(
+            f"no cut of the model into {chunks} pipeline stages fits the memory: the best cut "
+            f"still needs {memory(worst, *_bounds(least, worst, n)) / 2**30:.2f} GiB on stage "
+            f"{worst} (model state and in-flight activations) for {budget / 2**30:.2f} GiB "
+            f"available; use more stages, a higher ZeRO stage, activation checkpointing or a "
+            f"smaller micro-batch")
+    bounds = [_bounds(split, c, n) for c in range(chunks)]
+    return Split(starts=tuple(split), seconds=tuple(time(c, *b) for c, b in enumerate(bounds)),
+                 memory=tuple(memory(c, *b) for c, b in enumerate(bounds)))
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _bounds(starts: Sequence[int], c: int, n: int) -> tuple[int, int]:
+    return starts[c], starts[c + 1] if c + 1 < len(starts) else n
+
+
+def _cut(n: int, chunks: int, pins: Mapping[int, int], cost: Callable[[int, int, int], float],
+         fits: Callable[[int, int, int], bool]) -> list[int] | None:
+    """Chunk starts minimising (max cost, sum of squared costs) among cuts that fit, or None."""
+    inf = (float("inf"), float("inf"))
+    # best[c][j]: chunks 0..c-1 cover atoms [0, j); value (max, sum of squares), and the start.
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    start = [[-1] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0.0)
+    for c in range(chunks):
+        # Leave at least one atom for each later chunk.
+        for i in range(c, n - (chunks - c) + 1):
+            if best[c][i] == inf or (c in pins and pins[c] != i):
+                continue
+            last = n if c == chunks - 1 else n - (chunks - c - 1)
+            for j in range(i + 1, last + 1):
+                if c + 1 < chunks and c + 1 in pins and pins[c + 1] != j:
+                    continue
+                if c == chunks - 1 and j != n:
+                    continue
+                if not fits(c, i, j):
+                    continue
+                x = cost(c, i, j)
+                value = (max(best[c][i][0], x), best[c][i][1] + x * x)
+                if value < best[c + 1][j]:
+                    best[c + 1][j], start[c + 1][j] = value, i
+    if best[chunks][n] == inf:
+        return None
+    starts, j = [], n
+    for c in range(chunks, 0, -1):
+        j = start[c][j]
+        starts.append(j)
+    return starts[::-1]

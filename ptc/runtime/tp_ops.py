@@ -1,0 +1,320 @@
+"""Tensor- and sequence-parallel ops that lowered graphs call, each autograd-aware.
+
+Megatron-LM's pairs, by the names the tensor_parallel and sequence_parallel
+passes put in the graph (the forward graph shows every collective; each
+docstring says what backward does):
+
+| op                    | forward                        | backward                      |
+|-----------------------|--------------------------------|-------------------------------|
+| `copy_to_tp`          | identity                       | all-reduce (sum) over tp      |
+| `reduce_from_tp`      | all-reduce (sum) over tp       | identity                      |
+| `all_gather_seq`      | all-gather along the sequence  | reduce-scatter along it       |
+| `reduce_scatter_seq`  | reduce-scatter along sequence  | all-gather along it           |
+| `scatter_seq`         | keep this rank's sequence chunk| all-gather along it           |
+
+plus the vocabulary-parallel embedding lookup and cross-entropy, whose
+rank's slice of the vocabulary is rows [rank·V/t, (rank+1)·V/t) of the table.
+
+Ops name a mesh axis ("tp"), never a process group: `ptc.runtime.comm`
+binds axes to groups at run time. An unbound axis, or a group of one rank,
+makes every op local, so a lowered graph also runs in one plain process.
+
+Each op carries `ptc_collective = (forward, backward)`, which
+`ptc.compiler.inspect` reads to highlight collectives without importing
+the runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from ptc.runtime.comm import all_gather_flat, axis_group, group_rank, group_size, \
+    reduce_scatter_flat
+
+TP = "tp"
+"""The mesh axis of tensor parallelism."""
+
+
+def _collective(forward: str, backward: str):
+    """Mark an op as a collective (read by ptc.compiler.inspect)."""
+    def mark(fn):
+        fn.ptc_collective = (forward, backward)
+        return fn
+    return mark
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    # A fresh buffer: the input may still be needed by autograd or by other users.
+    out = x.contiguous().clone()
+    if group_size(group) > 1:
+        dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's x along `dim`, in rank order."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    flat = all_gather_flat(moved.reshape(-1), group).wait()
+    return flat.view(world * moved.shape[0], *moved.shape[1:]).movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum x over ranks and keep this rank's chunk along `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"reduce_scatter_seq: dim {dim} of size {moved.shape[0]} is not "
+                         f"divisible by the {world} ranks")
+    flat = reduce_scatter_flat(moved.reshape(-1), group).wait()
+    return flat.view(moved.shape[0] // world, *moved.shape[1:]).movedim(0, dim).contiguous()
+
+
+def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk of x along `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"scatter_seq: dim {dim} of size {x.shape[dim]} is not divisible "
+                         f"by the {world} ranks")
+    return x.chunk(world, dim)[group_rank(group)].contiguous()
+
+
+# ------------------------------------------------------------ tensor parallel
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):  # noqa: D102 - autograd.Function protocol
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _all_reduce(grad, axis_group(ctx.axis)), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):  # noqa: D102
+        return _all_reduce(x, axis_group(axis))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return grad, None
+
+
+@_collective("identity", "all-reduce")
+def copy_to_tp(x: torch.Tensor, axis: str = TP) -> torch.Tensor:
+    """Enter a tensor-parallel region: the input of column-parallel linears.
+
+    Forward: identity (every tp rank holds the same x). Backward: all-reduce
+    (sum) of the gradient over `axis`, since each rank's column shard only
+    contributes part of dL/dx. Applied to a parameter, it sums the
+    parameter's gradient over the ranks that each saw part of the data
+    (norms under sequence parallelism).
+    """
+    return _CopyToTP.apply(x, axis)
+
+
+@_collective("all-reduce", "identity")
+def reduce_from_tp(x: torch.Tensor, axis: str = TP) -> torch.Tensor:
+    """Leave a tensor-parallel region: sum the partial outputs of a row-parallel linear.
+
+    Forward: all-reduce (sum) over `axis`. Backward: identity (the summed
+    output's gradient is every rank's partial output's gradient).
+    """
+    return _ReduceFromTP.apply(x, axis)
+
+
+# ---------------------------------------------------------- sequence parallel
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):  # noqa: D102
+        ctx.dim, ctx.axis = dim, axis
+        return _gather(x, dim, axis_group(axis))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _reduce_scatter(grad, ctx.dim, axis_group(ctx.axis)), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):  # noqa: D102
+        ctx.dim, ctx.axis = dim, axis
+        return _reduce_scatter(x, dim, axis_group(axis))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _gather(grad, ctx.dim, axis_group(ctx.axis)), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):  # noqa: D102
+        ctx.dim, ctx.axis = dim, axis
+        return _chunk(x, dim, axis_group(axis))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _gather(grad, ctx.dim, axis_group(ctx.axis)), None, None
+
+
+@_collective("all-gather", "reduce-scatter")
+def all_gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
+    """Leave a sequence-parallel region: join every rank's sequence chunk along `dim`.
+
+    Forward: all-gather along `dim` over `axis` (rank order). Backward:
+    reduce-scatter (sum) of the gradient along `dim`: the column-parallel
+    linears after it each produce a partial gradient of the full sequence.
+    """
+    return _AllGatherSeq.apply(x, dim, axis)
+
+
+@_collective("reduce-scatter", "all-gather")
+def reduce_scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
+    """Enter a sequence-parallel region from a row-parallel linear's partial sums.
+
+    Forward: reduce-scatter (sum) along `dim` over `axis`: each rank keeps
+    its chunk of the summed sequence. Backward: all-gather of the gradient
+    along `dim`.
+    """
+    return _ReduceScatterSeq.apply(x, dim, axis)
+
+
+@_collective("split", "all-gather")
+def scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
+    """Enter a sequence-parallel region from a replicated tensor (learned positions).
+
+    Forward: keep this rank's chunk along `dim` (no communication).
+    Backward: all-gather of the gradient along `dim`, so the replicated
+    producer sees the gradient of the whole sequence.
+    """
+    return _ScatterSeq.apply(x, dim, axis)
+
+
+# ------------------------------------------------------- vocabulary parallel
+
+
+def _vocab_range(rows: int, axis: str) -> int:
+    """First vocabulary id of this rank's slice of `rows` table rows."""
+    return group_rank(axis_group(axis)) * rows
+
+
+class _VocabEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, weight, axis):  # noqa: D102
+        start = _vocab_range(weight.shape[0], axis)
+        outside = (tokens < start) | (tokens >= start + weight.shape[0])
+        local = (tokens - start).masked_fill(outside, 0)
+        out = F.embedding(local, weight).masked_fill_(outside.unsqueeze(-1), 0)
+        # Only the token ids are kept (as torch's embedding keeps them); the
+        # mask and local ids are cheap to recompute in backward.
+        ctx.save_for_backward(tokens)
+        ctx.rows, ctx.axis, ctx.start = weight.shape[0], axis, start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (tokens,) = ctx.saved_tensors
+        outside = (tokens < ctx.start) | (tokens >= ctx.start + ctx.rows)
+        local = (tokens - ctx.start).masked_fill(outside, 0).reshape(-1)
+        rows = grad.masked_fill(outside.unsqueeze(-1), 0).reshape(-1, grad.shape[-1])
+        gw = torch.zeros(ctx.rows, grad.shape[-1], dtype=grad.dtype, device=grad.device)
+        return None, gw.index_add_(0, local, rows), None
+
+
+@_collective("lookup (partial)", "local")
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor,
+                             axis: str = TP) -> torch.Tensor:
+    """Look tokens up in this rank's slice of a vocabulary-sharded embedding table.
+
+    Rows of `weight` are vocabulary ids [rank·V/t, (rank+1)·V/t); tokens
+    outside that range give zero vectors, so summing over tp (the
+    `reduce_from_tp` or `reduce_scatter_seq` the pass puts after it) yields
+    the full lookup. Forward: no communication. Backward: the rank's rows'
+    gradient (zero for ids outside its slice), no communication.
+    """
+    return _VocabEmbedding.apply(tokens, weight, axis)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction, axis):  # noqa: D102
+        group = axis_group(axis)
+        rows = logits.shape[-1]
+        x = logits.reshape(-1, rows).float()
+        t = targets.reshape(-1)
+        peak = _all_reduce(x.detach().amax(dim=-1), group, dist.ReduceOp.MAX)
+        x = x - peak.unsqueeze(-1)
+        start = _vocab_range(rows, axis)
+        mine = (t >= start) & (t < start + rows)
+        local = (t - start).masked_fill(~mine, 0)
+        target_logit = x.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = x.exp_()
+        # One all-reduce for both sums: [sum exp, target logit] per token.
+        sums = _all_reduce(torch.stack([exp.sum(-1), target_logit]), group)
+        losses = sums[0].log() - sums[1]
+        valid = t != ignore_index
+        losses = losses.masked_fill(~valid, 0.0)
+        count = valid.sum()
+        if reduction == "mean":
+            loss = losses.sum() / count
+        elif reduction == "sum":
+            loss = losses.sum()
+        else:
+            loss = losses.view(targets.shape)
+        softmax = exp.div_(sums[0].unsqueeze(-1)).to(logits.dtype)
+        ctx.save_for_backward(softmax, targets)
+        ctx.meta = (ignore_index, reduction, axis, start, logits.shape, count)
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        softmax, targets = ctx.saved_tensors
+        ignore_index, reduction, _, start, shape, count = ctx.meta
+        rows = softmax.shape[-1]
+        t = targets.reshape(-1)
+        mine = (t >= start) & (t < start + rows)
+        local = (t - start).masked_fill(~mine, 0)
+        g = softmax.to(torch.float32, copy=True)
+        g.scatter_add_(1, local.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
+        scale = (t != ignore_index).to(g.dtype)
+        if reduction == "mean":
+            scale = scale * (grad.float() / count)
+        elif reduction == "sum":
+            scale = scale * grad.float()
+        else:
+            scale = scale * grad.float().reshape(-1)
+        return (g * scale.unsqueeze(-1)).to(softmax.dtype).view(shape), None, None, None, None
+
+
+@_collective("all-reduce (max, sums)", "local")
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 axis: str = TP) -> torch.Tensor:
+    """Cross-entropy of vocabulary-sharded logits[..., V/t] against full targets[...].
+
+    Each rank holds logits for its vocabulary slice; the full logits are never
+    gathered. Forward: all-reduce (max) of the per-token maximum, then one
+    all-reduce (sum) of the per-token sum of exponentials and target logit;
+    the result equals `F.cross_entropy` on the full logits (`ignore_index`,
+    `reduction` "mean" / "sum" / "none" as there). Backward: local, no
+    communication: softmax minus the one-hot target on the rank's slice.
+    """
+    return _VocabCrossEntropy.apply(logits, targets, ignore_index, reduction, axis)
+
+
+TP_OPS = (copy_to_tp, reduce_from_tp, all_gather_seq, reduce_scatter_seq, scatter_seq,
+          vocab_parallel_embedding, vocab_parallel_cross_entropy)
+"""Every op of this module, for passes and reports that look for them."""
