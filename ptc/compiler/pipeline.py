@@ -23,7 +23,10 @@ from typing import Any
 
 from torch import fx, nn
 
-from ptc.compiler.program import COMPUTE_DTYPES, Program, Stage, ZeroShards, param_layout
+from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, Program, Stage, ZeroShards,
+                                  param_layout)
+from ptc.compiler.schedule import schedule_for
+from ptc.compiler.stages import pipeline_stages, tied_names
 from ptc.errors import CompileError, PtcError
 from ptc.plan import Plan
 
@@ -60,7 +63,7 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass], *,
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         try:
-            gm = fn(gm, plan, knobs=dict((knobs or {}).get(name, {})))
+            gm = _apply(fn, gm, plan, dict((knobs or {}).get(name, {})))
         except Exception as exc:
             after = ", ".join(done) if done else "capture only"
             raise CompileError(f"pass {name} failed (passes run before it: {after}): "
@@ -72,6 +75,16 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass], *,
         done.append(name)
         _dump(dump_dir, index, name, gm)
     return gm, log
+
+
+def _apply(fn: Pass, gm: fx.GraphModule, plan: Plan, knobs: dict[str, Any]) -> fx.GraphModule:
+    """Run one pass on `gm`, or, once the graph is split into pipeline stages, on every stage."""
+    stages = pipeline_stages(gm)
+    if not stages:
+        return fn(gm, plan, knobs=knobs)
+    for name, stage in stages:
+        setattr(gm, name, fn(stage, plan, knobs=knobs))
+    return gm
 
 
 def _dump(dump_dir: str | os.PathLike | None, index: int, name: str, gm: fx.GraphModule) -> None:
@@ -92,11 +105,25 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | No
         from ptc.passes import PASSES  # noqa: PLC0415 - passes import the compiler
 
         passes = PASSES
+    # Split into stages, the model's parameters live in several graphs: lay them out whole first.
+    whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
     gm, log = run_passes(gm, plan, passes, knobs=knobs)
+    split = pipeline_stages(gm)
+    if split:
+        stages = tuple(Stage(index=i, graph=stage, layout=_layout(stage, plan))
+                       for i, (_, stage) in enumerate(split))
+    else:
+        stages, whole = (Stage(index=0, graph=gm),), _layout(gm, plan)
+    return Program(plan=plan, stages=stages, layout=whole, pass_log=tuple(log),
+                   predicted_step_time=predicted_step_time(plan), schedule=schedule_for(plan))
+
+
+def _layout(gm: fx.GraphModule, plan: Plan) -> ParamLayout:
+    """The parameter layout of a lowered graph: the zero pass's, or one by first use."""
     shards = getattr(gm, "zero", None)
-    layout = shards.layout if isinstance(shards, ZeroShards) else param_layout(gm, plan.parallel.dp)
-    return Program(plan=plan, stages=(Stage(index=0, graph=gm),), layout=layout,
-                   pass_log=tuple(log), predicted_step_time=predicted_step_time(plan))
+    if isinstance(shards, ZeroShards):
+        return shards.layout
+    return param_layout(gm, plan.parallel.dp, own_units=tied_names(gm))
 
 
 def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:

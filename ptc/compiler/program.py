@@ -19,7 +19,7 @@ backward. A parameter belongs to the unit of its first use; a tied parameter
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from ptc.compiler.nodes import module_path
 from ptc.errors import CompileError
 
 if TYPE_CHECKING:
+    from ptc.compiler.schedule import Schedule
     from ptc.plan import Plan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,10 +137,14 @@ def used_params(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, nn.Paramet
     return []
 
 
-def param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
+def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] = ()
+                 ) -> ParamLayout:
     """Group the parameters of `gm` into units by first use and give each its slot.
 
     Deterministic in the graph alone, so every rank computes the same layout.
+    A parameter named in `own_units` gets a unit of its own (named after it):
+    a weight tied across pipeline stages, whose gradient shards the stages
+    sum with each other, needs the same unit geometry on every stage.
     """
     names: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
@@ -152,10 +157,11 @@ def param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
         if not params:
             continue
         key = group_key(module_path(node) or params[0][0])
-        for _, p in params:
+        for name, p in params:
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            key = name if name in own_units else key
             if key not in members:
                 unit_names.append(key)
                 members[key] = []
@@ -199,7 +205,11 @@ class Stage:
     index: int
     """Pipeline stage number."""
     graph: fx.GraphModule
-    """The lowered graph on the meta device: (tokens, targets) -> mean loss."""
+    """The lowered graph on the meta device: (tokens, targets) -> mean loss, or, split into
+    pipeline stages, the calling convention of `ptc.compiler.stages`."""
+    layout: ParamLayout | None = None
+    """The stage's own parameter layout when the model is split into pipeline stages
+    (None: the Program's layout)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +226,8 @@ class Program:
     """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
     predicted_step_time: float | None = None
     """The cost model's step time in seconds, when one is available."""
+    schedule: Schedule | None = None
+    """The pipeline schedule, checked deadlock-free (None when pp = 1)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes one dp rank holds between steps, per category: params, grads, optimizer.

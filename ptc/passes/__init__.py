@@ -6,10 +6,11 @@ order below. A pass that does not apply to a plan returns the graph
 unchanged.
 """
 
+from ptc.passes.pipeline_split import split_pipeline_pass
 from ptc.passes.zero import shard_params_pass
 
-PASSES = (shard_params_pass,)
+PASSES = (split_pipeline_pass, shard_params_pass)
 """The pipeline, in order: tensor_parallel, sequence_parallel, pipeline_split, zero,
 activation_checkpoint, comm_overlap — those not written yet are absent."""
 
-__all__ = ["PASSES", "shard_params_pass"]
+__all__ = ["PASSES", "shard_params_pass", "split_pipeline_pass"]

@@ -30,6 +30,7 @@ from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_path
 from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
                                   param_layout, used_params)
+from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
 from ptc.plan import Plan
 from ptc.runtime.collectives import gather_params, gather_params_start
@@ -55,7 +56,7 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *,
         raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
     prefetch = dict(knobs or {}).get("prefetch", plan.parallel.overlap)
     dtype = COMPUTE_DTYPES[plan.train.dtype]
-    layout = param_layout(gm, plan.parallel.dp)
+    layout = param_layout(gm, plan.parallel.dp, own_units=tied_names(gm))
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
     gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]

@@ -21,6 +21,7 @@ from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.launcher import in_worker, run_local
 from ptc.runtime.mesh import axis_groups, build_mesh, device_for, init_distributed, world_size
 from ptc.runtime.metrics import StepReporter
+from ptc.runtime.pipeline_exec import PipelineTrainer
 
 
 @dataclass
@@ -50,7 +51,8 @@ def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -
 
             program = compile_plan(plan)
         groups = axis_groups(build_mesh(plan))
-        trainer = Trainer(program, groups, device=device_for(plan))
+        kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
+        trainer = kind(program, groups, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
         result = RunResult()
         with StepReporter(plan, steps=steps, enabled=dist.get_rank() == 0,

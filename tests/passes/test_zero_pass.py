@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.api import capture_plan  # noqa: E402
+from ptc.compiler.pipeline import capture_plan  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.compiler.pipeline import compile_graph, run_passes  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402

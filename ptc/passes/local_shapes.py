@@ -1,0 +1,390 @@
+"""Re-derive a graph's shapes after a pass made some tensors rank-local, fixing shape arguments.
+
+After the tensor_parallel pass gives a rank 1/t of some parameters, or the
+sequence_parallel pass 1/t of the sequence, every op downstream sees smaller
+tensors. Most ops adapt by themselves; ops whose *arguments* spell out a
+shape (`view(b, s, 12, 64)`, `reshape(b, s, C)` with C read from a full-size
+tensor, `split(768, dim=2)`, `expand(...)`) do not. `propagate` runs the
+graph on the meta device node by node and rewrites those arguments so that
+each op keeps its meaning on the local tensors, then records the local
+shapes, dtypes, FLOPs and parameter counts in every node's NodeInfo.
+
+Terms:
+- a node's *before* shape is the one its NodeInfo holds when `propagate`
+  starts (full for tensor parallelism, tp-local for sequence parallelism);
+  its *local* shape the one it has now;
+- a tensor is *split* when exactly one dim of its local shape is its before
+  size divided by the degree k (a tensor of several outputs: each output);
+- a reshape maps *blocks* of input dims to blocks of output dims with equal
+  products; the split dim of the input must be the outermost of its block,
+  and the output block's dim that takes the split is the one of a preferred
+  size (the heads counts for tensor parallelism: q/k/v are split by heads;
+  the sequence length for sequence parallelism), else its outermost one
+  divisible by k.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from ptc.compiler import flops as flops_mod
+from ptc.compiler.meta import copy_meta, get_info, update_info
+from ptc.compiler.nodes import CREATION_OPS, POINTWISE_OPS, op_name
+from ptc.errors import CompileError
+
+_RESHAPES = frozenset({"view", "reshape", "unsafe_view"})
+_SPLITS = frozenset({"split", "split_with_sizes"})
+_SHAPE_ONLY = frozenset({"size", "dim", "getattr"}) | {c for c in CREATION_OPS if c.endswith("_like")}
+"""Ops whose output depends only on their input's shape/dtype/device, never on its values."""
+
+ShapeRule = Callable[..., torch.Tensor]
+"""A meta stand-in for a collective: (k, *args, **kwargs) -> meta output."""
+MixFix = Callable[[fx.Node, fx.Node, int], fx.Node]
+"""(node, whole input, dim of the input to split) -> node to use instead of the input."""
+
+
+@dataclass
+class Propagation:
+    """What `propagate` found: the before and local shapes of every node."""
+
+    before: dict[fx.Node, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    local: dict[fx.Node, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    inserted: list[fx.Node] = field(default_factory=list)
+    """Nodes `propagate` created (size arithmetic, scatters)."""
+
+    def is_split(self, node: fx.Node) -> bool:
+        """Whether some output of the node is smaller than before."""
+        return self.local.get(node, ()) != self.before.get(node, ())
+
+
+def is_shape_only(node: fx.Node) -> bool:
+    """Whether the node reads only its input's metadata (size, dtype, *_like creation)."""
+    return node.op in ("call_function", "call_method") and op_name(node) in _SHAPE_ONLY
+
+
+def where(node: fx.Node) -> str:
+    """"node N (op) in module M at file:line" for messages."""
+    meta = get_info(node)
+    text = f"node {node.name} ({op_name(node)})"
+    if meta is not None and meta.module_path:
+        text += f" in module {meta.module_path!r}"
+    if meta is not None and meta.source:
+        text += f" at {meta.source}"
+    return text
+
+
+def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(),
+              pick_last: bool = False, rules: Mapping[Callable, ShapeRule] | None = None,
+              on_mix: MixFix | None = None, what: str = "tensor parallelism") -> Propagation:
+    """Run `gm` on meta with its current (local) parameters; fix shape arguments; update meta.
+
+    `k`: the degree a split dim is divided by. `prefer`, `pick_last`: which
+    output dim of a reshape block takes the split (module docstring).
+    `rules`: meta stand-ins for ops that do not compute shapes themselves on
+    one process (sequence collectives). `on_mix`: called when an elementwise
+    op meets a split and a whole operand of the same size on the split dim
+    (the whole one must be split too); without it that is a CompileError.
+    Raises CompileError naming the node, its module and source line when an
+    op cannot run on the local shapes.
+    """
+    return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what).run()
+
+
+class _Unfollowable(Exception):
+    """The split dim cannot be followed through a shape op."""
+
+
+class _Propagator:
+    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what):
+        self.gm, self.k, self.prefer, self.pick_last = gm, k, prefer, pick_last
+        self.rules, self.on_mix, self.what = rules, on_mix, what
+        self.interp = fx.Interpreter(gm, garbage_collect_values=False)
+        self.env = self.interp.env
+        self.result = Propagation()
+
+    def run(self) -> Propagation:
+        for node in self.gm.graph.nodes:
+            self.result.before[node] = _shapes_of(node)
+        with torch.no_grad():
+            for node in list(self.gm.graph.nodes):
+                if node.op == "output":
+                    continue
+                if node.op != "placeholder":
+                    self._fix(node)
+                self._evaluate(node)
+        return self.result
+
+    # ------------------------------------------------------------ evaluation
+
+    def _evaluate(self, node: fx.Node) -> None:
+        try:
+            if node.op == "placeholder":
+                meta = get_info(node)
+                value = torch.empty(meta.shapes[0], dtype=meta.dtypes[0], device="meta")
+            elif node.op == "call_function" and node.target in self.rules:
+                args, kwargs = self.interp.fetch_args_kwargs_from_env(node)
+                value = self.rules[node.target](self.k, *args, **kwargs)
+            else:
+                value = self.interp.run_node(node)
+        except CompileError:
+            raise
+        except Exception as exc:
+            raise CompileError(f"{self.what}: {where(node)} cannot run on the rank-local "
+                               f"shapes ({', '.join(self._input_shapes(node))}): "
+                               f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        self.env[node] = value
+        self._record(node, value)
+
+    def _input_shapes(self, node: fx.Node) -> list[str]:
+        return [f"{a.name}: {tuple(self.env[a].shape)}" for a in node.all_input_nodes
+                if isinstance(self.env.get(a), torch.Tensor)]
+
+    def _record(self, node: fx.Node, value) -> None:
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        self.result.local[node] = shapes
+        before = self.result.before.setdefault(node, shapes)
+        for b, s in zip(before, shapes):
+            diff = [d for d in range(len(b)) if len(b) != len(s) or b[d] != s[d]]
+            if len(b) != len(s) or len(diff) > 1 or (diff and b[diff[0]] != s[diff[0]] * self.k):
+                raise CompileError(f"{self.what}: {where(node)} has local shape {s}, which is "
+                                   f"not its shape {b} with one dimension divided by {self.k}")
+        meta = get_info(node)
+        if meta is None:
+            return
+        changes: dict = dict(shapes=shapes, dtypes=tuple(t.dtype for t in tensors))
+        if node.op in ("call_function", "call_method", "call_module"):
+            changes["flops"] = self._flops(node, meta, value)
+        if node.op in ("call_module", "get_attr"):
+            params = _params_read(self.gm, node)
+            changes.update(params=params, param_bytes=params * meta.dtypes[0].itemsize
+                           if params and meta.dtypes else 0)
+        update_info(node, **changes)
+
+    def _flops(self, node: fx.Node, meta, value) -> int:
+        if flops_mod.needs_running(node, meta.kind):
+            before = sum(math.prod(s) for s in self.result.before[node]) or 1
+            after = sum(math.prod(s) for s in self.result.local[node])
+            return meta.flops * after // before
+        args, kwargs = self.interp.fetch_args_kwargs_from_env(node)
+        return int(flops_mod.node_flops(node, meta.kind, args, kwargs, value))
+
+    # ---------------------------------------------------------------- fixes
+
+    def _fix(self, node: fx.Node) -> None:
+        name = op_name(node)
+        try:
+            if name in _RESHAPES:
+                self._fix_reshape(node)
+            elif name in _SPLITS:
+                self._fix_split(node)
+            elif name == "expand":
+                self._fix_expand(node)
+            elif name in POINTWISE_OPS:
+                self._fix_mix(node)
+        except _Unfollowable as exc:
+            raise CompileError(f"{self.what}: {where(node)} reshapes a split tensor in a way "
+                               f"the pass cannot follow: {exc}") from None
+
+    def _tensor_arg(self, node: fx.Node) -> fx.Node | None:
+        x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+        if isinstance(x, fx.Node) and isinstance(self.env.get(x), torch.Tensor):
+            return x
+        return None
+
+    def _before_local(self, x: fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.result.before[x][0], tuple(self.env[x].shape)
+
+    def _fix_reshape(self, node: fx.Node) -> None:
+        x = self._tensor_arg(node)
+        slot = _shape_slot(node)
+        if x is None or slot is None or not self.result.before[node]:
+            return
+        bi, li = self._before_local(x)
+        expected = self._reshape_expected(bi, li, self.result.before[node][0])
+        self._write_sizes(node, slot, expected)
+
+    def _reshape_expected(self, bi, li, bo) -> tuple[int, ...]:
+        if bi == li:
+            return bo
+        d = _split_dim(bi, li, self.k)
+        cut_in, cut_out = _cuts(bi), _cuts(bo)
+        common = sorted(set(cut_in) & set(cut_out))
+        lo = max(c for c in common if c <= cut_in[d])
+        hi = min(c for c in common if c >= cut_in[d + 1])
+        block_in = [j for j in range(len(bi)) if cut_in[j] >= lo and cut_in[j + 1] <= hi and bi[j] > 1]
+        block = [j for j in range(len(bo)) if cut_out[j] >= lo and cut_out[j + 1] <= hi and bo[j] > 1]
+        if block_in and block_in[0] != d and len(block) > 1:
+            raise _Unfollowable(f"the split dim {d} of {bi} is not the outermost of the dims "
+                                f"{[bi[j] for j in block_in]} it is reshaped with")
+        candidates = [j for j in block if bo[j] % self.k == 0]
+        preferred = [j for j in candidates if bo[j] in self.prefer]
+        pick = preferred or candidates
+        if not pick:
+            raise _Unfollowable(f"no dim of {[bo[j] for j in block]} in {bo} is divisible by {self.k}")
+        j = pick[-1] if self.pick_last else pick[0]
+        out = list(bo)
+        out[j] //= self.k
+        return tuple(out)
+
+    def _write_sizes(self, node: fx.Node, slot, expected: tuple[int, ...]) -> None:
+        entries, write = slot
+        if len(entries) != len(expected):
+            return  # a shape given as one traced value: checked when the node runs
+        new, changed = [], False
+        for entry, want in zip(entries, expected):
+            have = self._value(entry)
+            if have == -1 or have == want:
+                new.append(entry)
+                continue
+            new.append(self._rescaled(node, entry, have, want))
+            changed = True
+        if changed:
+            write(new)
+
+    def _value(self, entry):
+        return self.env[entry] if isinstance(entry, fx.Node) else entry
+
+    def _rescaled(self, node: fx.Node, entry, have: int, want: int):
+        """`entry` (a constant or a traced size) turned from `have` into `want`."""
+        if not isinstance(entry, fx.Node):
+            return want
+        if have % want == 0:
+            return self._insert(node, operator.floordiv, (entry, have // want))
+        if want % have == 0:
+            return self._insert(node, operator.mul, (entry, want // have))
+        raise _Unfollowable(f"size {entry.name} = {have} cannot become {want}")
+
+    def _insert(self, node: fx.Node, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        """A call_function node before `node`, with its metadata, evaluated at once."""
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_function(target, args, kwargs or {})
+        copy_meta(node, new, kind="pointwise" if target in (operator.floordiv, operator.mul)
+                  else "other", shapes=(), dtypes=(), flops=0, params=0, param_bytes=0)
+        self.result.inserted.append(new)
+        self._evaluate(new)
+        return new
+
+    def _fix_split(self, node: fx.Node) -> None:
+        x = self._tensor_arg(node)
+        if x is None:
+            return
+        bi, li = self._before_local(x)
+        if bi == li:
+            return
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        dim = dim % len(bi)
+        if _split_dim(bi, li, self.k) != dim:
+            return
+        sizes = node.args[1] if len(node.args) > 1 else node.kwargs["split_size_or_sections"]
+        if isinstance(sizes, (list, tuple)):
+            new = type(sizes)(self._divided(node, s) for s in sizes)
+        else:
+            new = self._divided(node, sizes)
+        args = list(node.args)
+        if len(args) > 1:
+            args[1] = new
+            node.args = tuple(args)
+        else:
+            node.kwargs = {**node.kwargs, "split_size_or_sections": new}
+
+    def _divided(self, node: fx.Node, entry):
+        have = self._value(entry)
+        if have % self.k:
+            raise _Unfollowable(f"split size {have} is not divisible by {self.k}")
+        return self._rescaled(node, entry, have, have // self.k)
+
+    def _fix_expand(self, node: fx.Node) -> None:
+        x = self._tensor_arg(node)
+        slot = _shape_slot(node)
+        if x is None or slot is None:
+            return
+        bi, li = self._before_local(x)
+        if bi == li:
+            return
+        expected = list(self.result.before[node][0])
+        offset = len(expected) - len(bi)
+        for d in range(len(bi)):
+            if bi[d] != li[d]:
+                expected[offset + d] = li[d]
+        self._write_sizes(node, slot, tuple(expected))
+
+    def _fix_mix(self, node: fx.Node) -> None:
+        """Split a whole operand of an elementwise op whose other operand is split."""
+        inputs = [a for a in node.all_input_nodes if isinstance(self.env.get(a), torch.Tensor)]
+        if len(inputs) < 2 or not self.result.before[node]:
+            return
+        rank = len(self.result.before[node][0])
+        split_dims = set()
+        for a in inputs:
+            bi, li = self._before_local(a)
+            if bi != li:
+                split_dims.add(rank - len(bi) + _split_dim(bi, li, self.k))
+        if len(split_dims) != 1:
+            return
+        (dim,) = split_dims
+        for a in inputs:
+            bi, li = self._before_local(a)
+            own = dim - (rank - len(bi))
+            if bi != li or own < 0 or li[own] == 1:
+                continue
+            if self.on_mix is None:
+                raise CompileError(
+                    f"{self.what}: {where(node)} combines a split tensor with the whole tensor "
+                    f"{a.name} {li}, which is not split; annotate the module that makes it "
+                    "(shard \"...\" replicate) or shard its producer")
+            part = self.on_mix(node, a, own)
+            self.result.before[part] = self.result.before[a]
+            self.result.inserted.append(part)
+            self._evaluate(part)
+            node.replace_input_with(a, part)
+
+
+def _shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...]:
+    meta = get_info(node)
+    return meta.shapes if meta is not None else ()
+
+
+def _split_dim(before: tuple[int, ...], local: tuple[int, ...], k: int) -> int:
+    diff = [d for d in range(len(before)) if before[d] != local[d]]
+    if len(before) != len(local) or len(diff) != 1 or before[diff[0]] != local[diff[0]] * k:
+        raise _Unfollowable(f"{local} is not {before} with one dim divided by {k}")
+    return diff[0]
+
+
+def _cuts(shape: tuple[int, ...]) -> list[int]:
+    """Prefix products: cut j is the number of elements before dim j's stride starts."""
+    out = [1]
+    for size in shape:
+        out.append(out[-1] * size)
+    return out
+
+
+def _shape_slot(node: fx.Node):
+    """(size entries, write-back) of a view/reshape/expand's target shape, or None."""
+    args = node.args
+    if node.op == "call_method":
+        if len(args) == 2 and isinstance(args[1], (list, tuple)):
+            container = type(args[1])
+            return list(args[1]), lambda new: setattr(node, "args", (args[0], container(new)))
+        return list(args[1:]), lambda new: setattr(node, "args", (args[0], *new))
+    if len(args) > 1 and isinstance(args[1], (list, tuple)):  # torch.reshape / aten ops
+        container = type(args[1])
+        return list(args[1]), lambda new: setattr(node, "args",
+                                                  (args[0], container(new), *args[2:]))
+    return None
+
+
+def _params_read(gm: fx.GraphModule, node: fx.Node) -> int:
+    if node.op == "call_module":
+        return sum(p.numel() for p in gm.get_submodule(str(node.target)).parameters())
+    owner, _, leaf = str(node.target).rpartition(".")
+    value = getattr(gm.get_submodule(owner) if owner else gm, leaf, None)
+    return value.numel() if isinstance(value, torch.nn.Parameter) else 0

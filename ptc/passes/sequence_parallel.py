@@ -1,0 +1,166 @@
+"""The sequence_parallel pass: split the activations outside tp regions along the sequence.
+
+Between tensor-parallel regions (norms, residual adds, dropout) every tp
+rank holds the same full activation. Sequence parallelism (Korthikanti et
+al. 2022) gives each rank 1/tp of the sequence there instead, with the same
+communication volume: the pass turns each `copy_to_tp` in front of a
+column-parallel region into `all_gather_seq`, and each `reduce_from_tp`
+after a row-parallel one (and the vocabulary-parallel embedding) into
+`reduce_scatter_seq`. A replicated tensor that meets the split sequence
+(learned positions added to the token embedding) enters through
+`scatter_seq`. Parameters used on the split sequence (norm weights, the
+row-parallel biases) see only part of the tokens, so each is read through
+`copy_to_tp`, whose backward sums its gradient over tp.
+
+The sequence dim is dim 1 of the [b, s, ...] activations at the region
+boundaries; shape arguments inside (a sequence length read off a split
+tensor, `view(b, s, ...)`) are rewritten by `ptc.passes.local_shapes`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from ptc.compiler.meta import copy_meta, get_info, graph_info
+from ptc.compiler.nodes import module_of
+from ptc.compiler.tp_layout import TP_KEY
+from ptc.errors import CompileError
+from ptc.passes.functional import functionalize
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
+from ptc.plan import Plan
+from ptc.runtime.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
+                                scatter_seq)
+
+log = logging.getLogger("ptc.passes.sequence_parallel")
+
+SEQ_DIM = 1
+"""The sequence dim of [b, s, ...] activations."""
+_FREE = dict(flops=0, params=0, param_bytes=0)
+
+
+def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+def _rules():
+    """Meta stand-ins: on one process the sequence collectives cannot change shapes."""
+    return {
+        all_gather_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, k_),
+        reduce_scatter_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, 1 / k_),
+        scatter_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, 1 / k_),
+    }
+
+
+def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
+                        knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    """Replace tp all-reduces by reduce-scatter / all-gather along the sequence.
+
+    Norm, residual and dropout activations then take 1/tp of the memory on
+    each rank, at no extra communication. Runs when
+    `parallel.sequence_parallel` is set and tp > 1, after the
+    tensor_parallel pass.
+    """
+    tp = plan.parallel.tp
+    if not plan.parallel.sequence_parallel or tp == 1:
+        return gm
+    if TP_KEY not in gm.meta:
+        raise CompileError("sequence_parallel: run the tensor_parallel pass first")
+    capture = graph_info(gm)
+    if capture.seq_len % tp:
+        raise CompileError(f"sequence parallelism: seq_len {capture.seq_len} is not divisible by "
+                           f"tp = {tp}")
+    counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0, "copy_to_tp": 0}
+    for node in list(gm.graph.nodes):
+        if node.target is copy_to_tp and not _is_param(node.args[0]):
+            _swap(node, all_gather_seq, capture)
+            counts["all_gather_seq"] += 1
+        elif node.target is reduce_from_tp:
+            _swap(node, reduce_scatter_seq, capture)
+            counts["reduce_scatter_seq"] += 1
+
+    def scatter(user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
+        with gm.graph.inserting_before(user):
+            node = gm.graph.call_function(scatter_seq, (whole, dim))
+        copy_meta(whole, node, kind="other", **_FREE)
+        counts["scatter_seq"] += 1
+        return node
+
+    prop = propagate(gm, k=tp, prefer=frozenset({capture.seq_len}), pick_last=True,
+                     rules=_rules(), on_mix=scatter, what="sequence parallelism")
+    region = _region(gm, prop)
+    counts["copy_to_tp"] = _reduce_param_grads(gm, region)
+    gm.graph.lint()
+    gm.recompile()
+    log.info("inserted %d all_gather_seq, %d reduce_scatter_seq, %d scatter_seq (replacing tp "
+             "all-reduces) and %d copy_to_tp on parameters of the split sequence",
+             counts["all_gather_seq"], counts["reduce_scatter_seq"], counts["scatter_seq"],
+             counts["copy_to_tp"])
+    return gm
+
+
+def _is_param(node) -> bool:
+    meta = get_info(node) if isinstance(node, fx.Node) else None
+    return isinstance(node, fx.Node) and node.op == "get_attr" and meta is not None \
+        and meta.kind == "param"
+
+
+def _swap(node: fx.Node, op, capture) -> None:
+    """Make a tp collective node call the sequence op instead, along the sequence dim."""
+    shape = get_info(node.args[0]).shapes[0]
+    if len(shape) < 2 or shape[:2] != (capture.micro_batch, capture.seq_len):
+        raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "
+                           f"not [b={capture.micro_batch}, s={capture.seq_len}, ...]; the "
+                           "sequence dim cannot be found")
+    node.target = op
+    node.args = (node.args[0], SEQ_DIM)
+
+
+def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
+    """Nodes whose output is split along the sequence; check each keeps the split."""
+    region = {n for n in gm.graph.nodes if prop.is_split(n)}
+    for node in region:
+        meta = get_info(node)
+        if meta is not None and meta.kind == "softmax":
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+            if dim % len(prop.local[node][0]) == SEQ_DIM:
+                raise CompileError(f"sequence parallelism: {where(node)} normalises over the "
+                                   "sequence, which is split over tp")
+        for user in node.users:
+            if user.op == "output":
+                raise CompileError(f"sequence parallelism: {where(node)} reaches the graph "
+                                   "output split along the sequence")
+            if user not in region and not is_shape_only(user) and user.target is not all_gather_seq:
+                raise CompileError(f"sequence parallelism: {where(user)} turns a tensor split "
+                                   f"along the sequence into one that is not ({node.name}: "
+                                   f"{prop.local[node]}); it reduces over the sequence")
+    return region
+
+
+def _reduce_param_grads(gm: fx.GraphModule, region: set[fx.Node]) -> int:
+    """Read every parameter used on the split sequence through copy_to_tp; count them."""
+    wrapped = 0
+    for node in list(gm.graph.nodes):
+        if node not in region:
+            continue
+        if node.op == "call_module" and any(True for _ in module_of(node).parameters()):
+            region.discard(node)
+            node = functionalize(gm, node)
+            region.add(node)
+        for arg in node.all_input_nodes:
+            if not _is_param(arg):
+                continue
+            with gm.graph.inserting_before(node):
+                copy = gm.graph.call_function(copy_to_tp, (arg,))
+            shaped = get_info(arg)
+            copy_meta(arg, copy, kind="other", shapes=shaped.shapes, dtypes=shaped.dtypes, **_FREE)
+            node.replace_input_with(arg, copy)
+            wrapped += 1
+    return wrapped
+

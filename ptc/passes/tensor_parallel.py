@@ -1,0 +1,413 @@
+"""The tensor_parallel pass: keep 1/tp of every split weight and insert Megatron's collectives.
+
+Given the split `ptc.passes.tp_structure` finds (or the plan's rules say),
+the pass rewrites the captured graph into the graph every tp rank runs:
+
+- a column-parallel linear (q/k/v, MLP up/gate, the vocabulary-parallel LM
+  head) keeps 1/tp of its output features and reads its input through
+  `copy_to_tp` (one per input tensor: q, k and v share theirs);
+- a row-parallel linear (attention output, MLP down) keeps 1/tp of its
+  input features; its partial output goes through `reduce_from_tp`, and its
+  bias, replicated, is added after the sum;
+- the token embedding becomes `vocab_parallel_embedding` of the rank's
+  vocabulary rows followed by `reduce_from_tp`, and the loss
+  `vocab_parallel_cross_entropy` of the rank's logits (never gathered);
+- shape arguments between them (head counts, fused-projection splits,
+  sizes read from full tensors) are rewritten for the local tensors
+  (`ptc.passes.local_shapes`).
+
+The parameters of the graph module get their tp-local shapes (on meta);
+how each maps to the full tensor is left in `gm.meta[TP_KEY]` as a
+`TensorParallelLayout` for the Program and the runtime.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ptc.compiler.meta import copy_meta, get_info
+from ptc.compiler.nodes import linear_weight, op_name, param_source
+from ptc.compiler.tp_layout import TP_KEY, ParamShard, TensorParallelLayout
+from ptc.errors import CompileError
+from ptc.passes.functional import functionalize
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
+from ptc.passes.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
+from ptc.plan import Plan
+from ptc.runtime.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
+                                vocab_parallel_embedding)
+
+log = logging.getLogger("ptc.passes.tensor_parallel")
+
+_FREE = dict(flops=0, params=0, param_bytes=0)
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def shard_tensors_pass(gm: fx.GraphModule, plan: Plan, *,
+                       knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    """Insert copy_to_tp / reduce_from_tp around tp-split linears and keep 1/tp of their weights.
+
+    Tensor parallelism divides a layer's weights, FLOPs and inner activations
+    by tp at the cost of two all-reduces per block in forward and two in
+    backward. Runs when `parallel.tp` > 1. Raises CompileError, naming the
+    module and node and the shard rule that would fix it, for a structure it
+    cannot split.
+    """
+    tp = plan.parallel.tp
+    if tp == 1:
+        return gm
+    if TP_KEY in gm.meta:
+        raise CompileError("tensor_parallel: the graph is already split over tp")
+    sharding = find_sharding(gm, plan)
+    rewrite = _Rewrite(gm, sharding, tp)
+    layout = rewrite.shard_params()
+    rewrite.insert_collectives()
+    propagation = propagate(gm, k=tp, prefer=sharding.heads)
+    _check_region(gm, rewrite, propagation)
+    gm.meta[TP_KEY] = layout
+    gm.graph.lint()
+    gm.recompile()
+    styles = list(sharding.styles.values())
+    log.info("inserted %d copy_to_tp, %d reduce_from_tp; split %d linears colwise, %d rowwise, "
+             "%d vocab-parallel (%s)", rewrite.counts["copy_to_tp"],
+             rewrite.counts["reduce_from_tp"], styles.count(COLWISE), styles.count(ROWWISE),
+             styles.count(VOCAB),
+             ", ".join(p for p, s in sharding.styles.items() if s == VOCAB) or "none")
+    return gm
+
+
+class _Rewrite:
+    """The graph surgery of the pass; remembers what it made for the checks after it."""
+
+    def __init__(self, gm: fx.GraphModule, sharding: Sharding, tp: int):
+        self.gm, self.sharding, self.tp = gm, sharding, tp
+        self.colwise = sharding.nodes_of(gm, COLWISE)
+        self.rowwise = sharding.nodes_of(gm, ROWWISE)
+        vocab = sharding.nodes_of(gm, VOCAB)
+        heads = {_loss_logits_source(loss, vocab) for loss in sharding.losses}
+        self.heads = [n for n in vocab if n in heads]
+        self.embeddings = [n for n in vocab if n not in heads]
+        self.counts = {"copy_to_tp": 0, "reduce_from_tp": 0}
+        self.starts: list[fx.Node] = []  # nodes whose output is split
+        self.stops: set[fx.Node] = set()  # nodes that consume split inputs
+        for node in vocab:
+            if node not in heads and not _is_embedding_call(gm, node):
+                raise CompileError(f"tensor parallelism: {where(node)} is marked vocab-parallel, "
+                                   "but only token embeddings and the linear whose logits reach "
+                                   "the cross-entropy can be")
+
+    # ------------------------------------------------------------ parameters
+
+    def shard_params(self) -> TensorParallelLayout:
+        """Decide every split parameter's ParamShard and give it its local shape."""
+        specs: dict[str, ParamShard] = {}
+
+        def add(name: str | None, style: str, dim: int, segments: tuple[int, ...]) -> None:
+            if name is None:
+                return
+            shape = tuple(self.gm.get_parameter(name).shape)
+            spec = ParamShard(style=style, dim=dim, segments=segments, full_shape=shape)
+            if specs.get(name, spec) != spec:
+                raise CompileError(f"tensor parallelism: parameter {name} would be split two "
+                                   f"ways ({specs[name]} and {spec}); make the modules that share "
+                                   "it agree with shard rules")
+            bad = [s for s in segments if s % self.tp]
+            if bad:
+                raise CompileError(f"tensor parallelism: {name} {shape} cannot be split "
+                                   f"{self.tp} ways along dim {dim}: its pieces {list(segments)} "
+                                   f"are not all divisible by tp = {self.tp}")
+            specs[name] = spec
+
+        for node in self.colwise + self.heads:
+            weight, bias = _linear_params(self.gm, node)
+            rows = self.gm.get_parameter(weight).shape[0]
+            segments = (rows,) if node in self.heads else \
+                _segments(node, rows, self.sharding.heads, self.tp)
+            style = VOCAB if node in self.heads else COLWISE
+            add(weight, style, 0, segments)
+            add(bias, style, 0, segments)
+        for node in self.rowwise:
+            weight, _ = _linear_params(self.gm, node)
+            add(weight, ROWWISE, 1, (self.gm.get_parameter(weight).shape[1],))
+        for node in self.embeddings:
+            weight = _embedding_weight(self.gm, node)
+            add(weight, VOCAB, 0, (self.gm.get_parameter(weight).shape[0],))
+        aliases = _aliases(self.gm)
+        out = {}
+        for name, spec in specs.items():
+            _set_param(self.gm, aliases[name], spec.local_shape(self.tp))
+            out.update({alias: spec for alias in aliases[name]})
+        return TensorParallelLayout(tp=self.tp, params=out)
+
+    # ----------------------------------------------------------- collectives
+
+    def insert_collectives(self) -> None:
+        """copy_to_tp before column-parallel inputs, reduce_from_tp after row-parallel outputs."""
+        for node in self.embeddings:
+            self._embedding(node)
+        copies: dict[fx.Node, fx.Node] = {}
+        for node in self.colwise + self.heads:
+            x = _linear_input(node)
+            if x not in copies:
+                copies[x] = self._collective(node, copy_to_tp, (x,), before=True)
+            node.replace_input_with(x, copies[x])
+            self.starts.append(node)
+        self.rowwise = [self._rowwise(node) for node in self.rowwise]
+        self.stops.update(self.rowwise)
+        for loss in self.sharding.losses:
+            self.stops.add(self._cross_entropy(loss))
+
+    def _collective(self, src: fx.Node, op, args: tuple, *, before: bool) -> fx.Node:
+        where_ = self.gm.graph.inserting_before(src) if before else self.gm.graph.inserting_after(src)
+        with where_:
+            node = self.gm.graph.call_function(op, args)
+        # The op keeps its input's shape (before any split: propagation splits it).
+        shaped = get_info(args[0])
+        copy_meta(src, node, kind="other", shapes=shaped.shapes, dtypes=shaped.dtypes, **_FREE)
+        self.counts[op.__name__] = self.counts.get(op.__name__, 0) + 1
+        return node
+
+    def _rowwise(self, node: fx.Node) -> fx.Node:
+        """Linear without bias -> reduce_from_tp -> + bias; returns the linear."""
+        node = functionalize(self.gm, node)
+        if op_name(node) != "linear":
+            raise CompileError(f"tensor parallelism: {where(node)} is a row-parallel linear "
+                               "written as a matmul the pass cannot split (use nn.Linear or "
+                               "F.linear, or mark it replicate)")
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if bias is not None:
+            node.args = (*node.args[:2], None, *node.args[3:])
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        users = list(node.users)
+        reduced = self._collective(node, reduce_from_tp, (node,), before=False)
+        out = reduced
+        if bias is not None:
+            with self.gm.graph.inserting_after(reduced):
+                out = self.gm.graph.call_function(operator.add, (reduced, bias))
+            copy_meta(node, out, kind="pointwise", **_FREE)
+        for user in users:
+            user.replace_input_with(node, out)
+        return node
+
+    def _embedding(self, node: fx.Node) -> None:
+        """Embedding -> vocab_parallel_embedding -> reduce_from_tp."""
+        node = functionalize(self.gm, node)
+        aten = isinstance(node.target, torch._ops.OpOverload)
+        weight, index = (node.args[0], node.args[1]) if aten else (node.args[1], node.args[0])
+        extras = node.args[2:]
+        defaults = (-1, False, False) if aten else (None, None, 2.0, False, False)
+        if tuple(extras) != tuple(defaults[:len(extras)]) or any(
+                v not in (None, False, 2.0, -1) for v in node.kwargs.values()):
+            raise CompileError(f"tensor parallelism: {where(node)} uses padding_idx, max_norm, "
+                               "scale_grad_by_freq or sparse, which the vocabulary-parallel "
+                               "embedding does not support; mark it replicate")
+        with self.gm.graph.inserting_before(node):
+            lookup = self.gm.graph.call_function(vocab_parallel_embedding, (index, weight))
+        copy_meta(node, lookup)
+        reduced = self._collective(lookup, reduce_from_tp, (lookup,), before=False)
+        node.replace_all_uses_with(reduced)
+        name = node.name
+        self.gm.graph.erase_node(node)
+        lookup.name = name
+
+    def _cross_entropy(self, loss: fx.Node) -> fx.Node:
+        """F.cross_entropy / aten.cross_entropy_loss -> vocab_parallel_cross_entropy."""
+        if isinstance(loss.target, torch._ops.OpOverload):
+            args = dict(zip(("input", "target", "weight", "reduction", "ignore_index",
+                             "label_smoothing"), loss.args)) | dict(loss.kwargs)
+            reduction = _ATEN_REDUCTIONS[args.get("reduction", 1)]
+        else:
+            args = _CE_SIGNATURE.bind(*loss.args, **loss.kwargs).arguments
+            reduction = args.get("reduction", "mean")
+            if args.get("size_average") is not None or args.get("reduce") is not None:
+                raise CompileError(f"tensor parallelism: {where(loss)} uses the deprecated "
+                                   "size_average/reduce arguments")
+        if args.get("weight") is not None or args.get("label_smoothing", 0.0):
+            raise CompileError(f"tensor parallelism: {where(loss)} uses class weights or label "
+                               "smoothing, which the vocabulary-parallel cross-entropy does not "
+                               "support; mark the LM head replicate")
+        with self.gm.graph.inserting_before(loss):
+            new = self.gm.graph.call_function(vocab_parallel_cross_entropy, (
+                args["input"], args["target"]), {"ignore_index": args.get("ignore_index", -100),
+                                                 "reduction": reduction})
+        copy_meta(loss, new)
+        loss.replace_all_uses_with(new)
+        name = loss.name
+        self.gm.graph.erase_node(loss)
+        new.name = name
+        return new
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _is_embedding_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), nn.Embedding)
+    return op_name(node) == "embedding"
+
+
+def _loss_logits_source(loss: fx.Node, candidates: list[fx.Node]) -> fx.Node | None:
+    """The candidate linear whose output the loss's logits are (through views)."""
+    node = loss.args[0]
+    for _ in range(16):
+        if node in candidates:
+            return node
+        if not isinstance(node, fx.Node) or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _linear_params(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None]:
+    """(weight name, bias name or None) of a linear node."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return f"{node.target}.weight", (f"{node.target}.bias" if module.bias is not None else None)
+    if op_name(node) != "linear":
+        raise CompileError(f"tensor parallelism: {where(node)} is a linear written as "
+                           f"{op_name(node)}, which the pass cannot split (use nn.Linear or "
+                           "F.linear, or mark it replicate)")
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return linear_weight(node), param_source(bias) if bias is not None else None
+
+
+def _linear_input(node: fx.Node) -> fx.Node:
+    return node.args[0] if node.args else node.kwargs["input"]
+
+
+def _embedding_weight(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"{node.target}.weight"
+    aten = isinstance(node.target, torch._ops.OpOverload)
+    return param_source(node.args[0] if aten else node.args[1])
+
+
+def _segments(node: fx.Node, rows: int, heads: frozenset[int], tp: int) -> tuple[int, ...]:
+    """The pieces of a column-parallel linear's output features, from how its output is cut.
+
+    A split of the last dim (a fused q/k/v projection) gives its sizes, a
+    chunk equal pieces, a reshape [.., F] -> [.., X1, .., Xm] as many pieces
+    as the dims outside the heads dim hold; anything else one piece.
+    """
+    shape = get_info(node).shapes[0]
+    for user in _decomposers(node):
+        name = op_name(user)
+        if name in ("split", "split_with_sizes", "chunk"):
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            if dim % len(shape) != len(shape) - 1:
+                continue
+            sizes = user.args[1] if len(user.args) > 1 else \
+                user.kwargs.get("split_size_or_sections", user.kwargs.get("chunks"))
+            if name == "chunk":
+                return (rows // sizes,) * sizes
+            return (sizes,) * (rows // sizes) if isinstance(sizes, int) else tuple(sizes)
+        if name in ("view", "reshape"):
+            out = get_info(user).shapes[0]
+            lead = len(shape) - 1
+            if out[:lead] != shape[:lead] or len(out) <= len(shape):
+                continue
+            inner = out[lead:]
+            picks = [j for j, x in enumerate(inner) if x in heads and x % tp == 0] or \
+                [j for j, x in enumerate(inner) if x % tp == 0]
+            if picks:
+                outer = math.prod(inner[:picks[0]])
+                return (rows // outer,) * outer
+    return (rows,)
+
+
+def _decomposers(node: fx.Node) -> list[fx.Node]:
+    """Users of a linear's output, through dtype casts and copies, in graph order."""
+    out, todo = [], list(node.users)
+    while todo:
+        user = todo.pop(0)
+        if op_name(user) in ("to", "float", "half", "bfloat16", "contiguous", "clone", "type_as"):
+            todo.extend(user.users)
+        else:
+            out.append(user)
+    return out
+
+
+def _aliases(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Parameter name -> every name of the same parameter (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def _set_param(gm: fx.GraphModule, names: list[str], shape: tuple[int, ...]) -> None:
+    """Replace a parameter (under all its names) by an empty meta one of `shape`."""
+    old = gm.get_parameter(names[0])
+    new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"),
+                       requires_grad=old.requires_grad)
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        (gm.get_submodule(owner) if owner else gm)._parameters[leaf] = new
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> None:
+    """Split tensors stay split until a row-parallel linear or the loss consumes them."""
+    region, todo = set(), list(rewrite.starts)
+    while todo:
+        node = todo.pop()
+        if node in region:
+            continue
+        region.add(node)
+        for user in node.users:
+            if user.op == "output":
+                raise CompileError(f"tensor parallelism: the split output of {where(node)} "
+                                   "reaches the graph's output without being reduced")
+            if user not in rewrite.stops and not is_shape_only(user):
+                todo.append(user)
+    for node in region:
+        if prop.is_split(node):
+            _check_reduction(node, prop)
+        elif not all(is_shape_only(u) for u in node.users):
+            raise CompileError(
+                f"tensor parallelism: {where(node)} turns a tensor split over tp into one "
+                f"that is not ({prop.before[node]} -> {prop.local[node]}): it reduces over or "
+                "indexes the split dimension; mark the linears around it replicate")
+    for node in gm.graph.nodes:
+        if node not in region and node.op != "get_attr" and prop.is_split(node):
+            raise CompileError(f"tensor parallelism: {where(node)} changed shape "
+                               f"{prop.before[node]} -> {prop.local[node]} outside a split region")
+
+
+def _check_reduction(node: fx.Node, prop: Propagation) -> None:
+    """A norm or softmax in a split region must not reduce over the split dim."""
+    meta = get_info(node)
+    if meta is None or meta.kind not in ("norm", "softmax") or not node.all_input_nodes:
+        return
+    x = node.all_input_nodes[0]
+    before, local = prop.before[x][0], prop.local[x][0]
+    split = next((d for d in range(len(before)) if before[d] != local[d]), None)
+    if split is None:
+        return
+    if meta.kind == "softmax":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        reduced = {dim % len(before)}
+    else:
+        if node.op == "call_module":
+            shape = getattr(node.graph.owning_module.get_submodule(str(node.target)),
+                            "normalized_shape", (before[-1],))
+        else:
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        # A shape read off the weight at run time (weight.shape) normalises the last dim.
+        ndim = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+        reduced = set(range(len(before) - ndim, len(before)))
+    if split in reduced:
+        raise CompileError(f"tensor parallelism: {where(node)} normalises over the dimension "
+                           "split over tp; mark the linears that feed it replicate")

@@ -1,0 +1,355 @@
+"""Find what tensor parallelism can split in a captured graph, from the graph alone.
+
+No per-model tables: the structure is read off the dataflow.
+
+- **Attention.** For every attention (fused SDPA or written-out
+  matmul-softmax-matmul, `nodes.attention_parts`), the linears that q, k
+  and v come from — through head reshapes, transposes, splits of a fused
+  projection and RoPE's elementwise arithmetic — are column-parallel, split
+  by heads; the linear its output reaches through a heads merge is
+  row-parallel.
+- **MLP.** A linear whose input is computed only elementwise (activations,
+  products, dropout, casts) from other linears' outputs is row-parallel and
+  those linears are column-parallel (both gate and up of a SwiGLU).
+- **Vocabulary.** An embedding looked up by the tokens, with as many rows as
+  the logits have columns, is vocabulary-parallel; so is the linear whose
+  output reaches the cross-entropy (the LM head), and the cross-entropy
+  becomes vocabulary-parallel. A tied head and embedding share one shard.
+- Everything else — norms, position embeddings — is replicated.
+
+`parallel.shard` rules (fnmatch globs over module paths, the last matching
+rule wins) override or complete this. A linear that is neither inferred
+nor annotated is an error naming the module and the node, with the rule
+that would fix it.
+
+Terms: a *data* node is a tensor computed from the tokens (an activation),
+as opposed to parameters, buffers and what is built from them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from torch import fx
+
+from ptc.compiler.meta import get_info, graph_info
+from ptc.compiler.nodes import (DROPOUT_OPS, TRANSPARENT_OPS, attention_parts, is_embedding,
+                                is_linear, node_shape, op_name)
+from ptc.errors import CompileError
+from ptc.plan import Plan
+
+COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
+CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
+
+# Ops that carry heads between a q/k/v projection and the attention: reshapes,
+# transposes, fused-projection splits, RoPE's rotate-half and products with tables.
+_HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
+    "getitem", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "narrow",
+    "neg", "mul", "add", "sub", "repeat_interleave", "repeat", "unflatten", "movedim",
+    "swapaxes", "view_as", "reshape_as", "slice", "select", "contiguous"}
+# Ops between an MLP's projections: elementwise only.
+_ELEMENTWISE_KINDS = frozenset({"activation", "pointwise", "dropout"})
+# Ops from an attention's output to its output projection: the heads merge.
+_MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"contiguous", "getitem"}
+
+
+@dataclass
+class Sharding:
+    """How each linear and embedding is split, and the nodes the rewrite needs."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    """Module path -> "colwise", "rowwise", "vocab" or "replicate"."""
+    why: dict[str, str] = field(default_factory=dict)
+    """Module path -> what decided its style ("attention heads", "rule 'layers.*.mlp.up'")."""
+    heads: frozenset[int] = frozenset()
+    """Heads counts of the attentions (query and key/value): reshapes split these dims."""
+    losses: list[fx.Node] = field(default_factory=list)
+    """Cross-entropy nodes whose logits come from a vocabulary-parallel head."""
+
+    def nodes_of(self, gm: fx.GraphModule, style: str) -> list[fx.Node]:
+        """Linear / embedding nodes whose module has `style`, in graph order."""
+        return [n for n in gm.graph.nodes if self.styles.get(_module(n)) == style]
+
+
+def _module(node: fx.Node) -> str | None:
+    return is_linear(node) or is_embedding(node)
+
+
+def find_sharding(gm: fx.GraphModule, plan: Plan) -> Sharding:
+    """Infer the split of every linear and embedding of `gm`, then apply the plan's rules."""
+    finder = _Finder(gm, plan.parallel.tp)
+    found = finder.infer()
+    _apply_rules(gm, found, plan, finder.failures)
+    return found
+
+
+class _Finder:
+    def __init__(self, gm: fx.GraphModule, tp: int):
+        self.gm, self.tp = gm, tp
+        self.linears = {n: p for n in gm.graph.nodes if (p := is_linear(n))}
+        self.embeddings = {n: p for n in gm.graph.nodes if (p := is_embedding(n))}
+        self.data = _data_nodes(gm)
+        self.failures: dict[str, str] = {}  # linear path -> why it could not be split
+
+    def infer(self) -> Sharding:
+        found = Sharding()
+        self._vocab(found)
+        self._attention(found)
+        self._mlp(found)
+        for node, path in self.embeddings.items():
+            found.styles.setdefault(path, REPLICATE)
+            found.why.setdefault(path, "not indexed by the tokens")
+        return found
+
+    # ------------------------------------------------------------ vocabulary
+
+    def _vocab(self, found: Sharding) -> None:
+        vocab = graph_info(self.gm).vocab
+        tokens = next((n for n in self.gm.graph.nodes if n.op == "placeholder"), None)
+        for node, path in self.embeddings.items():
+            if _back_to(_embedding_index(node), tokens) and _table_rows(self.gm, node) == vocab:
+                found.styles[path], found.why[path] = VOCAB, "embedding of the tokens"
+        for node in self.gm.graph.nodes:
+            if op_name(node) not in CROSS_ENTROPY_OPS:
+                continue
+            head = self._trace_back(node.args[0], _MERGE_OPS | {"float", "to"}, stop=self.linears)
+            if len(head) == 1:
+                path = self.linears[head[0]]
+                found.styles[path], found.why[path] = VOCAB, "LM head (its logits reach the loss)"
+                found.losses.append(node)
+
+    # ------------------------------------------------------------- attention
+
+    def _attention(self, found: Sharding) -> None:
+        heads = set()
+        for node in self.gm.graph.nodes:
+            parts = attention_parts(node)
+            if parts is None:
+                continue
+            sources = []
+            for role, operand in (("q", parts.q), ("k", parts.k), ("v", parts.v)):
+                reached = self._trace_back(operand, _HEAD_OPS, stop=self.linears)
+                shape = node_shape(operand)
+                if shape is not None and len(shape) >= 3:
+                    heads.add(shape[-3])
+                if len(reached) != 1:
+                    self._fail_all(reached, f"the attention's {role} does not come from one linear")
+                    sources = None
+                    break
+                sources.append(reached[0])
+            out = self._trace_forward(node, _MERGE_OPS)
+            if sources is None or out is None:
+                continue
+            uneven = self._uneven_heads(parts)
+            if uneven:
+                self._fail_all([*sources, out], uneven)
+                continue
+            for src in sources:
+                path = self.linears[src]
+                found.styles[path], found.why[path] = COLWISE, "attention q/k/v (split by heads)"
+            path = self.linears[out]
+            found.styles[path], found.why[path] = ROWWISE, "attention output projection"
+        found.heads = frozenset(heads)
+
+    def _uneven_heads(self, parts) -> str | None:
+        """Why the attention's heads cannot be split evenly over tp, or None."""
+        for role, operand in (("query", parts.q), ("key/value", parts.k)):
+            shape = node_shape(operand)
+            if shape is not None and len(shape) >= 3 and shape[-3] % self.tp:
+                return (f"its attention has {shape[-3]} {role} heads, not divisible by "
+                        f"tp = {self.tp} (replicating key/value heads over tp ranks is not "
+                        "supported; choose a tp that divides the head counts)")
+        return None
+
+    # ------------------------------------------------------------------- mlp
+
+    def _mlp(self, found: Sharding) -> None:
+        for node, path in self.linears.items():
+            if path in found.styles:
+                continue
+            x = node.args[0] if node.args else None
+            sources, blocker = self._elementwise_sources(x)
+            if blocker is not None or not sources:
+                continue
+            if any(found.styles.get(self.linears[s], COLWISE) != COLWISE for s in sources):
+                continue
+            for src in sources:
+                p = self.linears[src]
+                found.styles[p], found.why[p] = COLWISE, f"MLP input projection of {path}"
+            found.styles[path], found.why[path] = ROWWISE, "MLP output projection"
+        for node, path in self.linears.items():
+            if path not in found.styles:
+                self.failures.setdefault(path, self._why_not(node))
+
+    def _elementwise_sources(self, x) -> tuple[list[fx.Node], fx.Node | None]:
+        """Linears that `x` is computed from elementwise, and the first non-elementwise op."""
+        sources, seen, todo = [], set(), [x]
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen or n not in self.data:
+                continue
+            seen.add(n)
+            if n in self.linears:
+                sources.append(n)
+                continue
+            meta = get_info(n)
+            kind = meta.kind if meta is not None else ""
+            if kind not in _ELEMENTWISE_KINDS and op_name(n) not in TRANSPARENT_OPS:
+                return sources, n
+            todo.extend(n.all_input_nodes)
+        return sorted(sources, key=_order(self.gm)), None
+
+    def _why_not(self, node: fx.Node) -> str:
+        for user in _data_users(node, self.data):
+            if user in self.linears:
+                continue
+            meta = get_info(user)
+            if meta is not None and meta.kind not in _ELEMENTWISE_KINDS \
+                    and op_name(user) not in TRANSPARENT_OPS:
+                return f"its output reaches {op_name(user)} ({_where(user)}), which is not elementwise"
+        return "it is neither an attention's projection nor part of an MLP (linear -> elementwise -> linear)"
+
+    def _fail_all(self, nodes: Iterable[fx.Node], why: str) -> None:
+        for n in nodes:
+            self.failures.setdefault(self.linears[n], why)
+
+    # --------------------------------------------------------------- tracing
+
+    def _trace_back(self, start, through: frozenset[str], stop: dict) -> list[fx.Node]:
+        """Nodes of `stop` reached backwards from `start` through data nodes of `through` ops."""
+        reached, seen, todo = [], set(), [start]
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen or n not in self.data:
+                continue
+            seen.add(n)
+            if n in stop:
+                reached.append(n)
+            elif n.op in ("call_function", "call_method") and op_name(n) in through:
+                todo.extend(n.all_input_nodes)
+            else:
+                return []
+        return sorted(reached, key=_order(self.gm))
+
+    def _trace_forward(self, start: fx.Node, through: frozenset[str]) -> fx.Node | None:
+        """The one linear `start` reaches forwards through single-user ops of `through`."""
+        n = start
+        for _ in range(16):
+            users = [u for u in n.users if u in self.data]
+            if len(users) != 1:
+                return None
+            n = users[0]
+            if n in self.linears:
+                return n
+            if op_name(n) not in through:
+                return None
+        return None
+
+
+def _data_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Tensor nodes computed from the graph's placeholders (activations, not weights)."""
+    data: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        meta = get_info(n)
+        is_tensor = meta is not None and bool(meta.shapes)
+        if n.op == "placeholder" or (is_tensor and any(a in data for a in n.all_input_nodes)):
+            data.add(n)
+    return data
+
+
+def _data_users(node: fx.Node, data: set[fx.Node]) -> list[fx.Node]:
+    """Data nodes downstream of `node` through transparent ops, first non-transparent ones."""
+    out, todo = [], list(node.users)
+    while todo:
+        n = todo.pop(0)
+        if n not in data:
+            continue
+        if op_name(n) in TRANSPARENT_OPS | {"getitem", "split", "chunk"}:
+            todo.extend(n.users)
+        else:
+            out.append(n)
+    return out
+
+
+def _embedding_index(node: fx.Node):
+    if node.op == "call_module":
+        return node.args[0]
+    target = node.target
+    # aten.embedding(weight, indices) vs F.embedding(input, weight)
+    return node.args[1] if "aten" in str(getattr(target, "__module__", "")) or \
+        "aten" in str(target) else node.args[0]
+
+
+def _table_rows(gm: fx.GraphModule, node: fx.Node) -> int | None:
+    """Rows of the table an embedding node reads."""
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target)).weight.shape[0]
+    weight = node.args[0] if node.args[0] is not _embedding_index(node) else node.args[1]
+    shape = node_shape(weight)
+    return shape[0] if shape else None
+
+
+def _back_to(node, target: fx.Node | None) -> bool:
+    for _ in range(8):
+        if node is target:
+            return True
+        if not isinstance(node, fx.Node) or op_name(node) not in TRANSPARENT_OPS or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _order(gm: fx.GraphModule):
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return index.__getitem__
+
+
+def _where(node: fx.Node) -> str:
+    meta = get_info(node)
+    path = meta.module_path if meta is not None else ""
+    return f"node {node.name}" + (f" in module {path!r}" if path else "")
+
+
+def _glob(path: str) -> str:
+    """The path with block indices as `*`: the rule that covers every layer."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+# ----------------------------------------------------------------- rules
+
+
+def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
+                 failures: dict[str, str]) -> None:
+    """Override inferred styles with the plan's shard rules; fail on what stays unknown."""
+    rules = plan.parallel.shards
+    paths = {p for n in gm.graph.nodes if (p := _module(n))}
+    others = {get_info(n).module_path for n in gm.graph.nodes
+              if get_info(n) is not None and get_info(n).kind == "norm"}
+    used = set()
+    for path in sorted(paths | others):
+        rule = next((r for r in reversed(rules) if fnmatchcase(path, r.pattern)), None)
+        if rule is None:
+            continue
+        used.add(rule.pattern)
+        if path in others and path not in paths:
+            if rule.style != REPLICATE:
+                raise CompileError(f"shard rule \"{rule.pattern}\" {rule.style}: {path!r} is a "
+                                   "norm; norms can only be replicated")
+            continue
+        found.styles[path], found.why[path] = rule.style, f"rule \"{rule.pattern}\" {rule.style}"
+        failures.pop(path, None)
+    unused = [r.pattern for r in rules if r.pattern not in used]
+    if unused:
+        raise CompileError(f"shard rules match no linear, embedding or norm: {unused}; "
+                           f"modules are named like {sorted(paths)[:4]}")
+    missing = {p: why for p, why in failures.items() if p not in found.styles}
+    if missing:
+        lines = []
+        for path, why in sorted(missing.items()):
+            node = next(n for n in gm.graph.nodes if is_linear(n) == path)
+            lines.append(f"  linear {path!r} (node {node.name}): {why}\n"
+                         f"    to keep it whole add to the parallel section: "
+                         f"shard \"{_glob(path)}\" replicate   (or colwise / rowwise)")
+        raise CompileError("tensor parallelism cannot infer how to split:\n" + "\n".join(lines))

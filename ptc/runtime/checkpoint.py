@@ -1,0 +1,367 @@
+"""Sharded, asynchronous checkpoints of a Trainer that any layout can load, on DCP.
+
+One checkpoint holds, saved together:
+
+- `model.{name}`: every parameter's fp32 master under its full name and
+  shape, as `FlatChunks`. Each dp rank writes the part of the parameter in
+  its 1/dp range of the unit — at ZeRO-0 too, so writing is spread evenly.
+- `optim.{kind}.{name}`: the optimizer's per-element state (Adam's
+  exp_avg / exp_avg_sq, SGD's momentum_buffer), chunked the same way, and
+  `optim.step`, Adam's update count.
+- `rng.{rank}.cpu` (and `.cuda`): each rank's generator states.
+- the manifest (`ptc.runtime.checkpoint_store`): step, data position (the
+  next sample index), layout, learning-rate schedule, file checksums.
+
+Loading asks DCP for the same keys over the ranges the *current* layout
+holds, whatever layout wrote them: dp and the ZeRO stage may change. RNG
+states come back when dp is the same (then resuming is bit-identical);
+otherwise each rank is reseeded from (seed, rank, step).
+
+Asynchronous saving: the rank's state is copied into host buffers allocated
+once (pinned on GPUs) — the only pause training sees — then
+`dcp.async_save` writes them from a background thread over a dedicated gloo
+group while training goes on. When DCP is done, the same thread checksums
+the files (split over ranks) and rank 0 checks DCP's index, writes the
+manifest, publishes the directory, moves `latest` and applies keep-k. One
+save is in flight at a time; the next save, a restore and `close` wait for
+it. Non-finite weights are never written.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ptc.runtime.checkpoint_store import (
+    CheckpointError,
+    CheckpointStore,
+    Manifest,
+    check_files,
+    digest,
+    step_name,
+)
+from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
+from ptc.runtime.health import nonfinite_ranks
+from ptc.runtime.params import publish
+
+Source = Callable[[int, str], tuple[int, torch.Tensor]]
+"""(unit index, kind) -> (first element in the unit's flat buffer, flat tensor from there)."""
+
+
+def optimizer_kinds(trainer) -> tuple[str, ...]:
+    """Names of the optimizer's per-element state tensors."""
+    spec = trainer.plan.train.optimizer
+    if spec.name == "adamw":
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if spec.momentum > 0 else ()
+
+
+def ensure_optimizer_state(trainer) -> None:
+    """Create the optimizer's state where no update has yet (zeros: what the first update uses).
+
+    torch's AdamW and SGD create their state lazily at the first update,
+    from zeros (Adam) or the gradient (SGD, equal to zeros·momentum + grad),
+    so a state created here gives the same numbers.
+    """
+    adam = trainer.plan.train.optimizer.name == "adamw"
+    for unit in trainer.units:
+        state = trainer.optimizer.inner.state[unit.master]
+        if not state and optimizer_kinds(trainer):
+            if adam:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for kind in optimizer_kinds(trainer):
+                state[kind] = torch.zeros_like(unit.master, memory_format=torch.preserve_format)
+
+
+def _flat(trainer, unit: int, kind: str) -> torch.Tensor:
+    master = trainer.units[unit].master
+    return master if kind == "model" else trainer.optimizer.inner.state[master][kind]
+
+
+def held(trainer) -> Source:
+    """What this rank holds: the full buffers at ZeRO-0, its shard from ZeRO-1 on."""
+    def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
+        flat = _flat(trainer, unit, kind)
+        start = 0 if trainer.zero == 0 else trainer.dp_rank * trainer.units[unit].spec.shard_numel
+        return start, flat
+    return source
+
+
+def owned(trainer) -> Source:
+    """What this rank writes: its 1/dp range of every unit (a view of what it holds)."""
+    hold = held(trainer)
+
+    def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
+        start, flat = hold(unit, kind)
+        size = trainer.units[unit].spec.shard_numel
+        mine = trainer.dp_rank * size
+        return mine, flat[mine - start:mine - start + size]
+    return source
+
+
+def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
+    """Every parameter and optimizer tensor by full name, as the chunks `source` covers."""
+    out = {}
+    for index, unit in enumerate(trainer.units):
+        for kind in ("model", *optimizer_kinds(trainer)):
+            start, flat = source(index, kind)
+            prefix = "model." if kind == "model" else f"optim.{kind}."
+            for slot in unit.slots:
+                lo = max(slot.offset, start)
+                hi = min(slot.offset + slot.numel, start + flat.numel())
+                if lo < hi:
+                    out[prefix + slot.name] = FlatChunks.from_flat(
+                        slot.shape, flat[lo - start:hi - start], lo - slot.offset)
+    return out
+
+
+def _adam_step(trainer) -> torch.Tensor | None:
+    if trainer.plan.train.optimizer.name != "adamw":
+        return None
+    return trainer.optimizer.inner.state[trainer.units[0].master]["step"]
+
+
+def _rng_state(rank: int) -> dict[str, torch.Tensor]:
+    state = {f"rng.{rank}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+class Snapshot:
+    """Host copies of what a rank writes, allocated once and refilled at every async save.
+
+    Reusing the buffers keeps host memory flat however many saves a run
+    makes; pinned memory (on GPUs) makes the device-to-host copy fast.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        pin = trainer.device.type == "cuda"
+        own = owned(trainer)
+        self.pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        buffers: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+        for index in range(len(trainer.units)):
+            for kind in ("model", *optimizer_kinds(trainer)):
+                start, live = own(index, kind)
+                buffer = torch.empty(live.numel(), dtype=live.dtype, pin_memory=pin)
+                buffers[(index, kind)] = (start, buffer)
+                # Optimizer tensors are looked up at copy time: a restore may replace them.
+                self.pairs.append((buffer, lambda i=index, k=kind: own(i, k)[1]))
+        self.chunks = chunked_state(trainer, lambda i, k: buffers[(i, k)])
+        self.step = torch.zeros((), dtype=torch.float32)
+
+    def take(self) -> dict[str, Any]:
+        """Copy the trainer's state into the buffers; the state dict to save from them."""
+        for buffer, live in self.pairs:
+            buffer.copy_(live(), non_blocking=True)
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)  # the writer thread reads the buffers
+        state: dict[str, Any] = dict(self.chunks)
+        step = _adam_step(self.trainer)
+        if step is not None:
+            state["optim.step"] = self.step.copy_(step)
+        state.update(_rng_state(self.trainer.rank))
+        return state
+
+
+class _Prestaged:
+    """DCP stager for a state dict that already is a private host copy (`Snapshot`)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Checkpointer:
+    """Saves and restores one Trainer's checkpoints in a CheckpointStore (collective calls)."""
+
+    def __init__(self, trainer, store: CheckpointStore, *, group: dist.ProcessGroup,
+                 keep: int, async_save: bool, log: Callable[[str], None] = print):
+        """`group`: a gloo group of all ranks used only by checkpointing (and its thread)."""
+        self.trainer, self.store, self.group = trainer, store, group
+        self.keep, self.async_save, self.log = keep, async_save, log
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._snapshot: Snapshot | None = None
+        self._pending: Future | None = None
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, position: int, info: Mapping[str, Any]) -> bool:
+        """Checkpoint the state after `step` steps; False when the weights are not finite.
+
+        Asynchronous when configured: returns once the state is copied to
+        host memory. Waits for the previous save first.
+        """
+        self.wait()
+        bad = nonfinite_ranks([u.master for u in self.trainer.units])
+        if bad:
+            self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
+            return False
+        ensure_optimizer_state(self.trainer)
+        writer = FileSystemWriter(self.store.partial_path(step))
+        manifest = dict(step=step, position=position, info={**info, "world": self.world})
+        if not self.async_save:
+            state = {**chunked_state(self.trainer, owned(self.trainer)),
+                     **_rng_state(self.trainer.rank)}
+            if _adam_step(self.trainer) is not None:
+                state["optim.step"] = _adam_step(self.trainer)
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
+            self._finalize(manifest)
+            return True
+        if self._snapshot is None:
+            self._snapshot = Snapshot(self.trainer)
+        upload = dcp.async_save(self._snapshot.take(), storage_writer=writer,
+                                planner=SavePlanner(), process_group=self.group,
+                                async_stager=_Prestaged())
+        done: Future = Future()
+
+        def finish(future: Future) -> None:  # runs on DCP's writer thread
+            try:
+                future.result()
+                self._finalize(manifest)
+                done.set_result(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                done.set_exception(exc)
+
+        upload.add_done_callback(finish)
+        self._pending = done
+        return True
+
+    def _finalize(self, manifest: dict) -> None:
+        """Checksum (split over ranks), then rank 0 checks, publishes and prunes."""
+        path = self.store.partial_path(manifest["step"])
+        names = sorted(p.name for p in path.iterdir()) if self.rank == 0 else None
+        shared = [names]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        mine = {name: digest(path / name) for name in shared[0][self.rank::self.world]}
+        parts = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.group)
+        if self.rank != 0:
+            return
+        files = {name: value for part in parts for name, value in part.items()}
+        _check_index(path, files)
+        final = self.store.publish(Manifest(files=files, **manifest))
+        pruned = self.store.prune(self.keep)
+        self.log(f"checkpoint {final.name} saved" +
+                 (f" (removed {', '.join(step_name(s) for s in pruned)})" if pruned else ""))
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight."""
+        self.wait()
+
+    # --------------------------------------------------------------- restoring
+
+    def restore(self) -> Manifest | None:
+        """Load the newest intact visible checkpoint into the trainer; None when there is none.
+
+        Every rank verifies a share of the files; a damaged checkpoint is
+        set aside (`.damaged`), reported, and the previous one is tried.
+        """
+        self.wait()
+        candidates = [self.store.visible() if self.rank == 0 else None]
+        dist.broadcast_object_list(candidates, src=0, group=self.group)
+        for step in candidates[0]:
+            manifest, problems = self._verify(step)
+            if not problems:
+                self._load(step, manifest)
+                return manifest
+            if self.rank == 0:
+                self.store.mark_damaged(step)
+                self.log(f"checkpoint {step_name(step)} is damaged ({'; '.join(problems[:3])}); "
+                         f"set aside as {step_name(step)}.damaged, trying the previous one")
+        return None
+
+    def _verify(self, step: int) -> tuple[Manifest | None, list[str]]:
+        found: list[Any] = [None, []]
+        if self.rank == 0:
+            try:
+                found[0] = self.store.manifest(step)
+                if found[0].step != step:
+                    found[1] = [f"manifest says step {found[0].step}"]
+            except CheckpointError as exc:
+                found[1] = [str(exc)]
+        dist.broadcast_object_list(found, src=0, group=self.group)
+        manifest, problems = found
+        if manifest is None or problems:
+            return manifest, problems
+        names = sorted(manifest.files)[self.rank::self.world]
+        mine = check_files(self.store.path(step), manifest.files, names)
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return manifest, [p for part in everyone for p in part]
+
+    def _load(self, step: int, manifest: Manifest) -> None:
+        trainer = self.trainer
+        path = self.store.path(step)
+        ensure_optimizer_state(trainer)
+        state: dict[str, Any] = dict(chunked_state(trainer, held(trainer)))
+        adam_step = _adam_step(trainer)
+        if adam_step is not None:
+            state["optim.step"] = torch.zeros((), dtype=torch.float32)
+        same_dp = manifest.info.get("layout", {}).get("dp") == trainer.dp and \
+            manifest.info.get("world") == self.world
+        rng = _rng_state(trainer.rank) if same_dp else {}
+        state.update(rng)
+        _check_compatible(FileSystemReader(path).read_metadata(), state, path)
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
+                 process_group=self.group)
+        if adam_step is not None:
+            for unit in trainer.units:
+                trainer.optimizer.inner.state[unit.master]["step"].copy_(state["optim.step"])
+        if same_dp:
+            torch.set_rng_state(state[f"rng.{trainer.rank}.cpu"])
+            if f"rng.{trainer.rank}.cuda" in state:
+                torch.cuda.set_rng_state(state[f"rng.{trainer.rank}.cuda"])
+        else:  # a new layout: fresh, distinct streams per rank and resume step
+            torch.manual_seed(trainer.plan.runtime.seed + trainer.rank + self.world * step)
+        publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
+                world=trainer.dp)
+
+
+def _check_index(path: Path, files: Mapping[str, tuple[int, int]]) -> None:
+    """Verify what DCP wrote: its index reads back and names only files of full length."""
+    metadata = FileSystemReader(path).read_metadata()
+    for index, info in (metadata.storage_data or {}).items():
+        name = str(info.relative_path)
+        if name not in files or files[name][0] < info.offset + info.length:
+            raise CheckpointError(f"{path.name}: {index.fqn} points past the end of {name}")
+
+
+def _check_compatible(metadata, state: Mapping[str, Any], path: Path) -> None:
+    """Fail clearly when the checkpoint does not hold this model (a plan error, not damage)."""
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in state if k not in saved)
+    if missing:
+        raise CheckpointError(f"{path.name} lacks {len(missing)} tensors the plan needs, "
+                              f"e.g. {missing[:3]} (another model or optimizer?)")
+    for key, value in state.items():
+        if isinstance(value, FlatChunks) and tuple(saved[key].size) != tuple(value.shape):
+            raise CheckpointError(f"{path.name}: {key} has shape {tuple(saved[key].size)}, "
+                                  f"the plan's model needs {tuple(value.shape)}")
+
+
+def checkpoint_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group of all ranks for checkpointing only (collective: every rank calls it)."""
+    return dist.new_group(backend="gloo", timeout=timeout)

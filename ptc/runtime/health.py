@@ -1,0 +1,92 @@
+"""Run health: the non-finite guard, and reports that name a hung or straggling rank.
+
+Non-finite guard. After backward each rank checks its loss and gradient
+buffers; one all-reduce over every rank of the job of a one-slot-per-rank
+vector tells all of them which ranks saw a NaN or an Inf, so every rank takes
+the same decision (stop, skip, roll back) before any optimizer step. A rank
+deciding alone would skip a collective the others enter, and the job would
+hang. Weights are checked the same way before a checkpoint is written.
+
+Hangs and stragglers. Every process group has a finite timeout
+(`ptc.runtime.mesh.timeout`). Under NCCL the flight recorder keeps each
+rank's last collectives and dumps them when a timeout fires
+(`configure_flight_recorder`); `python -m torch.distributed.flight_recorder.fr_trace
+DIR` reads the dumps and names the rank that never joined. Under gloo the
+waiting ranks get a timeout error; `diagnose_timeout` then runs torch's
+`monitored_barrier` on a spare gloo group: rank 0 learns which ranks do not
+answer (hung) — or that all do (a straggler that arrived late).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TRACE_BUFFER_ENTRIES = 2000
+"""Collectives the NCCL flight recorder remembers per rank (its ring buffer)."""
+
+
+def nonfinite_ranks(tensors: Iterable[torch.Tensor],
+                    group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """The ranks (of `group`, default all) where any of their `tensors` holds a NaN or Inf.
+
+    Collective over `group`; every rank gets the same answer. A tensor is
+    checked through its sum, which is non-finite when an element is (or
+    when finite elements overflow fp32: as unusable). It avoids a
+    full-size boolean temporary per gradient buffer.
+    """
+    tensors = list(tensors)
+    device = tensors[0].device
+    sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
+    bad = (~torch.isfinite(sums).all()).to(torch.float32)
+    if not dist.is_initialized():
+        return (0,) if bad.item() else ()
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = bad
+    dist.all_reduce(flags, group=group)
+    return tuple(flags.nonzero().flatten().tolist())
+
+
+def configure_flight_recorder(trace_dir: str | os.PathLike) -> None:
+    """Ask NCCL to record collectives and dump them on a timeout into `trace_dir`.
+
+    Sets defaults only (the user's environment wins); must run before the
+    process group is created. Gloo ignores these variables.
+    """
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(TRACE_BUFFER_ENTRIES))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                          str(Path(trace_dir) / "nccl_trace_rank_"))
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether `exc` (or its cause) is a collective that gave up waiting."""
+    while exc is not None:
+        if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower():
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def diagnose_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> str:
+    """After a timeout: which ranks of `group` (a gloo group) do not answer, as a sentence.
+
+    Collective for the ranks that still run; rank 0 learns the names, the
+    others are told to read rank 0's report.
+    """
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as exc:
+        ranks = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+        if ranks and dist.get_rank() == 0:
+            names = ", ".join(r.strip() for r in ranks.group(1).split(","))
+            return f"rank(s) {names} did not answer a monitored barrier: hung or dead"
+        return "rank 0 names the ranks that did not answer (see its report)"
+    return "every rank answered a monitored barrier afterwards: a straggler, not a hang"

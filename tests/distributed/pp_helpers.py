@@ -1,0 +1,73 @@
+"""Helpers of the pipeline-parallel tests: plans of the tiny models with pp, and the worker.
+
+Workers run inside processes started by `ptc.runtime.run_local` (spawn), so
+they live here, importable, not in a test file. One launch trains every case
+of one process count in a row: process start-up is paid once per count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dist_helpers import STEPS, tiny_plan
+
+from ptc.plan import HardwareSpec, ParallelSpec, Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One pipeline layout of one tiny model."""
+
+    family: str
+    pp: int
+    schedule: str
+    microbatches: int
+    virtual: int = 1
+    dp: int = 1
+    zero: int = 0
+    layers: int = 4
+
+    @property
+    def world(self) -> int:
+        """Processes the case runs on."""
+        return self.pp * self.dp
+
+    def __str__(self) -> str:
+        v = f" v{self.virtual}" if self.virtual > 1 else ""
+        dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
+        return f"{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
+
+
+def pp_plan(case: Case, steps: int = STEPS) -> Plan:
+    """The tiny model of `case` with `layers` layers, one sample per micro-batch."""
+    base = tiny_plan(case.family, zero=case.zero, dp=case.dp, accum=case.microbatches,
+                     steps=steps)
+    return dataclasses.replace(
+        base, model=dataclasses.replace(base.model, layers=case.layers),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
+        parallel=ParallelSpec(pp=case.pp, dp=case.dp, zero=case.zero, schedule=case.schedule,
+                              virtual_stages=case.virtual))
+
+
+def run_pp_cases(cases: list[Case]) -> dict:
+    """Worker: train every case; rank 0 returns losses, weights and every rank's peak in flight."""
+    import torch.distributed as dist
+
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.pipeline_exec import PipelineTrainer
+
+    results = {}
+    for case in cases:
+        plan = pp_plan(case)
+        init_distributed(plan)
+        groups = axis_groups(build_mesh(plan))
+        trainer = PipelineTrainer(compile_plan(plan), groups)
+        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+        state = trainer.full_state_dict()
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, (dist.get_rank(groups["pp"]), trainer.peak_in_flight))
+        if dist.get_rank() == 0:
+            results[case] = {"losses": losses, "state": state, "peaks": peaks}
+    dist.destroy_process_group()
+    return results
