@@ -9,8 +9,15 @@ micro-batch, as ptc does), global-norm clipping, AdamW. Each way warms up,
 then times `--repeat` steps (a barrier on both sides of each); the table
 shows the median step time and ptc / torch (below 1: ptc is faster).
 
+Pipeline parallelism (`--pp`, on by default): four gloo processes train an
+untied GPT (`--pp-layers`) with 1F1B over 4 stages and 8 micro-batches, as
+ptc's PipelineTrainer and as torch.distributed.pipelining's Schedule1F1B on
+the same stage split (ptc's, read off the compiled Program), each step with
+the global-norm clip over all stages and AdamW.
+
     python bench/runtime_vs_torch.py [--family gpt] [--hidden 64] [--layers 2]
                                      [--seq 32] [--micro-batch 4] [--accum 2] [--repeat 5]
+                                     [--pp-layers 8] [--no-dp] [--no-pp]
 """
 
 from __future__ import annotations
@@ -127,6 +134,117 @@ def worker(args) -> dict[str, float]:
     return result
 
 
+PP_STAGES = 4
+PP_MICROBATCHES = 8
+
+
+def make_pp_plan(args):
+    """The pipeline benchmark plan: an untied GPT on 4 stages, 1F1B over 8 micro-batches.
+
+    Untied, because torch.distributed.pipelining has no tied weights across stages.
+    """
+    import dataclasses
+
+    from ptc.plan import ParallelSpec
+
+    base = make_plan(args, 0)
+    return dataclasses.replace(
+        base, model=dataclasses.replace(base.model, layers=args.pp_layers, tied_embeddings=False),
+        hardware=dataclasses.replace(base.hardware, gpus_per_node=PP_STAGES),
+        parallel=ParallelSpec(pp=PP_STAGES, schedule="1f1b"),
+        train=dataclasses.replace(base.train, global_batch=PP_MICROBATCHES * args.micro_batch))
+
+
+def ptc_pp_step_time(args, program) -> float:
+    """ptc's pipeline runtime on `program`."""
+    from ptc.runtime.mesh import axis_groups, build_mesh
+    from ptc.runtime.pipeline_exec import PipelineTrainer
+
+    trainer = PipelineTrainer(program, axis_groups(build_mesh(program.plan)))
+    return timed(trainer.train_step, args.repeat, args.warmup)
+
+
+def torch_pp_step_time(args, program) -> float:
+    """torch.distributed.pipelining's Schedule1F1B with ptc's stage split, same step."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from ptc.compiler.stages import stage_info
+    from ptc.models import build_model
+    from ptc.runtime.data import TokenSource
+
+    plan, rank = program.plan, dist.get_rank()
+    model = build_model(plan.model, device="cpu", seed=0)
+    atoms = stage_info(program.stages[rank].graph).atoms
+
+    class Part(nn.Module):
+        """The GPT modules of one ptc stage, run in GPT.forward's order."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            if ("embed" in atoms) != ("pos_embed" in atoms):
+                raise SystemExit(f"ptc's stage {rank} splits embed from pos_embed: {atoms}")
+            self.embeds = nn.ModuleList([model.embed, model.pos_embed]) if "embed" in atoms \
+                else None
+            self.layers = nn.ModuleList(model.layers[int(a.split(".")[1])] for a in atoms
+                                        if a.startswith("layers."))
+            self.ends = nn.ModuleList(getattr(model, a) for a in ("norm", "head") if a in atoms)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embeds is not None:
+                x = self.embeds[0](x) + self.embeds[1](torch.arange(x.size(1)))
+            for module in (*self.layers, *self.ends):
+                x = module(x)
+            return x
+
+    part = Part()
+    stage = PipelineStage(part, rank, PP_STAGES, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, PP_MICROBATCHES, loss_fn=lambda out, target: F.cross_entropy(
+        out.flatten(0, 1), target.flatten()))
+    opt = torch.optim.AdamW(part.parameters(), lr=plan.train.optimizer.lr)
+    source = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
+    batch = plan.train.global_batch
+
+    def step(k: int) -> None:
+        tokens, targets = source.batch(k * batch, batch)
+        if rank == 0:
+            schedule.step(tokens)
+        elif rank == PP_STAGES - 1:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()
+        # The global-norm clip over all stages, as ptc's.
+        squares = torch.stack([p.grad.pow(2).sum() for p in part.parameters()]).sum()
+        dist.all_reduce(squares)
+        factor = (plan.train.grad_clip / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in part.parameters():
+            p.grad.mul_(factor)
+        opt.step()
+        opt.zero_grad()
+
+    return timed(step, args.repeat, args.warmup)
+
+
+def pp_worker(args) -> dict[str, float]:
+    """Both pipelines on this rank, ptc's split compiled once for both; rank 0's numbers count."""
+    import torch
+    import torch.distributed as dist
+
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    plan = make_pp_plan(args)
+    init_distributed(plan)
+    program = compile_plan(plan)
+    result = {"ptc": ptc_pp_step_time(args, program), "torch": torch_pp_step_time(args, program)}
+    dist.destroy_process_group()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="gpt", choices=("gpt", "llama"))
@@ -138,10 +256,25 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pp-layers", type=int, default=8,
+                        help="layers of the pipeline benchmark's model (4 stages)")
+    parser.add_argument("--dp", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare data parallelism (2 processes)")
+    parser.add_argument("--pp", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare pipeline parallelism (4 processes)")
     args = parser.parse_args()
 
     from ptc.runtime.launcher import run_local
 
+    if args.pp:
+        times = run_local(pp_worker, PP_STAGES, args)[0]
+        print(f"gpt (untied) h={args.hidden} layers={args.pp_layers} seq={args.seq} "
+              f"micro_batch={args.micro_batch}, 1F1B over {PP_STAGES} stages (gloo processes), "
+              f"{PP_MICROBATCHES} micro-batches, same stage split, median of {args.repeat} steps")
+        print(f"  {'ptc pp':16s} {times['ptc'] * 1e3:8.2f} ms   {'torch pipelining':16s} "
+              f"{times['torch'] * 1e3:8.2f} ms   ptc / torch = {times['ptc'] / times['torch']:.2f}")
+    if not args.dp:
+        return
     times = run_local(worker, NPROC, args)[0]
     print(f"{args.family} h={args.hidden} layers={args.layers} seq={args.seq} "
           f"micro_batch={args.micro_batch} accum={args.accum}, {NPROC} gloo processes, "

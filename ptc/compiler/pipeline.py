@@ -27,6 +27,7 @@ from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, Program, Stage, Z
                                   param_layout)
 from ptc.compiler.schedule import schedule_for
 from ptc.compiler.stages import pipeline_stages, tied_names
+from ptc.compiler.tp_layout import TP_KEY
 from ptc.errors import CompileError, PtcError
 from ptc.plan import Plan
 
@@ -115,7 +116,8 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | No
     else:
         stages, whole = (Stage(index=0, graph=gm),), _layout(gm, plan)
     return Program(plan=plan, stages=stages, layout=whole, pass_log=tuple(log),
-                   predicted_step_time=predicted_step_time(plan), schedule=schedule_for(plan))
+                   predicted_step_time=predicted_step_time(plan), schedule=schedule_for(plan),
+                   tensor_parallel=gm.meta.get(TP_KEY))
 
 
 def _layout(gm: fx.GraphModule, plan: Plan) -> ParamLayout:
@@ -151,6 +153,9 @@ def predicted_step_time(plan: Plan) -> float | None:
     """
     from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model (slow once)
 
+    if plan.model.family == "custom":  # profiles are built from a family's shape fields
+        logging.getLogger("ptc.compiler").info("no predicted step time for a custom model")
+        return None
     try:
         return float(estimate(plan).step_time_s)
     except (PtcError, ValueError) as exc:

@@ -31,6 +31,7 @@ from ptc.errors import CompileError
 
 if TYPE_CHECKING:
     from ptc.compiler.schedule import Schedule
+    from ptc.compiler.tp_layout import TensorParallelLayout
     from ptc.plan import Plan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -221,13 +222,17 @@ class Program:
     stages: tuple[Stage, ...]
     """One lowered graph per pipeline stage."""
     layout: ParamLayout
-    """Where every parameter lives (units, shards, aliases)."""
+    """Where every parameter lives (units, shards, aliases). Split into pipeline stages, the
+    whole model's as captured (names and full shapes: initial values are looked up by it);
+    each Stage then has its own."""
     pass_log: tuple[str, ...] = ()
     """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
     predicted_step_time: float | None = None
     """The cost model's step time in seconds, when one is available."""
     schedule: Schedule | None = None
     """The pipeline schedule, checked deadlock-free (None when pp = 1)."""
+    tensor_parallel: TensorParallelLayout | None = None
+    """How tp splits each parameter (None when tp = 1); the layout's shapes are tp-local."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes one dp rank holds between steps, per category: params, grads, optimizer.

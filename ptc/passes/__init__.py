@@ -7,10 +7,13 @@ unchanged.
 """
 
 from ptc.passes.pipeline_split import split_pipeline_pass
+from ptc.passes.sequence_parallel import shard_sequence_pass
+from ptc.passes.tensor_parallel import shard_tensors_pass
 from ptc.passes.zero import shard_params_pass
 
-PASSES = (split_pipeline_pass, shard_params_pass)
+PASSES = (shard_tensors_pass, shard_sequence_pass, split_pipeline_pass, shard_params_pass)
 """The pipeline, in order: tensor_parallel, sequence_parallel, pipeline_split, zero,
 activation_checkpoint, comm_overlap — those not written yet are absent."""
 
-__all__ = ["PASSES", "shard_params_pass", "split_pipeline_pass"]
+__all__ = ["PASSES", "shard_params_pass", "shard_sequence_pass", "shard_tensors_pass",
+           "split_pipeline_pass"]

@@ -34,6 +34,7 @@ its gradients between those stages.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import operator
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ import torch
 from torch import fx, nn
 
 from ptc.compiler.balance import AtomCost, balance, price_atoms
-from ptc.compiler.meta import KEY, copy_meta, get_info, graph_info
+from ptc.compiler.meta import copy_meta, get_info, graph_info
 from ptc.compiler.nodes import module_path
 from ptc.compiler.program import used_params
 from ptc.compiler.stages import (PIPELINE_KEY, STAGE_KEY, Boundary, PipelineInfo, StageInfo,
@@ -82,7 +83,8 @@ def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
     atom_of = {node: i for i, nodes in enumerate(atoms) for node in nodes}
     costs = price_atoms(gm, atoms, names, plan)
     cut_seconds = _cut_seconds(gm, atoms, atom_of, plan)
-    layout = layout_of(plan)
+    # A custom model's plan has no layer count: the graph's is the one that matters.
+    layout = dataclasses.replace(layout_of(plan), layers=graph_info(gm).num_layers)
     units = [in_flight(layout, c % p, plan.num_microbatches)[0] / v for c in range(chunks)]
     budget = (plan.hardware.hbm_bytes - RUNTIME_RESERVE) / v
     split = balance(costs, cut_seconds, chunks, pins=pins, units=units, budget=budget)
@@ -264,7 +266,7 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
                        for stage, name in names_by_stage if stage == c),
             atoms=tuple(names[a] for a in atom_range), seconds=split.seconds[c],
             memory_bytes=split.memory[c])
-        stage_gm.meta[KEY] = graph_info(gm)
+        stage_gm.meta.update(gm.meta)  # what earlier passes left (capture info, tp layout)
         stage_gm.meta[STAGE_KEY] = info
         stages.append(stage_gm)
     return stages
@@ -405,7 +407,7 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
             copy_meta(call, values[b.name], kind="view", shapes=(b.shape,), dtypes=(b.dtype,))
     graph.lint()
     pipeline = fx.GraphModule({f"stage_{c}": s for c, s in enumerate(stages)}, graph, "Pipeline")
-    pipeline.meta[KEY] = graph_info(gm)
+    pipeline.meta.update(gm.meta)
     tied: dict[str, list[int]] = {}
     for stage in stages:
         for _, canonical in stage_info(stage).tied:

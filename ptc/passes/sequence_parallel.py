@@ -79,10 +79,10 @@ def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
     counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0, "copy_to_tp": 0}
     for node in list(gm.graph.nodes):
         if node.target is copy_to_tp and not _is_param(node.args[0]):
-            _swap(node, all_gather_seq, capture)
+            _swap(gm, node, all_gather_seq, capture)
             counts["all_gather_seq"] += 1
         elif node.target is reduce_from_tp:
-            _swap(node, reduce_scatter_seq, capture)
+            _swap(gm, node, reduce_scatter_seq, capture)
             counts["reduce_scatter_seq"] += 1
 
     def scatter(user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
@@ -111,15 +111,19 @@ def _is_param(node) -> bool:
         and meta.kind == "param"
 
 
-def _swap(node: fx.Node, op, capture) -> None:
-    """Make a tp collective node call the sequence op instead, along the sequence dim."""
-    shape = get_info(node.args[0]).shapes[0]
+def _swap(gm: fx.GraphModule, node: fx.Node, op, capture) -> None:
+    """Replace a tp collective node by the sequence op `op` along the sequence dim."""
+    x = node.args[0]
+    shape = get_info(x).shapes[0]
     if len(shape) < 2 or shape[:2] != (capture.micro_batch, capture.seq_len):
         raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "
                            f"not [b={capture.micro_batch}, s={capture.seq_len}, ...]; the "
                            "sequence dim cannot be found")
-    node.target = op
-    node.args = (node.args[0], SEQ_DIM)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, (x, SEQ_DIM))
+    copy_meta(node, new)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
 
 
 def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:

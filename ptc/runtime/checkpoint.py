@@ -50,10 +50,22 @@ from ptc.runtime.checkpoint_store import (
 )
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
 from ptc.runtime.health import nonfinite_ranks
-from ptc.runtime.params import publish
+from ptc.compiler.program import ParamSlot
+from ptc.runtime.params import UnitState, publish
 
 Source = Callable[[int, str], tuple[int, torch.Tensor]]
 """(unit index, kind) -> (first element in the unit's flat buffer, flat tensor from there)."""
+
+
+def rank_units(trainer) -> list[UnitState]:
+    """Every unit this rank holds: a Trainer's, or those of all of a PipelineTrainer's chunks."""
+    chunks = getattr(trainer, "chunks", None)
+    return trainer.units if chunks is None else [u for c in chunks.values() for u in c.units]
+
+
+def full_name(trainer, slot: ParamSlot) -> str:
+    """The model's name of a parameter (a pipeline stage may hold it under an alias)."""
+    return getattr(trainer, "canonical", {}).get(slot.name, slot.name)
 
 
 def optimizer_kinds(trainer) -> tuple[str, ...]:
@@ -72,7 +84,7 @@ def ensure_optimizer_state(trainer) -> None:
     so a state created here gives the same numbers.
     """
     adam = trainer.plan.train.optimizer.name == "adamw"
-    for unit in trainer.units:
+    for unit in rank_units(trainer):
         state = trainer.optimizer.inner.state[unit.master]
         if not state and optimizer_kinds(trainer):
             if adam:
@@ -82,15 +94,16 @@ def ensure_optimizer_state(trainer) -> None:
 
 
 def _flat(trainer, unit: int, kind: str) -> torch.Tensor:
-    master = trainer.units[unit].master
-    return master if kind == "model" else trainer.optimizer.inner.state[master][kind]
+    master = rank_units(trainer)[unit].master
+    # detach: DCP reads into these views in place, and a ZeRO-3 master is a Parameter.
+    return master.detach() if kind == "model" else trainer.optimizer.inner.state[master][kind]
 
 
 def held(trainer) -> Source:
     """What this rank holds: the full buffers at ZeRO-0, its shard from ZeRO-1 on."""
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         flat = _flat(trainer, unit, kind)
-        start = 0 if trainer.zero == 0 else trainer.dp_rank * trainer.units[unit].spec.shard_numel
+        start = 0 if trainer.zero == 0 else trainer.dp_rank * rank_units(trainer)[unit].spec.shard_numel
         return start, flat
     return source
 
@@ -101,7 +114,7 @@ def owned(trainer) -> Source:
 
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         start, flat = hold(unit, kind)
-        size = trainer.units[unit].spec.shard_numel
+        size = rank_units(trainer)[unit].spec.shard_numel
         mine = trainer.dp_rank * size
         return mine, flat[mine - start:mine - start + size]
     return source
@@ -110,7 +123,7 @@ def owned(trainer) -> Source:
 def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
     """Every parameter and optimizer tensor by full name, as the chunks `source` covers."""
     out = {}
-    for index, unit in enumerate(trainer.units):
+    for index, unit in enumerate(rank_units(trainer)):
         for kind in ("model", *optimizer_kinds(trainer)):
             start, flat = source(index, kind)
             prefix = "model." if kind == "model" else f"optim.{kind}."
@@ -118,7 +131,7 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
                 lo = max(slot.offset, start)
                 hi = min(slot.offset + slot.numel, start + flat.numel())
                 if lo < hi:
-                    out[prefix + slot.name] = FlatChunks.from_flat(
+                    out[prefix + full_name(trainer, slot)] = FlatChunks.from_flat(
                         slot.shape, flat[lo - start:hi - start], lo - slot.offset)
     return out
 
@@ -126,7 +139,7 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
 def _adam_step(trainer) -> torch.Tensor | None:
     if trainer.plan.train.optimizer.name != "adamw":
         return None
-    return trainer.optimizer.inner.state[trainer.units[0].master]["step"]
+    return trainer.optimizer.inner.state[rank_units(trainer)[0].master]["step"]
 
 
 def _rng_state(rank: int) -> dict[str, torch.Tensor]:
@@ -149,7 +162,7 @@ class Snapshot:
         own = owned(trainer)
         self.pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
         buffers: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
-        for index in range(len(trainer.units)):
+        for index in range(len(rank_units(trainer))):
             for kind in ("model", *optimizer_kinds(trainer)):
                 start, live = own(index, kind)
                 buffer = torch.empty(live.numel(), dtype=live.dtype, pin_memory=pin)
@@ -194,6 +207,9 @@ class Checkpointer:
     def __init__(self, trainer, store: CheckpointStore, *, group: dist.ProcessGroup,
                  keep: int, async_save: bool, log: Callable[[str], None] = print):
         """`group`: a gloo group of all ranks used only by checkpointing (and its thread)."""
+        if trainer.plan.parallel.tp > 1:
+            # Each tp rank holds a slice under the full name: saved as is, DCP would keep one.
+            raise CheckpointError("checkpoints of tp > 1 plans are not supported yet")
         self.trainer, self.store, self.group = trainer, store, group
         self.keep, self.async_save, self.log = keep, async_save, log
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -209,7 +225,7 @@ class Checkpointer:
         host memory. Waits for the previous save first.
         """
         self.wait()
-        bad = nonfinite_ranks([u.master for u in self.trainer.units])
+        bad = nonfinite_ranks([u.master for u in rank_units(self.trainer)])
         if bad:
             self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
             return False
@@ -320,23 +336,25 @@ class Checkpointer:
         adam_step = _adam_step(trainer)
         if adam_step is not None:
             state["optim.step"] = torch.zeros((), dtype=torch.float32)
+        metadata = FileSystemReader(path).read_metadata()
         same_dp = manifest.info.get("layout", {}).get("dp") == trainer.dp and \
             manifest.info.get("world") == self.world
-        rng = _rng_state(trainer.rank) if same_dp else {}
-        state.update(rng)
-        _check_compatible(FileSystemReader(path).read_metadata(), state, path)
+        if same_dp:  # a CUDA state is restored only if one was saved
+            state.update({k: v for k, v in _rng_state(trainer.rank).items()
+                          if k in metadata.state_dict_metadata})
+        _check_compatible(metadata, state, path)
         dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                  process_group=self.group)
         if adam_step is not None:
-            for unit in trainer.units:
+            for unit in rank_units(trainer):
                 trainer.optimizer.inner.state[unit.master]["step"].copy_(state["optim.step"])
-        if same_dp:
+        if f"rng.{trainer.rank}.cpu" in state:
             torch.set_rng_state(state[f"rng.{trainer.rank}.cpu"])
             if f"rng.{trainer.rank}.cuda" in state:
                 torch.cuda.set_rng_state(state[f"rng.{trainer.rank}.cuda"])
         else:  # a new layout: fresh, distinct streams per rank and resume step
             torch.manual_seed(trainer.plan.runtime.seed + trainer.rank + self.world * step)
-        publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
+        publish(rank_units(trainer), trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
                 world=trainer.dp)
 
 

@@ -9,7 +9,8 @@ reduction overlapped (ZeRO 0-2: `GradReducer`; ZeRO-3: the graph's
 `gather_params` under a `ParamSession`); then the global-norm clip, the
 optimizer update of the rank's masters, and publishing the new weights.
 
-This runtime runs pp = tp = 1 (any dp); later axes come with their passes.
+This trainer runs pp = 1 with any tp and dp: under tensor parallelism the graph's
+parameters are the rank's tp-local slices (see `ptc.runtime.tp_state`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.errors import PtcError
 from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
+from ptc.runtime.faults import corrupt_gradients
 from ptc.runtime.grads import GradReducer
+from ptc.runtime.health import nonfinite_ranks
 from ptc.runtime.init import initial_buffers, initial_params, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
+from ptc.runtime.seq_regather import SeqRegather, forward_context
+from ptc.runtime.tp_state import join_over_tp, local_initial_values, replicated_ranges
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -123,6 +128,8 @@ class StepStats:
     """Wall-clock seconds of the step on this rank."""
     tokens: int
     """Tokens in the global batch."""
+    nonfinite: tuple[int, ...] = ()
+    """Ranks that saw a NaN or Inf in the loss or a gradient; then no rank updated."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,67 +151,93 @@ class Trainer:
         the plan's initial weights (full tensors by canonical name).
         """
         plan = self.plan = program.plan
-        if plan.parallel.tp != 1 or plan.parallel.pp != 1:
-            raise PtcError(f"this runtime runs tp = pp = 1, the plan has tp = {plan.parallel.tp}, "
-                           f"pp = {plan.parallel.pp}")
+        if plan.parallel.pp != 1:
+            raise PtcError(f"this runtime runs pp = 1, the plan has pp = {plan.parallel.pp}")
         self.program, self.groups = program, dict(groups)
         self.device = torch.device(device)
         self.group = self.groups.get("dp")
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.tp_group = self.groups.get("tp")
+        self.tp_rank = group_rank(self.tp_group)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.zero = plan.parallel.zero
-        torch.manual_seed(plan.runtime.seed + self.rank)  # dropout differs per rank, repeatably
+        # Dropout differs per rank, repeatably — but not across a tp group, whose ranks must
+        # drop the same elements of the activations they all hold.
+        leader = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group else self.rank
+        torch.manual_seed(plan.runtime.seed + leader)
         self.gm = copy.deepcopy(program.stages[0].graph)
         model = model if model is not None else reference_model(plan)
+        tp = program.tensor_parallel
         if values is None:
-            values = initial_params(plan, program.layout, model)
+            values = initial_params(plan, program.layout, model) if tp is None else \
+                local_initial_values(plan, program.layout, tp, model, self.tp_rank)
+        elif tp is not None:
+            values = tp.local_values(values, self.tp_rank)
         self.units = build_units(self.gm, program.layout, values, zero=self.zero,
                                  dtype=COMPUTE_DTYPES[plan.train.dtype], rank=self.dp_rank,
                                  world=self.dp, device=self.device)
         bind_buffers(self.gm, initial_buffers(self.gm, plan, model), self.device)
-        self.optimizer = ShardedOptimizer(self.units, plan.train.optimizer, self.group,
-                                          sharded=self.zero >= 1)
+        self.optimizer = ShardedOptimizer(
+            self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
+            tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
+                self.units, tp, zero=self.zero, rank=self.dp_rank, world=self.dp))
         self.reducer = GradReducer(self.units, self.group, self.zero) if self.zero < 3 else None
         self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
         self.runner = GraphRunner(self.gm, self.rank)
 
-    def train_step(self, step: int) -> StepStats:
-        """Run optimizer step `step` (0-based) on this rank; collective over the dp group."""
+    def train_step(self, step: int, *, position: int | None = None) -> StepStats:
+        """Run optimizer step `step` (0-based) on this rank; collective over the dp group.
+
+        `position` is the index of the step's first sample (default: step ·
+        global_batch; larger once a rollback skipped data). When any rank
+        sees a non-finite loss or gradient — all ranks learn it through one
+        all-reduce — no rank updates, and the stats name those ranks.
+        """
         train = self.plan.train
+        skipped = 0 if position is None else position - step * train.global_batch
         start = time.perf_counter()
         micro = self.plan.num_microbatches
         scale = 1.0 / (micro * self.dp)
         loss_sum = torch.zeros((), device=self.device)
         with bind_axes(self.groups):
             for m in range(micro):
-                first = microbatch_start(step, m, dp_rank=self.dp_rank, dp=self.dp,
-                                         global_batch=train.global_batch,
-                                         micro_batch=train.micro_batch)
+                first = skipped + microbatch_start(step, m, dp_rank=self.dp_rank, dp=self.dp,
+                                                   global_batch=train.global_batch,
+                                                   micro_batch=train.micro_batch)
                 tokens, targets = self.data.batch(first, train.micro_batch)
                 tokens, targets = tokens.to(self.device), targets.to(self.device)
                 loss_sum += self._forward_backward(tokens, targets, scale, step, m, micro)
             if self.reducer is not None:
                 self.reducer.finish()
             all_reduce_flat(loss_sum.view(1), self.group).wait()
-            norm = self.optimizer.clip(train.grad_clip)
+            corrupt_gradients(self.rank, step + 1, [u.grad for u in self.units])  # test hook
+            bad = nonfinite_ranks([loss_sum, *(u.grad for u in self.units)])
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
-            self.optimizer.step(lr)
-            publish(self.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
+            if bad:
+                norm = float("nan")
+            else:
+                norm = self.optimizer.clip(train.grad_clip)
+                self.optimizer.step(lr)
+                publish(self.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
-                         tokens=train.global_batch * train.seq_len)
+                         tokens=train.global_batch * train.seq_len, nonfinite=bad)
 
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
                           step: int, micro: int, micros: int) -> torch.Tensor:
+        # Sequence parallelism keeps only local chunks of gathered activations for backward.
+        regather = SeqRegather() if self.plan.parallel.sequence_parallel and self.tp_group \
+            else None
         if self.zero == 3:
             session = ParamSession(prefetch=self.plan.parallel.overlap)
-            with session, session.saved_tensor_hooks():
+            with session, forward_context(regather, session.saved_tensor_hooks()):
                 loss = self.runner.run(tokens, targets)
         else:
             session = contextlib.nullcontext()
             self.reducer.begin(last_micro=micro == micros - 1)
-            loss = self.runner.run(tokens, targets)
+            with forward_context(regather):
+                loss = self.runner.run(tokens, targets)
         try:
             with session:
                 (loss * scale).backward()
@@ -216,7 +249,7 @@ class Trainer:
         return loss.detach().float()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 master weights by canonical name (collective over dp)."""
+        """The full fp32 master weights by canonical name (collective over dp and tp)."""
         out = {}
         with torch.no_grad():
             for unit in self.units:
@@ -227,6 +260,8 @@ class Trainer:
                 for slot in unit.slots:
                     out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(
                         slot.shape).clone().cpu()
+        if self.program.tensor_parallel is not None:
+            out = join_over_tp(out, self.program.tensor_parallel, self.tp_group)
         return out
 
     def held_bytes(self) -> dict[str, int]:

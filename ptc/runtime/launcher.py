@@ -48,7 +48,11 @@ def launch(plan_path: str, nproc: int | None = None,
 
     nproc defaults to tp * pp * dp divided by the plan's nodes. Inside a
     launched worker, trains in this process. When a rank fails, the others
-    are stopped and its error (rank, graph node, source line) goes to stderr.
+    are stopped and its error (rank, graph node, source line) goes to stderr;
+    with `--max-restarts=N` the agent restarts the group instead, up to N
+    times, and the workers resume from the latest checkpoint. With
+    `--nnodes=MIN:MAX` the workers adapt dp to the processes that joined
+    (`ptc.runtime.elastic`).
     """
     from ptc.dsl import load_plan  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
@@ -63,11 +67,23 @@ def launch(plan_path: str, nproc: int | None = None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.run import parse_args, run  # noqa: PLC0415
 
+    from ptc.runtime.elastic import ENV, is_elastic_range  # noqa: PLC0415
+
+    nnodes = next((a.split("=", 1)[1] for a in extra_launcher_args
+                   if a.startswith("--nnodes=")), None)
+    saved = os.environ.get(ENV)
+    if is_elastic_range(nnodes):
+        os.environ[ENV] = "1"  # the workers inherit it
     try:
         run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args)))
     except ChildFailedError as exc:
         print(_failure_text(exc), file=sys.stderr)
         return 1
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
     return 0
 
 

@@ -3,22 +3,54 @@
 A line every `runtime.log_every` steps: step, loss, learning rate, gradient
 norm, step time, tokens/s, and the cost model's predicted step time when
 there is one. On a terminal a rich progress bar runs below the lines. With
-`runtime.metrics` set, every step appends one JSON object to that file
-(the keys of the line, with `predicted_step_time` null when unknown).
+`runtime.metrics` set, every step appends one JSON object to that file:
+the keys of the line, `predicted_step_time` (null when unknown), `mfu`
+(model FLOPs — forward and backward of the whole global batch, no
+recompute — per second per GPU over the hardware's dense peak for the
+plan's dtype; null when the graphs carry no FLOP counts), rank 0's
+`peak_memory_bytes` (CUDA's peak allocation, or the process's peak RSS on
+CPUs), `nonfinite` (ranks that saw a NaN or Inf; the step then updated
+nothing, and non-finite values are written as null) and `restart` (the
+elastic launcher's restart count). A resumed run appends to the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import resource
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ptc.compiler.meta import get_info
+from ptc.compiler.program import Program
 from ptc.plan import Plan
 from ptc.runtime.executor import StepStats
+
+
+def model_flops_per_step(program: Program) -> float | None:
+    """Model FLOPs of one step: 3x the forward of every stage graph, over the global batch."""
+    forward = sum(info.flops or 0 for stage in program.stages for node in stage.graph.graph.nodes
+                  if (info := get_info(node)) is not None)
+    train = program.plan.train
+    return 3.0 * forward * train.global_batch / train.micro_batch if forward else None
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory: CUDA's peak allocation when it computes on a GPU, else RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN
 
 
 def format_step(stats: StepStats, steps: int, predicted: float | None) -> str:
@@ -35,9 +67,14 @@ class StepReporter(AbstractContextManager):
     """Prints and records steps on rank 0; does nothing on other ranks."""
 
     def __init__(self, plan: Plan, *, steps: int, enabled: bool,
-                 predicted_step_time: float | None = None, console: Console | None = None):
+                 predicted_step_time: float | None = None, console: Console | None = None,
+                 flops_per_step: float | None = None, append: bool = False):
+        """`flops_per_step`: model FLOPs of a step (for MFU); `append`: continue the JSONL file."""
         self.plan, self.steps, self.enabled = plan, steps, enabled
         self.predicted = predicted_step_time
+        self.flops, self.append = flops_per_step, append
+        p = plan.parallel
+        self._peak = p.tp * p.pp * p.dp * plan.hardware.peak_flops[plan.train.dtype]
         self.console = console or Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task = None
@@ -49,7 +86,7 @@ class StepReporter(AbstractContextManager):
         if self.plan.runtime.metrics:
             path = Path(self.plan.runtime.metrics)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("w")
+            self._file = path.open("a" if self.append else "w")
         if self.console.is_terminal:
             self._progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), console=self.console)
@@ -67,9 +104,14 @@ class StepReporter(AbstractContextManager):
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step)
         if self._file is not None:
-            record = {"step": stats.step, "loss": stats.loss, "lr": stats.lr,
-                      "grad_norm": stats.grad_norm, "step_time": stats.step_time,
-                      "tokens_per_s": stats.tokens_per_s, "predicted_step_time": self.predicted}
+            mfu = self.flops / stats.step_time / self._peak if self.flops and stats.step_time \
+                else None
+            record = {"step": stats.step, "loss": _finite(stats.loss), "lr": stats.lr,
+                      "grad_norm": _finite(stats.grad_norm), "step_time": stats.step_time,
+                      "tokens_per_s": stats.tokens_per_s, "predicted_step_time": self.predicted,
+                      "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(),
+                      "nonfinite": list(stats.nonfinite),
+                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 

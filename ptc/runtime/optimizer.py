@@ -7,8 +7,9 @@ buffers: AdamW is elementwise, so updating a flat shard gives the same
 numbers as updating the full model's parameters one by one.
 
 Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
-all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced), then
-every gradient times min(1, max_norm / (norm + 1e-6)).
+all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced; under
+tensor parallelism also over tp, with parameters replicated over tp counted
+once), then every gradient times min(1, max_norm / (norm + 1e-6)).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ptc.plan import OptimizerSpec
-from ptc.runtime.comm import all_reduce_flat
+from ptc.runtime.comm import all_reduce_flat, group_size
 from ptc.runtime.params import UnitState
 
 CLIP_EPS = 1e-6
@@ -28,8 +29,13 @@ class ShardedOptimizer:
     """AdamW / SGD on the rank's masters, learning rate set per step, clipping over dp."""
 
     def __init__(self, units: list[UnitState], spec: OptimizerSpec,
-                 group: dist.ProcessGroup | None, *, sharded: bool):
+                 group: dist.ProcessGroup | None, *, sharded: bool,
+                 tp_group: dist.ProcessGroup | None = None,
+                 replicated: list[list[tuple[int, int]]] | None = None):
         self.units, self.group, self.sharded = units, group, sharded
+        self.tp_group = tp_group
+        self.replicated = replicated or [[] for _ in units]
+        """Per unit, master element ranges of parameters replicated over tp (ptc.runtime.tp_state)."""
         masters = [u.master for u in units]
         if spec.name == "adamw":
             self.inner = torch.optim.AdamW(masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
@@ -41,8 +47,17 @@ class ShardedOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradient (over every rank's shard when sharded)."""
         squares = torch.stack([u.master.grad.pow(2).sum() for u in self.units]).sum()
+        tp = group_size(self.tp_group)
+        if tp > 1:
+            # Every tp rank holds the same gradient of a replicated parameter: count it once.
+            same = sum((u.master.grad[a:b].pow(2).sum()
+                        for u, ranges in zip(self.units, self.replicated) for a, b in ranges),
+                       torch.zeros((), device=squares.device))
+            squares = squares - same * (1 - 1 / tp)
         if self.sharded:
             all_reduce_flat(squares.view(1), self.group).wait()
+        if tp > 1:
+            all_reduce_flat(squares.view(1), self.tp_group).wait()
         return squares.sqrt()
 
     def clip(self, max_norm: float | None) -> float:

@@ -23,8 +23,11 @@ its own layers' weights, per micro-batch, only where its graph uses them.
 After the last action: the gradients of tied weights (an embedding shared
 with the LM head) are summed between the stages holding them, over a
 process group of those ranks; the global gradient norm sums every rank's
-shards over dp and pp, counting a tied weight once; then the update and
-the publishing of the new weights, as at one stage.
+shards over dp, tp and pp, counting a tied weight once; then, unless a rank
+saw a NaN or Inf, the update and the publishing of the new weights, as at
+one stage. Under tensor parallelism the stage graphs hold tp-local weights
+(`ptc.runtime.tp_state`) and run their own tp collectives; a tied weight's
+group pairs the stages' ranks of the same tp and dp coordinates.
 
 The rank counts its in-flight stage micro-batches (forwarded, not yet
 backwarded) and keeps the peak in `peak_in_flight`: the number the memory
@@ -46,17 +49,19 @@ from torch import fx, nn
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo, stage_info
-from ptc.errors import PtcError
 from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.executor import GraphRunner, RankError, StepStats
+from ptc.runtime.faults import corrupt_gradients
 from ptc.runtime.grads import GradReducer
+from ptc.runtime.health import nonfinite_ranks
 from ptc.runtime.init import initial_buffers, initial_params, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import CLIP_EPS, ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
+from ptc.runtime.tp_state import join_over_tp, local_initial_values, replicated_ranges
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -102,29 +107,37 @@ class PipelineTrainer:
                  values: Mapping[str, torch.Tensor] | None = None):
         """Build this rank's chunks from the Program (arguments as `executor.Trainer`'s)."""
         plan = self.plan = program.plan
-        if plan.parallel.tp != 1:
-            raise PtcError(f"the pipeline runtime runs tp = 1, the plan has tp = {plan.parallel.tp}")
         self.program, self.groups = program, dict(groups)
         self.device = torch.device(device)
         self.group, self.pp_group = self.groups.get("dp"), self.groups["pp"]
+        self.tp_group = self.groups.get("tp")
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
         self.pp, self.pp_rank = group_size(self.pp_group), group_rank(self.pp_group)
+        self.tp_rank = group_rank(self.tp_group)
         self.rank = dist.get_rank()
         self.zero = plan.parallel.zero
-        torch.manual_seed(plan.runtime.seed + self.rank)
+        # Dropout differs per rank, repeatably, but not across a tp group (as executor.Trainer).
+        leader = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group else self.rank
+        torch.manual_seed(plan.runtime.seed + leader)
         schedule = program.schedule
         self.actions = lower(schedule)[self.pp_rank]
         model = model if model is not None else reference_model(plan)
+        tp = program.tensor_parallel
         if values is None:
-            values = initial_params(plan, program.layout, model)
+            values = initial_params(plan, program.layout, model) if tp is None else \
+                local_initial_values(plan, program.layout, tp, model, self.tp_rank)
+        elif tp is not None:
+            values = tp.local_values(values, self.tp_rank)
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
                           for alias in slot.aliases}
         self.chunks: dict[int, _Chunk] = {}
         for s in schedule.stages_of(self.pp_rank):
             self.chunks[s] = self._chunk(program, s, values, model)
         units = [u for chunk in self.chunks.values() for u in chunk.units]
-        self.optimizer = ShardedOptimizer(units, plan.train.optimizer, self.group,
-                                          sharded=self.zero >= 1)
+        self.optimizer = ShardedOptimizer(
+            units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
+            tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
+                units, tp, zero=self.zero, rank=self.dp_rank, world=self.dp))
         self.tied = self._tied_groups()
         self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
         self.peak_in_flight = 0
@@ -173,14 +186,19 @@ class PipelineTrainer:
 
     # ------------------------------------------------------------------ step
 
-    def train_step(self, step: int) -> StepStats:
-        """Run optimizer step `step` (0-based) on this rank; collective over pp and dp."""
+    def train_step(self, step: int, *, position: int | None = None) -> StepStats:
+        """Run optimizer step `step` (0-based) on this rank; collective over every axis.
+
+        `position` and the non-finite rule are those of `executor.Trainer.train_step`.
+        """
         train = self.plan.train
+        skipped = 0 if position is None else position - step * train.global_batch
         start = time.perf_counter()
         micro = self.plan.num_microbatches
         loss_sum = torch.zeros((), device=self.device)
+        units = [u for chunk in self.chunks.values() for u in chunk.units]
         with bind_axes(self.groups):
-            loss_sum += self._run_schedule(step, 1.0 / (micro * self.dp))
+            loss_sum += self._run_schedule(step, skipped, 1.0 / (micro * self.dp))
             for chunk in self.chunks.values():
                 if chunk.reducer is not None:
                     chunk.reducer.finish()
@@ -188,17 +206,23 @@ class PipelineTrainer:
                 all_reduce_flat(tied.unit.grad, tied.group).wait()
             all_reduce_flat(loss_sum.view(1), self.group).wait()
             all_reduce_flat(loss_sum.view(1), self.pp_group).wait()
-            norm = self._clip(train.grad_clip)
+            corrupt_gradients(self.rank, step + 1, [u.grad for u in units])  # test hook
+            bad = nonfinite_ranks([loss_sum, *(u.grad for u in units)])
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
-            self.optimizer.step(lr)
-            for chunk in self.chunks.values():
-                publish(chunk.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
+            if bad:
+                norm = float("nan")
+            else:
+                norm = self._clip(train.grad_clip)
+                self.optimizer.step(lr)
+                for chunk in self.chunks.values():
+                    publish(chunk.units, self.group, zero=self.zero, rank=self.dp_rank,
+                            world=self.dp)
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
-                         tokens=train.global_batch * train.seq_len)
+                         tokens=train.global_batch * train.seq_len, nonfinite=bad)
 
-    def _run_schedule(self, step: int, scale: float) -> torch.Tensor:
+    def _run_schedule(self, step: int, skipped: int, scale: float) -> torch.Tensor:
         """Run this rank's lowered schedule once; return the sum of its micro-batch losses."""
         p = self.pp
         recvs: dict[Action, Transfer] = {}
@@ -218,7 +242,7 @@ class PipelineTrainer:
                                           self.device, grads=True)
             elif kind == "F":
                 transfer = recvs.pop(Action(s, "RECV_F", mb), None)
-                live[s, mb] = self._forward(chunk, step, mb, transfer, batches)
+                live[s, mb] = self._forward(chunk, step, mb, transfer, batches, skipped)
                 if chunk.info.is_last:
                     loss_sum += live[s, mb].outputs.detach().float()
                 in_flight += 1
@@ -238,23 +262,24 @@ class PipelineTrainer:
             transfer.wait()
         return loss_sum
 
-    def _batch(self, step: int, mb: int, batches: dict[int, dict[str, torch.Tensor]]
-               ) -> dict[str, torch.Tensor]:
+    def _batch(self, step: int, mb: int, batches: dict[int, dict[str, torch.Tensor]],
+               skipped: int) -> dict[str, torch.Tensor]:
         if mb not in batches:
             train = self.plan.train
-            first = microbatch_start(step, mb, dp_rank=self.dp_rank, dp=self.dp,
-                                     global_batch=train.global_batch, micro_batch=train.micro_batch)
+            first = skipped + microbatch_start(step, mb, dp_rank=self.dp_rank, dp=self.dp,
+                                               global_batch=train.global_batch,
+                                               micro_batch=train.micro_batch)
             tokens, targets = self.data.batch(first, train.micro_batch)
             batches[mb] = {"tokens": tokens.to(self.device), "targets": targets.to(self.device)}
         return batches[mb]
 
     def _forward(self, chunk: _Chunk, step: int, mb: int, transfer: Transfer | None,
-                 batches: dict[int, dict[str, torch.Tensor]]) -> _Live:
+                 batches: dict[int, dict[str, torch.Tensor]], skipped: int) -> _Live:
         info = chunk.info
         inputs = transfer.wait() if transfer is not None else []
         for tensor, spec in zip(inputs, info.inputs):
             tensor.requires_grad_(spec.requires_grad)
-        data = self._batch(step, mb, batches) if info.data else {}
+        data = self._batch(step, mb, batches, skipped) if info.data else {}
         args = [*inputs, *(data[name] for name in info.data)]
         if self.zero == 3:
             session = ParamSession(prefetch=self.plan.parallel.overlap)
@@ -292,15 +317,27 @@ class PipelineTrainer:
         live.inputs, live.outputs, live.session = [], None, None
 
     def _clip(self, max_norm: float | None) -> float:
-        """Clip by the global norm over dp and pp (a tied weight counted once); return the norm."""
+        """Clip by the global norm over every axis; return the norm before clipping.
+
+        As `ShardedOptimizer.clip`, plus: a tied weight's copies count once
+        (the first holder's), and the stages' sums add over pp.
+        """
         skip = {id(t.unit) for t in self.tied if not t.counted}
         units = [u for chunk in self.chunks.values() for u in chunk.units]
+        tp = group_size(self.tp_group)
         squares = torch.zeros((), device=self.device)
-        for unit in units:
-            if id(unit) not in skip:
-                squares += unit.master.grad.pow(2).sum()
+        for unit, ranges in zip(units, self.optimizer.replicated):
+            if id(unit) in skip:
+                continue
+            grad = unit.master.grad
+            squares += grad.pow(2).sum()
+            # Every tp rank holds the same gradient of a replicated parameter: count it once.
+            squares -= sum((grad[a:b].pow(2).sum() for a, b in ranges),
+                           torch.zeros((), device=self.device)) * (1 - 1 / tp)
         if self.zero >= 1:
             all_reduce_flat(squares.view(1), self.group).wait()
+        if tp > 1:
+            all_reduce_flat(squares.view(1), self.tp_group).wait()
         all_reduce_flat(squares.view(1), self.pp_group).wait()
         norm = squares.sqrt()
         if max_norm is not None:
@@ -322,6 +359,8 @@ class PipelineTrainer:
                     for slot in unit.slots:
                         mine.setdefault(self.canonical[slot.name], full[
                             slot.offset:slot.offset + slot.numel].view(slot.shape).clone().cpu())
+        if self.program.tensor_parallel is not None:
+            mine = join_over_tp(mine, self.program.tensor_parallel, self.tp_group)
         parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp)]
         dist.all_gather_object(parts, mine, group=self.pp_group)
         out: dict[str, torch.Tensor] = {}

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from ptc.runtime.comm import all_gather_flat, axis_group, group_rank, group_size, \
     reduce_scatter_flat
+from ptc.runtime.seq_regather import current_session
 
 TP = "tp"
 """The mesh axis of tensor parallelism."""
@@ -140,11 +141,18 @@ def reduce_from_tp(x: torch.Tensor, axis: str = TP) -> torch.Tensor:
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, axis):  # noqa: D102
-        ctx.dim, ctx.axis = dim, axis
-        return _gather(x, dim, axis_group(axis))
+        ctx.dim, ctx.axis, ctx.session = dim, axis, current_session()
+        out = _gather(x, dim, axis_group(axis))
+        if ctx.session is not None and out is not x:
+            # Backward keeps only this rank's chunk of what the next linears save.
+            chunk = x.detach()
+            ctx.key = ctx.session.track(out, chunk, lambda: _gather(chunk, dim, axis_group(axis)))
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
+        if ctx.session is not None and hasattr(ctx, "key"):
+            ctx.session.release(ctx.key)
         return _reduce_scatter(grad, ctx.dim, axis_group(ctx.axis)), None, None
 
 
@@ -177,6 +185,8 @@ def all_gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tenso
     Forward: all-gather along `dim` over `axis` (rank order). Backward:
     reduce-scatter (sum) of the gradient along `dim`: the column-parallel
     linears after it each produce a partial gradient of the full sequence.
+    Under a `SeqRegather` session what autograd saves of the output is kept
+    as this rank's chunk and all-gathered again in backward.
     """
     return _AllGatherSeq.apply(x, dim, axis)
 

@@ -5,22 +5,36 @@ Inside a launched worker (torchrun, `ptc run`), or when the plan needs one
 process, the training runs here; otherwise `run` starts the plan's
 processes with PyTorch's elastic launcher and returns rank 0's result.
 `train_worker` is what each process runs: join the process group, build
-the mesh, compile the plan (every rank compiles the same Program), train,
-report.
+the mesh, compile the plan (every rank compiles the same Program), then
+`TrainLoop` resumes from the latest checkpoint, trains and checkpoints,
+and the reporter records every step. In an elastic job (`ptc run --nnodes
+MIN:MAX`) the plan's dp first adapts to the processes that joined.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
 
 from ptc.compiler.program import Program
 from ptc.plan import Plan
+from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
+from ptc.runtime.health import configure_flight_recorder
 from ptc.runtime.launcher import in_worker, run_local
-from ptc.runtime.mesh import axis_groups, build_mesh, device_for, init_distributed, world_size
-from ptc.runtime.metrics import StepReporter
+from ptc.runtime.loop import TrainLoop
+from ptc.runtime.mesh import (
+    axis_groups,
+    backend_for,
+    build_mesh,
+    device_for,
+    init_distributed,
+    world_size,
+)
+from ptc.runtime.metrics import StepReporter, model_flops_per_step
 from ptc.runtime.pipeline_exec import PipelineTrainer
 
 
@@ -32,6 +46,8 @@ class RunResult:
     """Every step's statistics."""
     held_bytes: dict[str, int] = field(default_factory=dict)
     """Parameter, gradient and optimizer bytes this rank held after the last step."""
+    events: list[str] = field(default_factory=list)
+    """What the run reported besides steps: resume, checkpoints, skipped or rolled-back steps."""
 
     @property
     def losses(self) -> list[float]:
@@ -42,6 +58,12 @@ class RunResult:
 def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -> RunResult:
     """Run the training as one process of the job (collective with the other ranks)."""
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
+    joined = int(os.environ.get("WORLD_SIZE", world_size(plan)))
+    asked = plan.parallel.dp
+    if elastic() and isinstance(plan_or_program, Plan):
+        plan = plan_or_program = plan_for_world(plan, joined)
+    if plan.runtime.checkpoint_dir and backend_for(plan) == "nccl":
+        configure_flight_recorder(Path(plan.runtime.checkpoint_dir) / "traces")
     created = init_distributed(plan)
     try:
         if isinstance(plan_or_program, Program):
@@ -54,13 +76,20 @@ def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -
         kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
         trainer = kind(program, groups, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
-        result = RunResult()
+        loop = TrainLoop(trainer, steps)
+        if plan.parallel.dp != asked:
+            loop.log(f"elastic job: {joined} processes joined, so dp = {plan.parallel.dp} "
+                     f"(the plan asks {asked}); the global batch is unchanged")
+        result = RunResult(events=loop.events)
         with StepReporter(plan, steps=steps, enabled=dist.get_rank() == 0,
-                          predicted_step_time=program.predicted_step_time) as reporter:
-            for step in range(steps):
-                stats = trainer.train_step(step)
+                          predicted_step_time=program.predicted_step_time,
+                          flops_per_step=model_flops_per_step(program),
+                          append=loop.resumed_from is not None) as reporter:
+            def report(stats: StepStats) -> None:
                 reporter.report(stats)
                 result.steps.append(stats)
+
+            loop.run(report)
         result.held_bytes = trainer.held_bytes()
         return result
     finally:

@@ -85,8 +85,11 @@ def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     for step in range(train.steps):
         tokens, targets = source.batch(step * train.global_batch, train.global_batch)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if plan.model.family == "custom":  # nanoGPT-style: forward(idx, targets) -> (logits, loss)
+            loss = model(tokens, targets)[1]
+        else:
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)

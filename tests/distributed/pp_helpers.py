@@ -26,16 +26,18 @@ class Case:
     dp: int = 1
     zero: int = 0
     layers: int = 4
+    tp: int = 1
 
     @property
     def world(self) -> int:
         """Processes the case runs on."""
-        return self.pp * self.dp
+        return self.tp * self.pp * self.dp
 
     def __str__(self) -> str:
         v = f" v{self.virtual}" if self.virtual > 1 else ""
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
-        return f"{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
+        tp = f"tp{self.tp} " if self.tp > 1 else ""
+        return f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
 
 
 def pp_plan(case: Case, steps: int = STEPS) -> Plan:
@@ -45,7 +47,8 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, layers=case.layers),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
-        parallel=ParallelSpec(pp=case.pp, dp=case.dp, zero=case.zero, schedule=case.schedule,
+        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
+                              schedule=case.schedule,
                               virtual_stages=case.virtual))
 
 

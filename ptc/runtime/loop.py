@@ -1,0 +1,213 @@
+"""The production training loop: resume, steps, the non-finite policy, checkpoints, hangs.
+
+`TrainLoop(trainer, steps)` sets up, collectively:
+
+- resume: with `runtime.checkpoint_dir`, rank 0 removes partial saves, and
+  the newest intact checkpoint is loaded — resharded when the layout
+  changed — so training continues at its step and data position. Which
+  checkpoint was loaded, or that the run starts fresh, is always said.
+- with `nan_policy = rollback` and nothing to resume, a checkpoint of the
+  initial state (step 0), so that there always is one to roll back to.
+
+`run(report)` then trains up to `steps`. Each step's data starts at the
+*position* (next sample index), which is step · global_batch until a
+rollback skips data. When any rank saw a NaN or Inf the trainer applied no
+update and every rank has the same `StepStats.nonfinite`, so all take the
+same action under `runtime.nan_policy`:
+
+- stop: wait for the save in flight, then fail naming the step and ranks;
+- skip: the step and its batch count as done, without an update;
+- rollback: reload the newest checkpoint and continue from its step with
+  the data just past the bad batch (the batches in between are skipped:
+  PaLM's recipe for loss spikes — restart before the spike, skip the data
+  around it). More than `MAX_ROLLBACKS` rollbacks to one checkpoint stop the
+  run: the instability is not in the data.
+
+Checkpoints are taken every `checkpoint_every` steps and/or
+`checkpoint_interval` seconds (rank 0's clock, broadcast so that all ranks
+save at the same step), and after the last step. A collective that times
+out is reported with the ranks that did not answer (`health`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+from ptc.errors import PtcError
+from ptc.runtime import faults
+from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
+from ptc.runtime.checkpoint_store import CheckpointStore, step_name
+from ptc.runtime.executor import RankError, StepStats
+from ptc.runtime.health import diagnose_timeout, is_timeout
+from ptc.runtime.mesh import timeout
+
+MAX_ROLLBACKS = 3
+"""Rollbacks to the same checkpoint before the run stops."""
+REPORT_GRACE_S = 2.0
+"""How long ranks other than 0 wait before failing after a timeout, so that the launcher
+shows rank 0's report (which names the missing ranks) as the root cause."""
+
+
+class TrainLoop:
+    """One rank's run of a Trainer: resume, the step loop with its policies, checkpoints."""
+
+    def __init__(self, trainer, steps: int, *, log: Callable[[str], None] | None = None):
+        """Set up checkpointing and resume (collective over all ranks)."""
+        self.trainer, self.steps = trainer, steps
+        self.plan = trainer.plan
+        self.rank = dist.get_rank()
+        self.events: list[str] = []
+        self._print = log or (print if self.rank == 0 else (lambda _: None))
+        self.step, self.position = 0, 0
+        self.resumed_from: int | None = None
+        self._rollbacks: dict[int, int] = {}
+        self._last_save_time = time.monotonic()
+        self._last_saved: int | None = None
+        self.checkpointer = self._checkpointer()
+        self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
+        if self.checkpointer is not None:
+            self._resume()
+
+    def log(self, message: str) -> None:
+        """Report an event (rank 0 prints it; every rank keeps it in `events`)."""
+        self.events.append(message)
+        self._print(message)
+
+    def _checkpointer(self) -> Checkpointer | None:
+        rt = self.plan.runtime
+        if not rt.checkpoint_dir:
+            return None
+        store = CheckpointStore(rt.checkpoint_dir)
+        if self.rank == 0:
+            store.root.mkdir(parents=True, exist_ok=True)
+            removed = store.clean()
+            if removed:
+                self.log(f"removed incomplete checkpoints {', '.join(removed)}")
+        return Checkpointer(self.trainer, store, group=checkpoint_group(timeout()),
+                            keep=rt.keep, async_save=rt.async_save, log=self.log)
+
+    def _resume(self) -> None:
+        manifest = self.checkpointer.restore()
+        if manifest is None:
+            self.log(f"no checkpoint in {self.plan.runtime.checkpoint_dir}: starting fresh")
+            if self.plan.runtime.nan_policy == "rollback":
+                self._save()  # the state to roll back to before the first periodic save
+            return
+        self.step, self.position = manifest.step, manifest.position
+        self.resumed_from = manifest.step
+        saved = manifest.info.get("layout", {})
+        now = self._layout()
+        change = "" if saved == now else f" (resharded from {_fmt(saved)} to {_fmt(now)})"
+        self.log(f"resumed from {step_name(manifest.step)}: step {manifest.step}, "
+                 f"next sample {manifest.position}{change}")
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, report: Callable[[StepStats], None]) -> None:
+        """Train until `steps` steps are done; `report` gets every step's statistics."""
+        batch = self.plan.train.global_batch
+        try:
+            while self.step < self.steps:
+                faults.at_step_start(self.rank, self.step + 1)
+                stats = self._train_step()
+                report(stats)
+                if stats.nonfinite:
+                    self._nonfinite(stats)
+                else:
+                    self.step, self.position = self.step + 1, self.position + batch
+                if self._save_due():
+                    self._save()
+            if self.checkpointer is not None and self._last_saved != self.step:
+                self._save()
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+
+    def _train_step(self) -> StepStats:
+        skipped = self.position != self.step * self.plan.train.global_batch
+        try:
+            # Only a rollback moves the data off step · global_batch; trainers that do not
+            # take a position yet (the pipeline's) still run every other policy.
+            if skipped:
+                return self.trainer.train_step(self.step, position=self.position)
+            return self.trainer.train_step(self.step)
+        except Exception as exc:
+            if not is_timeout(exc):
+                raise
+            diagnosis = diagnose_timeout(self._spare, timeout())
+            if self.rank != 0:
+                time.sleep(REPORT_GRACE_S)
+            raise RankError(f"rank {self.rank}: step {self.step + 1}: a collective timed out "
+                            f"after {timeout().total_seconds():g} s; {diagnosis}") from exc
+
+    def _nonfinite(self, stats: StepStats) -> None:
+        policy = self.plan.runtime.nan_policy
+        what = f"step {stats.step}: non-finite loss or gradient on rank(s) {list(stats.nonfinite)}"
+        if policy == "stop":
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            raise PtcError(f"{what}; nan_policy = stop")
+        batch = self.plan.train.global_batch
+        if policy == "skip":
+            self.log(f"{what}: step skipped, no update")
+            self.step, self.position = self.step + 1, self.position + batch
+            return
+        bad_position = self.position
+        manifest = self.checkpointer.restore()
+        if manifest is None:
+            raise PtcError(f"{what}; nan_policy = rollback, but no intact checkpoint is left")
+        count = self._rollbacks[manifest.step] = self._rollbacks.get(manifest.step, 0) + 1
+        if count > MAX_ROLLBACKS:
+            raise PtcError(f"{what}; rolled back to {step_name(manifest.step)} {MAX_ROLLBACKS} "
+                           f"times already: the run does not recover by skipping data")
+        self.step, self.position = manifest.step, bad_position + batch
+        self._last_saved = manifest.step
+        self.log(f"{what}: rolled back to {step_name(manifest.step)}; data resumes at sample "
+                 f"{self.position} (samples {manifest.position}..{self.position - 1} skipped)")
+
+    # ------------------------------------------------------------- checkpoints
+
+    def _save_due(self) -> bool:
+        if self.checkpointer is None:
+            return False
+        rt = self.plan.runtime
+        due = bool(rt.checkpoint_every) and self.step % rt.checkpoint_every == 0
+        if rt.checkpoint_interval:
+            # Clocks differ: rank 0 decides, so that every rank joins the same save.
+            late = torch.tensor(
+                [time.monotonic() - self._last_save_time >= rt.checkpoint_interval],
+                dtype=torch.uint8, device=self.trainer.device)
+            dist.broadcast(late, src=0)
+            due = due or bool(late.item())
+        return due and self.step != self._last_saved  # not again right after a rollback to it
+
+    def _save(self) -> None:
+        train = self.plan.train
+        from ptc.runtime.lr import learning_rate  # noqa: PLC0415
+
+        info = {"layout": self._layout(),
+                "lr_schedule": {"kind": train.lr_schedule.kind, "peak": train.optimizer.lr,
+                                "warmup": train.lr_schedule.warmup,
+                                "min_lr": train.lr_schedule.min_lr,
+                                "decay_steps": train.lr_schedule.decay_steps,
+                                "total_steps": train.steps},
+                "next_lr": learning_rate(self.step, train.optimizer.lr, train.lr_schedule,
+                                         train.steps),
+                "global_batch": train.global_batch,
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if self.checkpointer.save(self.step, self.position, info):
+            self._last_saved = self.step
+        self._last_save_time = time.monotonic()
+
+    def _layout(self) -> dict[str, int]:
+        p = self.plan.parallel
+        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+
+
+def _fmt(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items()) or "an unknown layout"

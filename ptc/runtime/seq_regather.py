@@ -1,0 +1,125 @@
+"""Sequence parallelism's saved activations: keep the local chunk, all-gather again in backward.
+
+Under sequence parallelism a column-parallel linear reads the output of
+`all_gather_seq`, the full sequence, and autograd would keep that full
+tensor for the weight gradient — undoing the 1/tp saving of the region
+before it. As Megatron-LM does, the session's saved-tensor hooks keep only
+the rank's chunk (the all-gather's input) in its place and gather again on
+the first unpack in backward; q, k and v, which save the same gathered
+tensor, share one re-gather, dropped when `all_gather_seq`'s own backward
+runs (every user of the gathered tensor is done by then).
+
+Terms: a *gathered* tensor is an output of `all_gather_seq` made while a
+session is current; its *chunk* is the input it was gathered from.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+# A module global, not a contextvar: backward may run on autograd's own threads.
+_SESSION: SeqRegather | None = None
+
+
+def current_session() -> SeqRegather | None:
+    """The session of the forward being run, if any (read by `all_gather_seq`)."""
+    return _SESSION
+
+
+class _SeqRef:
+    """A saved view of a gathered tensor, kept as its chunk and the view's geometry."""
+
+    __slots__ = ("key", "chunk", "regather", "offset", "size", "stride")
+
+    def __init__(self, key: int, chunk: torch.Tensor, regather: Callable[[], torch.Tensor],
+                 offset: int, size, stride):
+        self.key, self.chunk, self.regather = key, chunk, regather
+        self.offset, self.size, self.stride = offset, size, stride
+
+
+class SeqRegather(AbstractContextManager):
+    """Saved-tensor hooks that store gathered sequence activations as their local chunk."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, tuple[weakref.ref, torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        self._full: dict[int, torch.Tensor] = {}  # key -> re-gathered tensor, until released
+
+    def __enter__(self) -> SeqRegather:
+        global _SESSION
+        _SESSION = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _SESSION
+        _SESSION = None
+
+    def track(self, out: torch.Tensor, chunk: torch.Tensor,
+              regather: Callable[[], torch.Tensor]) -> int:
+        """Remember that `out` was gathered from `chunk`; `regather()` makes it again. Returns its key."""
+        key = id(out)
+        self._live[key] = (weakref.ref(out), chunk, regather)
+        return key
+
+    def release(self, key: int) -> None:
+        """Drop the re-gathered tensor of `key`: backward is done with it."""
+        self._full.pop(key, None)
+        self._live.pop(key, None)
+
+    def pack(self, tensor: torch.Tensor):
+        """Saved-tensor pack hook: a gathered tensor (or a view of one) becomes a `_SeqRef`."""
+        base = tensor._base if tensor._base is not None else tensor
+        entry = self._live.get(id(base))
+        if entry is None or entry[0]() is not base:  # not gathered (or a stale id)
+            return tensor
+        _, chunk, regather = entry
+        return _SeqRef(id(base), chunk, regather, tensor.storage_offset() - base.storage_offset(),
+                       tensor.size(), tensor.stride())
+
+    def unpack(self, saved):
+        """Saved-tensor unpack hook: gather a `_SeqRef` again (once per gathered tensor)."""
+        if not isinstance(saved, _SeqRef):
+            return saved
+        full = self._full.get(saved.key)
+        if full is None:
+            full = self._full[saved.key] = saved.regather()
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
+
+    def hooks(self, inner: torch.autograd.graph.saved_tensors_hooks | None = None):
+        """The saved-tensor hooks to run forward under, chained with `inner`'s (ZeRO-3's)."""
+        if inner is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+        def pack(tensor):
+            mine = self.pack(tensor)
+            return mine if mine is not tensor else inner.pack_hook(tensor)
+
+        def unpack(saved):
+            return self.unpack(saved) if isinstance(saved, _SeqRef) else inner.unpack_hook(saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def forward_context(regather: SeqRegather | None,
+                    inner: torch.autograd.graph.saved_tensors_hooks | None = None):
+    """What to run a forward under: the session and its hooks, else just `inner` (or nothing)."""
+    if regather is None:
+        return inner if inner is not None else nullcontext()
+    return _Both(regather, regather.hooks(inner))
+
+
+class _Both(AbstractContextManager):
+    def __init__(self, session: SeqRegather, hooks) -> None:
+        self.session, self.hooks = session, hooks
+
+    def __enter__(self):
+        self.session.__enter__()
+        self.hooks.__enter__()
+        return self.session
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+        self.session.__exit__(*exc)

@@ -1,0 +1,77 @@
+"""A tp rank's share of the training state: its weight slices, its part of the norm, the whole back.
+
+The dp/ZeRO machinery (`ptc.runtime.params`) works on whatever tensors the
+lowered graph holds; under tensor parallelism those are the tp-local
+parameters (`ptc.compiler.tp_layout`). Three things need the tp axis:
+
+- initial values: every rank builds the same full tensors as the eager model
+  and keeps its slice (`local_initial_values`);
+- the global gradient norm: split parameters contribute their local squares,
+  replicated ones (norms, row-parallel biases) hold the same gradient on
+  every tp rank and must be counted once (`replicated_ranges` tells the
+  optimizer where they are in each unit's master);
+- full weights for checkpoints and tests: gathered over tp and joined
+  (`join_over_tp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ptc.compiler.program import ParamLayout
+from ptc.compiler.tp_layout import TensorParallelLayout
+from ptc.plan import Plan
+from ptc.runtime.comm import group_size
+from ptc.runtime.init import initial_params
+from ptc.runtime.params import UnitState
+
+
+def local_initial_values(plan: Plan, layout: ParamLayout, tp: TensorParallelLayout,
+                         model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """This tp rank's slice of the plan's initial weights, by canonical name."""
+    full = ParamLayout(units=layout.units, params={
+        name: dataclasses.replace(slot, shape=tp.full_shape(name, slot.shape))
+        for name, slot in layout.params.items()})
+    return tp.local_values(initial_params(plan, full, model), rank)
+
+
+def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int, rank: int,
+                      world: int) -> list[list[tuple[int, int]]]:
+    """Per unit, the [start, end) element ranges of its master that hold replicated parameters.
+
+    The master is the unit's whole flat buffer at ZeRO-0 and dp shard `rank`
+    of `world` from ZeRO-1 on (padding is zero and needs no range).
+    """
+    out = []
+    for unit in units:
+        n = unit.spec.shard_numel
+        base, end = (0, unit.spec.padded_numel) if zero == 0 else (rank * n, (rank + 1) * n)
+        ranges = []
+        for slot in unit.slots:
+            if slot.name in tp.params:
+                continue
+            a, b = max(slot.offset, base), min(slot.offset + slot.numel, end)
+            if a < b:
+                ranges.append((a - base, b - base))
+        out.append(ranges)
+    return out
+
+
+def join_over_tp(values: Mapping[str, torch.Tensor], tp: TensorParallelLayout,
+                 group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Full tensors from every tp rank's local ones (collective over `group`)."""
+    world = group_size(group)
+    out = dict(values)
+    for name, local in values.items():  # the same order on every rank: the layout's
+        shard = tp.params.get(name)
+        if shard is None or world == 1:
+            continue
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        out[name] = shard.join(parts)
+    return out

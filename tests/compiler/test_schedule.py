@@ -1,0 +1,206 @@
+"""The pipeline schedule IR: text forms, generation, lowering, simulation and golden grids.
+
+Golden grids live in tests/compiler/golden/schedule_<kind>_p<p>_m<m>_v<v>.txt;
+`PTC_UPDATE_GOLDEN=1 pytest tests/compiler/test_schedule.py` rewrites them
+(review the diff: a grid change is a schedule change).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.layout import layout_of  # noqa: E402
+from ptc.compiler.memory import in_flight  # noqa: E402
+from ptc.compiler.schedule import (COMM, KINDS, Action, Schedule, ScheduleError,  # noqa: E402
+                                   build_schedule, format_grid, format_schedule, lower,
+                                   needed_receive, parse_schedule, render_schedule, simulate)
+from ptc.errors import PlanError  # noqa: E402
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+GOLDEN = Path(__file__).parent / "golden"
+GOLDEN_CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1),
+                ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
+                ("interleaved", 2, 4, 3)]
+GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b") for p in (2, 3, 4, 8)
+        for m in (p, p + 1, 2 * p, 3 * p + 1) for v in (1,)] + \
+       [("interleaved", p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
+
+
+def plan(kind: str, p: int, m: int, v: int) -> Plan:
+    """A plan whose pipeline is (kind, p, m, v): one sample per micro-batch, dp = 1."""
+    return Plan(model=ModelSpec(family="gpt", layers=p * v * 2, hidden=32, heads=4, vocab=64,
+                                max_seq=16),
+                hardware=HardwareSpec.preset("cpu", gpus_per_node=p),
+                parallel=ParallelSpec(pp=p, schedule=kind, virtual_stages=v),
+                train=TrainSpec(seq_len=16, global_batch=m, micro_batch=1, dtype="fp32"))
+
+
+class TestActionText:
+    @pytest.mark.parametrize("kind", KINDS)
+    def test_prints_and_parses_back(self, kind: str) -> None:
+        action = Action(12, kind, 3)
+        assert str(action) == f"12{kind}3"
+        assert Action.parse(str(action)) == action
+
+    def test_reads_torch_style_text(self) -> None:
+        assert Action.parse("1F0") == Action(1, "F", 0)
+        assert Action.parse(" 0SEND_B2 ") == Action(0, "SEND_B", 2)
+
+    @pytest.mark.parametrize("text", ["F0", "1X0", "1F", "1 F 0", "-1F0", "1SEND0"])
+    def test_rejects_what_is_not_an_action(self, text: str) -> None:
+        with pytest.raises(ScheduleError, match="is not an action"):
+            Action.parse(text)
+
+
+class TestScheduleText:
+    @pytest.mark.parametrize("kind,p,m,v", GOLDEN_CASES)
+    def test_round_trips_through_parse(self, kind: str, p: int, m: int, v: int) -> None:
+        schedule = build_schedule(kind, p, m, v)
+        text = format_schedule(schedule)
+        assert text.splitlines()[0] == f"schedule {kind} pp={p} v={v} m={m}"
+        assert parse_schedule(text) == schedule
+
+    def test_parse_names_a_bad_line(self) -> None:
+        with pytest.raises(ScheduleError, match=r'line 3: expected "rank 1: \.\.\."'):
+            parse_schedule("schedule 1f1b pp=2 v=1 m=1\nrank 0: 0F0 0B0\nrank 2: 1F0 1B0\n")
+        with pytest.raises(ScheduleError, match="starts with"):
+            parse_schedule("rank 0: 0F0")
+
+
+class TestGeneration:
+    def test_1f1b_warms_up_then_alternates(self) -> None:
+        schedule = build_schedule("1f1b", 4, 8)
+        assert " ".join(map(str, schedule.ranks[1])) == \
+            "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1F6 1B4 1F7 1B5 1B6 1B7"
+        assert " ".join(map(str, schedule.ranks[3])).startswith("3F0 3B0 3F1 3B1")
+
+    def test_gpipe_runs_every_forward_first(self) -> None:
+        schedule = build_schedule("gpipe", 2, 3)
+        assert [str(a) for a in schedule.ranks[0]] == ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"]
+
+    def test_interleaved_places_stage_s_on_rank_s_mod_p(self) -> None:
+        schedule = build_schedule("interleaved", 4, 8, 2)
+        for rank, actions in enumerate(schedule.ranks):
+            assert {a.stage for a in actions} == {rank, rank + 4}
+        assert schedule.stages_of(1) == (1, 5) and schedule.rank_of(6) == 2
+
+    @pytest.mark.parametrize("kind,p,m,v", GRID)
+    def test_every_schedule_is_deadlock_free_and_complete(self, kind: str, p: int, m: int,
+                                                          v: int) -> None:
+        timeline = simulate(build_schedule(kind, p, m, v))
+        done = [a for row in timeline.steps for a in row if a is not None]
+        assert len(done) == len(set(done)) == 2 * p * v * m
+
+    @pytest.mark.parametrize("kind,p,m,v", GRID)
+    def test_peak_in_flight_is_what_the_memory_model_charges(self, kind: str, p: int, m: int,
+                                                             v: int) -> None:
+        """The simulated peak per rank equals `memory.in_flight`'s units, rank by rank."""
+        timeline = simulate(build_schedule(kind, p, m, v))
+        layout = layout_of(plan(kind, p, m, v))
+        assert timeline.peak_in_flight == tuple(in_flight(layout, r, m)[0] for r in range(p))
+
+
+class TestMicrobatchRequirement:
+    @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2)])
+    def test_too_few_microbatches_is_a_clear_error(self, kind: str, v: int) -> None:
+        with pytest.raises(ScheduleError, match=rf"schedule {kind} with pp = 4 needs at least 4 "
+                                                rf"micro-batches per step .*got 3"):
+            build_schedule(kind, 4, 3, v)
+
+    def test_interleaved_needs_groups_of_p(self) -> None:
+        with pytest.raises(ScheduleError, match="micro-batches = 6 is not divisible by 4"):
+            build_schedule("interleaved", 4, 6, 2)
+
+    def test_gpipe_runs_with_one(self) -> None:
+        assert len(simulate(build_schedule("gpipe", 4, 1)).steps) == 8
+
+    def test_a_plan_with_too_few_is_rejected_before_compiling(self) -> None:
+        with pytest.raises(PlanError, match=r"schedule 1f1b needs at least pp\(4\) micro-batches, "
+                                            r"got 2"):
+            plan("1f1b", 4, 2, 1)
+
+
+class TestLowering:
+    @pytest.mark.parametrize("kind,p,m,v", GOLDEN_CASES)
+    def test_receives_come_before_their_compute_and_sends_right_after(
+            self, kind: str, p: int, m: int, v: int) -> None:
+        schedule = build_schedule(kind, p, m, v)
+        for rank, program in enumerate(lower(schedule)):
+            assert [a for a in program if a.kind not in COMM] == list(schedule.ranks[rank])
+            for i, action in enumerate(program):
+                needed = needed_receive(action, schedule.num_stages)
+                if needed is not None:
+                    assert needed[0] in program[:i], f"rank {rank}: {action} before {needed[0]}"
+                if action.kind in ("SEND_F", "SEND_B"):
+                    compute = "F" if action.kind == "SEND_F" else "B"
+                    assert program[i - 1] == Action(action.stage, compute, action.microbatch)
+
+    def test_receives_are_posted_one_compute_ahead(self) -> None:
+        program = lower(build_schedule("1f1b", 2, 2))[1]
+        assert [str(a) for a in program] == [
+            "1RECV_F0", "1F0", "1RECV_F1", "1B0", "1SEND_B0", "1F1", "1B1", "1SEND_B1"]
+
+
+class TestSimulationFailures:
+    def test_deadlock_names_what_each_rank_waits_for(self) -> None:
+        # Rank 1 wants micro-batch 1 before it returns micro-batch 0's gradient; rank 0 sends
+        # micro-batch 1 only after that gradient.
+        text = "schedule custom pp=2 v=1 m=2\nrank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1\n"
+        with pytest.raises(ScheduleError, match=r"deadlocks at step 2: rank 0 waits in 0B0 for "
+                                                r"1SEND_B0 from rank 1; rank 1 waits in 1F1 for "
+                                                r"0SEND_F1 from rank 0"):
+            parse_schedule(text)
+
+    def test_receives_follow_the_senders_order_whatever_the_consumers(self) -> None:
+        # Rank 1 consumes micro-batch 1 first; rank 0 sends micro-batch 0 first. Messages are
+        # matched in posting order, so rank 1 must post micro-batch 0's receive first.
+        schedule = Schedule(kind="custom", pp=2, virtual=1, microbatches=2, ranks=(
+            tuple(map(Action.parse, "0F0 0F1 0B0 0B1".split())),
+            tuple(map(Action.parse, "1F1 1B1 1F0 1B0".split()))))
+        assert [str(a) for a in lower(schedule)[1][:3]] == ["1RECV_F0", "1RECV_F1", "1F1"]
+        assert [str(a) for a in lower(schedule)[0] if a.kind == "RECV_B"] == ["0RECV_B1",
+                                                                              "0RECV_B0"]
+        assert len(simulate(schedule).steps) == 8
+
+    @pytest.mark.parametrize("ranks,needle", [
+        (("0F0 0B0", "1F0"), r"rank 1 never runs 1B0"),
+        (("0F0 0B0 1F0 1B0", ""), r"rank 0: 1F0 belongs to rank 1"),
+        (("0B0 0F0", "1F0 1B0"), r"rank 0: 0B0 comes before 0F0"),
+        (("0F0 0F0 0B0", "1F0 1B0"), r"rank 0: 0F0 appears twice"),
+        (("0F0 0SEND_F0 0B0", "1F0 1B0"), r"lower\(\) adds the sends"),
+    ])
+    def test_malformed_schedules_are_named(self, ranks: tuple[str, str], needle: str) -> None:
+        schedule = Schedule(kind="custom", pp=2, virtual=1, microbatches=1, ranks=tuple(
+            tuple(map(Action.parse, r.split())) for r in ranks))
+        with pytest.raises(ScheduleError, match=needle):
+            simulate(schedule)
+
+
+class TestGrid:
+    @pytest.mark.parametrize("kind,p,m,v", GOLDEN_CASES)
+    def test_golden_grid(self, kind: str, p: int, m: int, v: int) -> None:
+        grid = format_grid(build_schedule(kind, p, m, v))
+        path = GOLDEN / f"schedule_{kind}_p{p}_m{m}_v{v}.txt"
+        if os.environ.get("PTC_UPDATE_GOLDEN"):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(grid)
+        assert grid == path.read_text(), f"{path.name} differs; rerun with PTC_UPDATE_GOLDEN=1 " \
+                                         f"if the schedule change is intended"
+
+    def test_render_schedule_of_a_plan(self) -> None:
+        text = render_schedule(plan("1f1b", 2, 4, 1))
+        assert text.splitlines()[0] == "1f1b schedule: pp=2 v=1 m=4, 2 stages on 2 ranks"
+        assert text.splitlines()[-1] == "10 steps, bubble 20%, peak in flight per rank: 2 1"
+
+    def test_render_schedule_without_pipeline(self) -> None:
+        assert render_schedule(plan("1f1b", 1, 4, 1)).startswith("pp = 1: no pipeline schedule")

@@ -1,0 +1,216 @@
+"""Workers and plans of the checkpoint and fault-injection tests.
+
+Workers run in processes started by `run_local` (spawn), so they live in
+this importable module. Plans are tiny (2 layers, hidden 32, seq 16) with a
+global batch of 8 samples, so that dp 1, 2 and 4 all divide it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+from dist_helpers import SEQ, tiny_model
+
+from ptc.plan import (
+    DataSpec,
+    HardwareSpec,
+    InitSpec,
+    LRScheduleSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    Plan,
+    RuntimeSpec,
+    TrainSpec,
+)
+
+GLOBAL_BATCH = 8
+
+
+def ckpt_plan(*, dp: int, zero: int, steps: int = 6, family: str = "llama",
+              **runtime) -> Plan:
+    """The tiny model on dp CPU ranks; `runtime` overrides RuntimeSpec fields (gloo always)."""
+    return Plan(
+        model=tiny_model(family),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=dp),
+        parallel=ParallelSpec(tp=1, pp=1, dp=dp, zero=zero),
+        train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, micro_batch=1, dtype="fp32",
+                        steps=steps, grad_clip=1.0,
+                        optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+                        # decay_steps fixed: a resumed run with more steps keeps the schedule
+                        lr_schedule=LRScheduleSpec(kind="cosine", warmup=2, min_lr=3e-4,
+                                                   decay_steps=8),
+                        data=DataSpec(kind="synthetic", seed=7),
+                        init=InitSpec(kind="random", seed=3)),
+        runtime=RuntimeSpec(backend="gloo", **runtime),
+    )
+
+
+def with_runtime(plan: Plan, **runtime) -> Plan:
+    """`plan` with RuntimeSpec fields replaced."""
+    return dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, **runtime))
+
+
+def _trainer(plan: Plan):
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+
+    init_distributed(plan)
+    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+
+
+def _checkpointer(trainer, directory: str):
+    from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
+    from ptc.runtime.checkpoint_store import CheckpointStore
+    from ptc.runtime.mesh import timeout
+
+    return Checkpointer(trainer, CheckpointStore(directory), group=checkpoint_group(timeout()),
+                        keep=3, async_save=trainer.plan.runtime.async_save,
+                        log=lambda _: None)
+
+
+def full_state(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor, full and by name (collective over dp)."""
+    from ptc.runtime.checkpoint import ensure_optimizer_state, optimizer_kinds
+    from ptc.runtime.comm import all_gather_flat
+
+    ensure_optimizer_state(trainer)
+    out = {}
+    for unit in trainer.units:
+        state = trainer.optimizer.inner.state[unit.master]
+        tensors = {"model": unit.master.detach(), **{k: state[k] for k in optimizer_kinds(trainer)}}
+        for kind, flat in tensors.items():
+            full = flat if trainer.zero == 0 else all_gather_flat(flat.contiguous(),
+                                                                  trainer.group).wait()
+            for slot in unit.slots:
+                out[f"{kind}.{slot.name}"] = full[slot.offset:slot.offset + slot.numel].view(
+                    slot.shape).clone()
+        out[f"step.{unit.spec.name}"] = state["step"].clone()
+    return out
+
+
+def save_worker(plan: Plan, directory: str, steps: int, more: int) -> dict:
+    """Train `steps`, checkpoint, record everything, train `more` steps uninterrupted."""
+    trainer = _trainer(plan)
+    losses = [trainer.train_step(k).loss for k in range(steps)]
+    state = full_state(trainer)
+    checkpointer = _checkpointer(trainer, directory)
+    checkpointer.save(steps, steps * GLOBAL_BATCH, {"layout": {"dp": trainer.dp}})
+    # Training goes on while the save is in flight: it must not change what is saved.
+    after = [trainer.train_step(k).loss for k in range(steps, steps + more)]
+    checkpointer.close()
+    result = {"losses": losses, "state": state, "after": after}
+    dist.destroy_process_group()
+    return result
+
+
+def load_worker(plans: list[Plan], directory: str, more: int) -> list[dict]:
+    """For each plan: restore the newest checkpoint, record the state, train `more` steps."""
+    out = []
+    for plan in plans:
+        trainer = _trainer(plan)
+        manifest = _checkpointer(trainer, directory).restore()
+        state = full_state(trainer)
+        losses = [trainer.train_step(manifest.step + k, position=manifest.position
+                                     + k * GLOBAL_BATCH).loss for k in range(more)]
+        out.append({"state": state, "step": manifest.step, "position": manifest.position,
+                    "after": losses})
+    dist.destroy_process_group()
+    return out
+
+
+def run_worker(plans: list[Plan], fault: str | None = None) -> list[dict]:
+    """Train each plan through the production loop; per plan: events, losses, error, weights."""
+    from ptc.runtime import faults
+    from ptc.runtime.mesh import init_distributed
+    from ptc.runtime.train import train_worker
+
+    if fault is not None:
+        os.environ[faults.ENV] = fault
+    out = []
+    for plan in plans:
+        faults._fired.clear()  # each plan meets the fault afresh
+        init_distributed(plan)
+        try:
+            result = train_worker(plan)
+            out.append({"events": result.events, "losses": result.losses,
+                        "nonfinite": [s.nonfinite for s in result.steps], "error": None})
+        except Exception as exc:  # noqa: BLE001 - the test compares errors across ranks
+            out.append({"events": [], "losses": [], "nonfinite": [], "error": str(exc)})
+    dist.destroy_process_group()
+    return out
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def rss_worker(plan: Plan, directory: str, saves: int) -> dict:
+    """Alternate a training step and an async save `saves` times; RSS after each save."""
+    trainer = _trainer(plan)
+    checkpointer = _checkpointer(trainer, directory)
+    rss = []
+    for k in range(saves):
+        trainer.train_step(k)
+        checkpointer.save(k + 1, (k + 1) * plan.train.global_batch, {"layout": {}})
+        checkpointer.wait()
+        rss.append(rss_bytes())
+    checkpointer.close()
+    dist.destroy_process_group()
+    return {"rss": rss, "state_bytes": sum(4 * 3 * u.master.numel() for u in trainer.units)}
+
+
+def damage(directory: str, how: str) -> None:
+    """Damage the newest checkpoint: flip a byte of a shard file, or truncate DCP's index."""
+    from ptc.runtime.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(directory)
+    path = store.path(store.latest())
+    if how == "corrupt":
+        shard = next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        index = path / ".metadata"
+        index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+    store.partial_path(store.latest() + 2).mkdir()  # and a save that never finished
+
+
+def damage_worker(plans: list[Plan], hows: list[str], steps: int) -> list[dict]:
+    """Per plan: train, damage the newest checkpoint (rank 0), resume up to `steps`."""
+    from ptc.runtime.mesh import init_distributed
+    from ptc.runtime.train import train_worker
+
+    out = []
+    for plan, how in zip(plans, hows):
+        init_distributed(plan)
+        train_worker(plan)
+        if dist.get_rank() == 0:
+            damage(plan.runtime.checkpoint_dir, how)
+        dist.barrier()
+        result = train_worker(dataclasses.replace(
+            plan, train=dataclasses.replace(plan.train, steps=steps)))
+        out.append({"events": result.events, "losses": result.losses})
+    dist.destroy_process_group()
+    return out
+
+
+def nonfinite_save_worker(plan: Plan, directory: str) -> dict:
+    """Save once, poison one weight, save again: the second save must be refused."""
+    trainer = _trainer(plan)
+    checkpointer = _checkpointer(trainer, directory)
+    trainer.train_step(0)
+    first = checkpointer.save(1, plan.train.global_batch, {"layout": {}})
+    checkpointer.wait()
+    trainer.units[0].master.detach().view(-1)[0] = float("inf")
+    second = checkpointer.save(2, 2 * plan.train.global_batch, {"layout": {}})
+    checkpointer.close()
+    dist.destroy_process_group()
+    return {"first": first, "second": second}

@@ -1,0 +1,159 @@
+"""Fault injection on CPU gloo: killed rank, NaN gradient, damaged checkpoint, hung rank, elastic.
+
+Faults come from the `PTC_FAULT` test hook (`ptc.runtime.faults`). Every
+test is bounded: collectives time out (`PTC_TIMEOUT`), the launcher stops
+the group when a rank dies, and each test has a pytest timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+
+import pytest
+import torch
+from ckpt_helpers import (
+    GLOBAL_BATCH,
+    ckpt_plan,
+    damage_worker,
+    run_worker,
+    with_runtime,
+)
+from dist_helpers import ROOT
+
+from ptc.dsl import dump_plan
+from ptc.runtime.checkpoint_store import CheckpointStore
+from ptc.runtime.launcher import launch, run_local
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(autouse=True)
+def importable_ptc(monkeypatch):
+    # Workers are new interpreters (`python -m ptc.runtime.worker`): they need the repo on the path.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("PTC_TIMEOUT", "60")
+
+
+def write_plan(tmp_path, plan, name="plan.ptc") -> str:
+    path = tmp_path / name
+    path.write_text(dump_plan(plan))
+    return str(path)
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def decisions(run: dict) -> list[str]:
+    """What a rank decided about steps (saves are reported by rank 0 alone)."""
+    return [e for e in run["events"] if e.startswith("step ")]
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
+        tmp_path, monkeypatch, capfd):
+    def plan(name):
+        return ckpt_plan(dp=2, zero=1, steps=6, checkpoint_dir=str(tmp_path / name),
+                         checkpoint_every=2, metrics=str(tmp_path / f"{name}.jsonl"))
+
+    reference = run_local(run_worker, 2, [plan("whole")])[0][0]["losses"]
+    monkeypatch.setenv("PTC_FAULT", "kill:1:5")  # rank 1 dies as step 5 starts, first attempt
+    assert launch(write_plan(tmp_path, plan("killed")), nproc=2,
+                  extra_launcher_args=["--max-restarts=1"]) == 0
+    records = read_metrics(tmp_path / "killed.jsonl")
+    before = [r for r in records if r["restart"] == 0]
+    after = [r for r in records if r["restart"] == 1]
+    assert [r["step"] for r in before] == [1, 2, 3, 4]
+    resumed = after[0]["step"] - 1
+    assert resumed in (2, 4), "resumed from the checkpoint of step 2 or 4 (if its save finished)"
+    assert [r["step"] for r in after] == list(range(resumed + 1, 7))
+    for record in records:  # bit-identical, before and after the restart
+        assert record["loss"] == reference[record["step"] - 1], record
+    assert f"resumed from step_{resumed:08d}" in capfd.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_nonfinite_gradient_every_rank_takes_the_same_action_under_each_policy(tmp_path):
+    base = ckpt_plan(dp=2, zero=2, steps=6, checkpoint_every=2, keep=1)
+    plans = [with_runtime(base, nan_policy=policy, checkpoint_dir=str(tmp_path / policy))
+             for policy in ("stop", "skip", "rollback")]
+    stop, skip, rollback = zip(*run_local(run_worker, 2, plans, "nan:1:3").values())
+
+    assert stop[0]["error"] == stop[1]["error"]
+    assert "step 3: non-finite loss or gradient on rank(s) [1]; nan_policy = stop" in stop[0]["error"]
+    assert CheckpointStore(tmp_path / "stop").visible() == [2]  # nothing non-finite was saved
+
+    assert decisions(skip[0]) == decisions(skip[1]) and skip[0]["nonfinite"] == skip[1]["nonfinite"]
+    assert skip[0]["nonfinite"] == [(), (), (1,), (), (), ()]
+    assert "step 3: non-finite loss or gradient on rank(s) [1]: step skipped, no update" \
+        in skip[0]["events"]
+    assert all(torch.isfinite(torch.tensor(skip[0]["losses"][3:])))
+
+    assert decisions(rollback[0]) == decisions(rollback[1])
+    bad = 2 * GLOBAL_BATCH  # step 3's batch starts at sample 16
+    assert (f"step 3: non-finite loss or gradient on rank(s) [1]: rolled back to step_00000002; "
+            f"data resumes at sample {bad + GLOBAL_BATCH} (samples {bad}..{bad + GLOBAL_BATCH - 1}"
+            f" skipped)") in rollback[0]["events"]
+    assert rollback[0]["nonfinite"] == [(), (), (1,), (), (), (), ()]  # steps 1, 2, 3, 3..6
+    assert all(torch.isfinite(torch.tensor(rollback[0]["losses"])).tolist()[3:])
+    store = CheckpointStore(tmp_path / "rollback")
+    assert store.visible() == [6] and store.verify(6) == []  # finite weights, saved at the end
+
+
+@pytest.mark.timeout(240)
+def test_damaged_newest_checkpoint_resume_takes_the_previous_and_says_so(tmp_path):
+    base = ckpt_plan(dp=2, zero=1, steps=4, checkpoint_every=2)
+    plans = [with_runtime(base, checkpoint_dir=str(tmp_path / how))
+             for how in ("corrupt", "truncate")]
+    corrupt, truncate = run_local(damage_worker, 2, plans, ["corrupt", "truncate"], 6)[0]
+    for got, problem in ((corrupt, "fails its CRC-32 check"),
+                         (truncate, ".metadata has")):
+        text = "\n".join(got["events"])
+        assert "removed incomplete checkpoints step_00000006.partial" in text
+        assert "checkpoint step_00000004 is damaged (" in text and problem in text
+        assert "set aside as step_00000004.damaged, trying the previous one" in text
+        assert "resumed from step_00000002: step 2, next sample 16" in text
+        assert len(got["losses"]) == 4  # steps 3..6
+    assert CheckpointStore(tmp_path / "corrupt").visible()[0] == 6
+
+
+@pytest.mark.timeout(180)
+def test_hung_rank_is_named_after_the_collective_timeout(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PTC_FAULT", "hang:1:2")
+    monkeypatch.setenv("PTC_TIMEOUT", "10")
+    plan = ckpt_plan(dp=2, zero=0, steps=3)
+    assert launch(write_plan(tmp_path, plan), nproc=2) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 failed" in err
+    assert "step 2: a collective timed out after 10 s; rank(s) 1 did not answer" in err
+
+
+@pytest.mark.timeout(240)
+def test_elastic_restart_on_fewer_processes_reshards_and_keeps_the_data_position(
+        tmp_path, capfd):
+    from dist_helpers import reference_run
+
+    plan = ckpt_plan(dp=2, zero=1, steps=4, checkpoint_dir=str(tmp_path / "ckpt"),
+                     checkpoint_every=2, metrics=str(tmp_path / "m.jsonl"))
+    assert launch(write_plan(tmp_path, plan), nproc=2) == 0
+    longer = dataclasses.replace(plan, train=dataclasses.replace(plan.train, steps=6))
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    # One "node" of one process joins an elastic job for up to two: dp becomes 1.
+    assert launch(write_plan(tmp_path, longer, "longer.ptc"), nproc=1, extra_launcher_args=[
+        "--nnodes=1:2", f"--rdzv-endpoint=localhost:{port}", "--rdzv-backend=c10d",
+        "--rdzv-conf=last_call_timeout=1"]) == 0
+    out = capfd.readouterr().out
+    assert "elastic job: 1 processes joined, so dp = 1 (the plan asks 2)" in out
+    assert "resumed from step_00000004: step 4, next sample 32 (resharded from tp=1 pp=1 " \
+           "dp=2 zero=1 to tp=1 pp=1 dp=1 zero=1)" in out
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    losses, _ = reference_run(longer)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(losses),
+                               rtol=1e-5, atol=1e-6)

@@ -1,0 +1,80 @@
+"""Helpers of the tensor-parallel tests: plans of the tiny models with tp, and the worker.
+
+Workers run inside processes started by `ptc.runtime.run_local` (spawn), so
+they live here, importable, not in a test file. One launch trains every case
+of one process count in a row: process start-up is paid once per count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan
+
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan
+
+NANOGPT = "tests.user_models.nanogpt:nanogpt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPCase:
+    """One tensor-parallel layout of one tiny model."""
+
+    family: str
+    """"gpt", "llama" or "nanogpt" (the user model of tests/user_models)."""
+    tp: int
+    sp: bool = False
+    dp: int = 1
+    zero: int = 0
+
+    @property
+    def world(self) -> int:
+        """Processes the case runs on."""
+        return self.tp * self.dp
+
+    def __str__(self) -> str:
+        dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
+        return f"{self.family} tp{self.tp}{' sp' if self.sp else ''}{dp}"
+
+
+def tp_model(family: str, tp: int) -> ModelSpec:
+    """The tiny model of `family`, with head counts tp divides (Llama keeps grouped-query attention)."""
+    if family == "nanogpt":
+        return ModelSpec(family="custom", factory=NANOGPT, vocab=64, max_seq=SEQ,
+                         kwargs=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64,
+                                     block_size=SEQ, dropout=0.0, bias=True))
+    if family == "llama" and tp > 2:  # 2 kv heads cannot be split 4 ways: 8 q over 4 kv heads
+        return dataclasses.replace(tiny_model("llama"), heads=8, kv_heads=4)
+    return tiny_model(family)
+
+
+def tp_plan(case: TPCase, steps: int = STEPS) -> Plan:
+    """The tiny model of `case`, two samples per micro-batch, one micro-batch per dp rank."""
+    base = tiny_plan("gpt", zero=case.zero, dp=case.dp, accum=1, steps=steps)
+    return dataclasses.replace(
+        base, model=tp_model(case.family, case.tp),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
+        parallel=ParallelSpec(tp=case.tp, dp=case.dp, zero=case.zero,
+                              sequence_parallel=case.sp))
+
+
+def run_tp_cases(cases: list[TPCase]) -> dict:
+    """Worker: train every case; rank 0 returns each case's losses, full weights and pass log."""
+    import torch.distributed as dist
+
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+
+    results = {}
+    for case in cases:
+        plan = tp_plan(case)
+        init_distributed(plan)
+        program = compile_plan(plan)
+        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+        state = trainer.full_state_dict()
+        if dist.get_rank() == 0:
+            results[case] = {"losses": losses, "state": state, "log": program.pass_log}
+    dist.destroy_process_group()
+    return results

@@ -1,0 +1,226 @@
+"""The pipeline_split pass (split_pipeline_pass) on small captured graphs.
+
+Checks the cut (stage graphs, what crosses, tied weights), that the
+pipeline graph computes the captured graph's loss and gradients, the cost
+model's balancing, pinned cuts, the memory constraint, and the Program that
+compile_plan builds from a split graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.capture import capture, with_weights  # noqa: E402
+from ptc.compiler.pipeline import capture_plan, compile_plan  # noqa: E402
+from ptc.compiler.program import ZeroShards  # noqa: E402
+from ptc.compiler.stages import PIPELINE_KEY, pipeline_stages, stage_info  # noqa: E402
+from ptc.errors import CompileError  # noqa: E402
+from ptc.models import build_model  # noqa: E402
+from ptc.passes import split_pipeline_pass  # noqa: E402
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def model_spec(family: str = "gpt", *, layers: int = 4, vocab: int = 64) -> ModelSpec:
+    if family == "gpt":
+        return ModelSpec(family="gpt", layers=layers, hidden=32, heads=4, vocab=vocab, max_seq=16)
+    if family == "llama":
+        return ModelSpec(family="llama", layers=layers, hidden=32, heads=4, kv_heads=2, ffn=64,
+                         vocab=vocab, max_seq=16)
+    return ModelSpec(family="custom", factory="test_pipeline_split:LongSkip")
+
+
+def make_plan(family: str = "gpt", *, pp: int = 2, v: int = 1, m: int = 4, zero: int = 0,
+              layers: int = 4, vocab: int = 64, hbm: float | None = None,
+              schedule: str | None = None) -> Plan:
+    hardware = HardwareSpec.preset("cpu", gpus_per_node=pp)
+    if hbm is not None:
+        hardware = dataclasses.replace(hardware, hbm_bytes=hbm)
+    return Plan(model=model_spec(family, layers=layers, vocab=vocab), hardware=hardware,
+                parallel=ParallelSpec(pp=pp, zero=zero, virtual_stages=v,
+                                      schedule=schedule or ("interleaved" if v > 1 else "1f1b")),
+                train=TrainSpec(seq_len=16, global_batch=2 * m, micro_batch=2, dtype="fp32"))
+
+
+def split(plan: Plan, knobs: dict | None = None, model: nn.Module | None = None):
+    gm = capture_plan(plan, model)
+    return gm, split_pipeline_pass(gm, plan, knobs=knobs or {})
+
+
+def bind(pipeline, model: nn.Module) -> None:
+    """Give every stage graph copies of `model`'s weights and buffers, by name."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    for _, stage in pipeline_stages(pipeline):
+        for name, _ in list(stage.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner)._parameters[leaf] = nn.Parameter(
+                named[name].detach().clone())
+        for name, _ in list(stage.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
+
+
+class LongSkip(nn.Module):
+    """Embedding, four residual blocks, and a head reading the last block plus the embedding.
+
+    The embedding output is used by the last stage (a skip over the middle
+    ones), and the head's reshape uses the batch shape read from the tokens.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        x0 = x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x + x0).view(b, s, -1)
+
+
+class TestSplitPipelinePass:
+    def test_pp1_leaves_the_graph_alone(self) -> None:
+        plan = Plan(model=model_spec(), hardware=HardwareSpec.preset("cpu", gpus_per_node=1),
+                    train=TrainSpec(seq_len=16, global_batch=2, micro_batch=2, dtype="fp32"))
+        gm = capture_plan(plan)
+        assert split_pipeline_pass(gm, plan, knobs={}) is gm
+
+    def test_stages_and_what_crosses(self) -> None:
+        _, pipeline = split(make_plan(pp=2))
+        stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
+        assert [s.index for s in stages] == [0, 1] and [s.rank for s in stages] == [0, 1]
+        assert stages[0].data == ("tokens",) and stages[1].data == ("targets",)
+        assert stages[0].atoms + stages[1].atoms == (
+            "embed", "pos_embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head")
+        (out,) = stages[0].outputs
+        assert stages[1].inputs == (out,)
+        assert out.shape == (2, 16, 32) and out.dtype == torch.float32 and out.requires_grad
+        assert stages[1].outputs == () and stages[1].is_last
+        code = pipeline.code
+        assert "stage_0 = self.stage_0(tokens)" in code and "self.stage_1(getitem, targets)" in code
+
+    def test_interleaved_places_chunks_round_robin(self) -> None:
+        _, pipeline = split(make_plan(pp=2, v=2, layers=4))
+        stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
+        assert [(s.rank, s.chunk) for s in stages] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        assert pipeline.meta[PIPELINE_KEY].pp == 2 and pipeline.meta[PIPELINE_KEY].virtual == 2
+
+    def test_tied_embedding_is_held_by_first_and_last_stage(self) -> None:
+        _, pipeline = split(make_plan(pp=4))
+        stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
+        assert stages[0].tied == (("embed.weight", "embed.weight"),)
+        assert stages[3].tied == (("head.weight", "embed.weight"),)
+        assert stages[1].tied == stages[2].tied == ()
+        assert pipeline.meta[PIPELINE_KEY].tied == (("embed.weight", (0, 3)),)
+        first, last = (s for _, s in pipeline_stages(pipeline)[::3])
+        assert first.get_parameter("embed.weight") is not last.get_parameter("head.weight")
+
+    @pytest.mark.parametrize("family,pp,v,layers", [("gpt", 2, 1, 4), ("gpt", 4, 1, 4),
+                                                    ("llama", 2, 2, 4), ("gpt", 4, 2, 8)])
+    def test_pipeline_graph_computes_the_captured_loss_and_gradients(
+            self, family: str, pp: int, v: int, layers: int) -> None:
+        plan = make_plan(family, pp=pp, v=v, layers=layers, m=pp)
+        gm, pipeline = split(plan)
+        model = build_model(plan.model, device="cpu", seed=1)
+        bind(pipeline, model)
+        tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+        expected = with_weights(gm, model)(tokens, targets)
+        got = pipeline(tokens, targets)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        expected.backward()
+        got.backward()
+        grads: dict[str, torch.Tensor] = {}
+        for _, stage in pipeline_stages(pipeline):
+            for name, p in stage.named_parameters():
+                grads[name] = grads.get(name, 0) + p.grad
+        for name, p in model.named_parameters():
+            copies = [g for n, g in grads.items() if n == name or (
+                model.tied and name == "embed.weight" and n == "head.weight")]
+            torch.testing.assert_close(sum(copies), p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+    def test_a_long_skip_passes_through_the_middle_stage(self) -> None:
+        plan = make_plan("custom", pp=3, m=3)
+        model = LongSkip()
+        gm, pipeline = split(plan, {"boundaries": ["layers.1", "layers.3"]}, model=model)
+        stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
+        assert [b.name for b in stages[0].outputs] == ["embed", "add"]
+        assert [b.name for b in stages[1].inputs] == ["embed", "add"]
+        assert [b.name for b in stages[1].outputs] == ["embed", "add_2"]
+        # b, s come from the tokens: the last stage reads them itself rather than receive them.
+        assert stages[2].data == ("tokens", "targets")
+        last = pipeline_stages(pipeline)[2][1]
+        assert "tokens.shape" in last.code
+        tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+        bind(pipeline, model)
+        torch.testing.assert_close(pipeline(tokens, targets), with_weights(gm, model)(tokens, targets))
+
+
+class TestBalance:
+    def test_a_costly_head_gets_fewer_layers_beside_it(self) -> None:
+        """An LM head over a 4096 vocabulary costs ~10 of these layers: stage 1 holds fewer."""
+        plan = make_plan(pp=2, layers=8, vocab=4096)
+        _, pipeline = split(plan)
+        first, last = (stage_info(s) for _, s in pipeline_stages(pipeline))
+        layers = [sum(a.startswith("layers.") for a in s.atoms) for s in (first, last)]
+        assert layers[0] > layers[1]
+        _, even = split(plan, {"boundaries": ["layers.4"]})
+        assert max(first.seconds, last.seconds) < max(
+            stage_info(s).seconds for _, s in pipeline_stages(even))
+
+    def test_pins_are_kept(self) -> None:
+        for knobs in ({"boundaries": ["layers.3"]}, {"boundaries": {1: "layers.3"}}):
+            _, pipeline = split(make_plan(pp=2), knobs)
+            assert stage_info(pipeline_stages(pipeline)[1][1]).atoms[0] == "layers.3"
+        _, pipeline = split(make_plan(pp=4), {"boundaries": [None, "layers.2", None]})
+        assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
+
+    @pytest.mark.parametrize("knobs,needle", [
+        ({"boundaries": ["layer.3"]}, r"no graph piece named 'layer.3'.*did you mean"),
+        ({"boundaries": ["layers.1", "layers.2"]}, r"boundaries lists 2 cuts; 2 stages have 1"),
+        ({"boundaries": {2: "layers.1"}}, r"stages that can start at a cut are 1 .. 1"),
+    ])
+    def test_bad_pins_are_named(self, knobs: dict, needle: str) -> None:
+        with pytest.raises(CompileError, match=needle):
+            split(make_plan(pp=2), knobs)
+
+    def test_pins_must_go_forward(self) -> None:
+        with pytest.raises(CompileError, match="later stages at later pieces"):
+            split(make_plan(pp=4), {"boundaries": {1: "layers.2", 2: "layers.1"}})
+
+    def test_memory_is_a_constraint(self) -> None:
+        with pytest.raises(CompileError, match=r"no cut of the model into 2 pipeline stages fits "
+                                               r"the memory: the best cut still needs"):
+            split(make_plan(pp=2, hbm=(1 << 30) + 1000))
+
+
+class TestProgram:
+    def test_compile_plan_keeps_a_graph_and_a_layout_per_stage(self) -> None:
+        program = compile_plan(make_plan(pp=2, zero=3))
+        assert [s.index for s in program.stages] == [0, 1]
+        assert all(isinstance(s.graph.zero, ZeroShards) for s in program.stages)
+        first, last = (s.layout for s in program.stages)
+        # The tied weight is a unit of its own on both stages: same geometry, summable shards.
+        assert first.units[0].params == ("embed.weight",)
+        assert last.units[-1].params == ("head.weight",)
+        assert first.units[0].padded_numel == last.units[-1].padded_numel
+        assert program.layout.params["embed.weight"].aliases == ("embed.weight", "head.weight")
+        assert str(program.schedule).startswith("schedule 1f1b pp=2 v=1 m=4")
+        assert any(line.startswith("split_pipeline_pass: stage 1 (rank 1, chunk 0)")
+                   for line in program.pass_log)
+        assert sum("shard_params_pass: inserted" in line for line in program.pass_log) == 2
