@@ -15,9 +15,20 @@ ptc's PipelineTrainer and as torch.distributed.pipelining's Schedule1F1B on
 the same stage split (ptc's, read off the compiled Program), each step with
 the global-norm clip over all stages and AdamW.
 
+Tensor parallelism (`--tp`, on by default): two gloo processes train a
+Llama (`--tp-hidden`; separate q/k/v, SwiGLU, RoPE) with tp = 2, with and
+without sequence parallelism, as ptc (its passes find the split) and as
+eager PyTorch under `parallelize_module` with ColwiseParallel /
+RowwiseParallel (and SequenceParallel on the norms, PrepareModuleInput on
+attention and MLP), vocabulary-parallel embedding and head with
+`loss_parallel` — torchtitan's Llama plan — with the head counts of each
+attention set to the local ones, as torchtitan does. Same weights, data,
+micro-batches, clipping and AdamW.
+
     python bench/runtime_vs_torch.py [--family gpt] [--hidden 64] [--layers 2]
                                      [--seq 32] [--micro-batch 4] [--accum 2] [--repeat 5]
-                                     [--pp-layers 8] [--no-dp] [--no-pp]
+                                     [--pp-layers 8] [--tp-hidden 128] [--no-dp] [--no-pp]
+                                     [--no-tp]
 """
 
 from __future__ import annotations
@@ -245,6 +256,129 @@ def pp_worker(args) -> dict[str, float]:
     return result
 
 
+TP = 2
+
+
+def make_tp_plan(args, sp: bool):
+    """The tensor-parallel benchmark plan: a Llama of `--tp-hidden` on tp = 2 processes."""
+    import dataclasses
+
+    from ptc.plan import ModelSpec, ParallelSpec
+
+    base = make_plan(args, 0)
+    model = ModelSpec(family="llama", layers=args.layers, hidden=args.tp_hidden, heads=4,
+                      ffn=4 * args.tp_hidden, vocab=args.vocab, max_seq=args.seq)
+    return dataclasses.replace(
+        base, model=model, parallel=ParallelSpec(tp=TP, sequence_parallel=sp),
+        train=dataclasses.replace(base.train, global_batch=args.micro_batch * args.accum))
+
+
+def ptc_tp_step_time(args, sp: bool) -> float:
+    """ptc's runtime with tp = 2 (and sequence parallelism when `sp`)."""
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh
+
+    plan = make_tp_plan(args, sp)
+    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+    return timed(trainer.train_step, args.repeat, args.warmup)
+
+
+def torch_tp_step_time(args, sp: bool) -> float:
+    """Eager Llama under torch's parallelize_module (torchtitan's plan), same step."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   loss_parallel, parallelize_module)
+
+    from ptc.models import build_model
+    from ptc.runtime.data import TokenSource
+
+    plan = make_tp_plan(args, sp)
+    train = plan.train
+    model = build_model(plan.model, device="cpu", seed=0)
+    mesh = init_device_mesh("cpu", (TP,))
+    seq = Shard(1) if sp else Replicate()
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "norm": SequenceParallel() if sp else None,
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                use_local_output=False)})
+    for layer in model.layers:
+        layer_plan = {f"attn.{x}": ColwiseParallel() for x in ("q", "k", "v")}
+        layer_plan |= {f"mlp.{x}": ColwiseParallel() for x in ("gate", "up")}
+        layer_plan |= {"attn.o": RowwiseParallel(output_layouts=seq),
+                       "mlp.down": RowwiseParallel(output_layouts=seq)}
+        if sp:
+            layer_plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
+            layer_plan |= {m: PrepareModuleInput(input_layouts=(Shard(1),),
+                                                 desired_input_layouts=(Replicate(),))
+                           for m in ("attn", "mlp")}
+        parallelize_module(layer, mesh, layer_plan)
+        layer.attn.heads //= TP  # the view to heads must use the local head counts
+        layer.attn.kv_heads //= TP
+    opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr)
+    source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
+    micros = plan.num_microbatches
+
+    def step(k: int) -> None:
+        for m in range(micros):
+            tokens, targets = source.batch(k * train.global_batch + m * train.micro_batch,
+                                           train.micro_batch)
+            with loss_parallel():
+                loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                (loss / micros).backward()
+        clip_mixed(model.parameters(), train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+
+    return timed(step, args.repeat, args.warmup)
+
+
+def clip_mixed(parameters, max_norm: float) -> None:
+    """clip_grad_norm_ over DTensor (split) and plain (replicated norm) gradients together.
+
+    torch's clip_grad_norm_ refuses a mix; without sequence parallelism the
+    norms' weights stay plain tensors.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    split = [g for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    squares = torch.zeros(())
+    if split:
+        squares += get_total_norm(split).full_tensor() ** 2
+    if whole:
+        squares += get_total_norm(whole) ** 2
+    factor = min(1.0, max_norm / (float(squares.sqrt()) + 1e-6))
+    for g in grads:
+        g.mul_(factor)
+
+
+def tp_worker(args) -> dict[str, float]:
+    """ptc and torch tensor parallelism, without and with sequence parallelism, on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from ptc.runtime.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(make_tp_plan(args, False))
+    result = {}
+    for sp in (False, True):
+        name = "tp2+sp" if sp else "tp2"
+        result[f"ptc {name}"] = ptc_tp_step_time(args, sp)
+        result[f"torch {name}"] = torch_tp_step_time(args, sp)
+    dist.destroy_process_group()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="gpt", choices=("gpt", "llama"))
@@ -262,9 +396,23 @@ def main() -> None:
                         help="compare data parallelism (2 processes)")
     parser.add_argument("--pp", action=argparse.BooleanOptionalAction, default=True,
                         help="compare pipeline parallelism (4 processes)")
+    parser.add_argument("--tp-hidden", type=int, default=128,
+                        help="hidden size of the tensor-parallel benchmark's Llama")
+    parser.add_argument("--tp", action=argparse.BooleanOptionalAction, default=True,
+                        help="compare tensor parallelism (2 processes)")
     args = parser.parse_args()
 
     from ptc.runtime.launcher import run_local
+
+    if args.tp:
+        times = run_local(tp_worker, TP, args)[0]
+        print(f"llama h={args.tp_hidden} layers={args.layers} seq={args.seq} "
+              f"micro_batch={args.micro_batch} accum={args.accum}, tp={TP} gloo processes, "
+              f"median of {args.repeat} steps")
+        for name in ("tp2", "tp2+sp"):
+            ours, theirs = times[f"ptc {name}"], times[f"torch {name}"]
+            print(f"  {'ptc ' + name:16s} {ours * 1e3:8.2f} ms   {'torch ' + name:16s} "
+                  f"{theirs * 1e3:8.2f} ms   ptc / torch = {ours / theirs:.2f}")
 
     if args.pp:
         times = run_local(pp_worker, PP_STAGES, args)[0]

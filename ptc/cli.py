@@ -67,6 +67,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a stage's lowered graph (with its collectives), its Graphviz, or the schedule."""
+    from ptc.compiler.inspect import graph_to_dot, render_graph  # noqa: PLC0415
+    from ptc.compiler.pipeline import compile_plan  # noqa: PLC0415
+    from ptc.compiler.schedule import render_schedule  # noqa: PLC0415
+
+    plan = _load(args.plan)
+    if args.schedule:  # the schedule follows from the plan alone: no need to compile
+        _out.print(render_schedule(plan), markup=False)
+        return EXIT_OK
+    program = compile_plan(plan)
+    if args.dot:
+        with open(args.dot, "w", encoding="utf-8") as f:
+            f.write(graph_to_dot(program, args.stage))
+        _out.print(f"wrote {args.dot} (stage {args.stage})", markup=False)
+        return EXIT_OK
+    _out.print(render_graph(program, args.stage, args.format, color=_out.is_terminal,
+                            width=_out.width), markup=False, end="")
+    return EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a plan on one process per rank through torch's elastic launcher."""
     from ptc.runtime import launch  # noqa: PLC0415
@@ -114,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compile", cmd_compile,
                 "Capture the plan's model and summarise parameters, FLOPs and layers.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
+    p = command("inspect", cmd_inspect, "Show what the compiler did: a stage's lowered graph "
+                "with every collective, as code or a table, Graphviz, or the pipeline schedule.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("--stage", type=int, default=0, help="pipeline stage to show (default 0)")
+    p.add_argument("--format", choices=("code", "table"), default="code",
+                   help="readable fx code (default) or a table of nodes")
+    p.add_argument("--dot", metavar="FILE", help="write the stage graph as Graphviz to FILE")
+    p.add_argument("--schedule", action="store_true",
+                   help="print the pipeline schedule as a step x rank grid")
 
     p = command("run", cmd_run, "Train a plan: one process per rank (gloo on CPUs, NCCL on "
                 "GPUs) through torch's elastic launcher; rank 0 prints each step.")

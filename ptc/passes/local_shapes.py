@@ -56,8 +56,6 @@ class Propagation:
 
     before: dict[fx.Node, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     local: dict[fx.Node, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    inserted: list[fx.Node] = field(default_factory=list)
-    """Nodes `propagate` created (size arithmetic, scatters)."""
 
     def is_split(self, node: fx.Node) -> bool:
         """Whether some output of the node is smaller than before."""
@@ -268,7 +266,6 @@ class _Propagator:
             new = self.gm.graph.call_function(target, args, kwargs or {})
         copy_meta(node, new, kind="pointwise" if target in (operator.floordiv, operator.mul)
                   else "other", shapes=(), dtypes=(), flops=0, params=0, param_bytes=0)
-        self.result.inserted.append(new)
         self._evaluate(new)
         return new
 
@@ -342,7 +339,6 @@ class _Propagator:
                     "(shard \"...\" replicate) or shard its producer")
             part = self.on_mix(node, a, own)
             self.result.before[part] = self.result.before[a]
-            self.result.inserted.append(part)
             self._evaluate(part)
             node.replace_input_with(a, part)
 

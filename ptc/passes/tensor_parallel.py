@@ -68,6 +68,8 @@ def shard_tensors_pass(gm: fx.GraphModule, plan: Plan, *,
     if TP_KEY in gm.meta:
         raise CompileError("tensor_parallel: the graph is already split over tp")
     sharding = find_sharding(gm, plan)
+    for path, style in sharding.styles.items():
+        log.debug("%s: %s (%s)", path, style, sharding.why[path])
     rewrite = _Rewrite(gm, sharding, tp)
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
@@ -93,7 +95,8 @@ class _Rewrite:
         self.colwise = sharding.nodes_of(gm, COLWISE)
         self.rowwise = sharding.nodes_of(gm, ROWWISE)
         vocab = sharding.nodes_of(gm, VOCAB)
-        heads = {_loss_logits_source(loss, vocab) for loss in sharding.losses}
+        self.losses = [loss for loss in sharding.losses if _loss_logits_source(loss, vocab)]
+        heads = {_loss_logits_source(loss, vocab) for loss in self.losses}
         self.heads = [n for n in vocab if n in heads]
         self.embeddings = [n for n in vocab if n not in heads]
         self.counts = {"copy_to_tp": 0, "reduce_from_tp": 0}
@@ -142,11 +145,34 @@ class _Rewrite:
             weight = _embedding_weight(self.gm, node)
             add(weight, VOCAB, 0, (self.gm.get_parameter(weight).shape[0],))
         aliases = _aliases(self.gm)
+        self._check_whole_uses({a for name in specs for a in aliases[name]})
         out = {}
         for name, spec in specs.items():
             _set_param(self.gm, aliases[name], spec.local_shape(self.tp))
             out.update({alias: spec for alias in aliases[name]})
         return TensorParallelLayout(tp=self.tp, params=out)
+
+    def _check_whole_uses(self, split: set[str]) -> None:
+        """A split parameter must not also be read whole (a tied weight kept replicated)."""
+        sharded = set(self.colwise + self.heads + self.rowwise + self.embeddings)
+        for node in self.gm.graph.nodes:
+            if node in sharded:
+                continue
+            if node.op == "call_module":
+                names = [f"{node.target}.{n}" for n, _ in
+                         self.gm.get_submodule(str(node.target)).named_parameters()]
+                readers = [node]
+            elif node.op == "get_attr":
+                names = [str(node.target)]
+                readers = [u for u in node.users if u not in sharded and not is_shape_only(u)]
+            else:
+                continue
+            for name in names:
+                if name in split and readers:
+                    raise CompileError(
+                        f"tensor parallelism: parameter {name} is split over tp, but "
+                        f"{where(readers[0])} reads it whole (a weight tied between a split and "
+                        "a replicated module); give both modules the same shard rule")
 
     # ----------------------------------------------------------- collectives
 
@@ -163,7 +189,7 @@ class _Rewrite:
             self.starts.append(node)
         self.rowwise = [self._rowwise(node) for node in self.rowwise]
         self.stops.update(self.rowwise)
-        for loss in self.sharding.losses:
+        for loss in self.losses:
             self.stops.add(self._cross_entropy(loss))
 
     def _collective(self, src: fx.Node, op, args: tuple, *, before: bool) -> fx.Node:

@@ -3,8 +3,10 @@
 One checkpoint holds, saved together:
 
 - `model.{name}`: every parameter's fp32 master under its full name and
-  shape, as `FlatChunks`. Each dp rank writes the part of the parameter in
-  its 1/dp range of the unit — at ZeRO-0 too, so writing is spread evenly.
+  full shape, as `FlatChunks`. Each dp rank writes the part of the
+  parameter in its 1/dp range of the unit — at ZeRO-0 too, so writing is
+  spread evenly; a tp rank's slice is placed where it sits in the full
+  parameter; a pipeline stage writes the parameters it holds.
 - `optim.{kind}.{name}`: the optimizer's per-element state (Adam's
   exp_avg / exp_avg_sq, SGD's momentum_buffer), chunked the same way, and
   `optim.step`, Adam's update count.
@@ -13,9 +15,10 @@ One checkpoint holds, saved together:
   next sample index), layout, learning-rate schedule, file checksums.
 
 Loading asks DCP for the same keys over the ranges the *current* layout
-holds, whatever layout wrote them: dp and the ZeRO stage may change. RNG
-states come back when dp is the same (then resuming is bit-identical);
-otherwise each rank is reseeded from (seed, rank, step).
+holds, whatever layout wrote them: tp, pp, dp and the ZeRO stage may
+change. RNG states come back when tp, pp and dp are the same (then resuming
+is bit-identical); otherwise each tp group is reseeded from (seed, its
+first rank, step).
 
 Asynchronous saving: the rank's state is copied into host buffers allocated
 once (pinned on GPUs) — the only pause training sees — then
@@ -51,6 +54,7 @@ from ptc.runtime.checkpoint_store import (
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
 from ptc.runtime.health import nonfinite_ranks
 from ptc.compiler.program import ParamSlot
+from ptc.compiler.tp_layout import ParamShard
 from ptc.runtime.params import UnitState, publish
 
 Source = Callable[[int, str], tuple[int, torch.Tensor]]
@@ -103,7 +107,8 @@ def held(trainer) -> Source:
     """What this rank holds: the full buffers at ZeRO-0, its shard from ZeRO-1 on."""
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         flat = _flat(trainer, unit, kind)
-        start = 0 if trainer.zero == 0 else trainer.dp_rank * rank_units(trainer)[unit].spec.shard_numel
+        shard = rank_units(trainer)[unit].spec.shard_numel
+        start = 0 if trainer.zero == 0 else trainer.dp_rank * shard
         return start, flat
     return source
 
@@ -121,7 +126,12 @@ def owned(trainer) -> Source:
 
 
 def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
-    """Every parameter and optimizer tensor by full name, as the chunks `source` covers."""
+    """Every parameter and optimizer tensor by full name, as the chunks `source` covers.
+
+    Under tensor parallelism a slot holds the rank's slice of the parameter;
+    its chunks are re-addressed in the full parameter (`tp_chunks`).
+    """
+    tp = trainer.program.tensor_parallel
     out = {}
     for index, unit in enumerate(rank_units(trainer)):
         for kind in ("model", *optimizer_kinds(trainer)):
@@ -130,10 +140,39 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
             for slot in unit.slots:
                 lo = max(slot.offset, start)
                 hi = min(slot.offset + slot.numel, start + flat.numel())
-                if lo < hi:
-                    out[prefix + full_name(trainer, slot)] = FlatChunks.from_flat(
-                        slot.shape, flat[lo - start:hi - start], lo - slot.offset)
+                if lo >= hi:
+                    continue
+                name = full_name(trainer, slot)
+                chunks = FlatChunks.from_flat(slot.shape, flat[lo - start:hi - start],
+                                              lo - slot.offset)
+                split = None if tp is None else tp.params.get(name, tp.params.get(slot.name))
+                if split is not None:
+                    chunks = tp_chunks(chunks, split, trainer.tp_rank, tp.tp)
+                out[prefix + name] = chunks
     return out
+
+
+def tp_chunks(chunks: FlatChunks, split: ParamShard, rank: int, tp: int) -> FlatChunks:
+    """Chunks of tp rank `rank`'s slice of a parameter, as chunks of the full parameter.
+
+    The slice is the rank-th 1/tp of every segment of the split dim,
+    concatenated (`ParamShard.local`): each box is cut at segment borders
+    and each piece moved to where its segment's share sits in the full tensor.
+    """
+    dim = split.dim
+    width = [size // tp for size in split.segments]  # each segment's share per rank
+    local_starts = [sum(width[:j]) for j in range(len(width))]
+    full_starts = [sum(split.segments[:j]) + rank * width[j] for j in range(len(width))]
+    pieces = []
+    for offsets, tensor in chunks.pieces.items():
+        lo, hi = offsets[dim], offsets[dim] + tensor.shape[dim]
+        for local, full, n in zip(local_starts, full_starts, width):
+            a, b = max(lo, local), min(hi, local + n)
+            if a < b:
+                moved = list(offsets)
+                moved[dim] = full + a - local
+                pieces.append((moved, tensor.narrow(dim, a - lo, b - a)))
+    return FlatChunks(split.full_shape, pieces)
 
 
 def _adam_step(trainer) -> torch.Tensor | None:
@@ -207,9 +246,6 @@ class Checkpointer:
     def __init__(self, trainer, store: CheckpointStore, *, group: dist.ProcessGroup,
                  keep: int, async_save: bool, log: Callable[[str], None] = print):
         """`group`: a gloo group of all ranks used only by checkpointing (and its thread)."""
-        if trainer.plan.parallel.tp > 1:
-            # Each tp rank holds a slice under the full name: saved as is, DCP would keep one.
-            raise CheckpointError("checkpoints of tp > 1 plans are not supported yet")
         self.trainer, self.store, self.group = trainer, store, group
         self.keep, self.async_save, self.log = keep, async_save, log
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -337,9 +373,10 @@ class Checkpointer:
         if adam_step is not None:
             state["optim.step"] = torch.zeros((), dtype=torch.float32)
         metadata = FileSystemReader(path).read_metadata()
-        same_dp = manifest.info.get("layout", {}).get("dp") == trainer.dp and \
-            manifest.info.get("world") == self.world
-        if same_dp:  # a CUDA state is restored only if one was saved
+        saved = manifest.info.get("layout", {})
+        p = trainer.plan.parallel
+        if (saved.get("tp"), saved.get("pp"), saved.get("dp")) == (p.tp, p.pp, p.dp):
+            # Each rank's generators continue (a CUDA state only if one was saved).
             state.update({k: v for k, v in _rng_state(trainer.rank).items()
                           if k in metadata.state_dict_metadata})
         _check_compatible(metadata, state, path)
@@ -352,8 +389,10 @@ class Checkpointer:
             torch.set_rng_state(state[f"rng.{trainer.rank}.cpu"])
             if f"rng.{trainer.rank}.cuda" in state:
                 torch.cuda.set_rng_state(state[f"rng.{trainer.rank}.cuda"])
-        else:  # a new layout: fresh, distinct streams per rank and resume step
-            torch.manual_seed(trainer.plan.runtime.seed + trainer.rank + self.world * step)
+        else:  # a new layout: fresh streams per resume step, shared by a tp group (as at start)
+            leader = dist.get_process_group_ranks(trainer.tp_group)[0] if trainer.tp_group \
+                else trainer.rank
+            torch.manual_seed(trainer.plan.runtime.seed + leader + self.world * step)
         publish(rank_units(trainer), trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
                 world=trainer.dp)
 

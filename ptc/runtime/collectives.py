@@ -110,3 +110,8 @@ def gather_params(handle: GatherHandle,
     buffer's gradient over the axis into the gradient of the rank's shard.
     """
     return _GatherParams.apply(handle, *shards)
+
+
+# What `ptc.compiler.inspect` shows for these ops (it reads this attribute, not the runtime).
+gather_params_start.ptc_collective = ("all-gather (start)", "none")
+gather_params.ptc_collective = ("all-gather (wait)", "reduce-scatter")

@@ -1,4 +1,4 @@
-"""Parameters saved by full name from flat shards: arbitrary chunks for torch.distributed.checkpoint.
+"""Parameters saved by full name from flat shards: arbitrary chunks for DCP.
 
 A rank's ZeRO shard of a unit is a range of the unit's flat buffer, so it
 holds a contiguous *flat range* of each parameter it touches — in general
@@ -73,7 +73,7 @@ class FlatChunks:
 
     @classmethod
     def from_flat(cls, shape: Sequence[int], flat: torch.Tensor, start: int) -> FlatChunks:
-        """The chunks of a tensor of `shape` whose elements [start, start + len(flat)) are `flat`."""
+        """The chunks of a `shape` tensor whose elements [start, start + len(flat)) are `flat`."""
         pieces, used = [], 0
         for offsets, sizes in flat_boxes(shape, start, start + flat.numel()):
             n = math.prod(sizes)

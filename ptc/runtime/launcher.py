@@ -71,20 +71,31 @@ def launch(plan_path: str, nproc: int | None = None,
 
     nnodes = next((a.split("=", 1)[1] for a in extra_launcher_args
                    if a.startswith("--nnodes=")), None)
-    saved = os.environ.get(ENV)
-    if is_elastic_range(nnodes):
-        os.environ[ENV] = "1"  # the workers inherit it
+    # The agent and the workers read these. Sharing the rendezvous store with the workers
+    # leaves the previous attempt's addresses in it, so a restarted group can connect to
+    # dead peers (pytorch/pytorch#135712): each attempt gets its own store instead.
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE":
+           os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+           ENV: "1" if is_elastic_range(nnodes) else None}
+    saved = {name: os.environ.get(name) for name in env}
+    _set_environment(env)
     try:
         run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args)))
     except ChildFailedError as exc:
         print(_failure_text(exc), file=sys.stderr)
         return 1
     finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+        _set_environment(saved)
     return 0
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    """Set (or, for None, remove) environment variables."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> dict[int, Any]:

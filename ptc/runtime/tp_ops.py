@@ -19,7 +19,7 @@ Ops name a mesh axis ("tp"), never a process group: `ptc.runtime.comm`
 binds axes to groups at run time. An unbound axis, or a group of one rank,
 makes every op local, so a lowered graph also runs in one plain process.
 
-Each op carries `ptc_collective = (forward, backward)`, which
+Each communicating op carries `ptc_collective = (forward, backward)`, which
 `ptc.compiler.inspect` reads to highlight collectives without importing
 the runtime.
 """
@@ -244,7 +244,6 @@ class _VocabEmbedding(torch.autograd.Function):
         return None, gw.index_add_(0, local, rows), None
 
 
-@_collective("lookup (partial)", "local")
 def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor,
                              axis: str = TP) -> torch.Tensor:
     """Look tokens up in this rank's slice of a vocabulary-sharded embedding table.

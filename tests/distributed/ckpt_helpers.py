@@ -30,13 +30,13 @@ from ptc.plan import (
 GLOBAL_BATCH = 8
 
 
-def ckpt_plan(*, dp: int, zero: int, steps: int = 6, family: str = "llama",
-              **runtime) -> Plan:
-    """The tiny model on dp CPU ranks; `runtime` overrides RuntimeSpec fields (gloo always)."""
+def ckpt_plan(*, dp: int, zero: int, steps: int = 6, family: str = "llama", tp: int = 1,
+              pp: int = 1, **runtime) -> Plan:
+    """The tiny model on tp·pp·dp CPU ranks; `runtime` overrides RuntimeSpec fields (gloo)."""
     return Plan(
         model=tiny_model(family),
-        hardware=HardwareSpec.preset("cpu", gpus_per_node=dp),
-        parallel=ParallelSpec(tp=1, pp=1, dp=dp, zero=zero),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=tp * pp * dp),
+        parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, zero=zero),
         train=TrainSpec(seq_len=SEQ, global_batch=GLOBAL_BATCH, micro_batch=1, dtype="fp32",
                         steps=steps, grad_clip=1.0,
                         optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
@@ -58,9 +58,11 @@ def _trainer(plan: Plan):
     from ptc.compiler.pipeline import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.pipeline_exec import PipelineTrainer
 
     init_distributed(plan)
-    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+    kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
+    return kind(compile_plan(plan), axis_groups(build_mesh(plan)))
 
 
 def _checkpointer(trainer, directory: str):
@@ -68,28 +70,44 @@ def _checkpointer(trainer, directory: str):
     from ptc.runtime.checkpoint_store import CheckpointStore
     from ptc.runtime.mesh import timeout
 
+    runtime = trainer.plan.runtime
     return Checkpointer(trainer, CheckpointStore(directory), group=checkpoint_group(timeout()),
-                        keep=3, async_save=trainer.plan.runtime.async_save,
-                        log=lambda _: None)
+                        keep=runtime.keep, async_save=runtime.async_save, log=lambda _: None)
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer tensor, full and by name (collective over dp)."""
-    from ptc.runtime.checkpoint import ensure_optimizer_state, optimizer_kinds
+    """Every parameter and optimizer tensor, full and by name, on every rank (collective)."""
+    from ptc.runtime.checkpoint import (
+        ensure_optimizer_state,
+        full_name,
+        optimizer_kinds,
+        rank_units,
+    )
     from ptc.runtime.comm import all_gather_flat
+    from ptc.runtime.tp_state import join_over_tp
 
     ensure_optimizer_state(trainer)
-    out = {}
-    for unit in trainer.units:
+    kinds = ("model", *optimizer_kinds(trainer))
+    local: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in kinds}
+    for unit in rank_units(trainer):
         state = trainer.optimizer.inner.state[unit.master]
-        tensors = {"model": unit.master.detach(), **{k: state[k] for k in optimizer_kinds(trainer)}}
-        for kind, flat in tensors.items():
+        for kind in kinds:
+            flat = unit.master.detach() if kind == "model" else state[kind]
             full = flat if trainer.zero == 0 else all_gather_flat(flat.contiguous(),
                                                                   trainer.group).wait()
             for slot in unit.slots:
-                out[f"{kind}.{slot.name}"] = full[slot.offset:slot.offset + slot.numel].view(
-                    slot.shape).clone()
-        out[f"step.{unit.spec.name}"] = state["step"].clone()
+                local[kind].setdefault(full_name(trainer, slot), full[
+                    slot.offset:slot.offset + slot.numel].view(slot.shape).clone())
+    out = {"step": state["step"].clone()}
+    tp = trainer.program.tensor_parallel
+    for kind, values in local.items():
+        if tp is not None:
+            values = join_over_tp(values, tp, trainer.tp_group)
+        out.update({f"{kind}.{name}": value for name, value in values.items()})
+    if trainer.plan.parallel.pp > 1:  # every stage's parameters
+        parts = [None] * trainer.plan.parallel.pp
+        dist.all_gather_object(parts, out, group=trainer.pp_group)
+        out = {name: value for part in parts for name, value in part.items()}
     return out
 
 
@@ -99,7 +117,7 @@ def save_worker(plan: Plan, directory: str, steps: int, more: int) -> dict:
     losses = [trainer.train_step(k).loss for k in range(steps)]
     state = full_state(trainer)
     checkpointer = _checkpointer(trainer, directory)
-    checkpointer.save(steps, steps * GLOBAL_BATCH, {"layout": {"dp": trainer.dp}})
+    checkpointer.save(steps, steps * GLOBAL_BATCH, {"layout": layout(plan)})
     # Training goes on while the save is in flight: it must not change what is saved.
     after = [trainer.train_step(k).loss for k in range(steps, steps + more)]
     checkpointer.close()
@@ -108,17 +126,35 @@ def save_worker(plan: Plan, directory: str, steps: int, more: int) -> dict:
     return result
 
 
-def load_worker(plans: list[Plan], directory: str, more: int) -> list[dict]:
-    """For each plan: restore the newest checkpoint, record the state, train `more` steps."""
+def layout(plan: Plan) -> dict[str, int]:
+    """The layout a checkpoint's manifest records."""
+    p = plan.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+
+
+def load_worker(jobs: list[tuple[Plan, str]], more: int, save_to: list[str] | None = None
+                ) -> list[dict]:
+    """Per (plan, directory): restore, record the state, train `more` steps.
+
+    With `save_to`, then checkpoint into save_to[i], record the state saved and the
+    losses of `more` further steps.
+    """
     out = []
-    for plan in plans:
+    for index, (plan, directory) in enumerate(jobs):
         trainer = _trainer(plan)
         manifest = _checkpointer(trainer, directory).restore()
-        state = full_state(trainer)
-        losses = [trainer.train_step(manifest.step + k, position=manifest.position
-                                     + k * GLOBAL_BATCH).loss for k in range(more)]
-        out.append({"state": state, "step": manifest.step, "position": manifest.position,
-                    "after": losses})
+        assert manifest.position == manifest.step * GLOBAL_BATCH
+        got = {"state": full_state(trainer), "step": manifest.step,
+               "position": manifest.position,
+               "after": [trainer.train_step(manifest.step + k).loss for k in range(more)]}
+        if save_to is not None:  # and the uninterrupted run after that checkpoint
+            step = manifest.step + more
+            checkpointer = _checkpointer(trainer, save_to[index])
+            checkpointer.save(step, step * GLOBAL_BATCH, {"layout": layout(plan)})
+            checkpointer.close()
+            got["saved"] = full_state(trainer)
+            got["saved_after"] = [trainer.train_step(step + k).loss for k in range(more)]
+        out.append(got)
     dist.destroy_process_group()
     return out
 

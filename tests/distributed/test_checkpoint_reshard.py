@@ -1,13 +1,17 @@
-"""A checkpoint saved under one layout loads under another: dp 2 ZeRO-1 -> dp 4 ZeRO-2/3, dp 1.
+"""Checkpoints load under any layout: dp, ZeRO stage, tp and pp may all change.
 
-The dp 2 run trains 3 steps, records every parameter and optimizer tensor,
+Tiny GPT (tied embedding and head: on two stages under pp). A dp 2 ZeRO-1
+run trains 3 steps, records every parameter, Adam moment and step count,
 starts an async save and trains 2 more steps while it is written (which
-must not change what is saved). Each other layout restores it: every
-parameter, Adam moment and step count is bit-equal to the recorded one,
-the data position (sample 24) and step come back, and the next 2 steps'
-losses equal the uninterrupted dp 2 run's within the tolerances of
-test_zero_equivalence (rtol 1e-5, atol 1e-6: another dp sums the loss in
-another order), which they could not if a sample were skipped or repeated.
+must not change what is saved). tp 2·dp 2 and pp 2·dp 2 load that, train 2
+steps, and save their own checkpoints. Then dp 4 (ZeRO 1, 2, 3) and dp 1
+(ZeRO 0) load each of the three.
+
+Every load must give back bit-equal tensors, the step and the data
+position; the next 2 steps' losses must match those of the run that saved
+(continuing uninterrupted) within the tolerances of the equivalence tests
+(rtol 1e-5, atol 1e-6: another layout sums in another order) — which they
+could not if a sample were skipped or repeated.
 """
 
 from __future__ import annotations
@@ -19,28 +23,55 @@ from ckpt_helpers import GLOBAL_BATCH, ckpt_plan, load_worker, save_worker
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
+FAMILY = "gpt"
 SAVED_STEPS, MORE = 3, 2
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+def plan(**layout):
+    return ckpt_plan(family=FAMILY, **layout)
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("ckpt"))
-    return directory, run_local(save_worker, 2, ckpt_plan(dp=2, zero=1), directory,
-                                SAVED_STEPS, MORE)[0]
+def dirs(tmp_path_factory):
+    return {name: str(tmp_path_factory.mktemp(name)) for name in ("dp", "tp", "pp")}
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("dp,zeros", [(4, (2, 3)), (1, (0,))], ids=["dp4-zero2-zero3", "dp1-zero0"])
-def test_checkpoint_reshards_on_load_and_training_continues(saved, dp, zeros):
-    directory, reference = saved
-    results = run_local(load_worker, dp, [ckpt_plan(dp=dp, zero=z) for z in zeros],
-                        directory, MORE)[0]
-    for zero, got in zip(zeros, results):
-        what = f"dp {dp} ZeRO-{zero}"
-        assert (got["step"], got["position"]) == (SAVED_STEPS, SAVED_STEPS * GLOBAL_BATCH), what
-        assert got["state"].keys() == reference["state"].keys(), what
-        for name, expected in reference["state"].items():
-            assert torch.equal(got["state"][name], expected), f"{what}: {name} differs"
-        torch.testing.assert_close(torch.tensor(got["after"]), torch.tensor(reference["after"]),
-                                   **LOSS_TOL, msg=lambda m, w=what: f"{w}: losses\n{m}")
+@pytest.fixture(scope="module")
+def expected(dirs):
+    """What each checkpoint holds, and the losses of the steps after it (uninterrupted)."""
+    saved = run_local(save_worker, 2, plan(dp=2, zero=1), dirs["dp"], SAVED_STEPS, MORE)[0]
+    tp, pp = run_local(load_worker, 4, [(plan(tp=2, dp=2, zero=1), dirs["dp"]),
+                                        (plan(pp=2, dp=2, zero=1), dirs["dp"])],
+                       MORE, [dirs["tp"], dirs["pp"]])[0]
+    return {"dp": (SAVED_STEPS, saved["state"], saved["after"], None),
+            "tp": (SAVED_STEPS + MORE, tp["saved"], tp["saved_after"], tp),
+            "pp": (SAVED_STEPS + MORE, pp["saved"], pp["saved_after"], pp)}
+
+
+def check(got: dict, expected: tuple, what: str) -> None:
+    step, state, after, _ = expected
+    assert (got["step"], got["position"]) == (step, step * GLOBAL_BATCH), what
+    assert got["state"].keys() == state.keys(), what
+    for name, value in state.items():
+        assert torch.equal(got["state"][name], value), f"{what}: {name} differs"
+    torch.testing.assert_close(torch.tensor(got["after"]), torch.tensor(after), **LOSS_TOL,
+                               msg=lambda m: f"{what}: losses of the next steps\n{m}")
+
+
+@pytest.mark.timeout(300)
+def test_tp_and_pp_layouts_load_a_dp_checkpoint(expected):
+    for name in ("tp", "pp"):
+        check(expected[name][3], expected["dp"], f"tp2·dp2 / pp2·dp2 ({name}) from dp2 ZeRO-1")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,jobs", [
+    (4, [("dp", 2), ("dp", 3), ("tp", 3), ("pp", 1)]),
+    (1, [("dp", 0), ("tp", 0), ("pp", 0)]),
+], ids=["dp4", "dp1"])
+def test_checkpoints_of_every_layout_reshard_to_dp(expected, dirs, dp, jobs):
+    results = run_local(load_worker, dp, [(plan(dp=dp, zero=zero), dirs[source])
+                                          for source, zero in jobs], MORE)[0]
+    for (source, zero), got in zip(jobs, results):
+        check(got, expected[source], f"dp{dp} ZeRO-{zero} from the {source} checkpoint")

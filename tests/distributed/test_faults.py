@@ -84,7 +84,8 @@ def test_nonfinite_gradient_every_rank_takes_the_same_action_under_each_policy(t
     stop, skip, rollback = zip(*run_local(run_worker, 2, plans, "nan:1:3").values())
 
     assert stop[0]["error"] == stop[1]["error"]
-    assert "step 3: non-finite loss or gradient on rank(s) [1]; nan_policy = stop" in stop[0]["error"]
+    assert ("step 3: non-finite loss or gradient on rank(s) [1]; nan_policy = stop"
+            in stop[0]["error"])
     assert CheckpointStore(tmp_path / "stop").visible() == [2]  # nothing non-finite was saved
 
     assert decisions(skip[0]) == decisions(skip[1]) and skip[0]["nonfinite"] == skip[1]["nonfinite"]

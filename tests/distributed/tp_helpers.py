@@ -78,3 +78,55 @@ def run_tp_cases(cases: list[TPCase]) -> dict:
             results[case] = {"losses": losses, "state": state, "log": program.pass_log}
     dist.destroy_process_group()
     return results
+
+
+def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[list[int]]:
+    """Worker: bytes each rank's forward saves for backward, per (model, sequence_parallel) case.
+
+    Counted as `tests/memory/test_measured_activations.py` does — distinct
+    storages of what autograd saves, parameters and buffers left out — on
+    what the runtime really keeps: under sequence parallelism the saved
+    gathered activations are their local chunks (`SeqRegather`). Every
+    rank's figure comes back (they differ only by a few bytes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ptc.compiler.pipeline import compile_plan
+    from ptc.runtime.comm import bind_axes
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.seq_regather import SeqRegather, _SeqRef
+
+    results = []
+    for spec, sp in specs:
+        base = tiny_plan("gpt", zero=0, dp=1, accum=1)
+        plan = dataclasses.replace(
+            base, model=spec, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
+            parallel=ParallelSpec(tp=tp, sequence_parallel=sp))
+        init_distributed(plan)
+        groups = axis_groups(build_mesh(plan))
+        trainer = Trainer(compile_plan(plan), groups)
+        state = {t.untyped_storage().data_ptr()
+                 for t in (*trainer.gm.parameters(), *trainer.gm.buffers())}
+        saved: dict[int, int] = {}
+        regather = SeqRegather()
+
+        def pack(t: torch.Tensor):
+            kept = regather.pack(t)
+            storage = (kept.chunk if isinstance(kept, _SeqRef) else t).untyped_storage()
+            if storage.data_ptr() not in state:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return kept
+
+        tokens, targets = trainer.data.batch(0, plan.train.micro_batch)
+        with bind_axes(groups), regather, \
+                torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
+            loss = trainer.runner.run(tokens, targets)
+        with bind_axes(groups):
+            loss.backward()  # the graph (and every saved storage) lived until here
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, sum(saved.values()))
+        results.append(per_rank)
+    dist.destroy_process_group()
+    return results

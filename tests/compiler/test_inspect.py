@@ -1,0 +1,72 @@
+"""`ptc.compiler.inspect`: the lowered graph as code, as a table and as Graphviz dot."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.inspect import graph_to_dot, render_graph, summary_line  # noqa: E402
+from ptc.compiler.pipeline import compile_plan  # noqa: E402
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def program():
+    plan = Plan(model=ModelSpec(family="gpt", layers=1, hidden=32, heads=4, vocab=64, max_seq=16),
+                hardware=HardwareSpec.preset("cpu", gpus_per_node=4),
+                parallel=ParallelSpec(tp=2, dp=2, zero=3, sequence_parallel=True),
+                train=TrainSpec(seq_len=16, global_batch=4, micro_batch=2, dtype="fp32"))
+    return compile_plan(plan)
+
+
+def test_summary_counts_collectives(program):
+    line = summary_line(program)
+    assert line.startswith("stage 0: ")
+    for part in ("3 all_gather_seq", "3 reduce_scatter_seq", "1 scatter_seq",
+                 "8 copy_to_tp", "1 vocab_parallel_cross_entropy", "5 gather_params"):
+        assert part in line
+
+
+def test_code_marks_each_collective_line(program):
+    text = render_graph(program, 0, "code")
+    marked = [line for line in text.splitlines() if "# COLLECTIVE" in line]
+    assert len(marked) == 3 + 3 + 1 + 8 + 1 + 5 + 5
+    gather = next(line for line in marked if "all_gather_seq(" in line)
+    assert gather.endswith("# COLLECTIVE fwd: all-gather; bwd: reduce-scatter")
+    assert "def forward(self, tokens" in text
+
+
+def test_table_lists_every_node_and_highlights_collectives(program):
+    gm = program.stages[0].graph
+    plain = render_graph(program, 0, "table", width=200)
+    assert "fwd reduce-scatter / bwd all-gather" in plain
+    assert "layers.0.attn.qkv" in plain
+    assert "\x1b[" not in plain
+    coloured = render_graph(program, 0, "table", color=True, width=200)
+    assert "\x1b[" in coloured
+    assert len(gm.graph.nodes) > 50
+
+
+def test_dot_has_a_node_per_graph_node_and_edges(program):
+    gm = program.stages[0].graph
+    dot = graph_to_dot(program, 0)
+    assert dot.startswith("digraph lowered {") and dot.rstrip().endswith("}")
+    for node in gm.graph.nodes:
+        assert f'"{node.name}" [label=' in dot
+    assert dot.count("fillcolor=\"orange\"") == 3 + 3 + 1 + 8 + 1 + 5 + 5
+    assert '"all_gather_seq" -> "layers_0_attn_qkv";' in dot
+
+
+def test_bad_stage_and_format(program):
+    with pytest.raises(ValueError, match="stage 1 does not exist"):
+        render_graph(program, 1)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        render_graph(program, 0, "svg")

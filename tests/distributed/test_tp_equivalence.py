@@ -1,0 +1,115 @@
+"""Tensor (and sequence) parallelism on gloo processes trains exactly like single-process PyTorch.
+
+Layouts: tp = 2 and tp = 4, each with and without sequence parallelism, and
+tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3. Models: the built-in GPT (fused
+qkv, tied embeddings, learned positions), Llama (grouped-query attention,
+RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads) and the
+nanoGPT user model (its own loss with ignore_index, sizes read off tensors).
+The loss of every step and every parameter after 5 AdamW steps (cosine
+schedule with warm-up, global-norm clipping at 1.0) equal `torch.optim.AdamW`
+on the eager model over the full global batch, from the same initial
+weights on the same samples; a mismatch names the parameter.
+
+Tolerances (fp32): losses rtol 1e-5, atol 1e-6 — observed <= 1e-6 absolute.
+Parameters rtol 1e-5, atol 1e-4 — nearly all elements agree to ~1e-7; the
+worst observed is 6e-5, on nanoGPT's `h.0.mlp.c_proj.weight[14, 30]` at tp 4:
+Adam divides each gradient by its running RMS, so on an element whose
+gradient is near zero a summation-order difference (tp sums partial
+products in another order) becomes an update difference of order lr·1e-2.
+That element is ill-conditioned, not wrong: the fp32 eager reference itself
+is 2.5e-5 away from the same training run in fp64 there (and GPT's tied
+embedding row 18, the next worst at 1.5e-5, is 5e-6 away).
+
+A second check measures the bytes each rank's forward saves for backward
+(tp 2, with and without sequence parallelism) against the memory model's
+prediction (`ptc.compiler.memory`).
+
+Each launch trains all its cases in a row (module-scoped cache), so process
+start-up is paid once per launch: four launches in all.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_helpers import STEPS, assert_same_training, reference_run
+from tp_helpers import TPCase, measure_activations, run_tp_cases, tp_plan
+
+from ptc.compiler.layout import Layout
+from ptc.compiler.memory import precision, stage_memory
+from ptc.compiler.profile import model_profile
+from ptc.plan import ModelSpec
+from ptc.runtime.launcher import run_local
+
+pytestmark = pytest.mark.distributed
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-4)
+FAMILIES = ("gpt", "llama", "nanogpt")
+
+LAUNCHES = {
+    "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)],
+    "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)],
+    "tp2dp2": [TPCase(f, 2, sp, dp=2, zero=z) for f in ("gpt", "llama") for z in (1, 3)
+               for sp in (False, True)]
+              + [TPCase("nanogpt", 2, True, dp=2, zero=1), TPCase("nanogpt", 2, False, dp=2, zero=3)],
+}
+CASES = [(launch, case) for launch, cases in LAUNCHES.items() for case in cases]
+
+_runs: dict[str, dict] = {}
+
+
+def _run(launch: str) -> dict:
+    if launch not in _runs:
+        cases = LAUNCHES[launch]
+        _runs[launch] = run_local(run_tp_cases, cases[0].world, cases)[0]
+    return _runs[launch]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launch,case", CASES, ids=[f"{c}" for _, c in CASES])
+def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
+    got = _run(launch)[case]
+    losses, state = reference_run(tp_plan(case))
+    assert len(got["losses"]) == STEPS
+    assert got["log"][0].startswith("shard_tensors_pass: inserted")
+    assert any(m.startswith("shard_sequence_pass") for m in got["log"]) == case.sp
+    assert_same_training(got, losses, state, loss_tol=LOSS_TOL, param_tol=PARAM_TOL,
+                         what=str(case))
+
+
+MEMORY_SPECS = (
+    ModelSpec(family="gpt", layers=2, hidden=64, heads=4, vocab=128, max_seq=16),
+    ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128,
+              max_seq=16),
+)
+MEMORY_CASES = [(spec, sp) for spec in MEMORY_SPECS for sp in (False, True)]
+_measured: list = []
+
+
+def _predicted(spec: ModelSpec, sp: bool, tp: int) -> float:
+    layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=2, microbatches=1, zero=0, sp=sp,
+                    schedule="1f1b", layers=spec.layers, checkpoint="none", overlap=True)
+    return stage_memory(model_profile(spec, "fp32"), layout, precision(4, "adamw"), 16)[0][
+        "activations"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(len(MEMORY_CASES)),
+                         ids=[f"{s.family}{'-sp' if sp else ''}" for s, sp in MEMORY_CASES])
+def test_saved_activations_match_the_memory_model(index: int) -> None:
+    """Per rank, within 2 % of the prediction (observed: 0.002 % without SP, 0.16 % with).
+
+    With SP the model divides the token ids and targets (int64 [b, s]) by tp
+    as it does every sequence-class tensor, while every rank keeps them
+    whole (the embedding looks up, the loss reads, the full sequence): that
+    is the whole 252-byte gap at this size.
+    """
+    if not _measured:
+        _measured.extend(run_local(measure_activations, 2, MEMORY_CASES, 2)[0])
+    spec, sp = MEMORY_CASES[index]
+    per_rank = _measured[index]
+    predicted = _predicted(spec, sp, 2)
+    for rank, measured in enumerate(per_rank):
+        assert measured == pytest.approx(predicted, rel=0.02), f"rank {rank}"
+    whole = _predicted(spec, False, 1)
+    assert per_rank[0] < (0.55 if sp else 0.75) * whole  # what tp (and sp) save

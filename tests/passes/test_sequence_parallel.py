@@ -1,0 +1,150 @@
+"""The sequence_parallel pass (shard_sequence_pass) on small captured graphs.
+
+Which tp all-reduces become reduce-scatter / all-gather along the sequence,
+where replicated tensors enter the split sequence (scatter_seq), which
+parameters get their gradient summed over tp (copy_to_tp), the local shapes
+in the metadata, and the rewritten sequence lengths. Numerical equivalence
+on several processes is in tests/distributed/test_tp_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.capture import capture  # noqa: E402
+from ptc.compiler.meta import get_info  # noqa: E402
+from ptc.compiler.pipeline import capture_plan  # noqa: E402
+from ptc.errors import CompileError  # noqa: E402
+from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+from ptc.runtime.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp,  # noqa: E402
+                                reduce_scatter_seq, scatter_seq)
+from tests.user_models.nanogpt import nanogpt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+GPT = ModelSpec(family="gpt", layers=2, hidden=32, heads=4, vocab=64, max_seq=16)
+LLAMA = ModelSpec(family="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64,
+                  max_seq=16)
+
+
+def plan(model: ModelSpec = GPT, *, tp: int = 2, sp: bool = True, seq: int = 16) -> Plan:
+    return Plan(model=model, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
+                parallel=ParallelSpec(tp=tp, sequence_parallel=sp),
+                train=TrainSpec(seq_len=seq, global_batch=2, micro_batch=2, dtype="fp32"))
+
+
+def lowered(p: Plan, gm: fx.GraphModule | None = None) -> fx.GraphModule:
+    gm = gm if gm is not None else capture_plan(p)
+    return shard_sequence_pass(shard_tensors_pass(gm, p), p)
+
+
+def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def param_copies(gm: fx.GraphModule) -> list[str]:
+    return sorted(str(n.args[0].target) for n in calls(gm, copy_to_tp))
+
+
+class TestShardSequencePass:
+    def test_gpt_all_reduces_become_sequence_collectives(self, caplog):
+        with caplog.at_level("INFO", logger="ptc.passes"):
+            gm = lowered(plan(GPT))
+        assert len(calls(gm, all_gather_seq)) == 5  # before qkv, up (x2 layers) and the head
+        assert len(calls(gm, reduce_scatter_seq)) == 5  # after o, down (x2) and the embedding
+        assert not calls(gm, reduce_from_tp)
+        assert len(calls(gm, scatter_seq)) == 1  # learned positions meet the split sequence
+        assert "inserted 5 all_gather_seq, 5 reduce_scatter_seq, 1 scatter_seq" in caplog.text
+        assert "and 14 copy_to_tp on parameters" in caplog.text
+
+    def test_collectives_split_the_sequence_dim(self):
+        gm = lowered(plan(GPT))
+        for op in (all_gather_seq, reduce_scatter_seq):
+            assert all(n.args[1] == 1 for n in calls(gm, op))
+        (scatter,) = calls(gm, scatter_seq)
+        assert scatter.args == (node(gm, "pos_embed"), 0)  # [s, h]: the sequence is dim 0
+
+    def test_parameters_on_the_split_sequence_sum_their_gradient(self):
+        gm = lowered(plan(GPT))
+        copied = param_copies(gm)
+        assert copied == sorted(
+            [f"layers.{i}.{m}.{w}" for i in range(2) for m in ("attn_norm", "mlp_norm")
+             for w in ("weight", "bias")]
+            + [f"layers.{i}.{m}.bias" for i in range(2) for m in ("attn.o", "mlp.down")]
+            + ["norm.bias", "norm.weight"])
+        norm = node(gm, "layers_0_attn_norm")  # the LayerNorm module became F.layer_norm
+        assert norm.target is torch.nn.functional.layer_norm
+        assert norm.args[2].target is copy_to_tp
+
+    def test_meta_shapes_are_split_along_the_sequence(self):
+        gm = lowered(plan(GPT))
+        assert get_info(node(gm, "layers_0_attn_norm")).shapes == ((2, 8, 32),)
+        gathered = node(gm, "layers_0_attn_qkv").args[0]
+        assert gathered.target is all_gather_seq
+        assert get_info(gathered).shapes == ((2, 16, 32),)
+        assert get_info(node(gm, "layers_0_attn_qkv")).shapes == ((2, 16, 48),)
+        scattered = next(iter(node(gm, "layers_0_attn_o").users))
+        assert scattered.target is reduce_scatter_seq
+        assert get_info(scattered).shapes == ((2, 8, 32),)
+        assert get_info(node(gm, "head")).shapes == ((2, 16, 32),)
+
+    def test_sequence_lengths_read_off_split_tensors_are_rewritten(self):
+        """GPT reads (b, s) off the norm's output, which is now s / tp long."""
+        gm = lowered(plan(GPT))
+        view = node(gm, "view")
+        s = view.args[2]
+        assert s.target is operator.mul and s.args[1] == 2
+        assert s.args[0].name == "getitem_1"
+
+    def test_llama_needs_no_scatter(self):
+        gm = lowered(plan(LLAMA))
+        assert len(calls(gm, all_gather_seq)) == 5
+        assert len(calls(gm, reduce_scatter_seq)) == 5
+        assert not calls(gm, scatter_seq)
+        assert param_copies(gm) == sorted(
+            [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn_norm", "mlp_norm")]
+            + ["norm.weight"])
+        assert node(gm, "layers_0_attn_norm").target is torch.nn.functional.rms_norm
+
+    def test_user_model(self):
+        with torch.device("meta"):
+            model = nanogpt(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+        gm = lowered(plan(GPT), capture(model, micro_batch=2, seq_len=16))
+        assert len(calls(gm, scatter_seq)) == 1  # wpe(pos) added to the split token embedding
+        merge = node(gm, "view_3")  # y.view(B, T, C): T * 2 (gathered), C // 2 (tp heads)
+        assert merge.args[2].target is operator.mul
+        assert merge.args[3].target is operator.floordiv
+
+    def test_off_without_the_option_or_with_tp1(self):
+        p = plan(GPT, sp=False)
+        gm = shard_tensors_pass(capture_plan(p), p)
+        code = gm.code
+        assert shard_sequence_pass(gm, p) is gm and gm.code == code
+        p1 = plan(GPT, tp=1)
+        gm1 = capture_plan(p1)
+        assert shard_sequence_pass(gm1, p1) is gm1
+
+    def test_needs_the_tensor_parallel_pass_first(self):
+        p = plan(GPT)
+        with pytest.raises(CompileError, match="run the tensor_parallel pass first"):
+            shard_sequence_pass(capture_plan(p), p)
+
+    def test_sequence_not_divisible(self):
+        p = plan(GPT, tp=4, seq=14)
+        with pytest.raises(CompileError, match="seq_len 14 is not divisible by tp = 4"):
+            lowered(p)

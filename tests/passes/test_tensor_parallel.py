@@ -1,0 +1,311 @@
+"""The tensor_parallel pass (shard_tensors_pass) on small captured graphs, and its ops in one process.
+
+What is split (parameters' local shapes and ParamShards), which collectives
+are inserted where, with what metadata, which shape arguments are rewritten,
+what the plan's shard rules change, and the errors for structures the pass
+cannot split. Numerical equivalence on several processes is in
+tests/distributed/test_tp_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.capture import capture  # noqa: E402
+from ptc.compiler.meta import get_info  # noqa: E402
+from ptc.compiler.pipeline import capture_plan, compile_graph  # noqa: E402
+from ptc.compiler.tp_layout import TP_KEY, ParamShard  # noqa: E402
+from ptc.errors import CompileError  # noqa: E402
+from ptc.passes import PASSES, shard_tensors_pass  # noqa: E402
+from ptc.passes.tp_structure import find_sharding  # noqa: E402
+from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
+                      TrainSpec)
+from ptc.runtime.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,  # noqa: E402
+                                vocab_parallel_embedding)
+from tests.user_models.nanogpt import nanogpt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+GPT = ModelSpec(family="gpt", layers=2, hidden=32, heads=4, vocab=64, max_seq=16)
+LLAMA = ModelSpec(family="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64,
+                  max_seq=16)
+
+
+def plan(model: ModelSpec = GPT, *, tp: int = 2, dp: int = 1, zero: int = 0,
+         shards: tuple[ShardRule, ...] = ()) -> Plan:
+    return Plan(model=model, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp * dp),
+                parallel=ParallelSpec(tp=tp, dp=dp, zero=zero, shards=shards),
+                train=TrainSpec(seq_len=16, global_batch=2 * dp, micro_batch=2, dtype="fp32"))
+
+
+def lowered(p: Plan, model: nn.Module | None = None) -> fx.GraphModule:
+    gm = capture(model, micro_batch=2, seq_len=16) if model is not None else capture_plan(p)
+    return shard_tensors_pass(gm, p)
+
+
+def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def tiny_nanogpt() -> nn.Module:
+    with torch.device("meta"):
+        return nanogpt(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+
+
+class TestShardTensorsPass:
+    def test_gpt_collectives_and_log(self, caplog):
+        with caplog.at_level("INFO", logger="ptc.passes"):
+            gm = lowered(plan(GPT))
+        # Per layer: one copy before qkv, one before up; one more before the head. One
+        # reduce after o and down per layer, and one after the vocabulary-parallel embedding.
+        assert len(calls(gm, copy_to_tp)) == 5
+        assert len(calls(gm, reduce_from_tp)) == 5
+        assert len(calls(gm, vocab_parallel_embedding)) == 1
+        assert len(calls(gm, vocab_parallel_cross_entropy)) == 1
+        assert not any(op is F.cross_entropy for op in (n.target for n in gm.graph.nodes))
+        assert "inserted 5 copy_to_tp, 5 reduce_from_tp; split 4 linears colwise, 4 rowwise, " \
+               "2 vocab-parallel (embed, head)" in caplog.text
+
+    def test_collectives_sit_where_megatron_puts_them(self):
+        gm = lowered(plan(GPT))
+        copy = node(gm, "layers_0_attn_qkv").args[0]
+        assert copy.target is copy_to_tp and copy.args[0].name == "layers_0_attn_norm"
+        o = node(gm, "layers_0_attn_o")  # now F.linear(x, w, None): the bias comes after the sum
+        assert o.target is F.linear and o.args[2] is None
+        (reduced,) = o.users
+        assert reduced.target is reduce_from_tp
+        (add,) = reduced.users
+        assert add.target is operator.add and add.args[1].target == "layers.0.attn.o.bias"
+        head_input = node(gm, "head").args[0]
+        assert head_input.target is copy_to_tp and head_input.args[0].name == "norm"
+
+    def test_parameters_get_local_shapes_and_a_layout(self):
+        gm = lowered(plan(GPT))
+        shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+        assert shapes["layers.0.attn.qkv.weight"] == (48, 32)
+        assert shapes["layers.0.attn.qkv.bias"] == (48,)
+        assert shapes["layers.0.attn.o.weight"] == (32, 16)
+        assert shapes["layers.0.attn.o.bias"] == (32,)  # row-parallel bias: replicated
+        assert shapes["layers.0.mlp.up.weight"] == (64, 32)
+        assert shapes["layers.0.mlp.down.weight"] == (32, 64)
+        assert shapes["embed.weight"] == (32, 32)
+        assert shapes["pos_embed.weight"] == (16, 32)  # indexed by positions: replicated
+        assert shapes["layers.0.attn_norm.weight"] == (32,)
+        assert gm.embed.weight is gm.head.weight  # tied: one shard shared
+        layout = gm.meta[TP_KEY]
+        assert layout.tp == 2
+        assert layout.params["layers.0.attn.qkv.weight"] == ParamShard(
+            style="colwise", dim=0, segments=(32, 32, 32), full_shape=(96, 32))
+        assert layout.params["layers.0.attn.o.weight"].dim == 1
+        assert layout.params["head.weight"] == layout.params["embed.weight"]
+        assert "layers.0.attn.o.bias" not in layout.params
+        assert "pos_embed.weight" not in layout.params
+
+    def test_fused_qkv_rank_gets_its_own_q_k_and_v_heads(self):
+        shard = lowered(plan(GPT)).meta[TP_KEY].params["layers.0.attn.qkv.weight"]
+        full = torch.arange(96.0).unsqueeze(1).expand(96, 32)
+        rows = shard.local(full, 1, 2)[:, 0].long().tolist()
+        assert rows == [*range(16, 32), *range(48, 64), *range(80, 96)]  # q, k, v heads 2, 3
+        parts = [shard.local(full, r, 2) for r in range(2)]
+        assert torch.equal(shard.join(parts), full)
+
+    def test_head_counts_and_split_sizes_are_rewritten(self):
+        gm = lowered(plan(GPT))
+        split = node(gm, "split")
+        assert split.args[1] == [16, 16, 16]
+        assert node(gm, "view").args[3:] == (2, 8)  # 4 heads -> 2 per rank, head size kept
+        assert node(gm, "reshape").args[-1] == 16  # merge: 32 -> 16 features
+        (flat,) = node(gm, "head").users
+        assert flat.args == (node(gm, "head"), -1, 32)  # logits [b·s, V / tp]
+
+    def test_node_meta_is_local(self):
+        gm = lowered(plan(GPT))
+        qkv = get_info(node(gm, "layers_0_attn_qkv"))
+        full = get_info(node(capture_plan(plan(GPT)), "layers_0_attn_qkv"))
+        assert qkv.shapes == ((2, 16, 48),)
+        assert qkv.flops * 2 == full.flops
+        assert qkv.params * 2 == full.params
+        copy = get_info(node(gm, "layers_0_attn_qkv").args[0])
+        assert copy.kind == "other" and copy.module_path == "layers.0.attn.qkv"
+        assert copy.shapes == ((2, 16, 32),) and copy.flops == 0
+        assert get_info(node(gm, "embed")).kind == "embedding"
+        assert get_info(node(gm, "layers_0_attn_o")).shapes == ((2, 16, 32),)
+
+    def test_llama_grouped_query_attention(self):
+        gm = lowered(plan(LLAMA))
+        shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+        assert shapes["layers.0.attn.q.weight"] == (16, 32)  # 2 of 4 query heads
+        assert shapes["layers.0.attn.k.weight"] == (8, 32)   # 1 of 2 key/value heads
+        assert shapes["layers.0.mlp.gate.weight"] == (32, 32)
+        assert shapes["layers.0.mlp.up.weight"] == (32, 32)
+        assert shapes["layers.0.mlp.down.weight"] == (32, 32)
+        assert shapes["head.weight"] == (32, 32)
+        assert node(gm, "view_1").args[3:] == (1, 8)
+        sdpa = next(n for n in gm.graph.nodes if get_info(n).kind == "attention")
+        assert get_info(sdpa).shapes == ((2, 2, 16, 8),)
+        # q, k and v read one copy of the norm's output: one all-reduce in backward.
+        q, k, v = (node(gm, f"layers_0_attn_{x}") for x in "qkv")
+        assert q.args[0] is k.args[0] is v.args[0]
+        assert len(calls(gm, copy_to_tp)) == 5
+
+    def test_user_model_sizes_read_from_tensors(self):
+        """nanoGPT reads C from x.size() and splits by n_embd: both rewritten."""
+        gm = lowered(plan(GPT), tiny_nanogpt())
+        view = node(gm, "view")
+        assert view.args[3] == 2  # n_head constant
+        merge = node(gm, "view_3")  # y.view(B, T, C): C // 2 inserted
+        assert merge.args[3].target is operator.floordiv and merge.args[3].args[1] == 2
+        assert node(gm, "split").args[1] == 16
+        layout = gm.meta[TP_KEY]
+        assert layout.params["transformer.h.0.attn.c_attn.weight"].segments == (32, 32, 32)
+        assert gm.transformer.wte.weight is gm.lm_head.weight
+        ce = calls(gm, vocab_parallel_cross_entropy)[0]
+        assert ce.kwargs == {"ignore_index": -1, "reduction": "mean"}
+
+    def test_tp1_leaves_the_graph_alone(self):
+        gm = capture_plan(plan(GPT, tp=1))
+        code = gm.code
+        assert shard_tensors_pass(gm, plan(GPT, tp=1)) is gm and gm.code == code
+        assert TP_KEY not in gm.meta
+
+    def test_program_and_zero_see_local_shapes(self):
+        p = plan(LLAMA, dp=2, zero=3)
+        program = compile_graph(capture_plan(p), p, passes=PASSES)
+        assert program.tensor_parallel.params["layers.0.attn.q.weight"].full_shape == (32, 32)
+        assert program.layout.params["layers.0.attn.q.weight"].shape == (16, 32)
+        assert [m.split(":")[0] for m in program.pass_log] == ["shard_tensors_pass",
+                                                             "shard_params_pass"]
+
+
+class TestShardRules:
+    def test_replicate_rule_keeps_modules_whole(self):
+        rules = (ShardRule(pattern="layers.*.mlp.*", style="replicate"),)
+        gm = lowered(plan(GPT, shards=rules))
+        assert tuple(gm.get_parameter("layers.0.mlp.up.weight").shape) == (128, 32)
+        assert tuple(gm.get_parameter("layers.1.mlp.down.weight").shape) == (32, 128)
+        assert tuple(gm.get_parameter("layers.0.attn.qkv.weight").shape) == (48, 32)
+        assert len(calls(gm, copy_to_tp)) == 3 and len(calls(gm, reduce_from_tp)) == 3
+        found = find_sharding(capture_plan(plan(GPT)), plan(GPT, shards=rules))
+        assert found.why["layers.1.mlp.up"] == 'rule "layers.*.mlp.*" replicate'
+        assert found.why["layers.1.attn.qkv"] == "attention q/k/v (split by heads)"
+        assert find_sharding(capture_plan(plan(GPT)), plan(GPT)).why["layers.1.mlp.down"] == \
+            "MLP output projection"
+        assert found.styles["pos_embed"] == "replicate"
+
+    def test_replicated_vocabulary(self):
+        rules = (ShardRule(pattern="embed", style="replicate"),
+                 ShardRule(pattern="head", style="replicate"))
+        gm = lowered(plan(GPT, shards=rules))
+        assert tuple(gm.get_parameter("embed.weight").shape) == (64, 32)
+        assert not calls(gm, vocab_parallel_cross_entropy)
+
+    def test_tied_weight_split_two_ways_is_an_error(self):
+        rules = (ShardRule(pattern="embed", style="replicate"),)
+        with pytest.raises(CompileError, match=r"embed.weight is split over tp, but node embed"):
+            lowered(plan(GPT, shards=rules))
+
+    def test_rule_matching_nothing_is_an_error(self):
+        rules = (ShardRule(pattern="layers.*.ffn", style="colwise"),)
+        with pytest.raises(CompileError, match=r"shard rules match no linear.*layers\.\*\.ffn"):
+            lowered(plan(GPT, shards=rules))
+
+
+class NormInMLP(nn.Module):
+    """An MLP with a LayerNorm between its projections: not a column -> row chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.up = nn.Linear(32, 64)
+        self.mid = nn.LayerNorm(64)
+        self.down = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.down(self.mid(self.up(x))))
+
+
+class TestUnshardable:
+    def test_error_names_module_node_and_the_fixing_rule(self):
+        with pytest.raises(CompileError) as err:
+            lowered(plan(GPT), NormInMLP())
+        text = str(err.value)
+        assert "linear 'up' (node up): its output reaches layer_norm" in text \
+            or "linear 'up' (node up): its output reaches LayerNorm" in text
+        assert 'shard "up" replicate' in text and 'shard "down" replicate' in text
+
+    def test_the_suggested_rules_fix_it(self):
+        rules = (ShardRule(pattern="up", style="replicate"),
+                 ShardRule(pattern="down", style="replicate"))
+        gm = lowered(plan(GPT, shards=rules), NormInMLP())
+        assert len(calls(gm, vocab_parallel_cross_entropy)) == 1
+        assert tuple(gm.get_parameter("up.weight").shape) == (64, 32)
+
+    def test_forcing_a_split_through_the_norm_is_caught(self):
+        rules = (ShardRule(pattern="up", style="colwise"),
+                 ShardRule(pattern="down", style="rowwise"))
+        with pytest.raises(CompileError, match="node mid .*cannot run on the rank-local shapes"):
+            lowered(plan(GPT, shards=rules), NormInMLP())
+
+    def test_kv_heads_not_divisible_by_tp(self):
+        odd = ModelSpec(family="llama", layers=1, hidden=32, heads=4, kv_heads=2, ffn=64,
+                        vocab=64, max_seq=16)
+        p = plan(odd, tp=4)
+        with pytest.raises(CompileError, match=r"2 key/value heads, not divisible by tp = 4"):
+            shard_tensors_pass(capture_plan(p), p)
+        rules = (ShardRule(pattern="layers.*.attn.*", style="replicate"),)
+        gm = shard_tensors_pass(capture_plan(p), plan(odd, tp=4, shards=rules))
+        assert tuple(gm.get_parameter("layers.0.attn.k.weight").shape) == (16, 32)
+        assert tuple(gm.get_parameter("layers.0.mlp.up.weight").shape) == (16, 32)
+
+
+class TestOpsInOneProcess:
+    """With no tp group bound every op is local and equals its plain torch counterpart."""
+
+    def test_vocab_parallel_cross_entropy_equals_torch(self):
+        torch.manual_seed(0)
+        logits = torch.randn(12, 10, requires_grad=True)
+        targets = torch.randint(0, 10, (12,))
+        targets[3] = -1
+        for reduction in ("mean", "sum", "none"):
+            ours = vocab_parallel_cross_entropy(logits, targets, ignore_index=-1,
+                                                reduction=reduction)
+            ref = F.cross_entropy(logits, targets, ignore_index=-1, reduction=reduction)
+            torch.testing.assert_close(ours, ref)
+            g_ours, = torch.autograd.grad(ours.sum(), logits)
+            g_ref, = torch.autograd.grad(ref.sum(), logits)
+            torch.testing.assert_close(g_ours, g_ref)
+
+    def test_vocab_parallel_embedding_equals_torch(self):
+        weight = torch.randn(10, 4, requires_grad=True)
+        tokens = torch.tensor([[1, 2, 2, 9]])
+        out = vocab_parallel_embedding(tokens, weight)
+        torch.testing.assert_close(out, F.embedding(tokens, weight))
+        (out * torch.arange(4.0)).sum().backward()
+        expected = torch.zeros(10, 4)
+        for t in tokens[0]:
+            expected[t] += torch.arange(4.0)
+        torch.testing.assert_close(weight.grad, expected)
+
+    def test_copy_and_reduce_are_identities(self):
+        x = torch.randn(3, requires_grad=True)
+        y = reduce_from_tp(copy_to_tp(x))
+        torch.testing.assert_close(y, x)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, torch.ones(3))
