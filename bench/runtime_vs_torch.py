@@ -166,17 +166,36 @@ def make_pp_plan(args):
         train=dataclasses.replace(base.train, global_batch=PP_MICROBATCHES * args.micro_batch))
 
 
-def ptc_pp_step_time(args, program) -> float:
-    """ptc's pipeline runtime on `program`."""
+def timed_in_turns(steps: dict, repeat: int, warmup: int) -> dict[str, float]:
+    """Median seconds of each way's `step(k)`, the ways taking turns step by step.
+
+    Taking turns, a change in the machine's load (other jobs on shared
+    cores) slows both ways alike instead of whichever happens to run then.
+    """
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for k in range(warmup + repeat):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(k)
+            dist.barrier()
+            if k >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ptc_pp_step(program):
+    """ptc's pipeline runtime on `program`: its step function."""
     from ptc.runtime.mesh import axis_groups, build_mesh
     from ptc.runtime.pipeline_exec import PipelineTrainer
 
-    trainer = PipelineTrainer(program, axis_groups(build_mesh(program.plan)))
-    return timed(trainer.train_step, args.repeat, args.warmup)
+    return PipelineTrainer(program, axis_groups(build_mesh(program.plan))).train_step
 
 
-def torch_pp_step_time(args, program) -> float:
-    """torch.distributed.pipelining's Schedule1F1B with ptc's stage split, same step."""
+def torch_pp_step(program):
+    """torch.distributed.pipelining's Schedule1F1B with ptc's stage split: its step function."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -236,7 +255,7 @@ def torch_pp_step_time(args, program) -> float:
         opt.step()
         opt.zero_grad()
 
-    return timed(step, args.repeat, args.warmup)
+    return step
 
 
 def pp_worker(args) -> dict[str, float]:
@@ -251,7 +270,8 @@ def pp_worker(args) -> dict[str, float]:
     plan = make_pp_plan(args)
     init_distributed(plan)
     program = compile_plan(plan)
-    result = {"ptc": ptc_pp_step_time(args, program), "torch": torch_pp_step_time(args, program)}
+    result = timed_in_turns({"ptc": ptc_pp_step(program), "torch": torch_pp_step(program)},
+                            args.repeat, args.warmup)
     dist.destroy_process_group()
     return result
 

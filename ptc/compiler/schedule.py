@@ -300,10 +300,11 @@ class Timeline:
 
 
 def check(schedule: Schedule) -> None:
-    """Raise ScheduleError unless every stage runs F then B of every micro-batch once, on its rank."""
+    """Raise ScheduleError unless each stage runs F then B of each micro-batch once on its rank."""
     n, m = schedule.num_stages, schedule.microbatches
     if len(schedule.ranks) != schedule.pp:
-        raise ScheduleError(f"the schedule lists {len(schedule.ranks)} ranks for pp = {schedule.pp}")
+        raise ScheduleError(f"the schedule lists {len(schedule.ranks)} ranks for "
+                            f"pp = {schedule.pp}")
     for rank, actions in enumerate(schedule.ranks):
         done: set[tuple[str, int, int]] = set()
         for action in actions:
@@ -315,7 +316,8 @@ def check(schedule: Schedule) -> None:
                                     f"micro-batches 0..{m - 1}")
             if schedule.rank_of(action.stage) != rank:
                 raise ScheduleError(f"rank {rank}: {action} belongs to rank "
-                                    f"{schedule.rank_of(action.stage)} (stage s runs on rank s % pp)")
+                                    f"{schedule.rank_of(action.stage)} "
+                                    f"(stage s runs on rank s % pp)")
             key = (action.kind, action.stage, action.microbatch)
             if key in done:
                 raise ScheduleError(f"rank {rank}: {action} appears twice")
@@ -361,7 +363,7 @@ def _check_pairs(programs: tuple[tuple[Action, ...], ...], schedule: Schedule) -
 
 
 def simulate(schedule: Schedule) -> Timeline:
-    """Run the lowered schedule in lockstep; raise ScheduleError on a malformed or deadlocking one."""
+    """Run the lowered schedule in lockstep; ScheduleError if it is malformed or deadlocks."""
     check(schedule)
     programs = lower(schedule)
     _check_pairs(programs, schedule)

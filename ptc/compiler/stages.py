@@ -11,9 +11,10 @@ Terms:
 - a *boundary value* is a tensor that stage s - 1 sends to stage s: an
   activation made before the cut and used after it (or passed on through
   stage s to a later one). Its shape is the captured one (micro-batch b);
-- a *data input* is a placeholder of the captured graph (`tokens`,
-  `targets`): every rank reads its micro-batch from the data source itself,
-  so data inputs never travel between stages;
+- a *data input* is a placeholder of the captured graph, named by its role
+  (`DATA_ROLES`: the captured graph takes tokens, then targets, whatever
+  the model calls them): every rank reads its micro-batch from the data
+  source itself, so data inputs never travel between stages;
 - a *tied weight* is one parameter used by more than one stage (an input
   embedding shared with the LM head): each of those stages holds a copy, and
   the copies' gradients are summed between the stages every step.
@@ -35,6 +36,8 @@ STAGE_KEY = "ptc.stage"
 """gm.meta key of a stage graph's StageInfo."""
 PIPELINE_KEY = "ptc.pipeline"
 """gm.meta key of the pipeline graph's PipelineInfo."""
+DATA_ROLES = ("tokens", "targets")
+"""What the captured graph's placeholders are, in order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,7 +79,7 @@ class StageInfo:
     outputs: tuple[Boundary, ...]
     """Boundary values sent to stage s + 1, in output order (empty on the last stage)."""
     data: tuple[str, ...]
-    """Data inputs it reads ("tokens", "targets"), after the boundary placeholders."""
+    """Roles of the data inputs it reads ("tokens", "targets"), after the boundary placeholders."""
     tied: tuple[tuple[str, str], ...]
     """(name in this stage, canonical name) of each tied weight it holds a copy of."""
     atoms: tuple[str, ...]

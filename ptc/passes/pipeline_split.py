@@ -43,12 +43,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ptc.compiler.balance import AtomCost, balance, price_atoms
+from ptc.compiler.balance import AtomCost, Split, balance, price_atoms
 from ptc.compiler.meta import copy_meta, get_info, graph_info
 from ptc.compiler.nodes import module_path
 from ptc.compiler.program import used_params
-from ptc.compiler.stages import (PIPELINE_KEY, STAGE_KEY, Boundary, PipelineInfo, StageInfo,
-                                 stage_info)
+from ptc.compiler.stages import (DATA_ROLES, PIPELINE_KEY, STAGE_KEY, Boundary, PipelineInfo,
+                                 StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
 from ptc.plan import Plan
 
@@ -214,7 +214,8 @@ def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
             value = _fetch(gm, str(node.target))
             out[node] = isinstance(value, nn.Parameter) and value.requires_grad
         else:
-            own = node.op == "call_module" and any(p.requires_grad for _, p in used_params(gm, node))
+            own = node.op == "call_module" and any(
+                p.requires_grad for _, p in used_params(gm, node))
             out[node] = own or any(out.get(a, False) for a in node.all_input_nodes)
     return out
 
@@ -236,7 +237,7 @@ def _recomputable(node: fx.Node) -> bool:
 
 
 def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], names: list[str],
-                  stage_of: dict[fx.Node, int], order: dict[fx.Node, int], split
+                  stage_of: dict[fx.Node, int], order: dict[fx.Node, int], split: Split
                   ) -> list[fx.GraphModule]:
     chunks = len(split.starts)
     grads = _requires_grad(gm)
@@ -250,7 +251,7 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
             carried[cut].append(node)
     for nodes in carried:
         nodes.sort(key=order.__getitem__)
-    tied = _tied_params(gm, stage_of, chunks)
+    tied = _tied_params(gm, stage_of)
     stages = []
     for c in range(chunks):
         inputs = carried[c - 1] if c > 0 else []
@@ -295,6 +296,7 @@ def _stage_graph(gm: fx.GraphModule, c: int, stage_of: dict[fx.Node, int],
     for node in placeholders:
         env[node] = graph.placeholder(node.name)
         copy_meta(node, env[node])
+    inputs_in_order = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in sorted(needed - set(placeholders), key=order.__getitem__):
         if node.op not in ("get_attr", "output") and stage_of.get(node) != c \
                 and not _recomputable(node):
@@ -308,7 +310,8 @@ def _stage_graph(gm: fx.GraphModule, c: int, stage_of: dict[fx.Node, int],
             get_info(n).shapes[0] for n in outputs), dtypes=tuple(
             get_info(n).dtypes[0] for n in outputs), **_FREE)
     graph.lint()
-    return graph, tuple(n.name for n in placeholders)
+    # Captured graphs take (tokens, targets) by position, whatever the model calls them.
+    return graph, tuple(DATA_ROLES[inputs_in_order.index(n)] for n in placeholders)
 
 
 def _closure(mine: list[fx.Node], stage_of: dict[fx.Node, int], c: int) -> set[fx.Node]:
@@ -344,7 +347,8 @@ def _constant(node: fx.Node):
         return value
     raise CompileError(f"pipeline_split: {node.name} ({node.format_node()}) is used across a "
                        f"stage cut, is not a tensor, and has no constant value to pass "
-                       f"({type(value).__name__}); pin the cut elsewhere with the `boundaries` knob")
+                       f"({type(value).__name__}); pin the cut elsewhere with the `boundaries` "
+                       f"knob")
 
 
 def _stage_module(gm: fx.GraphModule, graph: fx.Graph, c: int) -> fx.GraphModule:
@@ -361,7 +365,7 @@ def _stage_module(gm: fx.GraphModule, graph: fx.Graph, c: int) -> fx.GraphModule
     return fx.GraphModule(root, graph, f"Stage{c}")
 
 
-def _tied_params(gm: fx.GraphModule, stage_of: dict[fx.Node, int], chunks: int
+def _tied_params(gm: fx.GraphModule, stage_of: dict[fx.Node, int]
                  ) -> dict[str, list[tuple[int, str]]]:
     """Canonical name -> [(stage, name there)] of every parameter read by several stages."""
     canonical: dict[int, str] = {}
@@ -385,10 +389,9 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
     """The graph that calls the stage graphs in order (runs as the captured graph did)."""
     graph = fx.Graph()
     inputs = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            inputs[node.name] = graph.placeholder(node.name)
-            copy_meta(node, inputs[node.name])
+    for role, node in zip(DATA_ROLES, (n for n in gm.graph.nodes if n.op == "placeholder")):
+        inputs[role] = graph.placeholder(node.name)
+        copy_meta(node, inputs[role])
     values: dict[str, fx.Node] = {}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for c, stage in enumerate(stages):
@@ -420,7 +423,7 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
     return pipeline
 
 
-def _log_split(stages: list[fx.GraphModule], costs: list[AtomCost], split) -> None:
+def _log_split(stages: list[fx.GraphModule], costs: list[AtomCost], split: Split) -> None:
     for stage in stages:
         info = stage_info(stage)
         crossing = ", ".join(f"{b.name} {list(b.shape)} {str(b.dtype).removeprefix('torch.')}"

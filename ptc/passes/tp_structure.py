@@ -48,11 +48,11 @@ CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
     "getitem", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "narrow",
     "neg", "mul", "add", "sub", "repeat_interleave", "repeat", "unflatten", "movedim",
-    "swapaxes", "view_as", "reshape_as", "slice", "select", "contiguous"}
+    "swapaxes", "view_as", "reshape_as", "slice", "select"}
 # Ops between an MLP's projections: elementwise only.
 _ELEMENTWISE_KINDS = frozenset({"activation", "pointwise", "dropout"})
 # Ops from an attention's output to its output projection: the heads merge.
-_MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"contiguous", "getitem"}
+_MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
 
 
 @dataclass
@@ -98,7 +98,7 @@ class _Finder:
         self._vocab(found)
         self._attention(found)
         self._mlp(found)
-        for node, path in self.embeddings.items():
+        for path in self.embeddings.values():
             found.styles.setdefault(path, REPLICATE)
             found.why.setdefault(path, "not indexed by the tokens")
         return found
@@ -114,7 +114,7 @@ class _Finder:
         for node in self.gm.graph.nodes:
             if op_name(node) not in CROSS_ENTROPY_OPS:
                 continue
-            head = self._trace_back(node.args[0], _MERGE_OPS | {"float", "to"}, stop=self.linears)
+            head = self._trace_back(node.args[0], _MERGE_OPS, stop=self.linears)
             if len(head) == 1:
                 path = self.linears[head[0]]
                 found.styles[path], found.why[path] = VOCAB, "LM head (its logits reach the loss)"
@@ -227,7 +227,7 @@ class _Finder:
             seen.add(n)
             if n in stop:
                 reached.append(n)
-            elif n.op in ("call_function", "call_method") and op_name(n) in through:
+            elif _passes(n, through):
                 todo.extend(n.all_input_nodes)
             else:
                 return []
@@ -243,9 +243,17 @@ class _Finder:
             n = users[0]
             if n in self.linears:
                 return n
-            if op_name(n) not in through:
+            if not _passes(n, through):
                 return None
         return None
+
+
+def _passes(node: fx.Node, through: frozenset[str]) -> bool:
+    """Whether a trace may go through `node`: one of the `through` ops, or a dropout module."""
+    meta = get_info(node)
+    if meta is not None and meta.kind == "dropout":
+        return True
+    return node.op in ("call_function", "call_method") and op_name(node) in through
 
 
 def _data_nodes(gm: fx.GraphModule) -> set[fx.Node]:

@@ -43,6 +43,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from ptc.compiler.program import ParamSlot
+from ptc.compiler.tp_layout import ParamShard
 from ptc.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointStore,
@@ -53,8 +55,6 @@ from ptc.runtime.checkpoint_store import (
 )
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
 from ptc.runtime.health import nonfinite_ranks
-from ptc.compiler.program import ParamSlot
-from ptc.compiler.tp_layout import ParamShard
 from ptc.runtime.params import UnitState, publish
 
 Source = Callable[[int, str], tuple[int, torch.Tensor]]
@@ -199,22 +199,23 @@ class Snapshot:
         self.trainer = trainer
         pin = trainer.device.type == "cuda"
         own = owned(trainer)
-        self.pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        # (host buffer, live view): the optimizer updates its state in place, and a restore
+        # loads into it, so the live tensors stay the same for the whole run.
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         buffers: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
         for index in range(len(rank_units(trainer))):
             for kind in ("model", *optimizer_kinds(trainer)):
                 start, live = own(index, kind)
                 buffer = torch.empty(live.numel(), dtype=live.dtype, pin_memory=pin)
                 buffers[(index, kind)] = (start, buffer)
-                # Optimizer tensors are looked up at copy time: a restore may replace them.
-                self.pairs.append((buffer, lambda i=index, k=kind: own(i, k)[1]))
+                self.pairs.append((buffer, live))
         self.chunks = chunked_state(trainer, lambda i, k: buffers[(i, k)])
         self.step = torch.zeros((), dtype=torch.float32)
 
     def take(self) -> dict[str, Any]:
         """Copy the trainer's state into the buffers; the state dict to save from them."""
         for buffer, live in self.pairs:
-            buffer.copy_(live(), non_blocking=True)
+            buffer.copy_(live, non_blocking=True)
         if self.trainer.device.type == "cuda":
             torch.cuda.synchronize(self.trainer.device)  # the writer thread reads the buffers
         state: dict[str, Any] = dict(self.chunks)

@@ -159,6 +159,9 @@ class Trainer:
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
         self.tp_group = self.groups.get("tp")
         self.tp_rank = group_rank(self.tp_group)
+        if group_size(self.tp_group) != plan.parallel.tp:
+            raise PtcError(f"the program is split over tp = {plan.parallel.tp}, but this rank's "
+                           f"tp group has {group_size(self.tp_group)} rank(s)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.zero = plan.parallel.zero
         # Dropout differs per rank, repeatably — but not across a tp group, whose ranks must

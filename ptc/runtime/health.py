@@ -69,7 +69,8 @@ def configure_flight_recorder(trace_dir: str | os.PathLike) -> None:
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc` (or its cause) is a collective that gave up waiting."""
     while exc is not None:
-        if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower():
+        text = f"{type(exc).__name__} {exc}".lower()
+        if "timed out" in text or "timeout" in text:  # gloo: "Timed out"; NCCL: "timeout"
             return True
         exc = exc.__cause__
     return False

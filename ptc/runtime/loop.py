@@ -5,7 +5,8 @@
 - resume: with `runtime.checkpoint_dir`, rank 0 removes partial saves, and
   the newest intact checkpoint is loaded — resharded when the layout
   changed — so training continues at its step and data position. Which
-  checkpoint was loaded, or that the run starts fresh, is always said.
+  checkpoint was loaded, or that the run starts fresh, is always said, and
+  so is a learning-rate schedule that differs from the checkpoint's.
 - with `nan_policy = rollback` and nothing to resume, a checkpoint of the
   initial state (step 0), so that there always is one to roll back to.
 
@@ -31,6 +32,7 @@ out is reported with the ranks that did not answer (`health`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -44,6 +46,7 @@ from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
 from ptc.runtime.checkpoint_store import CheckpointStore, step_name
 from ptc.runtime.executor import RankError, StepStats
 from ptc.runtime.health import diagnose_timeout, is_timeout
+from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
 
 MAX_ROLLBACKS = 3
@@ -56,13 +59,12 @@ shows rank 0's report (which names the missing ranks) as the root cause."""
 class TrainLoop:
     """One rank's run of a Trainer: resume, the step loop with its policies, checkpoints."""
 
-    def __init__(self, trainer, steps: int, *, log: Callable[[str], None] | None = None):
+    def __init__(self, trainer, steps: int):
         """Set up checkpointing and resume (collective over all ranks)."""
         self.trainer, self.steps = trainer, steps
         self.plan = trainer.plan
         self.rank = dist.get_rank()
         self.events: list[str] = []
-        self._print = log or (print if self.rank == 0 else (lambda _: None))
         self.step, self.position = 0, 0
         self.resumed_from: int | None = None
         self._rollbacks: dict[int, int] = {}
@@ -76,7 +78,8 @@ class TrainLoop:
     def log(self, message: str) -> None:
         """Report an event (rank 0 prints it; every rank keeps it in `events`)."""
         self.events.append(message)
-        self._print(message)
+        if self.rank == 0:
+            print(message, flush=True)
 
     def _checkpointer(self) -> Checkpointer | None:
         rt = self.plan.runtime
@@ -99,12 +102,16 @@ class TrainLoop:
                 self._save()  # the state to roll back to before the first periodic save
             return
         self.step, self.position = manifest.step, manifest.position
-        self.resumed_from = manifest.step
+        self.resumed_from = self._last_saved = manifest.step
         saved = manifest.info.get("layout", {})
         now = self._layout()
         change = "" if saved == now else f" (resharded from {_fmt(saved)} to {_fmt(now)})"
         self.log(f"resumed from {step_name(manifest.step)}: step {manifest.step}, "
                  f"next sample {manifest.position}{change}")
+        if manifest.info.get("lr_schedule", self._schedule()) != self._schedule():
+            self.log(f"the learning-rate schedule differs from the checkpoint's "
+                     f"({manifest.info['lr_schedule']}): continuing with the plan's "
+                     f"({self._schedule()})")
 
     # ------------------------------------------------------------------ running
 
@@ -124,9 +131,14 @@ class TrainLoop:
                     self._save()
             if self.checkpointer is not None and self._last_saved != self.step:
                 self._save()
-        finally:
+        except BaseException:
             if self.checkpointer is not None:
-                self.checkpointer.close()
+                # Finish (or fail) the save in flight, but report the error that stopped us.
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
+            raise
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
     def _train_step(self) -> StepStats:
         skipped = self.position != self.step * self.plan.train.global_batch
@@ -188,14 +200,7 @@ class TrainLoop:
 
     def _save(self) -> None:
         train = self.plan.train
-        from ptc.runtime.lr import learning_rate  # noqa: PLC0415
-
-        info = {"layout": self._layout(),
-                "lr_schedule": {"kind": train.lr_schedule.kind, "peak": train.optimizer.lr,
-                                "warmup": train.lr_schedule.warmup,
-                                "min_lr": train.lr_schedule.min_lr,
-                                "decay_steps": train.lr_schedule.decay_steps,
-                                "total_steps": train.steps},
+        info = {"layout": self._layout(), "lr_schedule": self._schedule(),
                 "next_lr": learning_rate(self.step, train.optimizer.lr, train.lr_schedule,
                                          train.steps),
                 "global_batch": train.global_batch,
@@ -203,6 +208,13 @@ class TrainLoop:
         if self.checkpointer.save(self.step, self.position, info):
             self._last_saved = self.step
         self._last_save_time = time.monotonic()
+
+    def _schedule(self) -> dict:
+        """The learning-rate schedule as the manifest records it (total steps included)."""
+        train = self.plan.train
+        s = train.lr_schedule
+        return {"kind": s.kind, "peak": train.optimizer.lr, "warmup": s.warmup,
+                "min_lr": s.min_lr, "decay_steps": s.decay_steps, "total_steps": train.steps}
 
     def _layout(self) -> dict[str, int]:
         p = self.plan.parallel

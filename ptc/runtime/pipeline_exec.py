@@ -90,13 +90,22 @@ class _Live:
 
 @dataclass(eq=False)
 class _Tied:
-    """This rank's copy of a tied weight: its own unit, the group of its holders."""
+    """This rank's copies of a tied weight (a unit of their own each), the group of its holders."""
 
     name: str
-    unit: UnitState
+    units: list[UnitState]
     group: dist.ProcessGroup
-    counted: bool
-    """Whether this copy counts in the gradient norm (the first holder's does)."""
+    uncounted: list[UnitState]
+    """Copies left out of the gradient norm: all but the first holding stage's."""
+
+    def sum_grads(self) -> None:
+        """Make every copy's gradient the sum over all copies, on every holding rank."""
+        total = self.units[0].grad
+        for unit in self.units[1:]:
+            total.add_(unit.grad)
+        all_reduce_flat(total, self.group).wait()
+        for unit in self.units[1:]:
+            unit.grad.copy_(total)
 
 
 class PipelineTrainer:
@@ -147,7 +156,8 @@ class PipelineTrainer:
                model: nn.Module) -> _Chunk:
         stage = program.stages[s]
         gm = copy.deepcopy(stage.graph)
-        mine = {slot.name: values[self.canonical[slot.name]] for slot in stage.layout.params.values()}
+        mine = {slot.name: values[self.canonical[slot.name]]
+                for slot in stage.layout.params.values()}
         units = build_units(gm, stage.layout, mine, zero=self.zero,
                             dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,
                             world=self.dp, device=self.device)
@@ -158,7 +168,7 @@ class PipelineTrainer:
                       reducer=reducer, last_backward=last)
 
     def _tied_groups(self) -> list[_Tied]:
-        """A process group per tied weight and coordinate of the other axes (created by all ranks)."""
+        """A process group per tied weight and coordinate of the other axes (made by every rank)."""
         holders: dict[str, list[int]] = {}
         for stage in self.program.stages:
             for _, canonical in stage_info(stage.graph).tied:
@@ -176,12 +186,11 @@ class PipelineTrainer:
                 group = dist.new_group(ranks, timeout=timeout())
                 if self.rank not in ranks:
                     continue
-                for s, chunk in self.chunks.items():
-                    name = next((n for n, c in chunk.info.tied if c == canonical), None)
-                    if name is not None:
-                        unit = next(u for u in chunk.units if u.spec.params == (name,))
-                        tied.append(_Tied(name=canonical, unit=unit, group=group,
-                                          counted=s == min(stages)))
+                copies = {s: next(u for u in chunk.units if u.spec.params == (name,))
+                          for s, chunk in self.chunks.items()
+                          for name, c in chunk.info.tied if c == canonical}
+                tied.append(_Tied(name=canonical, units=list(copies.values()), group=group,
+                                  uncounted=[u for s, u in copies.items() if s != min(stages)]))
         return tied
 
     # ------------------------------------------------------------------ step
@@ -203,7 +212,7 @@ class PipelineTrainer:
                 if chunk.reducer is not None:
                     chunk.reducer.finish()
             for tied in self.tied:
-                all_reduce_flat(tied.unit.grad, tied.group).wait()
+                tied.sum_grads()
             all_reduce_flat(loss_sum.view(1), self.group).wait()
             all_reduce_flat(loss_sum.view(1), self.pp_group).wait()
             corrupt_gradients(self.rank, step + 1, [u.grad for u in units])  # test hook
@@ -322,7 +331,7 @@ class PipelineTrainer:
         As `ShardedOptimizer.clip`, plus: a tied weight's copies count once
         (the first holder's), and the stages' sums add over pp.
         """
-        skip = {id(t.unit) for t in self.tied if not t.counted}
+        skip = {id(u) for t in self.tied for u in t.uncounted}
         units = [u for chunk in self.chunks.values() for u in chunk.units]
         tp = group_size(self.tp_group)
         squares = torch.zeros((), device=self.device)
@@ -349,7 +358,7 @@ class PipelineTrainer:
     # --------------------------------------------------------------- reports
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 master weights by canonical name, on every rank (collective over dp, pp)."""
+        """The full fp32 master weights by canonical name, on every rank (collective)."""
         mine: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for chunk in self.chunks.values():
@@ -374,7 +383,8 @@ class PipelineTrainer:
         total = dict.fromkeys(("params", "grads", "optimizer"), 0)
         state = self.optimizer.state_tensors()
         for index, chunk in enumerate(self.chunks.values()):
-            for key, value in held_bytes(chunk.gm, chunk.units, state if index == 0 else []).items():
+            held = held_bytes(chunk.gm, chunk.units, state if index == 0 else [])
+            for key, value in held.items():
                 total[key] += value
         return total
 

@@ -187,8 +187,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def rss_worker(plan: Plan, directory: str, saves: int) -> dict:
-    """Alternate a training step and an async save `saves` times; RSS after each save."""
+def async_save_worker(plan: Plan, directory: str, saves: int) -> dict:
+    """Alternate a training step and an async save `saves` times, measuring RSS after each;
+    then poison one weight and try once more: that save must be refused."""
     trainer = _trainer(plan)
     checkpointer = _checkpointer(trainer, directory)
     rss = []
@@ -197,9 +198,12 @@ def rss_worker(plan: Plan, directory: str, saves: int) -> dict:
         checkpointer.save(k + 1, (k + 1) * plan.train.global_batch, {"layout": {}})
         checkpointer.wait()
         rss.append(rss_bytes())
+    trainer.units[0].master.detach().view(-1)[0] = float("inf")
+    refused = not checkpointer.save(saves + 1, 0, {"layout": {}})
     checkpointer.close()
     dist.destroy_process_group()
-    return {"rss": rss, "state_bytes": sum(4 * 3 * u.master.numel() for u in trainer.units)}
+    return {"rss": rss, "state_bytes": sum(4 * 3 * u.master.numel() for u in trainer.units),
+            "refused": refused}
 
 
 def damage(directory: str, how: str) -> None:
@@ -236,17 +240,3 @@ def damage_worker(plans: list[Plan], hows: list[str], steps: int) -> list[dict]:
         out.append({"events": result.events, "losses": result.losses})
     dist.destroy_process_group()
     return out
-
-
-def nonfinite_save_worker(plan: Plan, directory: str) -> dict:
-    """Save once, poison one weight, save again: the second save must be refused."""
-    trainer = _trainer(plan)
-    checkpointer = _checkpointer(trainer, directory)
-    trainer.train_step(0)
-    first = checkpointer.save(1, plan.train.global_batch, {"layout": {}})
-    checkpointer.wait()
-    trainer.units[0].master.detach().view(-1)[0] = float("inf")
-    second = checkpointer.save(2, 2 * plan.train.global_batch, {"layout": {}})
-    checkpointer.close()
-    dist.destroy_process_group()
-    return {"first": first, "second": second}

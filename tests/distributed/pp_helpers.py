@@ -27,6 +27,7 @@ class Case:
     zero: int = 0
     layers: int = 4
     tp: int = 1
+    sp: bool = False
 
     @property
     def world(self) -> int:
@@ -36,7 +37,7 @@ class Case:
     def __str__(self) -> str:
         v = f" v{self.virtual}" if self.virtual > 1 else ""
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
-        tp = f"tp{self.tp} " if self.tp > 1 else ""
+        tp = f"tp{self.tp}{' sp' if self.sp else ''} " if self.tp > 1 else ""
         return f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
 
 
@@ -48,7 +49,7 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
         base, model=dataclasses.replace(base.model, layers=case.layers),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
-                              schedule=case.schedule,
+                              sequence_parallel=case.sp, schedule=case.schedule,
                               virtual_stages=case.virtual))
 
 

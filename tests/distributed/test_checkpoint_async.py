@@ -1,11 +1,12 @@
-"""Async saves keep host memory flat; non-finite weights are never checkpointed.
+"""Async saves keep host memory flat; non-finite weights are never written; saves by time.
 
-One process each (a Checkpointer needs a process group). The memory test
-uses a larger model (hidden 256, vocab 4096: 37.5 MiB of weights and Adam
-state), so that keeping a snapshot per save would add 15 x 37.5 MiB from
-save 5 to save 20. Measured growth is 2-11 MiB: allocator noise (DCP starts
-a writer thread per save, and glibc gives threads their own arenas until
-it reaches its arena limit). The bound is one snapshot in all.
+The first two tests share one process: 20 async saves of a larger model
+(hidden 256, vocab 4096: 37.5 MiB of weights and Adam state), then one
+save after a weight was set to Inf. Keeping a snapshot per save would add
+15 x 37.5 MiB from save 5 to save 20; measured growth is 2-11 MiB,
+allocator noise (DCP starts a writer thread per save, and glibc gives
+threads their own arenas until it reaches its arena limit). The bound is
+one snapshot in all.
 """
 
 from __future__ import annotations
@@ -13,32 +14,48 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from ckpt_helpers import ckpt_plan, nonfinite_save_worker, rss_worker
+from ckpt_helpers import async_save_worker, ckpt_plan, run_worker
 
 from ptc.plan import ModelSpec
 from ptc.runtime.checkpoint_store import CheckpointStore
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
+SAVES = 20
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("async")
+    plan = dataclasses.replace(ckpt_plan(dp=1, zero=0, steps=SAVES, keep=2), model=ModelSpec(
+        family="llama", layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=4096,
+        max_seq=16))
+    return directory, run_local(async_save_worker, 1, plan, str(directory), SAVES)[0]
 
 
 @pytest.mark.timeout(180)
-def test_host_memory_does_not_grow_across_20_async_saves(tmp_path):
-    plan = dataclasses.replace(ckpt_plan(dp=1, zero=0, steps=20, keep=2), model=ModelSpec(
-        family="llama", layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=4096,
-        max_seq=16))
-    got = run_local(rss_worker, 1, plan, str(tmp_path), 20)[0]
+def test_host_memory_does_not_grow_across_20_async_saves(saved):
+    _, got = saved
     growth = got["rss"][-1] - got["rss"][4]
     assert growth < got["state_bytes"], (
         f"RSS grew {growth / 2**20:.1f} MiB over 15 saves of "
         f"{got['state_bytes'] / 2**20:.1f} MiB: {[r >> 20 for r in got['rss']]}")
-    assert CheckpointStore(tmp_path).visible() == [20, 19]  # keep = 2
+
+
+@pytest.mark.timeout(180)
+def test_nonfinite_weights_are_never_checkpointed_and_keep_k_holds(saved):
+    directory, got = saved
+    store = CheckpointStore(directory)
+    assert got["refused"]
+    assert store.visible() == [SAVES, SAVES - 1] and store.latest() == SAVES  # keep = 2
+    assert not store.partial_path(SAVES + 1).exists()
 
 
 @pytest.mark.timeout(120)
-def test_nonfinite_weights_are_never_checkpointed(tmp_path):
-    got = run_local(nonfinite_save_worker, 1, ckpt_plan(dp=1, zero=1), str(tmp_path))[0]
-    assert got == {"first": True, "second": False}
-    store = CheckpointStore(tmp_path)
-    assert store.visible() == [1] and store.latest() == 1
-    assert not store.partial_path(2).exists()
+def test_time_based_checkpoints_are_taken_at_the_same_step_by_every_rank(tmp_path):
+    # Every step outlasts 1 ms: rank 0's clock says "save" after each, and both ranks join.
+    plan = ckpt_plan(dp=2, zero=1, steps=3, checkpoint_dir=str(tmp_path),
+                     checkpoint_interval=1e-3, keep=5)
+    runs = run_local(run_worker, 2, [plan])
+    assert all(run[0]["error"] is None for run in runs.values())
+    assert CheckpointStore(tmp_path).visible() == [3, 2, 1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
@@ -67,10 +67,21 @@ def split(plan: Plan, knobs: dict | None = None, model: nn.Module | None = None)
 
 
 def bind(pipeline, model: nn.Module) -> None:
-    """Give every stage graph copies of `model`'s weights and buffers, by name."""
+    """Give every stage graph copies of `model`'s weights and buffers, by name.
+
+    As `with_weights` does, tensors an export-door graph creates on meta are made on the CPU.
+    """
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
+
+    def on_cpu(arg):
+        return torch.device("cpu") if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
     for _, stage in pipeline_stages(pipeline):
+        for node in stage.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, on_cpu)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, on_cpu)
+        stage.recompile()
         for name, _ in list(stage.named_parameters()):
             owner, _, leaf = name.rpartition(".")
             stage.get_submodule(owner)._parameters[leaf] = nn.Parameter(
@@ -176,7 +187,38 @@ class TestSplitPipelinePass:
         assert "tokens.shape" in last.code
         tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
         bind(pipeline, model)
-        torch.testing.assert_close(pipeline(tokens, targets), with_weights(gm, model)(tokens, targets))
+        expected = with_weights(gm, model)(tokens, targets)
+        torch.testing.assert_close(pipeline(tokens, targets), expected)
+
+
+    def test_user_models_split_too(self) -> None:
+        """nanoGPT (fx; wte tied to lm_head) and a Hugging Face-style Llama (export door).
+
+        The Llama's position ids and causal mask, made once before the layers,
+        cross the cut beside the hidden state, without gradient.
+        """
+        from tests.user_models.hf_llama import hf_llama  # noqa: PLC0415
+        from tests.user_models.nanogpt import nanogpt  # noqa: PLC0415
+
+        torch.manual_seed(0)
+        models = {"nanogpt": nanogpt(vocab_size=64, n_embd=32, n_layer=4, n_head=4, block_size=16),
+                  "hf_llama": hf_llama(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=16)}
+        tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+        for name, model in models.items():
+            gm, pipeline = split(make_plan("custom", pp=2, m=2), model=model)
+            first, last = (stage_info(s) for _, s in pipeline_stages(pipeline))
+            assert first.data == ("tokens",) and last.data == ("targets",), name
+            if name == "nanogpt":
+                assert first.tied == (("transformer.wte.weight", "transformer.wte.weight"),)
+                assert last.tied == (("lm_head.weight", "transformer.wte.weight"),)
+            else:
+                assert [(b.shape, b.requires_grad) for b in first.outputs] == [
+                    ((1, 16), False), ((2, 1, 16, 16), False), ((2, 16, 32), True)]
+            bind(pipeline, model)
+            torch.testing.assert_close(pipeline(tokens, targets),
+                                       with_weights(gm, model)(tokens, targets), msg=name)
 
 
 class TestBalance:

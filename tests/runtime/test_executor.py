@@ -70,9 +70,9 @@ def test_bf16_compute_trains_near_fp32_and_holds_predicted_bytes(zero):
     assert trainer.held_bytes() == trainer.program.state_bytes()
 
 
-def test_tp_and_pp_are_refused():
+def test_tp_without_a_tp_group_is_refused():
     base = tiny_plan("gpt", zero=0, dp=1, accum=1)
     plan = Plan(model=base.model, hardware=HardwareSpec.preset("cpu", gpus_per_node=2),
                 parallel=ParallelSpec(tp=2, dp=1), train=base.train)
-    with pytest.raises(PtcError, match="this runtime runs tp = pp = 1"):
+    with pytest.raises(PtcError, match="split over tp = 2, but this rank's tp group has 1"):
         Trainer(compile_plan(plan), {})

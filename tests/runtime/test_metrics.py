@@ -66,3 +66,34 @@ def test_progress_bar_on_a_terminal():
 def test_predicted_step_time_hook_is_none_or_positive():
     value = pipeline.predicted_step_time(tiny_plan("gpt", zero=0, dp=1, accum=1))
     assert value is not None and value > 0
+
+
+def test_health_fields_mfu_nonfinite_steps_and_appending_on_resume(tmp_path):
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1, metrics=str(tmp_path / "metrics.jsonl"))
+    bad = StepStats(step=2, loss=float("nan"), lr=1e-3, grad_norm=float("nan"), step_time=0.5,
+                    tokens=4096, nonfinite=(1,))
+    peak = plan.hardware.peak_flops[plan.train.dtype]
+    out = io.StringIO()
+    with StepReporter(plan, steps=3, enabled=True, console=Console(file=out),
+                      flops_per_step=0.2 * peak) as reporter:
+        reporter.report(stats(1))
+    with StepReporter(plan, steps=3, enabled=True, console=Console(file=out),
+                      flops_per_step=0.2 * peak, append=True) as reporter:
+        reporter.report(bad)
+    first, second = (json.loads(line) for line in
+                     (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["mfu"] == pytest.approx(1.0)  # 0.2 s of peak FLOPs in a 0.2 s step
+    assert second["mfu"] == pytest.approx(0.4)
+    assert (second["loss"], second["grad_norm"], second["nonfinite"]) == (None, None, [1])
+
+
+def test_model_flops_are_three_forwards_of_the_global_batch():
+    from ptc.compiler.meta import get_info
+    from ptc.runtime.metrics import model_flops_per_step
+
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=2)  # two micro-batches of one sample
+    program = pipeline.compile_plan(plan)
+    forward = sum(get_info(n).flops or 0 for n in program.stages[0].graph.graph.nodes
+                  if get_info(n) is not None)
+    assert forward > 0
+    assert model_flops_per_step(program) == 3 * forward * 2

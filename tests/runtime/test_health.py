@@ -1,0 +1,61 @@
+"""Single-process pieces of run health: the non-finite check, timeouts, fault hooks, elastic plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from runtime_helpers import tiny_plan
+
+from ptc.errors import PtcError
+from ptc.runtime import faults
+from ptc.runtime.elastic import is_elastic_range, plan_for_world
+from ptc.runtime.health import is_timeout, nonfinite_ranks
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_nonfinite_check_without_a_process_group():
+    assert nonfinite_ranks([torch.ones(3), torch.zeros(2)]) == ()
+    assert nonfinite_ranks([torch.ones(3), torch.tensor([1.0, float("nan")])]) == (0,)
+    assert nonfinite_ranks([torch.tensor([float("inf"), 1.0])]) == (0,)
+
+
+def test_timeouts_are_recognised_through_the_cause_chain():
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms "
+                        "for recv operation to complete")
+    wrapped = PtcError("rank 0: RuntimeError: ... during backward")
+    wrapped.__cause__ = gloo
+    assert is_timeout(wrapped) and not is_timeout(RuntimeError("index out of range"))
+
+
+def test_fault_hook_fires_once_for_its_rank_and_step(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "nan:1:3")
+    faults._fired.clear()
+    grads = [torch.zeros(4)]
+    faults.corrupt_gradients(0, 3, grads)
+    faults.corrupt_gradients(1, 2, grads)
+    assert torch.isfinite(grads[0]).all()
+    faults.corrupt_gradients(1, 3, grads)
+    assert torch.isnan(grads[0][0])
+    grads[0].zero_()
+    faults.corrupt_gradients(1, 3, grads)  # once per process: a rolled-back run goes through
+    assert torch.isfinite(grads[0]).all()
+    monkeypatch.setenv(faults.ENV, "melt:1:3")
+    with pytest.raises(ValueError, match="unknown fault 'melt'"):
+        faults.at_step_start(1, 3)
+
+
+def test_elastic_plan_keeps_the_global_batch_on_the_processes_that_joined():
+    plan = tiny_plan("gpt", zero=1, dp=4, accum=2)  # global batch 8, micro-batch 1
+    smaller = plan_for_world(plan, 2)
+    assert (smaller.parallel.dp, smaller.num_microbatches) == (2, 4)
+    assert smaller.train == plan.train and smaller.hardware.num_gpus == 2
+    assert plan_for_world(plan, 4) is plan
+    with pytest.raises(PtcError, match="global_batch\\(8\\) is not divisible"):
+        plan_for_world(plan, 16)
+    tp2 = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, tp=2, dp=2))
+    with pytest.raises(PtcError, match="not a multiple of tp\\(2\\)"):
+        plan_for_world(tp2, 3)
+    assert is_elastic_range("1:2") and not is_elastic_range("2") and not is_elastic_range("2:2")
