@@ -8,6 +8,7 @@ checkpoints, saving every `--every` steps synchronously, and saving every
 - save step: median time of the steps that start a save, save call included
   (async: the copy to host memory; sync: the whole write);
 - other steps: median time of the steps that do not;
+- pause: save step - other steps, what training waits for per save;
 - cost per save: (total time - total time without checkpoints) / saves,
   what a save really costs the run — for async it includes the slowdown of
   the steps that overlap the background write (on a 2-core CPU the writer
@@ -114,14 +115,16 @@ def main() -> None:
     base = result["none"]
     print(f"{args.device}: state {result['sync']['state'] / 2**20:.0f} MiB per save (fp32 "
           f"masters + Adam), {args.steps} steps, a save every {args.every}")
-    print(f"{'mode':6} {'save step':>10} {'other steps':>12} {'total':>8} {'cost per save':>14}")
+    print(f"{'mode':6} {'save step':>10} {'other steps':>12} {'pause':>10} {'total':>8} "
+          f"{'cost per save':>14}")
     for mode in ("none", "sync", "async"):
         r = result[mode]
         saving = [t for k, t in enumerate(r["times"]) if k in r["saves"]]
-        other = [t for k, t in enumerate(r["times"]) if k not in r["saves"]]
+        other = statistics.median([t for k, t in enumerate(r["times"]) if k not in r["saves"]])
         cost = (r["total"] - base["total"]) / len(r["saves"]) if r["saves"] else 0.0
         save_ms = f"{statistics.median(saving) * 1e3:.1f} ms" if saving else "-"
-        print(f"{mode:6} {save_ms:>10} {statistics.median(other) * 1e3:>9.1f} ms "
+        pause = f"{(statistics.median(saving) - other) * 1e3:.1f} ms" if saving else "-"
+        print(f"{mode:6} {save_ms:>10} {other * 1e3:>9.1f} ms {pause:>10} "
               f"{r['total']:>6.2f} s {cost * 1e3:>11.1f} ms")
     sync_cost = result["sync"]["total"] - base["total"]
     async_cost = result["async"]["total"] - base["total"]

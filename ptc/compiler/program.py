@@ -157,12 +157,12 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
         params = used_params(gm, node)
         if not params:
             continue
-        key = group_key(module_path(node) or params[0][0])
+        group = group_key(module_path(node) or params[0][0])
         for name, p in params:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            key = name if name in own_units else key
+            key = name if name in own_units else group
             if key not in members:
                 unit_names.append(key)
                 members[key] = []

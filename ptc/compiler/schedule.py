@@ -251,6 +251,7 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
             if sent is not None and schedule.rank_of(sent[1]) != src:
                 recv = needed_receive(Action(sent[1], action.kind, action.microbatch), n)
                 arrivals.setdefault((src, schedule.rank_of(sent[1])), []).append(recv[0])
+    position = {recv: i for queue in arrivals.values() for i, recv in enumerate(queue)}
     programs = []
     for rank, actions in enumerate(schedule.ranks):
         posted: dict[int, int] = {}  # source rank -> receives posted so far
@@ -262,10 +263,10 @@ def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
                 return
             src = schedule.rank_of(needed[1])
             queue = arrivals.get((src, rank), [])
-            if needed[0] not in queue:
+            if needed[0] not in position:
                 raise ScheduleError(f"rank {rank} needs {needed[0]} but rank {src} never sends "
                                     f"{matching_send(needed[0])}")
-            upto = queue.index(needed[0]) + 1
+            upto = position[needed[0]] + 1
             program.extend(queue[posted.get(src, 0):upto])
             posted[src] = max(posted.get(src, 0), upto)
 

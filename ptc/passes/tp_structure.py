@@ -333,6 +333,8 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
     """Override inferred styles with the plan's shard rules; fail on what stays unknown."""
     rules = plan.parallel.shards
     paths = {p for n in gm.graph.nodes if (p := _module(n))}
+    embeddings = {p for n in gm.graph.nodes if (p := is_embedding(n))}
+    heads = {p for p, s in found.styles.items() if s == VOCAB and p not in embeddings}
     others = {get_info(n).module_path for n in gm.graph.nodes
               if get_info(n) is not None and get_info(n).kind == "norm"}
     used = set()
@@ -346,7 +348,14 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
                 raise CompileError(f"shard rule \"{rule.pattern}\" {rule.style}: {path!r} is a "
                                    "norm; norms can only be replicated")
             continue
-        found.styles[path], found.why[path] = rule.style, f"rule \"{rule.pattern}\" {rule.style}"
+        allowed = (VOCAB, REPLICATE) if path in embeddings else \
+            (COLWISE, ROWWISE, REPLICATE) + ((VOCAB,) if path in heads else ())
+        if rule.style not in allowed:
+            raise CompileError(f"shard rule \"{rule.pattern}\" {rule.style}: {path!r} can only "
+                               f"be {' or '.join(allowed)}")
+        # A column-parallel LM head is the vocabulary-parallel one (its loss follows it).
+        style = VOCAB if path in heads and rule.style == COLWISE else rule.style
+        found.styles[path], found.why[path] = style, f"rule \"{rule.pattern}\" {rule.style}"
         failures.pop(path, None)
     unused = [r.pattern for r in rules if r.pattern not in used]
     if unused:

@@ -2,7 +2,9 @@
 
 Public entry points: `run(plan_or_program)` trains from Python (`ptc.run`),
 `launch(plan_path, nproc, extra_launcher_args)` is what `ptc run PLAN`
-calls, `Trainer` is one rank's training state (for tests and notebooks).
+calls, `Trainer` is one rank's training state (for tests and notebooks),
+`bench_comm` / `render_comm` measure and show collective bandwidth per mesh
+axis (`ptc bench-comm`).
 Submodules load lazily so that `import ptc.runtime` stays cheap.
 """
 
@@ -20,6 +22,8 @@ _LAZY = {
     "Trainer": ("ptc.runtime.executor", "Trainer"),
     "RankError": ("ptc.runtime.executor", "RankError"),
     "StepStats": ("ptc.runtime.executor", "StepStats"),
+    "bench_comm": ("ptc.runtime.bench_comm", "bench_comm"),
+    "render_comm": ("ptc.runtime.bench_comm", "render_comm"),
 }
 
 __all__ = list(_LAZY)

@@ -150,13 +150,6 @@ class CheckpointStore:
         """Directory a save of `step` writes into before it is published."""
         return self.root / (step_name(step) + PARTIAL)
 
-    def start(self, step: int) -> Path:
-        """Create an empty partial directory for a save of `step` (removing a leftover one)."""
-        path = self.partial_path(step)
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        return path
-
     def publish(self, manifest: Manifest) -> Path:
         """Make the partial checkpoint of `manifest.step` visible: manifest, rename, pointer."""
         partial, final = self.partial_path(manifest.step), self.path(manifest.step)

@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.pipeline import capture_plan, compile_plan  # noqa: E402
-from ptc.compiler.program import ZeroShards  # noqa: E402
+from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.compiler.stages import PIPELINE_KEY, pipeline_stages, stage_info  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
@@ -274,3 +274,16 @@ class TestProgram:
         assert any(line.startswith("split_pipeline_pass: stage 1 (rank 1, chunk 0)")
                    for line in program.pass_log)
         assert sum("shard_params_pass: inserted" in line for line in program.pass_log) == 2
+
+    def test_a_tied_weight_gets_a_unit_of_its_own(self) -> None:
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.head = nn.Linear(4, 8)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(x)
+
+        layout = param_layout(fx.symbolic_trace(Head()), 2, own_units=("head.weight",))
+        assert [(u.name, u.params) for u in layout.units] == [
+            ("head.weight", ("head.weight",)), ("head", ("head.bias",))]

@@ -219,6 +219,16 @@ class TestShardRules:
         with pytest.raises(CompileError, match=r"embed.weight is split over tp, but node embed"):
             lowered(plan(GPT, shards=rules))
 
+    def test_rule_styles_must_fit_the_module(self):
+        rules = (ShardRule(pattern="pos_embed", style="colwise"),)
+        with pytest.raises(CompileError, match="'pos_embed' can only be vocab or replicate"):
+            lowered(plan(GPT, shards=rules))
+        rules = (ShardRule(pattern="layers.0.mlp.up", style="vocab"),)
+        with pytest.raises(CompileError, match="can only be colwise or rowwise or replicate"):
+            lowered(plan(GPT, shards=rules))
+        gm = lowered(plan(GPT, shards=(ShardRule(pattern="head", style="colwise"),)))
+        assert len(calls(gm, vocab_parallel_cross_entropy)) == 1  # a colwise head is the vocab one
+
     def test_rule_matching_nothing_is_an_error(self):
         rules = (ShardRule(pattern="layers.*.ffn", style="colwise"),)
         with pytest.raises(CompileError, match=r"shard rules match no linear.*layers\.\*\.ffn"):
