@@ -25,7 +25,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ptc.compiler import capture  # noqa: E402
+from ptc.compiler.capture import capture  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.plan import ModelSpec  # noqa: E402
 

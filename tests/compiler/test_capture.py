@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ptc.compiler import capture, graph_info, with_weights
+from ptc.compiler.capture import capture, with_weights
+from ptc.compiler.meta import graph_info
 from ptc.compiler.meta import NodeInfo, info
 from ptc.errors import CaptureError
 from ptc.models import build_model

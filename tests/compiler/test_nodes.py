@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from ptc.compiler import capture, nodes
+from ptc.compiler import nodes
+from ptc.compiler.capture import capture
 from ptc.compiler.meta import info
 from ptc.models import build_model
 from ptc.plan import ModelSpec

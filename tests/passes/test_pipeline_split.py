@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
+from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.compiler.pipeline import capture_plan, compile_plan  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.compiler.stages import PIPELINE_KEY, pipeline_stages, stage_info  # noqa: E402
@@ -50,15 +51,6 @@ def make_plan(family: str = "gpt", *, pp: int = 2, v: int = 1, m: int = 4, zero:
                 parallel=ParallelSpec(pp=pp, zero=zero, virtual_stages=v,
                                       schedule=schedule or ("interleaved" if v > 1 else "1f1b")),
                 train=TrainSpec(seq_len=16, global_batch=2 * m, micro_batch=2, dtype="fp32"))
-
-
-def with_weights(gm, model: nn.Module):
-    """The captured graph bound to `model`'s weights (imported late: see below)."""
-    # Importing ptc.compiler.capture at collection would shadow the lazily exported
-    # `ptc.compiler.capture` function with its module for test files collected later.
-    from ptc.compiler.capture import with_weights as bound  # noqa: PLC0415
-
-    return bound(gm, model)
 
 
 def split(plan: Plan, knobs: dict | None = None, model: nn.Module | None = None):
