@@ -117,6 +117,11 @@ def _check_batch(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
     par = plan.parallel
+    cuts = par.pp * par.virtual_stages - 1 if par.pp != "auto" else None
+    if par.stage_boundaries and cuts is not None and len(par.stage_boundaries) != cuts:
+        sink.error(f"stage_boundaries lists {len(par.stage_boundaries)} cuts; pp({par.pp}) * "
+                   f"virtual_stages({par.virtual_stages}) stages have {cuts}",
+                   field="parallel.stage_boundaries", span=_span(par, "stage_boundaries"))
     if par.pp == "auto" or par.pp == 1 or par.dp == "auto":
         return
     m = plan.num_microbatches

@@ -338,6 +338,9 @@ class ParallelSpec(_Section):
     """Overlap communication with compute."""
     order: tuple[str, ...] = ("tp", "dp", "pp")
     """Mesh axes from innermost (fastest-varying rank) to outermost."""
+    stage_boundaries: tuple[str | None, ...] = ()
+    """Pinned pipeline cuts: the graph piece ("layers.20", "norm", ...) where each of
+    stages 1 .. pp·v-1 starts; None leaves that cut to the cost model; () pins none."""
     shards: tuple[ShardRule, ...] = ()
     """Explicit shard annotations that override what the compiler infers."""
     spans: Mapping[str, Span] = _spans()

@@ -134,7 +134,8 @@ def _hardware(hw: HardwareSpec) -> str:
 
 def _parallel(par: ParallelSpec) -> str:
     lines = _scalar_lines(par, PARALLEL_KEYS, always=("tp", "pp", "dp", "zero"),
-                          skip=("schedule", "virtual_stages", "checkpoint", "order"))
+                          skip=("schedule", "virtual_stages", "checkpoint", "order",
+                                "stage_boundaries"))
     if par.schedule == "interleaved":
         lines.append(f"schedule = interleaved(virtual_stages = {literal(par.virtual_stages)})")
     else:
@@ -145,6 +146,9 @@ def _parallel(par: ParallelSpec) -> str:
         lines.append(f"checkpoint = {checkpoint(par.checkpoint)}")
     if par.order != _default(ParallelSpec, "order"):
         lines.append("order = (" + ", ".join(word(a) for a in par.order) + ")")
+    if par.stage_boundaries:
+        lines.append("stage_boundaries = [" + ", ".join(
+            "none" if b is None else quote(b) for b in par.stage_boundaries) + "]")
     lines += [f"shard {quote(rule.pattern)} {word(rule.style)}" for rule in par.shards]
     return _section("parallel", lines)
 

@@ -21,6 +21,7 @@ from ptc.dsl.values import (
     optional,
     quantity,
     string,
+    string_list,
     word,
     word_tuple,
 )
@@ -112,6 +113,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "checkpoint": Key("checkpoint", calls.checkpoint(None)),
     "overlap": Key("overlap", boolean),
     "order": Key("order", word_tuple),
+    "stage_boundaries": Key("stage_boundaries", string_list),
 }
 """parallel { ... }, plus `shard "glob" style` lines."""
 

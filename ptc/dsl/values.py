@@ -256,6 +256,18 @@ def word_tuple(r: Reader, node: ast.Value, key: str) -> Any:
     return tuple(i.name for i in node.items)
 
 
+def string_list(r: Reader, node: ast.Value, key: str) -> Any:
+    """A list (or tuple) of strings or `none`, e.g. ["layers.20", none, "layers.60"]."""
+    if isinstance(node, ast.Invalid):
+        return INVALID
+    if not isinstance(node, (ast.Tuple, ast.List)) or not all(
+            isinstance(i, ast.Str) or (isinstance(i, ast.Name) and i.name == "none")
+            for i in node.items):
+        return r.error(f"{key} must be a list of strings or none, e.g. "
+                       f"{key} = [\"layers.20\", none], got {_got(node)}", node.pos, key)
+    return tuple(i.value if isinstance(i, ast.Str) else None for i in node.items)
+
+
 def python_value(r: Reader, node: ast.Value, key: str) -> Any:
     """Any plain value as Python data: numbers, strings, true/false/none, names
     (as strings), quantities (in base units), tuples and lists of these."""

@@ -65,7 +65,8 @@ def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
     ranks; the cut decides the pipeline's speed (its slowest stage) and
     memory, so it is chosen by the cost model, with memory as a constraint,
     not by counting layers. Returns the pipeline graph (module docstring);
-    a plan with pp = 1 gets `gm` back unchanged. Knob `boundaries` pins cuts.
+    a plan with pp = 1 gets `gm` back unchanged. The plan's `stage_boundaries`
+    (or knob `boundaries`, which wins) pins cuts.
     """
     from ptc.compiler.layout import layout_of  # noqa: PLC0415 - layout imports the plan only
     from ptc.compiler.memory import RUNTIME_RESERVE, in_flight  # noqa: PLC0415 - sympy
@@ -78,7 +79,7 @@ def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
     p, v = par.pp, par.virtual_stages
     chunks = p * v
     atoms, names = find_atoms(gm)
-    pins = _pins(dict(knobs or {}).get("boundaries"), names, chunks)
+    pins = _pins(dict(knobs or {}).get("boundaries", par.stage_boundaries or None), names, chunks)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     atom_of = {node: i for i, nodes in enumerate(atoms) for node in nodes}
     costs = price_atoms(gm, atoms, names, plan)

@@ -112,6 +112,14 @@ def test_schedule_order_and_virtual_stages_key() -> None:
     assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "pp")
 
 
+def test_stage_boundaries_pin_pipeline_cuts() -> None:
+    plan = parse(edit("zero = 1", 'zero = 1\n  stage_boundaries = ["layers.4"]'))
+    assert plan.parallel.stage_boundaries == ("layers.4",)
+    (err,) = errors(edit("zero = 1", 'zero = 1\n  stage_boundaries = ["layers.2", none]'))
+    assert "stage_boundaries lists 2 cuts; pp(2) * virtual_stages(1) stages have 1" in err.message
+    assert (err.span.line, err.span.column) == (23, 22)
+
+
 def test_preset_fields_can_be_overridden() -> None:
     plan = parse(edit("nodes = 1", "nodes = 1\n  hbm = 94 GB\n  peak = flops(bf16 = 900 TFLOP/s)"
                                    "\n  achievable_fraction = 0.4\n  nvlink_sharp = false"))

@@ -232,6 +232,13 @@ class TestBalance:
         _, pipeline = split(make_plan(pp=4), {"boundaries": [None, "layers.2", None]})
         assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
 
+    def test_plan_stage_boundaries_pin_cuts(self) -> None:
+        plan = make_plan(pp=4)
+        pinned = dataclasses.replace(plan, parallel=dataclasses.replace(
+            plan.parallel, stage_boundaries=(None, "layers.2", None)))
+        _, pipeline = split(pinned)
+        assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
+
     @pytest.mark.parametrize("knobs,needle", [
         ({"boundaries": ["layer.3"]}, r"no graph piece named 'layer.3'.*did you mean"),
         ({"boundaries": ["layers.1", "layers.2"]}, r"boundaries lists 2 cuts; 2 stages have 1"),
