@@ -88,6 +88,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_comm(args: argparse.Namespace) -> int:
+    """Measure collective bandwidth on each mesh axis against the plan's hardware figures."""
+    from ptc.runtime.bench_comm import bench_comm, parse_size, render_comm  # noqa: PLC0415
+
+    plan = _load(args.plan)
+    try:
+        sizes = parse_size(args.min_size), parse_size(args.max_size)
+    except ValueError as exc:
+        _err.print(f"error: {exc}", markup=False)
+        return EXIT_USAGE
+    report = bench_comm(plan, min_size=sizes[0], max_size=sizes[1], iters=args.iters,
+                        warmup=args.warmup)
+    _out.print(render_comm(report))
+    return EXIT_FAILED if report.flagged and args.strict else EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a plan on one process per rank through torch's elastic launcher."""
     from ptc.runtime import launch  # noqa: PLC0415
@@ -160,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all nodes")
     p.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
                    help="restart the whole group up to N times after a rank fails")
+
+    p = command("bench-comm", cmd_bench_comm, "Measure all-reduce, all-gather, reduce-scatter "
+                "and send/recv bandwidth on each mesh axis (like nccl-tests), compare with the "
+                "plan's hardware figures, and flag axes below 80 %%.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("--min-size", dest="min_size", default="1M", help="smallest message (1M)")
+    p.add_argument("--max-size", dest="max_size", default="1G", help="largest message (1G)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (5)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when any axis is flagged")
 
     p = command("plan", cmd_plan, "Search every valid layout (tp/pp/dp may be auto) and "
                 "rank them by predicted step time.")
