@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
+from rich.text import Text
 
 from ptc.errors import PlanError, PtcError
 
@@ -83,8 +84,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f.write(graph_to_dot(program, args.stage))
         _out.print(f"wrote {args.dot} (stage {args.stage})", markup=False)
         return EXIT_OK
-    _out.print(render_graph(program, args.stage, args.format, color=_out.is_terminal,
-                            width=_out.width), markup=False, end="")
+    text = render_graph(program, args.stage, args.format, color=_out.is_terminal,
+                        width=_out.width)
+    _out.print(Text.from_ansi(text), end="")
     return EXIT_OK
 
 

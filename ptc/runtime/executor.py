@@ -32,9 +32,8 @@ from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.errors import PtcError
 from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
-from ptc.runtime.faults import corrupt_gradients
 from ptc.runtime.grads import GradReducer
-from ptc.runtime.health import nonfinite_ranks
+from ptc.runtime.health import guarded_update
 from ptc.runtime.init import initial_buffers, initial_params, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
@@ -213,15 +212,16 @@ class Trainer:
             if self.reducer is not None:
                 self.reducer.finish()
             all_reduce_flat(loss_sum.view(1), self.group).wait()
-            corrupt_gradients(self.rank, step + 1, [u.grad for u in self.units])  # test hook
-            bad = nonfinite_ranks([loss_sum, *(u.grad for u in self.units)])
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
-            if bad:
-                norm = float("nan")
-            else:
+
+            def update() -> float:
                 norm = self.optimizer.clip(train.grad_clip)
                 self.optimizer.step(lr)
                 publish(self.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
+                return norm
+
+            bad, norm = guarded_update(self.rank, step, loss_sum, [u.grad for u in self.units],
+                                       update)
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,

@@ -22,11 +22,13 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ptc.runtime.faults import corrupt_gradients
 
 TRACE_BUFFER_ENTRIES = 2000
 """Collectives the NCCL flight recorder remembers per rank (its ring buffer)."""
@@ -51,6 +53,22 @@ def nonfinite_ranks(tensors: Iterable[torch.Tensor],
     flags[dist.get_rank(group)] = bad
     dist.all_reduce(flags, group=group)
     return tuple(flags.nonzero().flatten().tolist())
+
+
+def guarded_update(rank: int, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor],
+                   update: Callable[[], float]) -> tuple[tuple[int, ...], float]:
+    """The non-finite guard of one optimizer step: run `update` unless a rank saw NaN or Inf.
+
+    Call after backward and the gradient reductions, with this rank's
+    (reduced) `loss` and `grads`, on every rank of the job (collective: one
+    all-reduce, `nonfinite_ranks`). `update` clips, steps and publishes and
+    returns the gradient norm; it runs on every rank or on none. Returns
+    the bad ranks (empty: the update ran) and the norm (NaN when skipped).
+    `step` is 0-based; the `PTC_FAULT` nan hook (`faults`) fires here.
+    """
+    corrupt_gradients(rank, step + 1, grads)  # test hook
+    bad = nonfinite_ranks([loss, *grads])
+    return bad, (float("nan") if bad else update())
 
 
 def configure_flight_recorder(trace_dir: str | os.PathLike) -> None:

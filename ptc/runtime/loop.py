@@ -141,13 +141,9 @@ class TrainLoop:
             self.checkpointer.close()
 
     def _train_step(self) -> StepStats:
-        skipped = self.position != self.step * self.plan.train.global_batch
         try:
-            # Only a rollback moves the data off step · global_batch; trainers that do not
-            # take a position yet (the pipeline's) still run every other policy.
-            if skipped:
-                return self.trainer.train_step(self.step, position=self.position)
-            return self.trainer.train_step(self.step)
+            # Both trainers (one stage and pipeline) take the data position.
+            return self.trainer.train_step(self.step, position=self.position)
         except Exception as exc:
             if not is_timeout(exc):
                 raise
