@@ -9,12 +9,14 @@ layouts that fit and the nearest ones that do not.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ptc.compiler.estimate import Estimate, estimate, plan_precision
+from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import TERMS, stage_memory_expr
@@ -82,6 +84,33 @@ def _memory(est: Estimate) -> Table:
     return table
 
 
+def _checkpointing(plan: Plan, est: Estimate) -> Table:
+    """Per stage: each layer's recompute policy, memory without and with it, recompute FLOPs."""
+    layout = est.layout
+    profile = model_profile(plan.model, plan.train.dtype)
+    before = estimate_layout(profile, replace(layout, checkpoint="none"), plan,
+                             plan_precision(plan, profile)).stage_memory_bytes
+    f, b, s = profile.fn, layout.micro_batch, plan.train.seq_len
+    cost = {"full": float(f["flops.layer"](b, s)), "selective": float(f["core_flops"](b, s)),
+            "none": 0.0}
+    ckpt = plan.parallel.checkpoint
+    table = Table(title=f"Activation checkpointing (checkpoint = "
+                        f"{ckpt if isinstance(ckpt, str) else 'per layer'}; HBM budget "
+                        f"{format_bytes(est.hbm_bytes)} per GPU)")
+    for name in ("stage", "layers: policy", "memory without", "memory with",
+                 "recompute FLOPs / micro-batch"):
+        table.add_column(name, justify="left" if name == "layers: policy" else "right")
+    for i in range(layout.pp):
+        layers = layout.stage_layers(i)
+        policies = [layout.checkpoint if isinstance(layout.checkpoint, str)
+                    else layout.checkpoint[n] for n in layers]
+        text = ", ".join(f"{n}:{pol}" for n, pol in zip(layers, policies))
+        table.add_row(str(i), text, format_bytes(before[i]),
+                      format_bytes(est.stage_memory_bytes[i]),
+                      f"{sum(cost[pol] for pol in policies):.3g}")
+    return table
+
+
 def _expression(plan: Plan, est: Estimate) -> Text:
     profile = model_profile(plan.model, plan.train.dtype)
     stage = est.stage_memory_bytes.index(est.peak_memory_bytes)
@@ -103,8 +132,10 @@ def _fit_hints(plan: Plan) -> Text:
 def render_explain(plan: Plan) -> Group:
     """The full explanation of one resolved plan, as a rich renderable."""
     est = estimate(plan)
-    return Group(_summary(est), _breakdown(est), _memory(est), _expression(plan, est),
-                 _fit_hints(plan))
+    parts = [_summary(est), _breakdown(est), _memory(est)]
+    if plan.parallel.checkpoint != "none":
+        parts.append(_checkpointing(plan, est))
+    return Group(*parts, _expression(plan, est), _fit_hints(plan))
 
 
 def render_search(plan: Plan, top: int = 5) -> Group:
