@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import fx
 
+from ptc.compiler.balance import layer_policies
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import attention_parts
 from ptc.errors import CompileError
@@ -19,28 +20,6 @@ log = logging.getLogger("ptc.passes")
 
 REGION_PREFIX = "ckpt_region_"
 """Attribute name prefix of the region GraphModules on the graph."""
-
-
-def layer_policies(plan: Plan) -> tuple[str, ...]:
-    """The recompute policy of every layer: the plan's, or what the cost model chose for "auto".
-
-    "auto" resolves through `ptc.compiler.estimate.estimate(plan).layout`,
-    which is deterministic, so every rank gets the same answer.
-    """
-    ckpt, n = plan.parallel.checkpoint, plan.model.layers
-    if ckpt == "auto":
-        from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model
-
-        try:
-            ckpt = estimate(plan).layout.checkpoint
-        except (ValueError, KeyError) as err:
-            raise CompileError(f"checkpoint = auto needs the cost model, which cannot price "
-                               f"this plan: {err}") from err
-    if isinstance(ckpt, str):
-        return (ckpt,) * n
-    if len(ckpt) != n:
-        raise CompileError(f"checkpoint lists {len(ckpt)} policies for {n} layers")
-    return tuple(ckpt)
 
 
 def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
@@ -57,9 +36,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
     so later passes (ZeRO) still see and rewrite them; under ZeRO-3 a full
     region therefore keeps its layer's gathered weights until backward.
     """
-    policies = layer_policies(plan)
-    if all(p == "none" for p in policies):
-        return gm
+    policy_of = layer_policies(plan)
     layers: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         info = get_info(node)
@@ -69,7 +46,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
             layers.setdefault(info.layer, []).append(node)
     counts = {"full": 0, "selective": 0}
     for layer, nodes in sorted(layers.items()):
-        policy = policies[layer] if layer < len(policies) else "none"
+        policy = policy_of(layer)
         if policy == "full":
             regions = [nodes]
         elif policy == "selective":
@@ -84,7 +61,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
     if counts["full"] or counts["selective"]:
         gm.graph.lint()
         gm.recompile()
-    log.info("checkpointed %d layers full, %d selective", counts["full"], counts["selective"])
+        log.info("checkpointed %d layers full, %d selective", counts["full"], counts["selective"])
     return gm
 
 

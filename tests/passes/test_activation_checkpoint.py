@@ -24,7 +24,8 @@ from ptc.compiler.profile import model_profile  # noqa: E402
 from ptc.compiler.program import param_layout  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import PASSES, checkpoint_layers_pass, shard_params_pass  # noqa: E402
-from ptc.passes.activation_checkpoint import REGION_PREFIX, layer_policies  # noqa: E402
+from ptc.compiler.balance import layer_policies  # noqa: E402
+from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.runtime.recompute import checkpoint_region  # noqa: E402
 
@@ -148,7 +149,7 @@ def test_auto_picks_k_full_layers_under_a_budget_that_forces_k(k):
     family = "llama"  # its fused attention core saves little: selective cannot replace a full layer
     forced = ("full",) * k + ("none",) * (3 - k)
     p = plan(family, "auto", hbm=_hbm_for(family, forced))
-    first, second = layer_policies(p), layer_policies(p)
+    first, second = ([layer_policies(p)(i) for i in range(3)] for _ in range(2))
     assert first == second
     assert first.count("full") == k and first.count("selective") == 0
     gm = checkpoint_layers_pass(capture_plan(p), p)
