@@ -78,8 +78,8 @@ def _attention_cores(nodes: list[fx.Node]) -> list[list[fx.Node]]:
             continue
         # Everything between the scores matmul and the output matmul.
         scores = _scores_node(parts)
-        down = _descendants(scores, members)
-        up = _ancestors(node, members)
+        down = _reach(scores, members, lambda n: n.users)
+        up = _reach(node, members, lambda n: n.all_input_nodes)
         core = down & up
         cores.append([n for n in nodes if n in core])
     return cores
@@ -104,25 +104,15 @@ def _scores_node(parts) -> fx.Node:
     raise CompileError(f"cannot find the scores of attention {parts.out.name}")
 
 
-def _descendants(node: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
+def _reach(node: fx.Node, members: set[fx.Node], step) -> set[fx.Node]:
+    """The members reachable from `node` (itself included) by repeatedly taking `step(n)`."""
     out, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n in out or n not in members:
             continue
         out.add(n)
-        todo.extend(n.users)
-    return out
-
-
-def _ancestors(node: fx.Node, members: set[fx.Node]) -> set[fx.Node]:
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in out or n not in members:
-            continue
-        out.add(n)
-        todo.extend(n.all_input_nodes)
+        todo.extend(step(n))
     return out
 
 

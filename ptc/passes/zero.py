@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_path
@@ -32,6 +31,7 @@ from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroSh
                                   param_layout, used_params)
 from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
+from ptc.passes.functional import functional_op, replace_call
 from ptc.plan import Plan
 from ptc.runtime.collectives import gather_params, gather_params_start
 
@@ -129,44 +129,13 @@ def _insert_gather(gm: fx.GraphModule, uses: list[tuple[fx.Node, list]],
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: dict[str, fx.Node]) -> None:
     """Make `node` read its weights from `weights` (name in gm -> view node)."""
-    graph = gm.graph
     if node.op == "get_attr":
         node.replace_all_uses_with(weights[str(node.target)])
-        graph.erase_node(node)
+        gm.graph.erase_node(node)
         return
     module = gm.get_submodule(str(node.target))
-    if len(node.args) != 1 or node.kwargs:
-        raise CompileError(f"zero: {node.target} ({type(module).__name__}) is called with "
-                           f"{len(node.args)} args and {len(node.kwargs)} kwargs; "
-                           "expected one input")
-
-    def w(name: str):  # the view node of module.<name>, or None where the module has none
-        if getattr(module, name, None) is None:
-            return None
-        return weights[f"{node.target}.{name}"]
-
-    x = node.args[0]
-    if isinstance(module, nn.Linear):
-        fn, args = F.linear, (x, w("weight"), w("bias"))
-    elif isinstance(module, nn.Embedding):
-        fn, args = F.embedding, (x, w("weight"), module.padding_idx, module.max_norm,
-                                 module.norm_type, module.scale_grad_by_freq, module.sparse)
-    elif isinstance(module, nn.LayerNorm):
-        fn, args = F.layer_norm, (x, tuple(module.normalized_shape), w("weight"), w("bias"),
-                                  module.eps)
-    elif isinstance(module, nn.RMSNorm):
-        fn, args = F.rms_norm, (x, tuple(module.normalized_shape), w("weight"), module.eps)
-    else:
-        raise CompileError(
-            f"zero: cannot shard the parameters of {node.target} ({type(module).__name__}); "
-            "leaf modules with parameters must be Linear, Embedding, LayerNorm or RMSNorm")
-    with graph.inserting_before(node):
-        new = graph.create_node("call_function", fn, args)
-    copy_meta(node, new)
-    node.replace_all_uses_with(new)
-    name = node.name
-    graph.erase_node(node)
-    new.name = name  # the functional call stands for the module call: keep its readable name
+    fn, args = functional_op(node, module, lambda leaf: weights[f"{node.target}.{leaf}"])
+    replace_call(gm, node, fn, args)
 
 
 def _prefetch(gathers: list[tuple[fx.Node, ...]]) -> None:

@@ -34,12 +34,12 @@ from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import guarded_update
-from ptc.runtime.init import initial_buffers, initial_params, reference_model
+from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
 from ptc.runtime.seq_regather import SeqRegather, forward_context
-from ptc.runtime.tp_state import join_over_tp, local_initial_values, replicated_ranges
+from ptc.runtime.tp_state import join_over_tp, rank_values, replicated_ranges, seed_dropout
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -163,18 +163,11 @@ class Trainer:
                            f"tp group has {group_size(self.tp_group)} rank(s)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.zero = plan.parallel.zero
-        # Dropout differs per rank, repeatably — but not across a tp group, whose ranks must
-        # drop the same elements of the activations they all hold.
-        leader = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group else self.rank
-        torch.manual_seed(plan.runtime.seed + leader)
+        seed_dropout(plan, self.tp_group, self.rank)
         self.gm = copy.deepcopy(program.stages[0].graph)
         model = model if model is not None else reference_model(plan)
+        values = rank_values(program, model, values, self.tp_rank)
         tp = program.tensor_parallel
-        if values is None:
-            values = initial_params(plan, program.layout, model) if tp is None else \
-                local_initial_values(plan, program.layout, tp, model, self.tp_rank)
-        elif tp is not None:
-            values = tp.local_values(values, self.tp_rank)
         self.units = build_units(self.gm, program.layout, values, zero=self.zero,
                                  dtype=COMPUTE_DTYPES[plan.train.dtype], rank=self.dp_rank,
                                  world=self.dp, device=self.device)

@@ -54,13 +54,13 @@ from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.executor import GraphRunner, RankError, StepStats
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import guarded_update
-from ptc.runtime.init import initial_buffers, initial_params, reference_model
+from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import CLIP_EPS, ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
-from ptc.runtime.tp_state import join_over_tp, local_initial_values, replicated_ranges
+from ptc.runtime.tp_state import join_over_tp, rank_values, replicated_ranges, seed_dropout
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -124,18 +124,12 @@ class PipelineTrainer:
         self.tp_rank = group_rank(self.tp_group)
         self.rank = dist.get_rank()
         self.zero = plan.parallel.zero
-        # Dropout differs per rank, repeatably, but not across a tp group (as executor.Trainer).
-        leader = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group else self.rank
-        torch.manual_seed(plan.runtime.seed + leader)
+        seed_dropout(plan, self.tp_group, self.rank)
         schedule = program.schedule
         self.actions = lower(schedule)[self.pp_rank]
         model = model if model is not None else reference_model(plan)
+        values = rank_values(program, model, values, self.tp_rank)
         tp = program.tensor_parallel
-        if values is None:
-            values = initial_params(plan, program.layout, model) if tp is None else \
-                local_initial_values(plan, program.layout, tp, model, self.tp_rank)
-        elif tp is not None:
-            values = tp.local_values(values, self.tp_rank)
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
                           for alias in slot.aliases}
         self.chunks: dict[int, _Chunk] = {}

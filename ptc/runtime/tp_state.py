@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptc.compiler.program import ParamLayout
+from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.plan import Plan
 from ptc.runtime.comm import group_size
@@ -38,6 +38,24 @@ def local_initial_values(plan: Plan, layout: ParamLayout, tp: TensorParallelLayo
         name: dataclasses.replace(slot, shape=tp.full_shape(name, slot.shape))
         for name, slot in layout.params.items()})
     return tp.local_values(initial_params(plan, full, model), rank)
+
+
+def rank_values(program: Program, model: nn.Module,
+                values: Mapping[str, torch.Tensor] | None, tp_rank: int) -> dict[str, torch.Tensor]:
+    """The initial weights this rank holds, by canonical name: `values` (full tensors) or the
+    plan's own initial weights, cut to the rank's tp slice under tensor parallelism."""
+    plan, layout, tp = program.plan, program.layout, program.tensor_parallel
+    if values is None:
+        return initial_params(plan, layout, model) if tp is None else \
+            local_initial_values(plan, layout, tp, model, tp_rank)
+    return dict(values) if tp is None else tp.local_values(values, tp_rank)
+
+
+def seed_dropout(plan: Plan, tp_group: dist.ProcessGroup | None, rank: int) -> None:
+    """Seed this rank's RNG: dropout differs per rank, repeatably, but not across a tp
+    group, whose ranks must drop the same elements of the activations they all hold."""
+    leader = dist.get_process_group_ranks(tp_group)[0] if tp_group else rank
+    torch.manual_seed(plan.runtime.seed + leader)
 
 
 def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int, rank: int,
