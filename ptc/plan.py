@@ -236,6 +236,9 @@ class HardwareSpec(_Section):
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
     """Share of peak a tuned transformer step reaches (cost model)."""
+    memory_margin: float = 0.0
+    """Bytes of each accelerator's memory kept out of the budget (CUDA context, communication
+    buffers, fragmentation): plans must fit in hbm_bytes - memory_margin."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
@@ -269,6 +272,11 @@ class HardwareSpec(_Section):
         self._number(sink, "hbm_bytes", strict=True)
         self._number(sink, "mem_bandwidth", strict=True)
         self._number(sink, "achievable_fraction", strict=True)
+        self._number(sink, "memory_margin")
+        if isinstance(self.memory_margin, (int, float)) and isinstance(self.hbm_bytes, (int, float)) \
+                and 0 < self.hbm_bytes <= self.memory_margin:
+            self._bad(sink, "memory_margin", f"memory_margin ({self.memory_margin:g} bytes) leaves "
+                      f"no memory: it must be below hbm ({self.hbm_bytes:g} bytes)")
         if isinstance(self.achievable_fraction, (int, float)) and self.achievable_fraction > 1:
             self._bad(sink, "achievable_fraction",
                       f"achievable_fraction is a share of peak (0, 1], got {self.achievable_fraction:g}")
@@ -286,6 +294,11 @@ class HardwareSpec(_Section):
     def num_gpus(self) -> int:
         """nodes · gpus_per_node."""
         return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_budget(self) -> float:
+        """Bytes a rank's plan may use: hbm_bytes - memory_margin."""
+        return self.hbm_bytes - self.memory_margin
 
 
 # ------------------------------------------------------------------ parallel
@@ -336,6 +349,10 @@ class ParallelSpec(_Section):
     """"none", "full", "selective", "auto", or one of none/full/selective per layer."""
     overlap: bool = True
     """Overlap communication with compute."""
+    bucket_size: float | Auto = "auto"
+    """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
+    reductions) are merged up to this size; "auto" derives it from the link and the model
+    (see ptc.passes.comm_overlap)."""
     order: tuple[str, ...] = ("tp", "dp", "pp")
     """Mesh axes from innermost (fastest-varying rank) to outermost."""
     stage_boundaries: tuple[str | None, ...] = ()
@@ -355,6 +372,8 @@ class ParallelSpec(_Section):
                       ("0", "1", "2", "3"))
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
+        if self.bucket_size != "auto":
+            self._number(sink, "bucket_size", strict=True)
         self._choice(sink, "schedule", SCHEDULES)
         self._int(sink, "virtual_stages")
         self._int(sink, "microbatches", allow_none=True)

@@ -40,11 +40,13 @@ _KEYWORDS = {"true", "false", "none"}
 
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
-_WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp"}
+_WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp",
+                "bucket_size"}
 
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
-                    "checkpoint_interval": "time"}
+                    "checkpoint_interval": "time", "memory_margin": "bytes",
+                    "bucket_size": "bytes"}
 
 
 def dump_plan(plan: Plan) -> str:
@@ -94,7 +96,7 @@ def _scalar_lines(obj: Any, table: dict, always: tuple[str, ...] = (),
 
 
 def _value_of(field: str, value: Any) -> str:
-    if field in _QUANTITY_FIELDS and value is not None:
+    if field in _QUANTITY_FIELDS and value not in (None, "auto"):
         return quantity(value, _QUANTITY_FIELDS[field])
     if field in _WORD_FIELDS and isinstance(value, str):
         return word(value)
@@ -115,7 +117,7 @@ def _hardware(hw: HardwareSpec) -> str:
     keys = _keys_by_field(HARDWARE_KEYS)
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
-                 "nvlink_sharp", "achievable_fraction"):
+                 "nvlink_sharp", "achievable_fraction", "memory_margin"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else _default(HardwareSpec, name)
         if value == base:

@@ -20,6 +20,7 @@ from ptc.dsl.values import (
     number,
     optional,
     quantity,
+    quantity_or_auto,
     string,
     string_list,
     word,
@@ -94,6 +95,7 @@ HARDWARE_KEYS: dict[str, Key] = {
                  placeholder=LinkSpec(bandwidth=1.0, latency=0.0)),
     "nvlink_sharp": Key("nvlink_sharp", boolean),
     "achievable_fraction": Key("achievable_fraction", number),
+    "memory_margin": Key("memory_margin", quantity("bytes"), example="memory_margin = 4 GiB"),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
 
@@ -112,6 +114,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     # Replaced per plan by calls.checkpoint(layers), which needs the model.
     "checkpoint": Key("checkpoint", calls.checkpoint(None)),
     "overlap": Key("overlap", boolean),
+    "bucket_size": Key("bucket_size", quantity_or_auto("bytes"), example="bucket_size = 25 MB"),
     "order": Key("order", word_tuple),
     "stage_boundaries": Key("stage_boundaries", string_list),
 }

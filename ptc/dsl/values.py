@@ -218,6 +218,18 @@ def quantity(dimension: str) -> Converter:
     return convert
 
 
+def quantity_or_auto(dimension: str) -> Converter:
+    """`quantity(dimension)`, or the word `auto` (the compiler derives the value)."""
+    conv = quantity(dimension)
+
+    def convert(r: Reader, node: ast.Value, key: str) -> Any:
+        if isinstance(node, ast.Name) and node.name == "auto":
+            return "auto"
+        return conv(r, node, key)
+
+    return convert
+
+
 def _glued(node: ast.Value) -> str:
     """`80 GiB` for the name `80GiB`, else ""."""
     if not isinstance(node, ast.Name):
