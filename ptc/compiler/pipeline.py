@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from ptc.compiler.overlap import OVERLAP_KEY
 from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, Program, Stage, ZeroShards,
                                   param_layout)
 from ptc.compiler.schedule import schedule_for
@@ -111,10 +112,12 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | No
     gm, log = run_passes(gm, plan, passes, knobs=knobs)
     split = pipeline_stages(gm)
     if split:
-        stages = tuple(Stage(index=i, graph=stage, layout=_layout(stage, plan))
+        stages = tuple(Stage(index=i, graph=stage, layout=_layout(stage, plan),
+                             overlap=stage.meta.get(OVERLAP_KEY))
                        for i, (_, stage) in enumerate(split))
     else:
-        stages, whole = (Stage(index=0, graph=gm),), _layout(gm, plan)
+        stages = (Stage(index=0, graph=gm, overlap=gm.meta.get(OVERLAP_KEY)),)
+        whole = _layout(gm, plan)
     return Program(plan=plan, stages=stages, layout=whole, pass_log=tuple(log),
                    predicted_step_time=predicted_step_time(plan), schedule=schedule_for(plan),
                    tensor_parallel=gm.meta.get(TP_KEY))

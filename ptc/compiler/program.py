@@ -30,6 +30,7 @@ from ptc.compiler.nodes import module_path
 from ptc.errors import CompileError
 
 if TYPE_CHECKING:
+    from ptc.compiler.overlap import OverlapPlan
     from ptc.compiler.schedule import Schedule
     from ptc.compiler.tp_layout import TensorParallelLayout
     from ptc.plan import Plan
@@ -211,6 +212,9 @@ class Stage:
     layout: ParamLayout | None = None
     """The stage's own parameter layout when the model is split into pipeline stages
     (None: the Program's layout)."""
+    overlap: OverlapPlan | None = None
+    """Buckets and overlap decisions of the comm_overlap pass (None: the pass did not run;
+    the runtime then uses one bucket per unit, see `ptc.compiler.overlap.default_overlap`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

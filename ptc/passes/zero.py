@@ -9,10 +9,11 @@ buffer that a `gather_params` node produced from the unit's shards
 group's first use. A tied weight used by two groups (embed and head) is
 gathered by each; both gathers' backwards add into the same shard gradient.
 
-With prefetch, each gather's `gather_params_start` moves to just after the
-previous gather's `gather_params`, so layer i+1's weights travel while layer i
-computes; the runtime's session does the same in backward (see
-`ptc.runtime.zero3`).
+Each start sits right before its wait: when to issue it (a layer early, so
+the weights travel while the previous layer computes) and which small
+gathers to merge is the comm_overlap pass's decision
+(`ptc.passes.comm_overlap`); the runtime's session prefetches in backward
+(see `ptc.runtime.zero3`).
 """
 
 from __future__ import annotations
@@ -47,26 +48,21 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *,
     ZeRO-3 stores 1/dp of every parameter per rank; the graph itself shows
     where full weights are materialised, so memory and overlap are visible
     to later passes and to `ptc inspect`. Runs only when `parallel.zero` is 3.
-    Knob `prefetch` (default: `parallel.overlap`) starts each gather one
-    group early.
     """
     if plan.parallel.zero < 3:
         return gm
     if hasattr(gm, SHARDS_ATTR):
         raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
-    prefetch = dict(knobs or {}).get("prefetch", plan.parallel.overlap)
     dtype = COMPUTE_DTYPES[plan.train.dtype]
     layout = param_layout(gm, plan.parallel.dp, own_units=tied_names(gm))
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
     gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]
-    if prefetch:
-        _prefetch(gathers)
     _drop_params(gm, layout)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
-    log.info("inserted %d gather_params%s", len(gathers), " (prefetched)" if prefetch else "")
+    log.info("inserted %d gather_params", len(gathers))
     return gm
 
 
@@ -136,15 +132,6 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, weights: dict[str, fx.Node]) -> 
     module = gm.get_submodule(str(node.target))
     fn, args = functional_op(node, module, lambda leaf: weights[f"{node.target}.{leaf}"])
     replace_call(gm, node, fn, args)
-
-
-def _prefetch(gathers: list[tuple[fx.Node, ...]]) -> None:
-    """Move each gather's shard reads and start right after the previous gather's wait."""
-    for previous, current in zip(gathers, gathers[1:]):
-        anchor = previous[-1]
-        for node in current[:-1]:
-            anchor.append(node)
-            anchor = node
 
 
 def _drop_params(gm: fx.GraphModule, layout: ParamLayout) -> None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ptc.runtime.comm import Work, all_gather_flat, axis_group, group_size, reduce_scatter_flat
+from ptc.runtime.comm import Piece, Work, all_gather_bucket, axis_group, group_size, \
+    reduce_scatter_bucket
 from ptc.runtime.zero3 import current_session
 
 
@@ -31,14 +32,15 @@ class GatherHandle:
     """One `gather_params_start`: the shards it gathers and the collectives in flight.
 
     A handle is also the identity of its gather: the session re-gathers the
-    same shards through it in backward.
+    same shards through it in backward. Several units (a bucket, see the
+    comm_overlap pass) travel as one collective each way.
     """
 
     def __init__(self, shards: tuple[torch.Tensor, ...], axis: str, dtype: torch.dtype):
         self.shards = shards
         self.axis = axis
         self.dtype = dtype
-        self._works: list[Work] | None = None
+        self._works: list[Work | Piece] | None = None
 
     @property
     def started(self) -> bool:
@@ -46,26 +48,27 @@ class GatherHandle:
         return self._works is not None
 
     def start(self) -> None:
-        """Issue one asynchronous all-gather per unit."""
+        """Issue the asynchronous all-gather of every unit's shard (one collective)."""
         group = axis_group(self.axis)
         with torch.no_grad():
-            self._works = [all_gather_flat(s.detach().to(self.dtype), group) for s in self.shards]
+            self._works = all_gather_bucket([s.detach().to(self.dtype) for s in self.shards],
+                                            group)
 
     def wait(self) -> list[torch.Tensor]:
         """Block until gathered; return each unit's full flat buffer (padded length)."""
         works, self._works = self._works, None
         return [w.wait() for w in works]
 
-    def reduce_grads(self, grads: tuple[torch.Tensor | None, ...]) -> list[Work]:
-        """Start reduce-scattering each unit's full-buffer gradient (fp32) over the axis."""
+    def reduce_grads(self, grads: tuple[torch.Tensor | None, ...]) -> list[Work | Piece]:
+        """Start reduce-scattering every unit's full-buffer gradient (fp32) over the axis."""
         group = axis_group(self.axis)
         world = group_size(group)
-        works = []
+        flats = []
         for shard, grad in zip(self.shards, grads):
             if grad is None:  # a unit whose weights got no gradient in this backward
                 grad = torch.zeros(shard.numel() * world, dtype=torch.float32, device=shard.device)
-            works.append(reduce_scatter_flat(grad.to(torch.float32).contiguous(), group))
-        return works
+            flats.append(grad.to(torch.float32).contiguous())
+        return reduce_scatter_bucket(flats, group)
 
 
 class _GatherParams(torch.autograd.Function):

@@ -15,7 +15,8 @@ NCCL require.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -55,6 +56,42 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+_RECORD: list[list[tuple[str, tuple[int, ...], int]]] = []
+"""Open `record_collectives` logs."""
+
+
+@contextmanager
+def record_collectives() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
+    """Log every collective this module issues inside the block: (op, group ranks, elements).
+
+    Ranks of one group must issue the same sequence, or gloo and NCCL hang or
+    mix up data; tests compare the logs of all ranks.
+    """
+    log: list[tuple[str, tuple[int, ...], int]] = []
+    _RECORD.append(log)
+    try:
+        yield log
+    finally:
+        _RECORD.remove(log)
+
+
+def _note(op: str, group: dist.ProcessGroup | None, numel: int) -> None:
+    if _RECORD:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        for log in _RECORD:
+            log.append((op, ranks, numel))
+
+
+_WAITED = [0.0]
+"""Seconds this process has spent blocked in `Work.wait` (see `comm_wait_seconds`)."""
+
+
+def comm_wait_seconds() -> float:
+    """Seconds spent blocked waiting for collectives so far: the communication compute did
+    not hide (exposed). Sample it before and after a step; the difference is that step's."""
+    return _WAITED[0]
+
+
 class Work:
     """A collective in flight: `wait()` blocks until its output tensor is ready."""
 
@@ -68,10 +105,93 @@ class Work:
     def wait(self) -> torch.Tensor:
         """Block until done; return the output."""
         if self._work is not None:
+            began = time.perf_counter()
             self._work.wait()
+            _WAITED[0] += time.perf_counter() - began
             self._work = None
         self._keep = None
         return self.output
+
+
+class Piece:
+    """One unit's share of a bucketed collective: `wait()` gives that unit's output.
+
+    The bucket's collective is waited once (by whichever piece asks first); `take`
+    maps the bucket's output to this unit's tensor.
+    """
+
+    __slots__ = ("_work", "_take")
+
+    def __init__(self, work: Work, take):
+        self._work, self._take = work, take
+
+    def wait(self) -> torch.Tensor:
+        """Block until the bucket's collective is done; return this unit's part."""
+        return self._take(self._work.wait())
+
+
+def all_gather_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+                      ) -> list[Work | Piece]:
+    """Start gathering several units' shards with one collective; one waitable per unit.
+
+    Rank r sends its shards back to back, so the gathered buffer is
+    [world, sum of shard lengths]; each unit's full buffer is its column
+    range, copied out in rank order (what `all_gather_flat` gives per unit).
+    """
+    if len(flats) == 1 or group_size(group) == 1:
+        return [all_gather_flat(f, group) for f in flats]
+    world, bounds = group_size(group), _bounds([f.numel() for f in flats])
+    work = all_gather_flat(torch.cat(list(flats)), group)
+    return [Piece(work, lambda out, a=a, b=b: out.view(world, -1)[:, a:b].reshape(-1))
+            for a, b in bounds]
+
+
+def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+                          ) -> list[Work | Piece]:
+    """Start reduce-scattering several units' full buffers [world * n_i] with one collective.
+
+    Each buffer is laid out by destination rank; concatenating their
+    [world, n_i] views along the second dimension keeps that layout for
+    the bucket, so rank r receives every unit's shard r back to back.
+    """
+    if len(flats) == 1 or group_size(group) == 1:
+        return [reduce_scatter_flat(f, group) for f in flats]
+    world = group_size(group)
+    bounds = _bounds([f.numel() // world for f in flats])
+    work = reduce_scatter_flat(torch.cat([f.view(world, -1) for f in flats], dim=1).view(-1),
+                               group)
+    return [Piece(work, lambda out, a=a, b=b: out[a:b]) for a, b in bounds]
+
+
+class AllReduceBucket:
+    """Several buffers summed over ranks in place with one collective (one per buffer alone)."""
+
+    __slots__ = ("_flats", "_bucket", "_work")
+
+    def __init__(self, flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None):
+        """Start the sum: the buffers are concatenated unless there is just one."""
+        self._flats = list(flats)
+        alone = len(self._flats) == 1 or group_size(group) == 1
+        self._bucket = None if alone else torch.cat(self._flats)
+        self._work = [all_reduce_flat(f, group) for f in self._flats] if alone else \
+            [all_reduce_flat(self._bucket, group)]
+
+    def wait(self) -> None:
+        """Block until summed; copy a concatenated bucket's sums back into the buffers."""
+        for work in self._work:
+            work.wait()
+        if self._bucket is not None:
+            for flat, (a, b) in zip(self._flats, _bounds([f.numel() for f in self._flats])):
+                flat.copy_(self._bucket[a:b])
+            self._bucket = None
+
+
+def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for n in lengths:
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
@@ -83,6 +203,7 @@ def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
     world = group_size(group)
     if world == 1:
         return Work(None, flat if out is None else out.copy_(flat))
+    _note("all_gather", group, flat.numel())
     if out is None:
         out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     return Work(_all_gather(out, flat, group=group, async_op=True), out, flat)
@@ -93,6 +214,7 @@ def reduce_scatter_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> 
     world = group_size(group)
     if world == 1:
         return Work(None, flat)
+    _note("reduce_scatter", group, flat.numel())
     out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
     return Work(_reduce_scatter(out, flat, group=group, async_op=True), out, flat)
 
@@ -101,4 +223,5 @@ def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> Work
     """Start summing `flat` over ranks in place."""
     if group_size(group) == 1:
         return Work(None, flat)
+    _note("all_reduce", group, flat.numel())
     return Work(dist.all_reduce(flat, group=group, async_op=True), flat)

@@ -28,9 +28,11 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ptc.compiler.meta import get_info
+from ptc.compiler.overlap import stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.errors import PtcError
-from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
+from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
+    group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import guarded_update
@@ -129,6 +131,9 @@ class StepStats:
     """Tokens in the global batch."""
     nonfinite: tuple[int, ...] = ()
     """Ranks that saw a NaN or Inf in the loss or a gradient; then no rank updated."""
+    comm_wait: float = 0.0
+    """Seconds this rank spent blocked waiting for collectives during the step: the
+    communication that computation did not hide (exposed)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,7 +181,9 @@ class Trainer:
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank, world=self.dp))
-        self.reducer = GradReducer(self.units, self.group, self.zero) if self.zero < 3 else None
+        self.overlap = stage_overlap(program.stages[0], program.layout, plan)
+        self.reducer = GradReducer(self.units, self.group, self.zero, self.overlap) \
+            if self.zero < 3 else None
         self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
         self.runner = GraphRunner(self.gm, self.rank)
 
@@ -190,7 +197,7 @@ class Trainer:
         """
         train = self.plan.train
         skipped = 0 if position is None else position - step * train.global_batch
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), comm_wait_seconds()
         micro = self.plan.num_microbatches
         scale = 1.0 / (micro * self.dp)
         loss_sum = torch.zeros((), device=self.device)
@@ -218,7 +225,8 @@ class Trainer:
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
-                         tokens=train.global_batch * train.seq_len, nonfinite=bad)
+                         tokens=train.global_batch * train.seq_len, nonfinite=bad,
+                         comm_wait=comm_wait_seconds() - waited)
 
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
                           step: int, micro: int, micros: int) -> torch.Tensor:
@@ -226,7 +234,8 @@ class Trainer:
         regather = SeqRegather() if self.plan.parallel.sequence_parallel and self.tp_group \
             else None
         if self.zero == 3:
-            session = ParamSession(prefetch=self.plan.parallel.overlap)
+            session = ParamSession(prefetch=self.overlap.prefetch > 0,
+                                   in_flight=self.overlap.in_flight)
             with session, forward_context(regather, session.saved_tensor_hooks()):
                 loss = self.runner.run(tokens, targets)
         else:

@@ -1,21 +1,24 @@
-"""Gradient reduction over dp for ZeRO 0-2, overlapped with backward: one bucket per unit.
+"""Gradient reduction over dp for ZeRO 0-2, overlapped with backward, bucket by bucket.
 
 A hook on every graph parameter moves its gradient, as soon as autograd has
 accumulated it, into the unit's fp32 buffer and frees it. When the last
-parameter of a unit is in, the unit's reduction starts asynchronously while
-backward goes on with earlier layers:
+parameter of a *bucket* (consecutive units, chosen by the comm_overlap pass:
+`ptc.compiler.overlap.OverlapPlan`) is in, the bucket's reduction starts
+asynchronously — one collective for all its units — while backward goes on
+with earlier layers:
 
-- ZeRO 0-1: all-reduce (sum) of the unit's full gradient buffer, only after
-  the last micro-batch of the step — earlier micro-batches just accumulate.
+- ZeRO 0-1: all-reduce (sum) of the bucket's full gradient buffers, only
+  after the last micro-batch of the step — earlier micro-batches just
+  accumulate.
 - ZeRO-2: reduce-scatter (sum) of this micro-batch's full gradients of the
-  unit, added into the rank's shard of the gradient; the full gradients are
-  freed, so between micro-batches only shards are held.
+  bucket's units, added into the rank's shard of each unit's gradient; the
+  full gradients are freed, so between micro-batches only shards are held.
 
 The loss each micro-batch differentiates is already divided by dp times the
-number of micro-batches, so sums are means. At most `IN_FLIGHT` reductions
-run behind backward (ZeRO-2's each hold a unit's full gradient). `finish`
-reduces units that got no gradient (so every rank issues the same
-collectives) and waits for all.
+number of micro-batches, so sums are means. At most `in_flight` reductions
+run behind backward (ZeRO-2's each hold a bucket's full gradients; 0 waits
+for each at once, no overlap). `finish` reduces buckets that got no
+gradient (so every rank issues the same collectives) and waits for all.
 """
 
 from __future__ import annotations
@@ -23,21 +26,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptc.runtime.comm import Work, all_reduce_flat, reduce_scatter_flat
+from ptc.compiler.overlap import OverlapPlan
+from ptc.runtime.comm import AllReduceBucket, Piece, Work, reduce_scatter_bucket
 from ptc.runtime.params import UnitState
-from ptc.runtime.zero3 import IN_FLIGHT
 
 
 class GradReducer:
-    """Per-unit gradient buckets with asynchronous reduction (ZeRO 0-2)."""
+    """Per-bucket gradient buffers with asynchronous reduction (ZeRO 0-2)."""
 
-    def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int):
+    def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int,
+                 overlap: OverlapPlan):
         self.units, self.group, self.zero = units, group, zero
+        self.buckets = overlap.buckets
+        self.in_flight = overlap.in_flight
+        self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
+        self._expected = [sum(len(units[u].params) for u in bucket) for bucket in self.buckets]
         self._reduce = True
-        self._ready = [0] * len(units)
-        self._flushed = [False] * len(units)
+        self._ready = [0] * len(self.buckets)
+        self._flushed = [False] * len(self.buckets)
         self._micro: dict[int, torch.Tensor] = {}  # ZeRO-2: this micro-batch's full gradients
-        self._works: list[tuple[int, Work]] = []
+        self._works: list[tuple[int, AllReduceBucket | list[Work | Piece]]] = []
         for index, unit in enumerate(units):
             for slot, param in zip(unit.slots, unit.params):
                 param.register_post_accumulate_grad_hook(self._hook(index, slot.offset, slot.numel))
@@ -45,17 +53,19 @@ class GradReducer:
     def begin(self, last_micro: bool) -> None:
         """Prepare for one micro-batch's backward; ZeRO 0-1 reduce only after the last."""
         self._reduce = last_micro or self.zero == 2
-        self._ready = [0] * len(self.units)
-        self._flushed = [False] * len(self.units)
+        self._ready = [0] * len(self.buckets)
+        self._flushed = [False] * len(self.buckets)
 
     def _hook(self, index: int, offset: int, numel: int):
+        bucket = self._bucket_of[index]
+
         def on_grad(param: torch.Tensor) -> None:
             buffer = self._buffer(index)
             buffer[offset:offset + numel].view(param.shape).add_(param.grad)
             param.grad = None
-            self._ready[index] += 1
-            if self._ready[index] == len(self.units[index].params):
-                self._flush(index)
+            self._ready[bucket] += 1
+            if self._ready[bucket] == self._expected[bucket]:
+                self._flush(bucket)
         return on_grad
 
     def _buffer(self, index: int) -> torch.Tensor:
@@ -67,28 +77,33 @@ class GradReducer:
                                              device=unit.grad.device)
         return self._micro[index]
 
-    def _flush(self, index: int) -> None:
-        if self._flushed[index] or not self._reduce:
+    def _flush(self, bucket: int) -> None:
+        if self._flushed[bucket] or not self._reduce:
             return
-        self._flushed[index] = True
+        self._flushed[bucket] = True
+        members = self.buckets[bucket]
         if self.zero < 2:
-            self._works.append((index, all_reduce_flat(self.units[index].grad, self.group)))
+            work = AllReduceBucket([self.units[u].grad for u in members], self.group)
         else:
-            self._works.append((index, reduce_scatter_flat(self._buffer(index), self.group)))
-            del self._micro[index]
-        while len(self._works) > IN_FLIGHT:
+            work = reduce_scatter_bucket([self._buffer(u) for u in members], self.group)
+            for u in members:
+                del self._micro[u]
+        self._works.append((bucket, work))
+        while len(self._works) > self.in_flight:
             self._complete(*self._works.pop(0))
 
     def finish(self) -> None:
-        """Reduce the units that got no gradient, wait for every reduction, fill shard grads."""
-        for index in range(len(self.units)):
-            self._flush(index)
-        for index, work in self._works:
-            self._complete(index, work)
+        """Reduce the buckets that got no gradient, wait for every reduction, fill shard grads."""
+        for bucket in range(len(self.buckets)):
+            self._flush(bucket)
+        for bucket, work in self._works:
+            self._complete(bucket, work)
         self._works.clear()
 
-    def _complete(self, index: int, work: Work) -> None:
-        out = work.wait()
-        if self.zero == 2:
-            with torch.no_grad():
-                self.units[index].grad.add_(out)
+    def _complete(self, bucket: int, work: AllReduceBucket | list[Work | Piece]) -> None:
+        if self.zero < 2:
+            work.wait()
+            return
+        with torch.no_grad():
+            for unit, piece in zip(self.buckets[bucket], work):
+                self.units[unit].grad.add_(piece.wait())

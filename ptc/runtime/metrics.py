@@ -7,7 +7,9 @@ there is one. On a terminal a rich progress bar runs below the lines. With
 the keys of the line, `predicted_step_time` (null when unknown), `mfu`
 (model FLOPs — forward and backward of the whole global batch, no
 recompute — per second per GPU over the hardware's dense peak for the
-plan's dtype; null when the graphs carry no FLOP counts), rank 0's
+plan's dtype; null when the graphs carry no FLOP counts), `exposed_comm_s`
+(seconds rank 0 was blocked waiting for collectives: communication that
+computation did not hide), rank 0's
 `peak_memory_bytes` (CUDA's peak allocation, or the process's peak RSS on
 CPUs), `nonfinite` (ranks that saw a NaN or Inf; the step then updated
 nothing, and non-finite values are written as null) and `restart` (the
@@ -108,6 +110,7 @@ class StepReporter(AbstractContextManager):
                 else None
             record = {"step": stats.step, "loss": _finite(stats.loss), "lr": stats.lr,
                       "grad_norm": _finite(stats.grad_norm), "step_time": stats.step_time,
+                      "exposed_comm_s": stats.comm_wait,
                       "tokens_per_s": stats.tokens_per_s, "predicted_step_time": self.predicted,
                       "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(),
                       "nonfinite": list(stats.nonfinite),

@@ -49,9 +49,11 @@ from torch import fx, nn
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo, stage_info
-from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, group_rank, group_size
+from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
+    group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.executor import GraphRunner, RankError, StepStats
+from ptc.compiler.overlap import OverlapPlan, stage_overlap
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import guarded_update
 from ptc.runtime.init import initial_buffers, reference_model
@@ -75,6 +77,8 @@ class _Chunk:
     reducer: GradReducer | None
     last_backward: int
     """Micro-batch of the chunk's last B in the step: its gradients are complete after it."""
+    overlap: OverlapPlan
+    """The comm_overlap pass's buckets and prefetch depth for this stage."""
 
 
 @dataclass(eq=False)
@@ -155,10 +159,11 @@ class PipelineTrainer:
                             dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,
                             world=self.dp, device=self.device)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
-        reducer = GradReducer(units, self.group, self.zero) if self.zero < 3 else None
+        overlap = stage_overlap(stage, stage.layout, self.plan)
+        reducer = GradReducer(units, self.group, self.zero, overlap) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
         return _Chunk(info=stage_info(gm), gm=gm, runner=GraphRunner(gm, self.rank), units=units,
-                      reducer=reducer, last_backward=last)
+                      reducer=reducer, last_backward=last, overlap=overlap)
 
     def _tied_groups(self) -> list[_Tied]:
         """A process group per tied weight and coordinate of the other axes (made by every rank)."""
@@ -195,7 +200,7 @@ class PipelineTrainer:
         """
         train = self.plan.train
         skipped = 0 if position is None else position - step * train.global_batch
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), comm_wait_seconds()
         micro = self.plan.num_microbatches
         loss_sum = torch.zeros((), device=self.device)
         units = [u for chunk in self.chunks.values() for u in chunk.units]
@@ -223,7 +228,8 @@ class PipelineTrainer:
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
-                         tokens=train.global_batch * train.seq_len, nonfinite=bad)
+                         tokens=train.global_batch * train.seq_len, nonfinite=bad,
+                         comm_wait=comm_wait_seconds() - waited)
 
     def _run_schedule(self, step: int, skipped: int, scale: float) -> torch.Tensor:
         """Run this rank's lowered schedule once; return the sum of its micro-batch losses."""
@@ -285,7 +291,8 @@ class PipelineTrainer:
         data = self._batch(step, mb, batches, skipped) if info.data else {}
         args = [*inputs, *(data[name] for name in info.data)]
         if self.zero == 3:
-            session = ParamSession(prefetch=self.plan.parallel.overlap)
+            session = ParamSession(prefetch=chunk.overlap.prefetch > 0,
+                                   in_flight=chunk.overlap.in_flight)
             with session, session.saved_tensor_hooks():
                 outputs = chunk.runner.run(*args)
         else:

@@ -15,8 +15,10 @@ gather that has saved references — the next one backward will need — so
 communication overlaps the current layer's gradient computation. When
 `gather_params`'s own backward runs, every use of the gather is done: the
 session drops the re-gathered buffers and queues the gradient
-reduce-scatter; it waits for one when more than `IN_FLIGHT` are running (and
+reduce-scatter; it waits for one when more than `in_flight` are running (and
 for the rest in `finish`) and adds the result into each shard's `.grad`.
+How far ahead to prefetch and how many reductions to leave running is the
+comm_overlap pass's decision (`ptc.compiler.overlap.OverlapPlan`).
 """
 
 from __future__ import annotations
@@ -27,18 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ptc.compiler.overlap import IN_FLIGHT
+
 if TYPE_CHECKING:
     from ptc.runtime.collectives import GatherHandle
-    from ptc.runtime.comm import Work
+    from ptc.runtime.comm import Piece, Work
 
 # A module global, not a contextvar: backward may run on autograd's own threads.
 _SESSION: ParamSession | None = None
-
-IN_FLIGHT = 2
-"""Gradient reduce-scatters left running while backward goes on. Each holds its gather's
-full-size gradient, so this bounds that memory to two layers while one reduction still
-overlaps the next layer's backward."""
-
 
 def current_session() -> ParamSession | None:
     """The session of the micro-batch being run, if any."""
@@ -58,13 +56,15 @@ class _Ref:
 class ParamSession(AbstractContextManager):
     """Saved-tensor hooks, backward re-gather with prefetch, and deferred gradient reductions."""
 
-    def __init__(self, prefetch: bool = True):
-        self.prefetch = prefetch
+    def __init__(self, prefetch: bool = True, in_flight: int = IN_FLIGHT):
+        """`prefetch`: start the next gather backward needs as soon as one arrives;
+        `in_flight`: gradient reduce-scatters left running while backward goes on."""
+        self.prefetch, self.in_flight = prefetch, in_flight
         self._live: dict[int, tuple[weakref.ref, GatherHandle, int]] = {}
         self._saved: list[GatherHandle] = []  # gathers with saved references, forward order
         self._full: dict[int, list[torch.Tensor]] = {}  # id(handle) -> re-gathered buffers
         self._released: set[int] = set()
-        self._deferred: list[tuple[GatherHandle, list[Work]]] = []
+        self._deferred: list[tuple[GatherHandle, list[Work | Piece]]] = []
 
     def __enter__(self) -> ParamSession:
         global _SESSION
@@ -93,10 +93,10 @@ class ParamSession(AbstractContextManager):
         self._full.pop(id(handle), None)
         self._released.add(id(handle))
 
-    def defer(self, handle: GatherHandle, works: list[Work]) -> None:
-        """Queue `handle`'s gradient reduce-scatters; complete all but the last IN_FLIGHT."""
+    def defer(self, handle: GatherHandle, works: list[Work | Piece]) -> None:
+        """Queue `handle`'s gradient reduce-scatters; complete all but the last `in_flight`."""
         self._deferred.append((handle, works))
-        while len(self._deferred) > IN_FLIGHT:
+        while len(self._deferred) > self.in_flight:
             self._complete(*self._deferred.pop(0))
 
     def finish(self) -> None:
@@ -108,7 +108,7 @@ class ParamSession(AbstractContextManager):
         self._live.clear()
 
     @staticmethod
-    def _complete(handle: GatherHandle, works: list[Work]) -> None:
+    def _complete(handle: GatherHandle, works: list[Work | Piece]) -> None:
         with torch.no_grad():
             for shard, work in zip(handle.shards, works):
                 grad = work.wait()

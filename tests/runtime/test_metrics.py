@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def stats(step: int) -> StepStats:
-    return StepStats(step=step, loss=4.25, lr=1e-3, grad_norm=0.5, step_time=0.2, tokens=4096)
+    return StepStats(step=step, loss=4.25, lr=1e-3, grad_norm=0.5, step_time=0.2, tokens=4096,
+                     comm_wait=0.05)
 
 
 def test_line_has_step_loss_time_and_throughput():
@@ -39,7 +40,8 @@ def test_jsonl_gets_every_step_and_lines_follow_log_every(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     health = {k: records[0].pop(k) for k in ("mfu", "peak_memory_bytes", "nonfinite", "restart")}
     assert records[0] == {"step": 1, "loss": 4.25, "lr": 1e-3, "grad_norm": 0.5, "step_time": 0.2,
-                          "tokens_per_s": 20480.0, "predicted_step_time": None}
+                          "exposed_comm_s": 0.05, "tokens_per_s": 20480.0,
+                          "predicted_step_time": None}
     assert health["mfu"] is None and health["peak_memory_bytes"] > 0
     assert health["nonfinite"] == [] and health["restart"] == 0
     assert out.getvalue().count("loss 4.2500") == 3

@@ -1,0 +1,188 @@
+"""Communication buckets and overlap decisions: what the comm_overlap pass hands the runtime.
+
+Terms. An *item* is one collective the runtime would otherwise issue on its
+own: a ZeRO-3 `gather_params` of one layer (whose backward is that layer's
+gradient reduce-scatter), or, at ZeRO 0-2, one unit's gradient all-reduce or
+reduce-scatter (a *unit* is a flat parameter buffer, see
+`ptc.compiler.program`). A *bucket* is a run of consecutive items issued as
+one collective: each collective pays a fixed latency (alpha), so many small
+ones waste the link, while one huge one cannot start until all its gradients
+exist and so overlaps nothing.
+
+Bucket size, "auto": large enough that latency is at most a tenth of the
+transfer on the link the dp axis uses (bytes >= 9·alpha·bandwidth), and no
+larger than the largest item (a transformer layer), so merging never delays
+the first reduction of backward past one layer's gradient computation. Items
+are sized by their fp32 gradient bytes (what the reduction moves). An item
+at least as large as the bucket stays alone; smaller consecutive items join
+until the next would overflow it. Everything here is a function of the plan
+and the graph alone, so every rank computes the same buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from ptc.compiler.comm import all_gather, all_reduce, reduce_scatter
+from ptc.compiler.program import DTYPE_BYTES
+from ptc.compiler.topology import axis_groups
+from ptc.plan import LinkSpec, Plan
+
+if TYPE_CHECKING:
+    from ptc.compiler.layout import Layout
+    from ptc.compiler.profile import ModelProfile
+    from ptc.compiler.program import ParamLayout, Stage
+
+OVERLAP_KEY = "ptc_overlap"
+"""`gm.meta` key of a lowered graph's OverlapPlan."""
+
+LATENCY_SHARE = 0.1
+"""Largest share of a bucket's transfer time that link latency may take ("auto" size)."""
+
+IN_FLIGHT = 2
+"""Gradient reductions left running behind backward with overlap on. Each holds its
+bucket's full-size gradient, so this bounds that memory while one reduction still
+overlaps the next layer's backward."""
+
+GRAD_BYTES = 4
+"""Bytes per element of the gradients reductions move (fp32 buffers)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OverlapPlan:
+    """How one lowered graph's collectives overlap compute; the runtime follows it as is."""
+
+    overlap: bool
+    """Whether communication overlaps compute at all (`parallel.overlap`)."""
+    bucket_bytes: int
+    """Bucket size in bytes of fp32 gradient, resolved from `parallel.bucket_size`."""
+    buckets: tuple[tuple[int, ...], ...]
+    """Unit indices per bucket, in forward order. At ZeRO 0-2 the runtime reduces each
+    bucket's gradients with one collective; at ZeRO-3 each bucket is one gather node."""
+    bucket_bytes_each: tuple[int, ...]
+    """fp32 gradient bytes of each bucket."""
+    prefetch: int
+    """ZeRO-3 gathers issued ahead of the one being waited on, in forward and backward."""
+    in_flight: int
+    """Gradient reductions left running while backward continues (0: wait for each)."""
+    tp_fused: int = 0
+    """Column-parallel linears whose input-gradient reduction overlaps their weight gradients."""
+
+
+def stage_overlap(stage: Stage, layout: ParamLayout, plan: Plan) -> OverlapPlan:
+    """The stage's OverlapPlan; for a graph the pass did not see, one bucket per unit of
+    `layout` (the stage's parameter layout) and the plan's overlap switch."""
+    if stage.overlap is not None:
+        return stage.overlap
+    on = plan.parallel.overlap
+    sizes = tuple(GRAD_BYTES * u.padded_numel for u in layout.units)
+    return OverlapPlan(overlap=on, bucket_bytes=max(sizes, default=0),
+                       buckets=tuple((i,) for i in range(len(sizes))), bucket_bytes_each=sizes,
+                       prefetch=int(on), in_flight=IN_FLIGHT if on else 0)
+
+
+def dp_link(plan: Plan) -> LinkSpec:
+    """The link the dp axis's collectives cross: NVLink inside a node, else the inter-node one."""
+    par, hw = plan.parallel, plan.hardware
+    degrees = {"tp": par.tp, "pp": par.pp, "dp": par.dp}
+    group = axis_groups(degrees, par.order, hw.gpus_per_node)["dp"]
+    return hw.inter if group.spans_nodes else hw.intra
+
+
+def link_bucket_bytes(link: LinkSpec) -> int:
+    """Smallest transfer whose latency is at most LATENCY_SHARE of its time on `link`."""
+    return math.ceil(link.latency * link.bandwidth * (1 - LATENCY_SHARE) / LATENCY_SHARE)
+
+
+def resolve_bucket_bytes(plan: Plan, item_bytes: Sequence[int]) -> int:
+    """`parallel.bucket_size`, or for "auto" the link's size capped at the largest item."""
+    size = plan.parallel.bucket_size
+    if size != "auto":
+        return int(size)
+    return max(1, min(link_bucket_bytes(dp_link(plan)), max(item_bytes, default=1)))
+
+
+def plan_buckets(item_bytes: Sequence[int], bucket_bytes: int,
+                 item_units: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Group consecutive items into buckets of at most `bucket_bytes` (an oversized item alone).
+
+    `item_units`, when given, names the units each item touches: two items
+    sharing a unit (a tied weight gathered twice) never share a bucket, since
+    one collective cannot carry one shard twice.
+    """
+    buckets: list[list[int]] = []
+    total = 0
+    units: set[int] = set()
+    for index, size in enumerate(item_bytes):
+        mine = set(item_units[index]) if item_units is not None else set()
+        fits = buckets and total + size <= bucket_bytes and not (units & mine)
+        if not fits:
+            buckets.append([])
+            total, units = 0, set()
+        buckets[-1].append(index)
+        total += size
+        units |= mine
+    return buckets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PredictedBucket:
+    """One bucket as `ptc explain` shows it, before any graph exists."""
+
+    items: tuple[str, ...]
+    """What it carries: "embedding", "layers.3", "head", ..."""
+    grad_bytes: int
+    """fp32 gradient bytes per rank (tp-local)."""
+    seconds: float
+    """Predicted time of its collectives per micro-batch (ZeRO-3: two gathers and a
+    reduce-scatter; ZeRO-2: a reduce-scatter; ZeRO 0-1: an all-reduce, once per step)."""
+
+
+def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: int
+                      ) -> tuple[int, list[PredictedBucket]]:
+    """The bucket size and the buckets the comm_overlap pass will make for pipeline `stage`.
+
+    Items come from the model profile in forward order — the embedding on the
+    first stage, one per layer, the final norm and head on the last — with
+    the same sizes and rule as the pass; the compiled graph's units may split
+    an item further (a learned position table is a unit of its own), which
+    `ptc inspect` shows exactly.
+    """
+    pr, tp = profile.params, layout.tp
+    per_rank = {region: GRAD_BYTES * (g.split // tp + g.replicated) for region, g in pr.items()}
+    items: list[tuple[str, int, tuple]] = []  # (name, bytes, units it touches)
+    if stage == 0:
+        items.append(("embedding", per_rank["pre"], ("pre",)))
+    items += [(f"layers.{i}", per_rank["layer"], (i,)) for i in layout.stage_layers(stage)]
+    if stage == layout.pp - 1:
+        # ZeRO-3 re-gathers a tied embedding for the head; split into stages, the last
+        # stage holds its own copy.
+        regathers = profile.tied and plan.parallel.zero == 3 and layout.pp == 1
+        copy = GRAD_BYTES * profile.tied_elements // tp if profile.tied and layout.pp > 1 else 0
+        items.append(("norm + head", per_rank["post"] + copy,
+                      ("post", "pre") if regathers else ("post",)))
+    names, sizes, units = zip(*items)
+    size = resolve_bucket_bytes(plan, sizes)
+    group = axis_groups({"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}, plan.parallel.order,
+                        plan.hardware.gpus_per_node)["dp"]
+    out = []
+    for members in plan_buckets(sizes, size, units):
+        grad = sum(sizes[i] for i in members)
+        out.append(PredictedBucket(items=tuple(names[i] for i in members), grad_bytes=grad,
+                                   seconds=_bucket_seconds(plan, grad, group)))
+    return size, out
+
+
+def _bucket_seconds(plan: Plan, grad_bytes: int, group) -> float:
+    hw, zero = plan.hardware, plan.parallel.zero
+    if zero == 3:
+        weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.dtype]
+        return 2 * all_gather(weights, group, hw).seconds + \
+            reduce_scatter(grad_bytes, group, hw).seconds
+    if zero == 2:
+        return reduce_scatter(grad_bytes, group, hw).seconds
+    return all_reduce(grad_bytes, group, hw).seconds

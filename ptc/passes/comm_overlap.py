@@ -1,0 +1,187 @@
+"""comm_overlap: bucket small collectives and schedule starts early, waits late.
+
+The last pass of the pipeline: it sees every collective earlier passes put in
+the graph and decides when each is issued and waited for.
+
+- ZeRO-3 (`gather_params_start` / `gather_params` pairs from the zero pass):
+  consecutive gathers smaller than the bucket merge into one (one start, one
+  wait, one collective for all their units); each start then moves up to
+  just after the wait `prefetch` gathers before it, so layer i+1's weights
+  travel while layer i computes. A wait stays right before the first use of
+  its weights, as late as its users allow. In backward the runtime re-gathers
+  one gather ahead and leaves `in_flight` gradient reduce-scatters running.
+- ZeRO 0-2: gradient reductions happen in backward, outside the forward
+  graph: the pass groups the units into buckets the runtime reduces with one
+  collective each, started as soon as the bucket's last gradient is
+  accumulated.
+- Tensor parallel: the input-gradient all-reduce (or sequence-parallel
+  reduce-scatter) of column-parallel linears runs while their weight
+  gradients are computed (see `ptc.passes.tp_overlap`).
+
+Every decision is a function of the plan and the graph, and merging or
+moving never changes the order in which one axis's collectives are issued:
+the pass checks that the sequence of units gathered over dp is the same
+before and after, so all ranks of a group issue the same collectives in the
+same order. The decisions land in `gm.meta[OVERLAP_KEY]` as an
+`OverlapPlan`; the runtime follows it without re-planning.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from torch import fx
+
+from ptc.compiler.meta import copy_meta
+from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, OverlapPlan, plan_buckets,
+                                  resolve_bucket_bytes)
+from ptc.compiler.program import ParamLayout, ZeroShards, param_layout
+from ptc.compiler.stages import tied_names
+from ptc.errors import CompileError
+from ptc.passes.zero import SHARDS_ATTR
+from ptc.plan import Plan
+from ptc.runtime.collectives import gather_params, gather_params_start
+
+log = logging.getLogger("ptc.passes.comm_overlap")
+
+
+def overlap_collectives_pass(gm: fx.GraphModule, plan: Plan, *,
+                             knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+    """Merge small collectives into buckets and move ZeRO-3 gather starts a layer early.
+
+    Communication hidden under compute is free; exposed, it is the step time
+    that data parallelism adds. Knobs: `prefetch` (gathers started ahead,
+    default 1 with `parallel.overlap`, else 0) and `in_flight` (gradient
+    reductions left running behind backward, default IN_FLIGHT, 0 without
+    overlap). Records an OverlapPlan under `gm.meta[OVERLAP_KEY]`.
+    """
+    knobs = dict(knobs or {})
+    on = plan.parallel.overlap
+    prefetch = int(knobs.get("prefetch", 1 if on else 0))
+    in_flight = int(knobs.get("in_flight", IN_FLIGHT if on else 0))
+    shards = getattr(gm, SHARDS_ATTR, None)
+    zero3 = isinstance(shards, ZeroShards)
+    layout = shards.layout if zero3 else param_layout(gm, plan.parallel.dp,
+                                                      own_units=tied_names(gm))
+    if zero3:
+        buckets, size, merged = _bucket_gathers(gm, plan, layout)
+        moved = _prefetch(_gathers(gm), prefetch)
+        changed = merged or moved
+    else:
+        sizes = [GRAD_BYTES * u.padded_numel for u in layout.units]
+        size = resolve_bucket_bytes(plan, sizes)
+        buckets = [tuple(b) for b in plan_buckets(sizes, size)]
+        changed = False
+    fused = _fuse_tp(gm, plan) if on else 0
+    if changed or fused:
+        gm.graph.lint()
+        gm.recompile()
+    each = tuple(sum(GRAD_BYTES * layout.units[u].padded_numel for u in b) for b in buckets)
+    gm.meta[OVERLAP_KEY] = OverlapPlan(overlap=on, bucket_bytes=size, buckets=tuple(buckets),
+                                       bucket_bytes_each=each, prefetch=prefetch,
+                                       in_flight=in_flight, tp_fused=fused)
+    log.info("%d buckets of <= %s for %d units%s%s", len(buckets), _mb(size),
+             sum(len(b) for b in buckets),
+             f", gathers start {prefetch} ahead" if zero3 else "",
+             f", {fused} tp input-gradient reductions overlap weight gradients" if fused else "")
+    return gm
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.3g} MB"
+
+
+# ------------------------------------------------------------------- ZeRO-3
+
+
+def _gathers(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(start, wait) of every ZeRO-3 gather, in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.target is gather_params_start:
+            waits = [u for u in node.users if u.target is gather_params]
+            if len(waits) != 1:
+                raise CompileError(f"comm_overlap: gather {node.name} has {len(waits)} waits, "
+                                   f"expected 1")
+            out.append((node, waits[0]))
+    return out
+
+
+def _units(start: fx.Node) -> list[int]:
+    """Unit indices a gather start reads, from its `zero.shard_{i}` inputs."""
+    return [int(str(s.target).rsplit("_", 1)[1]) for s in start.args[0]]
+
+
+def _dp_sequence(gm: fx.GraphModule) -> list[int]:
+    """Units in the order their gathers are issued over dp: must never change."""
+    return [u for start, _ in _gathers(gm) for u in _units(start)]
+
+
+def _bucket_gathers(gm: fx.GraphModule, plan: Plan, layout: ParamLayout
+                    ) -> tuple[list[tuple[int, ...]], int, bool]:
+    """Merge runs of small consecutive gathers into one; return buckets, size, whether merged."""
+    before = _dp_sequence(gm)
+    gathers = _gathers(gm)
+    units = [_units(start) for start, _ in gathers]
+    sizes = [sum(GRAD_BYTES * layout.units[u].padded_numel for u in us) for us in units]
+    size = resolve_bucket_bytes(plan, sizes)
+    groups = plan_buckets(sizes, size, units)
+    for group in groups:
+        if len(group) > 1:
+            _merge(gm.graph, [gathers[i] for i in group])
+    if _dp_sequence(gm) != before:
+        raise CompileError("comm_overlap: bucketing would reorder the dp gathers")
+    buckets = [tuple(u for i in group for u in units[i]) for group in groups]
+    return buckets, size, any(len(g) > 1 for g in groups)
+
+
+def _merge(graph: fx.Graph, gathers: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Replace consecutive gathers by one start/wait pair at the first one's place."""
+    (first_start, first_wait), rest = gathers[0], gathers[1:]
+    shards = tuple(s for start, _ in gathers for s in start.args[0])
+    for start, _ in rest:
+        for shard in start.args[0]:
+            first_start.prepend(shard)  # get_attr: valid anywhere before its users
+    with graph.inserting_before(first_start):
+        start = graph.call_function(gather_params_start, (shards,), dict(first_start.kwargs))
+    with graph.inserting_before(first_wait):
+        wait = graph.call_function(gather_params, (start, shards))
+    copy_meta(first_start, start)
+    copy_meta(first_wait, wait)
+    offset = 0
+    for old_start, old_wait in gathers:
+        for user in list(old_wait.users):
+            if user.target is not operator.getitem:
+                raise CompileError(f"comm_overlap: unexpected use {user.name} of {old_wait.name}")
+            user.args = (wait, offset + user.args[1])
+        offset += len(old_start.args[0])
+        graph.erase_node(old_wait)
+        graph.erase_node(old_start)
+
+
+def _prefetch(gathers: list[tuple[fx.Node, fx.Node]], depth: int) -> bool:
+    """Move each start (and its shard reads) right after the wait `depth` gathers before it."""
+    if depth < 1:
+        return False
+    for index in range(depth, len(gathers)):
+        anchor = gathers[index - depth][1]
+        start = gathers[index][0]
+        for node in (*start.args[0], start):
+            anchor.append(node)
+            anchor = node
+    return len(gathers) > depth
+
+
+# --------------------------------------------------------------- tensor parallel
+
+
+def _fuse_tp(gm: fx.GraphModule, plan: Plan) -> int:
+    """Fuse tp entry collectives with their column-parallel linears (tp > 1 only)."""
+    if plan.parallel.tp == 1:
+        return 0
+    from ptc.passes.tp_overlap import fuse_column_parallel_linears  # noqa: PLC0415
+
+    return fuse_column_parallel_linears(gm)
