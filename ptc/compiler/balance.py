@@ -38,7 +38,7 @@ from torch import fx
 from ptc.compiler.activations import saved_storages
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import used_params
-from ptc.errors import CompileError, PtcError
+from ptc.errors import CompileError
 from ptc.plan import Plan
 
 log = logging.getLogger("ptc.compiler.balance")
@@ -114,19 +114,17 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
 def layer_policies(plan: Plan) -> Callable[[int], str]:
     """Layer index -> recompute policy ("none", "selective", "full") the plan asks for.
 
-    "auto" is resolved as `ptc.compiler.estimate` resolves it for a built-in
-    family; a custom model's "auto" is priced as "none".
+    "auto" is resolved for a built-in family by `ptc.compiler.fit.auto_policies`
+    (the per-stage choice of `ptc.compiler.estimate.auto_checkpoint`), which
+    raises CompileError when a stage cannot fit even fully recomputed: the
+    split and the checkpoint pass call this, so compiling such a plan stops
+    here. A custom model has no profile to price with: its "auto" is "none".
     """
     ckpt = plan.parallel.checkpoint
     if ckpt == "auto":
-        ckpt = "none"
-        if plan.model.family != "custom":
-            from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model
+        from ptc.compiler.fit import auto_policies  # noqa: PLC0415 - profiles the model (sympy)
 
-            try:
-                ckpt = estimate(plan).layout.checkpoint
-            except (PtcError, ValueError) as exc:
-                log.warning("checkpoint = auto priced as none: %s", exc)
+        ckpt = "none" if plan.model.family == "custom" else auto_policies(plan)
     if isinstance(ckpt, str):
         return lambda layer: ckpt
     return lambda layer: ckpt[layer] if 0 <= layer < len(ckpt) else "none"

@@ -7,7 +7,11 @@ once (3x forward), *hardware* FLOPs add the recomputed forwards. MFU is
 model TFLOP/s per GPU over the dense peak of the plan's dtype.
 
 A plan with checkpoint = "auto" gets, per stage, the mix of none / selective
-/ full layers that fits the HBM with the fewest recomputed FLOPs.
+/ full layers that fits the memory budget (HBM less the plan's
+`memory_margin`) with the fewest recomputed FLOPs (`auto_checkpoint`). A
+stage that does not fit even with every layer fully recomputed is left fully
+recomputed and the estimate says `fits=False`: estimating never raises for
+memory. Compiling such a plan does (`ptc.compiler.fit.auto_policies`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from ptc.compiler.cost import StepCost, step_cost
 from ptc.compiler.layout import Layout, layout_of
-from ptc.compiler.memory import Precision, peak, precision, stage_memory
+from ptc.compiler.memory import Precision, peak, precision, stage_memory, stage_memory_terms
 from ptc.compiler.profile import ModelProfile, model_profile
 from ptc.plan import Plan
 
@@ -46,6 +50,8 @@ class Estimate:
     optimizer)."""
     hbm_bytes: float
     """Memory per GPU of the hardware."""
+    budget_bytes: float
+    """Bytes a rank may use: hbm_bytes less the plan's memory_margin."""
     layout: Layout
     """The concrete layout estimated (the checkpoint policy resolved per layer)."""
     algorithms: dict[str, str] = field(default_factory=dict)
@@ -53,8 +59,13 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        """True when every stage fits the HBM."""
-        return self.peak_memory_bytes <= self.hbm_bytes
+        """True when every stage fits the memory budget."""
+        return self.peak_memory_bytes <= self.budget_bytes
+
+    @property
+    def margin_bytes(self) -> float:
+        """Bytes of HBM kept out of the budget (the plan's memory_margin)."""
+        return self.hbm_bytes - self.budget_bytes
 
 
 def plan_precision(plan: Plan, profile: ModelProfile) -> Precision:
@@ -72,7 +83,7 @@ def estimate(plan: Plan) -> Estimate:
     ckpt = plan.parallel.checkpoint
     if ckpt == "auto":
         layout = auto_checkpoint(profile, layout_of(plan, "none"), prec,
-                                 plan.train.seq_len, plan.hardware.hbm_bytes)
+                                 plan.train.seq_len, plan.hardware.memory_budget)
     else:
         layout = layout_of(plan)
     return estimate_layout(profile, layout, plan, prec)
@@ -94,40 +105,64 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
         tflops_per_gpu=tflops, hw_tflops_per_gpu=cost.hw_flops / step / gpus / 1e12,
         mfu=tflops * 1e12 / hw.peak_flops[train.dtype], peak_memory_bytes=max(peaks),
         stage_memory_bytes=peaks, memory_terms=tuple(mem), breakdown=cost.breakdown,
-        hbm_bytes=hw.hbm_bytes, layout=layout, algorithms=cost.algorithms)
+        hbm_bytes=hw.hbm_bytes, budget_bytes=hw.memory_budget, layout=layout,
+        algorithms=cost.algorithms)
 
 
 def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int,
-                    hbm: float) -> Layout:
-    """Per-layer policies that fit `hbm` with the fewest recomputed FLOPs.
+                    budget: float) -> Layout:
+    """`layout` with per-layer policies fitting `budget` per stage with the least recompute.
 
-    Layers of a stage are alike, so per stage only the counts matter: for each
-    number of fully recomputed layers, the fewest selective ones that fit; of
-    those, the mix recomputing least. The tightest stage's mix is used for all.
-    When nothing fits, every layer is fully recomputed.
+    Each stage's memory depends on its own layers' policies only, so the
+    stages are solved one by one (`stage_mix`), each exactly; their sum is
+    then the least total recompute. A stage that cannot fit is fully
+    recomputed (its least memory) and the caller sees the overshoot.
+    Deterministic: loops over ranges only, ties broken by a fixed rule.
     """
-    per_stage = len(layout.stage_layers(0))
+    policy = ["none"] * layout.layers
+    for stage in range(layout.pp):
+        layers = layout.stage_layers(stage)
+        mix = stage_mix(profile, layout, stage, prec, seq_len, budget)
+        for pol, layer in zip(mix or ("full",) * len(layers), layers):
+            policy[layer] = pol
+    return replace(layout, checkpoint=tuple(policy))
+
+
+def stage_mix(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, seq_len: int,
+              budget: float) -> tuple[str, ...] | None:
+    """Policies of `stage`'s layers (in order) fitting `budget` with least recompute, or None.
+
+    The memory model prices a stage by how many of its layers take each
+    policy (`memory._stage_activations`: its layers are alike), so the
+    (full, selective) counts are enumerated — all (n+1)(n+2)/2 of them, an
+    exhaustive search, not a greedy one. For each count of full layers the
+    fewest selective ones that fit is the cheapest (each selective layer adds
+    recompute). Recompute per micro-batch: a full layer's forward FLOPs, a
+    selective one's attention-core FLOPs. Ties go to fewer full layers. Full
+    layers come first in the stage, then selective ones: the earliest layers'
+    activations live longest.
+    """
+    n = len(layout.stage_layers(stage))
     f = profile.fn
     layer_cost, core_cost = f["flops.layer"](1, seq_len), f["core_flops"](1, seq_len)
-    best = None
-    for n_full in range(per_stage + 1):
-        for n_sel in range(per_stage - n_full + 1):
-            mix = ("full",) * n_full + ("selective",) * n_sel + ("none",) * (per_stage - n_full - n_sel)
-            candidate = replace(layout, checkpoint=_spread(mix, layout))
-            if max(peak(t) for t in stage_memory(profile, candidate, prec, seq_len)) <= hbm:
-                recompute = n_full * layer_cost + n_sel * core_cost
-                if best is None or recompute < best[0]:
-                    best = (recompute, candidate)
-                break  # more selective layers only recompute more
-    if best is None:
-        return replace(layout, checkpoint="full")
-    return best[1]
+    best: tuple[tuple, tuple[str, ...]] | None = None
+    for n_full in range(n + 1):
+        for n_sel in range(n - n_full + 1):
+            mix = ("full",) * n_full + ("selective",) * n_sel + ("none",) * (n - n_full - n_sel)
+            if _stage_peak(profile, layout, stage, mix, prec, seq_len) <= budget:
+                key = (n_full * layer_cost + n_sel * core_cost, n_full)
+                if best is None or key < best[0]:
+                    best = (key, mix)
+                break  # more selective layers beside these full ones only recompute more
+    return None if best is None else best[1]
 
 
-def _spread(mix: tuple[str, ...], layout: Layout) -> tuple[str, ...]:
-    """Give every stage the same per-stage mix, in its own layer order."""
-    policy = [""] * layout.layers
-    for stage in range(layout.pp):
-        for pol, layer in zip(mix, layout.stage_layers(stage)):
-            policy[layer] = pol
-    return tuple(policy)
+def _stage_peak(profile: ModelProfile, layout: Layout, stage: int, mix: tuple[str, ...],
+                prec: Precision, seq_len: int) -> float:
+    """Peak bytes of `stage` when its layers take the policies `mix` (other stages: none)."""
+    policy = ["none"] * layout.layers
+    for pol, layer in zip(mix, layout.stage_layers(stage)):
+        policy[layer] = pol
+    candidate = replace(layout, checkpoint=tuple(policy))
+    return float(peak(stage_memory_terms(profile, candidate, stage, prec, bb=layout.micro_batch,
+                                         ss=seq_len, tt=layout.tp, dd=layout.dp)))

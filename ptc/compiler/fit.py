@@ -1,21 +1,33 @@
-"""What fits in memory: the largest micro-batch, the smallest tp·pp.
+"""What fits in memory: the largest micro-batch, the smallest tp·pp, and checkpoint = "auto".
 
-Both answer by solving the memory model for one unknown while the rest of
-the plan stays as written; the memory expression is monotone in each (more
-samples per micro-batch never need less memory; more model parallelism never
-needs more per rank), so the first size that fits is the answer.
+The first two answer by solving the memory model for one unknown while the
+rest of the plan stays as written; the memory expression is monotone in each
+(more samples per micro-batch never need less memory; more model parallelism
+never needs more per rank), so the first size that fits is the answer. A plan
+with checkpoint = "auto" is asked with every layer fully recomputed, its
+least memory. "Fits" means within the budget: HBM less the plan's
+`memory_margin`.
+
+`auto_policies` resolves checkpoint = "auto" for compiling and is where a
+plan that cannot fit stops with a CompileError naming the stage, the
+overshoot and what would fit. `estimate` and plan search never raise for
+memory: they report `fits=False` and rank such layouts out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ptc.compiler.estimate import plan_precision
+from ptc.compiler.estimate import auto_checkpoint, plan_precision
 from ptc.compiler.layout import layout_of
 from ptc.compiler.memory import peak, stage_memory
 from ptc.compiler.profile import model_profile
 from ptc.compiler.search import axis_choices
+from ptc.errors import CompileError
 from ptc.plan import Plan
+from ptc.units import format_bytes
+
+GiB = 2**30
 
 
 def _fits(plan: Plan, **layout_changes) -> bool:
@@ -23,7 +35,7 @@ def _fits(plan: Plan, **layout_changes) -> bool:
     ckpt = "full" if plan.parallel.checkpoint == "auto" else None
     layout = dataclasses.replace(layout_of(plan, ckpt), **layout_changes)
     mem = stage_memory(profile, layout, plan_precision(plan, profile), plan.train.seq_len)
-    return max(peak(t) for t in mem) <= plan.hardware.hbm_bytes
+    return max(peak(t) for t in mem) <= plan.hardware.memory_budget
 
 
 def largest_micro_batch(plan: Plan) -> int | None:
@@ -55,3 +67,41 @@ def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
                  sp=plan.parallel.sequence_parallel and tp > 1):
             return tp, pp
     return None
+
+
+def auto_policies(plan: Plan) -> tuple[str, ...]:
+    """Per-layer policies of checkpoint = "auto" (`estimate.auto_checkpoint`), for compiling.
+
+    Raises CompileError when a stage does not fit the budget even with every
+    layer fully recomputed: compiling such a plan would only fail later, out
+    of memory, so it stops here with the numbers and what would fit.
+    """
+    profile = model_profile(plan.model, plan.train.dtype)
+    prec = plan_precision(plan, profile)
+    layout = auto_checkpoint(profile, layout_of(plan, "none"), prec, plan.train.seq_len,
+                             plan.hardware.memory_budget)
+    peaks = [peak(t) for t in stage_memory(profile, layout, prec, plan.train.seq_len)]
+    if max(peaks) > plan.hardware.memory_budget:
+        raise CompileError(nothing_fits_message(plan, peaks))
+    return layout.checkpoint
+
+
+def nothing_fits_message(plan: Plan, peaks: list[float]) -> str:
+    """Why checkpoint = "auto" cannot fit: each stage over, by how much, and what would fit.
+
+    `peaks`: bytes per stage with the auto choice (stages over the budget
+    are the fully recomputed ones).
+    """
+    hw = plan.hardware
+    budget = hw.memory_budget
+    over = [f"stage {i} needs {need / GiB:.3f} GiB with every layer fully recomputed, "
+            f"{format_bytes(need - budget)} over"
+            for i, need in enumerate(peaks) if need > budget]
+    mb = largest_micro_batch(plan)
+    mp = smallest_model_parallel(plan)
+    return (f"checkpoint = auto: nothing fits: {'; '.join(over)} the budget of "
+            f"{budget / GiB:.3f} GiB per GPU (hbm {hw.hbm_bytes / GiB:.3f} GiB less "
+            f"memory_margin {hw.memory_margin / GiB:.3f} GiB). What would fit: largest "
+            f"micro-batch {mb if mb is not None else 'none'} (now {plan.train.micro_batch}); "
+            f"smallest tp x pp {f'tp{mp[0]} x pp{mp[1]}' if mp else 'none'} on "
+            f"{plan.num_gpus} GPUs (now tp{plan.parallel.tp} x pp{plan.parallel.pp})")

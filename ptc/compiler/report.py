@@ -53,8 +53,9 @@ def _summary(est: Estimate) -> Table:
             ("TFLOP/s per GPU (model)", f"{est.tflops_per_gpu:.1f}"),
             ("TFLOP/s per GPU (hardware, incl. recompute)", f"{est.hw_tflops_per_gpu:.1f}"),
             ("MFU", f"{est.mfu:.1%}"),
-            ("peak memory", f"{format_bytes(est.peak_memory_bytes)} of "
-                            f"{format_bytes(est.hbm_bytes)}" + ("" if est.fits else "  DOES NOT FIT")),
+            ("peak memory", f"{format_bytes(est.peak_memory_bytes)} of a "
+                            f"{format_bytes(est.budget_bytes)} budget"
+                            + ("" if est.fits else "  DOES NOT FIT")),
             ("collectives", ", ".join(f"{k}: {v}" for k, v in est.algorithms.items()) or "none")]
     for name, value in rows:
         table.add_row(name, value)
@@ -85,7 +86,11 @@ def _memory(est: Estimate) -> Table:
 
 
 def _checkpointing(plan: Plan, est: Estimate) -> Table:
-    """Per stage: each layer's recompute policy, memory without and with it, recompute FLOPs."""
+    """Per stage: each layer's policy, memory without and with it, against the budget; recompute.
+
+    The budget is stated with its parts (HBM less the plan's memory_margin):
+    it is what checkpoint = "auto" fits each stage to.
+    """
     layout = est.layout
     profile = model_profile(plan.model, plan.train.dtype)
     before = estimate_layout(profile, replace(layout, checkpoint="none"), plan,
@@ -94,21 +99,41 @@ def _checkpointing(plan: Plan, est: Estimate) -> Table:
     cost = {"full": float(f["flops.layer"](b, s)), "selective": float(f["core_flops"](b, s)),
             "none": 0.0}
     ckpt = plan.parallel.checkpoint
-    table = Table(title=f"Activation checkpointing (checkpoint = "
-                        f"{ckpt if isinstance(ckpt, str) else 'per layer'}; HBM budget "
-                        f"{format_bytes(est.hbm_bytes)} per GPU)")
-    for name in ("stage", "layers: policy", "memory without", "memory with",
-                 "recompute FLOPs / micro-batch"):
+    how = {"auto": "auto: per stage, the least recompute that fits"}.get(ckpt, ckpt) \
+        if isinstance(ckpt, str) else "per layer"
+    table = Table(title=f"Activation checkpointing (checkpoint = {how}; budget "
+                        f"{format_bytes(est.budget_bytes)} per GPU = HBM "
+                        f"{format_bytes(est.hbm_bytes)} less margin "
+                        f"{format_bytes(est.margin_bytes)})")
+    for name in ("stage", "layers: policy", "memory without", "memory with", "saved",
+                 "vs budget", "recompute FLOPs / micro-batch"):
         table.add_column(name, justify="left" if name == "layers: policy" else "right")
     for i in range(layout.pp):
         layers = layout.stage_layers(i)
         policies = [layout.checkpoint if isinstance(layout.checkpoint, str)
                     else layout.checkpoint[n] for n in layers]
-        text = ", ".join(f"{n}:{pol}" for n, pol in zip(layers, policies))
-        table.add_row(str(i), text, format_bytes(before[i]),
-                      format_bytes(est.stage_memory_bytes[i]),
+        text = _policy_runs(layers, policies)
+        after = est.stage_memory_bytes[i]
+        table.add_row(str(i), text, format_bytes(before[i]), format_bytes(after),
+                      format_bytes(before[i] - after), _vs_budget(est.budget_bytes - after),
                       f"{sum(cost[pol] for pol in policies):.3g}")
     return table
+
+
+def _policy_runs(layers: list[int], policies: list[str]) -> str:
+    """`0-1:full, 2:selective, 3-9:none`: consecutive layers of one policy as one run."""
+    runs: list[list] = []  # [first, last, policy]
+    for layer, pol in zip(layers, policies):
+        if runs and runs[-1][1] == layer - 1 and runs[-1][2] == pol:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, pol])
+    return ", ".join(f"{a}:{pol}" if a == b else f"{a}-{b}:{pol}" for a, b, pol in runs)
+
+
+def _vs_budget(headroom: float) -> str:
+    """`1.2 GiB free`, or `300.0 MiB OVER` for a stage that does not fit."""
+    return f"{format_bytes(headroom)} free" if headroom >= 0 else f"{format_bytes(-headroom)} OVER"
 
 
 def _expression(plan: Plan, est: Estimate) -> Text:

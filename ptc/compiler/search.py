@@ -10,8 +10,9 @@ it has 1F1B's bubble and more activation memory, so never wins.
 
 Nothing is captured per candidate: the model's profile is captured once and
 each layout is priced by the closed-form memory and cost models. A layout
-that does not fit is kept with its overshoot so the report can say why it
-lost.
+fits when its peak is within the budget (HBM less the plan's
+`memory_margin`); one that does not is kept with its overshoot so the report
+can say why it lost — search never raises for memory.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Rejected:
     peak_bytes: float
     """Its peak bytes on the most loaded stage."""
     over_bytes: float
-    """By how much that exceeds the HBM."""
+    """By how much that exceeds the memory budget (HBM less the margin)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     """Enumerate, filter by memory, rank by step time; the `top` fastest become Plans."""
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)
-    hbm, seq, dtype = plan.hardware.hbm_bytes, plan.train.seq_len, plan.train.dtype
+    budget, seq, dtype = plan.hardware.memory_budget, plan.train.seq_len, plan.train.dtype
     layouts = enumerate_layouts(plan)
     fitting, rejected, memo = [], [], {}
     for lay in layouts:
@@ -130,8 +131,8 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
         worst = max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch, ss=seq,
                                             tt=lay.tp, dd=lay.dp))
                     for i in {0, lay.pp - 1})
-        if worst > hbm:
-            rejected.append(Rejected(lay, worst, worst - hbm))
+        if worst > budget:
+            rejected.append(Rejected(lay, worst, worst - budget))
         else:
             fitting.append((compute_floor(profile, lay, plan.hardware, seq_len=seq, dtype=dtype), lay))
     rejected.sort(key=lambda r: r.over_bytes)

@@ -35,6 +35,8 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
     region reads stay get_attr nodes of the outer graph passed in as inputs,
     so later passes (ZeRO) still see and rewrite them; under ZeRO-3 a full
     region therefore keeps its layer's gathered weights until backward.
+    checkpoint = "auto" is resolved per stage by `layer_policies`; a plan
+    that cannot fit even fully recomputed raises CompileError there.
     """
     policy_of = layer_policies(plan)
     layers: dict[int, list[fx.Node]] = {}

@@ -1,36 +1,116 @@
-"""Worker of test_recompute_equivalence: train tiny plans with activation checkpointing."""
+"""Worker of test_recompute_equivalence: train tiny plans with activation checkpointing.
+
+Every case runs on 2 processes (dp 2, tp 2 or pp 2), so one launch trains
+them all in a row and process start-up is paid once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from dist_helpers import tiny_plan
+from pp_helpers import Case, pp_plan
+from tp_helpers import TPCase, tp_plan
+
+from ptc.plan import Plan
+
+LAYOUTS = ("dp2", "tp2", "pp2")
+"""The 2-process layouts: dp 2 (ZeRO `zero`), tp 2, pp 2 with 1F1B over 2 micro-batches."""
 
 
-def checkpointed_plan(family: str, zero: int, dp: int, checkpoint="full"):
-    """The tiny plan of dist_helpers with `checkpoint` set."""
-    plan = tiny_plan(family, zero=zero, dp=dp, accum=1)
-    return dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
-                                                                  checkpoint=checkpoint))
+@dataclasses.dataclass(frozen=True)
+class RecomputeCase:
+    """One 2-process layout of one tiny model under one checkpoint policy."""
+
+    family: str
+    """"gpt" or "llama"."""
+    layout: str
+    """One of LAYOUTS."""
+    checkpoint: str | tuple[str, ...]
+    """"none", "selective", "full", "auto" or one policy per layer."""
+    zero: int = 0
+    """ZeRO stage (dp2 only)."""
+
+    def __str__(self) -> str:
+        ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
+        zero = f" zero{self.zero}" if self.layout == "dp2" else ""
+        return f"{self.family} {self.layout}{zero} checkpoint={ckpt}"
 
 
-def run_checkpointed(cases: list[tuple], dp: int) -> dict:
-    """Worker: train every (family, zero) case with checkpoint = full; rank 0 returns results."""
+def base_plan(case: RecomputeCase) -> Plan:
+    """The case's plan before its checkpoint policy is set (the helpers' tiny plans)."""
+    if case.layout == "dp2":
+        return tiny_plan(case.family, zero=case.zero, dp=2, accum=1)
+    if case.layout == "tp2":
+        return tp_plan(TPCase(case.family, 2))
+    return pp_plan(Case(case.family, 2, "1f1b", 2))
+
+
+def recompute_plan(case: RecomputeCase) -> Plan:
+    """The case's plan with its checkpoint policy; "auto" gets the budget of `auto_budget`."""
+    plan = base_plan(case)
+    plan = dataclasses.replace(plan, parallel=dataclasses.replace(
+        plan.parallel, checkpoint=case.checkpoint))
+    if case.checkpoint != "auto":
+        return plan
+    hw = plan.hardware
+    return dataclasses.replace(plan, hardware=dataclasses.replace(
+        hw, memory_margin=hw.hbm_bytes - auto_budget(plan)))
+
+
+def auto_budget(plan: Plan) -> float:
+    """Stage 0's peak bytes (memory model) with its first layer fully recomputed, the rest not.
+
+    Under this budget the last stage of a pipeline (one micro-batch in flight,
+    not two) fits without recompute while stage 0 must recompute: "auto"
+    resolves to a mix that differs between layers and between stages.
+    """
+    from ptc.compiler.estimate import estimate
+    from ptc.compiler.layout import layout_of
+
+    policy = ["none"] * plan.model.layers
+    policy[layout_of(plan, "none").stage_layers(0)[0]] = "full"
+    forced = dataclasses.replace(plan, parallel=dataclasses.replace(
+        plan.parallel, checkpoint=tuple(policy)))
+    return estimate(forced).stage_memory_bytes[0]
+
+
+def program_policies(program) -> tuple[str, ...]:
+    """Per layer, the policy the compiled graphs apply, read off their checkpoint regions."""
+    from ptc.passes.activation_checkpoint import REGION_PREFIX
+    from ptc.runtime.recompute import checkpoint_region
+
+    policies = ["none"] * program.plan.model.layers
+    for stage in program.stages:
+        for node in stage.graph.graph.nodes:
+            if node.op == "call_function" and node.target is checkpoint_region:
+                layer, policy, _ = node.args[0].target.removeprefix(REGION_PREFIX).split("_")
+                policies[int(layer)] = policy
+    return tuple(policies)
+
+
+def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
+    """Worker: train every case; rank 0 returns losses, weights and every rank's policies."""
     import torch.distributed as dist
 
     from ptc.compiler.pipeline import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.pipeline_exec import PipelineTrainer
 
     results = {}
-    for family, zero in cases:
-        plan = checkpointed_plan(family, zero, dp)
+    for case in cases:
+        plan = recompute_plan(case)
         init_distributed(plan)
         program = compile_plan(plan)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        make = PipelineTrainer if plan.parallel.pp > 1 else Trainer
+        trainer = make(program, axis_groups(build_mesh(plan)))
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
+        policies = [None] * dist.get_world_size()
+        dist.all_gather_object(policies, program_policies(program))
         if dist.get_rank() == 0:
-            results[(family, zero)] = {"losses": losses, "state": state, "log": program.pass_log}
+            results[case] = {"losses": losses, "state": state, "policies": policies,
+                             "log": program.pass_log}
     dist.destroy_process_group()
     return results
