@@ -19,6 +19,7 @@ from torch import fx
 from ptc.compiler.meta import get_info
 from ptc.compiler.nodes import op_name
 from ptc.compiler.program import Program
+from ptc.units import format_bytes
 
 FORMATS = ("code", "table")
 
@@ -49,18 +50,42 @@ def summary_line(program: Program, stage: int = 0) -> str:
     return f"stage {stage}: {len(gm.graph.nodes)} nodes; collectives: {listed}"
 
 
+def overlap_line(program: Program, stage: int = 0) -> str:
+    """"buckets: 4 of <= 37.1 kB over 5 units: [0 1] [2] [3] [4 0]; ..." — the comm_overlap
+    pass's decisions for the stage ("" when the pass did not run)."""
+    stage_graph(program, stage)
+    decided = program.stages[stage].overlap
+    if decided is None:
+        return ""
+    units = sum(len(b) for b in decided.buckets)
+    listed = " ".join("[" + " ".join(map(str, b)) + "]" for b in decided.buckets)
+    parts = [f"buckets: {len(decided.buckets)} of <= {format_bytes(decided.bucket_bytes)} over "
+             f"{units} units: {listed}"]
+    if not decided.overlap:
+        parts.append("overlap off: every collective waited for at once")
+    else:
+        ahead = f"gathers start {decided.prefetch} ahead, " if program.plan.parallel.zero == 3 \
+            else ""
+        parts.append(f"{ahead}{decided.in_flight} gradient reductions in flight")
+    if decided.tp_fused:
+        parts.append(f"{decided.tp_fused} tp input-gradient reductions overlap weight gradients")
+    return "; ".join(parts)
+
+
 def render_graph(program: Program, stage: int = 0, fmt: str = "code", *,
                  color: bool = False, width: int = 160) -> str:
     """The stage's lowered graph as text: fx's readable code or a table of nodes.
 
     In "code" every collective's line ends with a comment naming its forward
     and backward communication; in "table" collectives are highlighted (with
-    ANSI colours when `color`). Both start with `summary_line`.
+    ANSI colours when `color`). Both start with `summary_line` and `overlap_line`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     gm = stage_graph(program, stage)
     head = f"# {summary_line(program, stage)}\n"
+    if overlap_line(program, stage):
+        head += f"# {overlap_line(program, stage)}\n"
     if fmt == "code":
         return head + _annotated_code(gm)
     console = Console(file=io.StringIO(), width=width, force_terminal=color,

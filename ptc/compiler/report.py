@@ -20,6 +20,7 @@ from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_prec
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import TERMS, stage_memory_expr
+from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_buckets
 from ptc.compiler.profile import model_profile
 from ptc.compiler.search import search_all
 from ptc.plan import Plan
@@ -160,6 +161,7 @@ def render_explain(plan: Plan) -> Group:
     parts = [_summary(est), _breakdown(est), _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
+    parts.append(_overlap(plan, est))
     return Group(*parts, _expression(plan, est), _fit_hints(plan))
 
 
@@ -182,3 +184,74 @@ def render_search(plan: Plan, top: int = 5) -> Group:
         misses.add_row(describe_layout(rej.layout), format_bytes(rej.peak_bytes),
                        format_bytes(rej.over_bytes))
     return Group(table, misses)
+
+
+def _overlap(plan: Plan, est: Estimate) -> Table:
+    """The dp communication buckets of the first (and last) pipeline stage, and what overlaps.
+
+    Runs of buckets that carry one layer each collapse into one row.
+    """
+    layout, par = est.layout, plan.parallel
+    profile = model_profile(plan.model, plan.train.dtype)
+    link = dp_link(plan)
+    size = predicted_buckets(plan, profile, layout, 0)[0]
+    how = "auto = min(9 x latency x bandwidth of the dp link, largest unit)" \
+        if par.bucket_size == "auto" else "set in the plan"
+    collective = {3: "2 gathers + reduce-scatter", 2: "reduce-scatter"}.get(
+        par.zero, "all-reduce (once per step)")
+    table = Table(title=f"Communication buckets over dp: bucket_size {format_bytes(size)} "
+                        f"({how}; dp link {format_bytes(link.bandwidth)}/s, "
+                        f"{format_seconds(link.latency)}). {_overlap_summary(plan)}")
+    for name in ("stage", "buckets", "carries", "fp32 grad each", f"{collective} each"):
+        table.add_column(name, justify="left" if name == "carries" else "right")
+    for stage in sorted({0, layout.pp - 1}):
+        for run in _layer_runs(predicted_buckets(plan, profile, layout, stage)[1]):
+            carries = " + ".join(run[0].items) if len(run) == 1 else \
+                "layers " + _ranges([int(b.items[0].split(".")[1]) for b in run]) + \
+                ", one each"
+            table.add_row(str(stage), str(len(run)), carries, format_bytes(run[0].grad_bytes),
+                          format_seconds(run[0].seconds))
+    return table
+
+
+def _overlap_summary(plan: Plan) -> str:
+    """What overlaps what, in one sentence, as the comm_overlap pass and runtime do it."""
+    par = plan.parallel
+    if not par.overlap:
+        return "Overlap off: every collective is waited for as soon as it is issued."
+    if par.zero == 3:
+        text = ("Each layer's gather starts while the previous layer computes (forward and "
+                "backward)")
+    else:
+        text = "Each bucket's reduction starts as soon as its last gradient is accumulated"
+    text += f"; up to {IN_FLIGHT} gradient reductions run behind backward"
+    if par.tp > 1:
+        text += "; tp input-gradient reductions run under the weight gradients"
+    return text + "."
+
+
+def _ranges(numbers: list[int]) -> str:
+    """`0-9, 40-49`: consecutive numbers as ranges."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _layer_runs(buckets: list[PredictedBucket]) -> list[list[PredictedBucket]]:
+    """Consecutive buckets grouped: one-layer buckets of equal size share a run."""
+    def one_layer(bucket: PredictedBucket) -> bool:
+        return len(bucket.items) == 1 and bucket.items[0].startswith("layers.")
+
+    runs: list[list[PredictedBucket]] = []
+    for bucket in buckets:
+        last = runs[-1][-1] if runs else None
+        if last is not None and one_layer(bucket) and one_layer(last) \
+                and last.grad_bytes == bucket.grad_bytes:
+            runs[-1].append(bucket)
+        else:
+            runs.append([bucket])
+    return runs

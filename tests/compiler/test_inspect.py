@@ -70,3 +70,12 @@ def test_bad_stage_and_format(program):
         render_graph(program, 1)
     with pytest.raises(ValueError, match="fmt must be one of"):
         render_graph(program, 0, "svg")
+
+
+def test_header_states_the_overlap_decisions(program):
+    decided = program.stages[0].overlap
+    text = render_graph(program, 0, "code")
+    line = text.splitlines()[1]
+    assert line.startswith(f"# buckets: {len(decided.buckets)} of <= ")
+    assert "[" + " ".join(map(str, decided.buckets[0])) + "]" in line
+    assert "gathers start 1 ahead, 2 gradient reductions in flight" in line
