@@ -41,6 +41,7 @@ from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, OverlapPla
 from ptc.compiler.program import ParamLayout, ZeroShards, param_layout
 from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
+from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.passes.zero import SHARDS_ATTR
 from ptc.plan import Plan
 from ptc.runtime.collectives import gather_params, gather_params_start
@@ -180,8 +181,4 @@ def _prefetch(gathers: list[tuple[fx.Node, fx.Node]], depth: int) -> bool:
 
 def _fuse_tp(gm: fx.GraphModule, plan: Plan) -> int:
     """Fuse tp entry collectives with their column-parallel linears (tp > 1 only)."""
-    if plan.parallel.tp == 1:
-        return 0
-    from ptc.passes.tp_overlap import fuse_column_parallel_linears  # noqa: PLC0415
-
-    return fuse_column_parallel_linears(gm)
+    return fuse_column_parallel_linears(gm) if plan.parallel.tp > 1 else 0

@@ -12,7 +12,12 @@ docstring says what backward does):
 | `reduce_scatter_seq`  | reduce-scatter along sequence  | all-gather along it           |
 | `scatter_seq`         | keep this rank's sequence chunk| all-gather along it           |
 
-plus the vocabulary-parallel embedding lookup and cross-entropy, whose
+`column_parallel_linears` (`column_parallel_linears_seq`) is `copy_to_tp`
+(`all_gather_seq`) fused with the column-parallel linears that read its
+output, so that backward can start the all-reduce (reduce-scatter) of the
+input's gradient and compute the weight gradients while it travels;
+`ptc.passes.tp_overlap` puts them in the graph. Then there are the
+vocabulary-parallel embedding lookup and cross-entropy, whose
 rank's slice of the vocabulary is rows [rank·V/t, (rank+1)·V/t) of the table.
 
 Ops name a mesh axis ("tp"), never a process group: `ptc.runtime.comm`
@@ -28,10 +33,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from ptc.runtime.comm import all_gather_flat, axis_group, group_rank, group_size, \
-    reduce_scatter_flat
+from ptc.runtime.comm import Work, all_gather_flat, all_reduce_flat, axis_group, group_rank, \
+    group_size, reduce_scatter_flat
 from ptc.runtime.seq_regather import current_session
 
 TP = "tp"
@@ -54,18 +60,32 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return out
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's x along `dim`, in rank order."""
+class _Pending:
+    """A collective in flight on a tensor moved to dim 0 and flattened: `wait()` gives the
+    result as a `shape` tensor with its dim 0 moved back to `dim`."""
+
+    __slots__ = ("_work", "_shape", "_dim")
+
+    def __init__(self, work: Work, shape: tuple[int, ...], dim: int):
+        self._work, self._shape, self._dim = work, shape, dim
+
+    def wait(self) -> torch.Tensor:
+        """Block until done; the result, contiguous, with `dim` where it was."""
+        return self._work.wait().view(self._shape).movedim(0, self._dim).contiguous()
+
+
+def _start_gather(x: torch.Tensor, dim: int, group) -> _Pending | torch.Tensor:
+    """Start concatenating every rank's x along `dim` (rank order); x itself on one rank."""
     world = group_size(group)
     if world == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
-    flat = all_gather_flat(moved.reshape(-1), group).wait()
-    return flat.view(world * moved.shape[0], *moved.shape[1:]).movedim(0, dim).contiguous()
+    work = all_gather_flat(moved.reshape(-1), group)
+    return _Pending(work, (world * moved.shape[0], *moved.shape[1:]), dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum x over ranks and keep this rank's chunk along `dim`."""
+def _start_reduce_scatter(x: torch.Tensor, dim: int, group) -> _Pending | torch.Tensor:
+    """Start summing x over ranks, keeping this rank's chunk along `dim`; x itself on one rank."""
     world = group_size(group)
     if world == 1:
         return x
@@ -73,8 +93,22 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if moved.shape[0] % world:
         raise ValueError(f"reduce_scatter_seq: dim {dim} of size {moved.shape[0]} is not "
                          f"divisible by the {world} ranks")
-    flat = reduce_scatter_flat(moved.reshape(-1), group).wait()
-    return flat.view(moved.shape[0] // world, *moved.shape[1:]).movedim(0, dim).contiguous()
+    work = reduce_scatter_flat(moved.reshape(-1), group)
+    return _Pending(work, (moved.shape[0] // world, *moved.shape[1:]), dim)
+
+
+def _done(pending: _Pending | torch.Tensor) -> torch.Tensor:
+    return pending.wait() if isinstance(pending, _Pending) else pending
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's x along `dim`, in rank order."""
+    return _done(_start_gather(x, dim, group))
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum x over ranks and keep this rank's chunk along `dim`."""
+    return _done(_start_reduce_scatter(x, dim, group))
 
 
 def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -213,6 +247,117 @@ def scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     return _ScatterSeq.apply(x, dim, axis)
 
 
+# ------------------------------------- column-parallel linears, overlapped in backward
+
+
+def _start_all_reduce(x: torch.Tensor, group) -> _Pending | torch.Tensor:
+    """Start summing x (a fresh contiguous buffer, reduced in place) over ranks; x on one rank."""
+    if group_size(group) == 1:
+        return x
+    return _Pending(all_reduce_flat(x.view(-1), group), tuple(x.shape), 0)
+
+
+def _input_grad(grads: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> torch.Tensor:
+    """sum_i grad_i @ W_i, accumulated in one buffer: dL/dx of linears sharing their input x."""
+    total = None
+    for grad, weight in zip(grads, weights):
+        rows = grad.reshape(-1, grad.shape[-1])
+        total = rows.mm(weight) if total is None else total.addmm_(rows, weight)
+    return total.view(*grads[0].shape[:-1], weights[0].shape[1])
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad^T @ x over every token: dL/dW of one linear."""
+    return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _ColumnParallelLinears(torch.autograd.Function):
+    """Inputs: x, axis, dim (None: no gather), has_bias (one flag per weight), *weights, *biases.
+
+    Only the present biases are passed (autograd sees tensors, not tuples of them).
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, has_bias, *params):  # noqa: D102
+        n = len(has_bias)
+        weights, present = params[:n], iter(params[n:])
+        biases = [next(present) if flag else None for flag in has_bias]
+        full = x if dim is None else _gather(x, dim, axis_group(axis))
+        # Saved as received: under sequence parallelism the rank's chunk, gathered again in
+        # backward (the memory a SeqRegather session gives all_gather_seq, session or not).
+        # Weights go through save_for_backward so ZeRO-3's hooks keep them as references.
+        ctx.save_for_backward(x, *weights)
+        ctx.axis, ctx.dim = axis, dim
+        ctx.biased = [i for i, flag in enumerate(has_bias) if flag]  # linears with a bias
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):  # noqa: D102
+        x, *weights = ctx.saved_tensors
+        group, n = axis_group(ctx.axis), len(weights)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[4:4 + n]
+        need_b = ctx.needs_input_grad[4 + n:]
+        full = x
+        if ctx.dim is not None and any(need_w):
+            full = _start_gather(x, ctx.dim, group)  # travels while grad_x is computed
+        grad_x = None
+        if need_x:
+            grad_x = _input_grad(grads, weights)
+            grad_x = _start_reduce_scatter(grad_x, ctx.dim, group) if ctx.dim is not None \
+                else _start_all_reduce(grad_x, group)
+        # The reduction of grad_x is in flight: weight and bias gradients overlap it.
+        full = _done(full)
+        grad_w = [_weight_grad(g, full) if need else None for g, need in zip(grads, need_w)]
+        grad_b = [grads[i].reshape(-1, grads[i].shape[-1]).sum(0) if need else None
+                  for i, need in zip(ctx.biased, need_b)]
+        return (_done(grad_x) if need_x else None, None, None, None, *grad_w, *grad_b)
+
+
+def _column_parallel(x: torch.Tensor, weights, biases, axis: str,
+                     dim: int | None) -> tuple[torch.Tensor, ...]:
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"column_parallel_linears: {len(weights)} weights and {len(biases)} "
+                         "biases; give one bias (or None) per weight, at least one weight")
+    has_bias = tuple(b is not None for b in biases)
+    return _ColumnParallelLinears.apply(x, axis, dim, has_bias, *weights,
+                                        *(b for b in biases if b is not None))
+
+
+@_collective("identity", "all-reduce (async, overlaps weight gradients)")
+def column_parallel_linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                            biases: tuple[torch.Tensor | None, ...],
+                            axis: str = TP) -> tuple[torch.Tensor, ...]:
+    """`copy_to_tp` and the column-parallel linears that read its output, as one op.
+
+    Forward: `F.linear(x, weights[i], biases[i])` for each i (q, k, v; gate,
+    up; or a single linear); no communication, as `copy_to_tp`. Backward:
+    dL/dx = sum_i grad_i @ W_i, then the all-reduce (sum) over `axis` of it
+    is started and every weight and bias gradient is computed while it runs
+    (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication); the op
+    waits for the sum only at its end. Gradients equal those of copy_to_tp
+    followed by the linears, in the inputs' dtypes.
+    """
+    return _column_parallel(x, weights, biases, axis, None)
+
+
+@_collective("all-gather", "all-gather again, reduce-scatter (async, overlaps weight gradients)")
+def column_parallel_linears_seq(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                                biases: tuple[torch.Tensor | None, ...], dim: int = 1,
+                                axis: str = TP) -> tuple[torch.Tensor, ...]:
+    """`all_gather_seq` and the column-parallel linears that read its output, as one op.
+
+    Forward: all-gather of the rank's sequence chunk x along `dim` over
+    `axis`, then `F.linear(full, weights[i], biases[i])` for each i. Only the
+    chunk is kept for backward. Backward: the chunk's all-gather is started
+    again, dL/dfull = sum_i grad_i @ W_i is computed meanwhile, then its
+    reduce-scatter along `dim` is started and the weight and bias gradients
+    (which need the gathered input) are computed while it runs. Gradients
+    equal those of all_gather_seq followed by the linears.
+    """
+    return _column_parallel(x, weights, biases, axis, dim)
+
+
 # ------------------------------------------------------- vocabulary parallel
 
 
@@ -325,5 +470,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 
 TP_OPS = (copy_to_tp, reduce_from_tp, all_gather_seq, reduce_scatter_seq, scatter_seq,
-          vocab_parallel_embedding, vocab_parallel_cross_entropy)
+          column_parallel_linears, column_parallel_linears_seq, vocab_parallel_embedding,
+          vocab_parallel_cross_entropy)
 """Every op of this module, for passes and reports that look for them."""

@@ -27,20 +27,33 @@ def program():
     return compile_plan(plan)
 
 
+def gathers(program) -> int:
+    """ZeRO-3 gathers after the comm_overlap pass: one per bucket."""
+    return len(program.stages[0].overlap.buckets)
+
+
+# One layer's qkv and MLP input, and the head: each all_gather_seq is fused with its linears.
+FUSED = 3
+COLLECTIVES = 3 + 1 + 8 + 1 + FUSED  # reduce_scatter_seq, scatter_seq, copy_to_tp, vocab CE
+
+
 def test_summary_counts_collectives(program):
     line = summary_line(program)
     assert line.startswith("stage 0: ")
-    for part in ("3 all_gather_seq", "3 reduce_scatter_seq", "1 scatter_seq",
-                 "8 copy_to_tp", "1 vocab_parallel_cross_entropy", "5 gather_params"):
+    for part in (f"{FUSED} column_parallel_linears_seq", "3 reduce_scatter_seq", "1 scatter_seq",
+                 "8 copy_to_tp", "1 vocab_parallel_cross_entropy",
+                 f"{gathers(program)} gather_params_start", f"{gathers(program)} gather_params,"):
         assert part in line
+    assert "all_gather_seq" not in line.replace("column_parallel_linears_seq", "")
 
 
 def test_code_marks_each_collective_line(program):
     text = render_graph(program, 0, "code")
     marked = [line for line in text.splitlines() if "# COLLECTIVE" in line]
-    assert len(marked) == 3 + 3 + 1 + 8 + 1 + 5 + 5
-    gather = next(line for line in marked if "all_gather_seq(" in line)
-    assert gather.endswith("# COLLECTIVE fwd: all-gather; bwd: reduce-scatter")
+    assert len(marked) == COLLECTIVES + 2 * gathers(program)
+    gather = next(line for line in marked if "column_parallel_linears_seq(" in line)
+    assert gather.endswith("# COLLECTIVE fwd: all-gather; bwd: all-gather again, "
+                           "reduce-scatter (async, overlaps weight gradients)")
     assert "def forward(self, tokens" in text
 
 
@@ -61,8 +74,8 @@ def test_dot_has_a_node_per_graph_node_and_edges(program):
     assert dot.startswith("digraph lowered {") and dot.rstrip().endswith("}")
     for node in gm.graph.nodes:
         assert f'"{node.name}" [label=' in dot
-    assert dot.count("fillcolor=\"orange\"") == 3 + 3 + 1 + 8 + 1 + 5 + 5
-    assert '"all_gather_seq" -> "layers_0_attn_qkv";' in dot
+    assert dot.count("fillcolor=\"orange\"") == COLLECTIVES + 2 * gathers(program)
+    assert '"column_parallel_linears_seq" -> "layers_0_attn_qkv";' in dot
 
 
 def test_bad_stage_and_format(program):

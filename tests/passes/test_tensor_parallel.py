@@ -188,8 +188,8 @@ class TestShardTensorsPass:
         program = compile_graph(capture_plan(p), p, passes=PASSES)
         assert program.tensor_parallel.params["layers.0.attn.q.weight"].full_shape == (32, 32)
         assert program.layout.params["layers.0.attn.q.weight"].shape == (16, 32)
-        assert [m.split(":")[0] for m in program.pass_log] == ["shard_tensors_pass",
-                                                             "shard_params_pass"]
+        assert [m.split(":")[0] for m in program.pass_log] == [
+            "shard_tensors_pass", "shard_params_pass", "overlap_collectives_pass"]
 
 
 class TestShardRules:
