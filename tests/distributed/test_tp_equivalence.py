@@ -5,6 +5,10 @@ tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3. Models: the built-in GPT (fused
 qkv, tied embeddings, learned positions), Llama (grouped-query attention,
 RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads) and the
 nanoGPT user model (its own loss with ignore_index, sizes read off tensors).
+The programs are the full pass list's: each tp entry collective is fused
+with its column-parallel linears by comm_overlap, so their input-gradient
+all-reduce (reduce-scatter with SP) runs while the weight gradients are
+computed (checkpointed tp layouts: test_recompute_equivalence).
 The loss of every step and every parameter after 5 AdamW steps (cosine
 schedule with warm-up, global-norm clipping at 1.0) equal `torch.optim.AdamW`
 on the eager model over the full global batch, from the same initial
@@ -73,6 +77,8 @@ def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
     assert len(got["losses"]) == STEPS
     assert got["log"][0].startswith("shard_tensors_pass: inserted")
     assert any(m.startswith("shard_sequence_pass") for m in got["log"]) == case.sp
+    # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward).
+    assert any("tp input-gradient reductions overlap weight gradients" in m for m in got["log"])
     assert_same_training(got, losses, state, loss_tol=LOSS_TOL, param_tol=PARAM_TOL,
                          what=str(case))
 
