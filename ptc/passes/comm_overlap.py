@@ -45,6 +45,7 @@ from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.passes.zero import SHARDS_ATTR
 from ptc.plan import Plan
 from ptc.runtime.collectives import gather_params, gather_params_start
+from ptc.units import format_bytes
 
 log = logging.getLogger("ptc.passes.comm_overlap")
 
@@ -84,15 +85,11 @@ def overlap_collectives_pass(gm: fx.GraphModule, plan: Plan, *,
     gm.meta[OVERLAP_KEY] = OverlapPlan(overlap=on, bucket_bytes=size, buckets=tuple(buckets),
                                        bucket_bytes_each=each, prefetch=prefetch,
                                        in_flight=in_flight, tp_fused=fused)
-    log.info("%d buckets of <= %s for %d units%s%s", len(buckets), _mb(size),
+    log.info("%d buckets of <= %s for %d units%s%s", len(buckets), format_bytes(size),
              sum(len(b) for b in buckets),
              f", gathers start {prefetch} ahead" if zero3 else "",
              f", {fused} tp input-gradient reductions overlap weight gradients" if fused else "")
     return gm
-
-
-def _mb(size: int) -> str:
-    return f"{size / 1e6:.3g} MB"
 
 
 # ------------------------------------------------------------------- ZeRO-3
