@@ -11,7 +11,9 @@ cuts go between atoms. Each atom is priced once, from the graph:
 - `state_bytes`: weights, gradients and optimizer state of the parameters
   it first uses, divided as the plan's ZeRO stage divides them;
 - `activation_bytes`: what one micro-batch's forward leaves saved for
-  backward in it (ptc.compiler.activations, read off the graph).
+  backward in it (ptc.compiler.activations, read off the graph, which is
+  not checkpointed yet), times the share its layer's recompute policy keeps
+  (the memory model's ratio of policy to none).
 A cut costs the point-to-point time of the tensors crossing it (forward
 activations and backward gradients), charged to the stages on both sides:
 a cut where little crosses is preferred among equally fast ones.
@@ -19,8 +21,8 @@ a cut where little crosses is preferred among equally fast ones.
 `balance` picks k contiguous chunks minimising the slowest chunk's time,
 then the sum of squared chunk times (so the rest are even too), such that
 each chunk fits its memory: model state + activations × the units its rank
-keeps in flight under the schedule (`memory.in_flight`), within the HBM
-less the runtime reserve. With v chunks per rank the rank's HBM and its
+keeps in flight under the schedule (`memory.in_flight`), within the plan's
+memory budget (HBM less `memory_margin`) less the runtime reserve. With v chunks per rank the rank's HBM and its
 in-flight units are shared by its chunks, and each chunk is charged 1/v of
 both (exact when the rank's chunks are alike). Pinned cuts are kept.
 Dynamic programming over the atoms, O(n²·k).
@@ -88,6 +90,7 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     per_element = (prec.weight / (dp if zero >= 3 else 1) + prec.grad / (dp if zero >= 2 else 1)
                    + prec.optimizer / (dp if zero >= 1 else 1))
     policies = layer_policies(plan)
+    kept = _kept_share(plan)
     saved = _saved_bytes(gm, atoms)
     seen: set[int] = set()
     costs = []
@@ -107,8 +110,28 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
         policy = "none" if layer is None else policies(layer)
         recompute = {"none": 0, "selective": core, "full": flops}[policy]
         costs.append(AtomCost(name=name, flops=flops, seconds=(3 * flops + recompute) / rate,
-                              state_bytes=elements * per_element, activation_bytes=saved[index]))
+                              state_bytes=elements * per_element,
+                              activation_bytes=saved[index] * kept(policy)))
     return costs
+
+
+def _kept_share(plan: Plan) -> Callable[[str], float]:
+    """Policy -> share of a layer's saved bytes that stays saved (1 for "none").
+
+    From the memory model's per-layer activations at the plan's shape. A
+    custom model has no profile: its layers are charged all their bytes (an
+    upper bound).
+    """
+    if plan.model.family == "custom":
+        return lambda policy: 1.0
+    from ptc.compiler.memory import layer_activation_bytes  # noqa: PLC0415 - sympy (slow)
+    from ptc.compiler.profile import model_profile  # noqa: PLC0415
+
+    profile = model_profile(plan.model, plan.train.dtype)
+    shape = dict(micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
+                 tp=plan.parallel.tp, sp=plan.parallel.sequence_parallel)
+    bytes_of = {p: layer_activation_bytes(profile, p, **shape) for p in ("none", "selective", "full")}
+    return lambda policy: bytes_of[policy] / bytes_of["none"] if bytes_of["none"] else 1.0
 
 
 def layer_policies(plan: Plan) -> Callable[[int], str]:

@@ -216,6 +216,13 @@ def layer_activations(profile: ModelProfile, policy: str, *, sp: bool) -> sympy.
     return sympy.expand(_activation(profile.fn, "layer", policy, b, s, t, t if sp else 1))
 
 
+def layer_activation_bytes(profile: ModelProfile, policy: str, *, micro_batch: int, seq_len: int,
+                           tp: int, sp: bool) -> float:
+    """Saved bytes of one layer for one micro-batch on one tp rank under `policy`, a number."""
+    return float(_activation(profile.fn, "layer", policy, micro_batch, seq_len, tp,
+                             tp if sp else 1))
+
+
 def peak(terms: dict[str, float]) -> float:
     """Peak bytes of one stage: the sum of its terms."""
     return sum(terms.values())

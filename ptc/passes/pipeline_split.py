@@ -87,9 +87,7 @@ def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
     # A custom model's plan has no layer count: the graph's is the one that matters.
     layout = dataclasses.replace(layout_of(plan), layers=graph_info(gm).num_layers)
     units = [in_flight(layout, c % p, plan.num_microbatches)[0] / v for c in range(chunks)]
-    # A loose bound: atoms are priced with every activation saved (checkpointing comes
-    # later), so the margin-less HBM; whether the plan fits is the memory model's verdict.
-    budget = (plan.hardware.hbm_bytes - RUNTIME_RESERVE) / v
+    budget = (plan.hardware.memory_budget - RUNTIME_RESERVE) / v
     split = balance(costs, cut_seconds, chunks, pins=pins, units=units, budget=budget)
     stage_of = {node: _chunk_of(atom_of[node], split.starts) for node in atom_of}
     stages = _build_stages(gm, plan, atoms, names, stage_of, order, split)

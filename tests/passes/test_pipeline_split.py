@@ -257,6 +257,28 @@ class TestBalance:
                                                r"the memory: the best cut still needs"):
             split(make_plan(pp=2, hbm=(1 << 30) + 1000))
 
+    def test_memory_counts_only_what_recomputed_layers_keep(self) -> None:
+        from ptc.compiler.memory import RUNTIME_RESERVE
+
+        def need(plan: Plan) -> float:
+            return max(stage_info(g).memory_bytes for _, g in pipeline_stages(split(plan)[1]))
+
+        def with_budget(plan: Plan, budget: float) -> Plan:
+            # The split fits stages in memory_budget - RUNTIME_RESERVE: set it through the margin.
+            margin = plan.hardware.hbm_bytes - RUNTIME_RESERVE - budget
+            hardware = dataclasses.replace(plan.hardware, memory_margin=margin)
+            return dataclasses.replace(plan, hardware=hardware)
+
+        none = make_plan(pp=2, m=4)
+        full = dataclasses.replace(none, parallel=dataclasses.replace(none.parallel,
+                                                                      checkpoint="full"))
+        need_none, need_full = need(none), need(full)
+        assert need_full < need_none
+        budget = 1.01 * need_full
+        assert need(with_budget(full, budget)) == need_full  # fits only because layers recompute
+        with pytest.raises(CompileError, match="no cut of the model into 2 pipeline stages"):
+            split(with_budget(none, budget))
+
 
 class TestProgram:
     def test_compile_plan_keeps_a_graph_and_a_layout_per_stage(self) -> None:
