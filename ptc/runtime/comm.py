@@ -219,9 +219,10 @@ def reduce_scatter_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return Work(_reduce_scatter(out, flat, group=group, async_op=True), out, flat)
 
 
-def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> Work:
-    """Start summing `flat` over ranks in place."""
+def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
+                    op: dist.ReduceOp = dist.ReduceOp.SUM) -> Work:
+    """Start reducing `flat` over ranks in place (sum unless `op` says otherwise)."""
     if group_size(group) == 1:
         return Work(None, flat)
     _note("all_reduce", group, flat.numel())
-    return Work(dist.all_reduce(flat, group=group, async_op=True), flat)
+    return Work(dist.all_reduce(flat, op=op, group=group, async_op=True), flat)

@@ -55,8 +55,7 @@ def _collective(forward: str, backward: str):
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     # A fresh buffer: the input may still be needed by autograd or by other users.
     out = x.contiguous().clone()
-    if group_size(group) > 1:
-        dist.all_reduce(out, op=op, group=group)
+    all_reduce_flat(out.view(-1), group, op).wait()  # waited through Work: counted as exposed
     return out
 
 
