@@ -69,6 +69,10 @@ class TensorParallelLayout:
     """The tp degree the graph was lowered for."""
     params: Mapping[str, ParamShard]
     """Parameter name (every alias) -> its split; parameters not listed are replicated."""
+    sequence_partial: tuple[str, ...] = ()
+    """Replicated parameters used on the sequence split by sequence parallelism (norm
+    weights, row-parallel biases): each tp rank's gradient covers its part of the sequence
+    only, and the runtime sums them over tp once per step."""
 
     def local_values(self, values: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         """Full values by name -> this rank's values (replicated ones passed through)."""

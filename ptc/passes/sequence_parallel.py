@@ -9,8 +9,10 @@ after a row-parallel one (and the vocabulary-parallel embedding) into
 `reduce_scatter_seq`. A replicated tensor that meets the split sequence
 (learned positions added to the token embedding) enters through
 `scatter_seq`. Parameters used on the split sequence (norm weights, the
-row-parallel biases) see only part of the tokens, so each is read through
-`copy_to_tp`, whose backward sums its gradient over tp.
+row-parallel biases) see only part of the tokens on each rank: the pass
+lists them in the tensor-parallel layout (`sequence_partial`) and the
+runtime sums their gradients over tp once per step, in one collective
+(as Megatron-LM does), rather than once per use and micro-batch.
 
 The sequence dim is dim 1 of the [b, s, ...] activations at the region
 boundaries; shape arguments inside (a sequence length read off a split
@@ -19,6 +21,7 @@ tensor, `view(b, s, ...)`) are rewritten by `ptc.passes.local_shapes`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -76,7 +79,7 @@ def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
     if capture.seq_len % tp:
         raise CompileError(f"sequence parallelism: seq_len {capture.seq_len} is not divisible by "
                            f"tp = {tp}")
-    counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0, "copy_to_tp": 0}
+    counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0}
     for node in list(gm.graph.nodes):
         if node.target is copy_to_tp and not _is_param(node.args[0]):
             _swap(gm, node, all_gather_seq, capture)
@@ -95,13 +98,14 @@ def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
     prop = propagate(gm, k=tp, prefer=frozenset({capture.seq_len}), pick_last=True,
                      rules=_rules(), on_mix=scatter, what="sequence parallelism")
     region = _region(gm, prop)
-    counts["copy_to_tp"] = _reduce_param_grads(gm, region)
+    partial = _sequence_params(gm, region)
+    gm.meta[TP_KEY] = dataclasses.replace(gm.meta[TP_KEY], sequence_partial=partial)
     gm.graph.lint()
     gm.recompile()
     log.info("inserted %d all_gather_seq, %d reduce_scatter_seq, %d scatter_seq (replacing tp "
-             "all-reduces) and %d copy_to_tp on parameters of the split sequence",
-             counts["all_gather_seq"], counts["reduce_scatter_seq"], counts["scatter_seq"],
-             counts["copy_to_tp"])
+             "all-reduces); %d parameters of the split sequence get their gradients summed over "
+             "tp once per step", counts["all_gather_seq"], counts["reduce_scatter_seq"],
+             counts["scatter_seq"], len(partial))
     return gm
 
 
@@ -147,9 +151,13 @@ def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
     return region
 
 
-def _reduce_param_grads(gm: fx.GraphModule, region: set[fx.Node]) -> int:
-    """Read every parameter used on the split sequence through copy_to_tp; count them."""
-    wrapped = 0
+def _sequence_params(gm: fx.GraphModule, region: set[fx.Node]) -> tuple[str, ...]:
+    """Names of the parameters nodes on the split sequence read, in graph order.
+
+    Modules with parameters there become functional calls reading get_attr
+    nodes, so every such parameter is a named input the runtime can find.
+    """
+    names: dict[str, None] = {}  # ordered set
     for node in list(gm.graph.nodes):
         if node not in region:
             continue
@@ -157,14 +165,6 @@ def _reduce_param_grads(gm: fx.GraphModule, region: set[fx.Node]) -> int:
             region.discard(node)
             node = functionalize(gm, node)
             region.add(node)
-        for arg in node.all_input_nodes:
-            if not _is_param(arg):
-                continue
-            with gm.graph.inserting_before(node):
-                copy = gm.graph.call_function(copy_to_tp, (arg,))
-            shaped = get_info(arg)
-            copy_meta(arg, copy, kind="other", shapes=shaped.shapes, dtypes=shaped.dtypes, **_FREE)
-            node.replace_input_with(arg, copy)
-            wrapped += 1
-    return wrapped
-
+        names.update(dict.fromkeys(str(arg.target) for arg in node.all_input_nodes
+                                   if _is_param(arg)))
+    return tuple(names)

@@ -14,9 +14,7 @@ and computes the weight gradients while it runs, as Megatron-LM does.
 Forward is unchanged, and so are the numerics but for the order in which
 the linears' input gradients are summed.
 
-Left alone: `copy_to_tp` on a parameter (sequence parallelism's norm
-weights and row-parallel biases: no linear reads them as input); an entry
-any other node reads (the result would need the unfused output too); an
+Left alone: an entry any other node reads (the result would need the unfused output too); an
 entry whose linears read a weight computed after the first of them (only
 `get_attr` weight nodes can be moved up to the fused op).
 
@@ -35,7 +33,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import module_of, op_name, param_source
+from ptc.compiler.nodes import module_of, op_name
 from ptc.compiler.stages import pipeline_stages
 from ptc.passes.activation_checkpoint import REGION_PREFIX
 from ptc.passes.functional import param_node
@@ -94,8 +92,6 @@ def _entries(gm: fx.GraphModule) -> list[tuple[fx.Node, list[_Linear]]]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _FUSED or not node.users:
             continue
-        if _is_param(node.args[0] if node.args else node.kwargs.get("x")):
-            continue
         linears = [_linear(user) for user in node.users]
         if all(lin is not None and lin.x is node and node not in (lin.weight, lin.bias)
                for lin in linears):
@@ -103,14 +99,6 @@ def _entries(gm: fx.GraphModule) -> list[tuple[fx.Node, list[_Linear]]]:
         else:
             log.debug("%s: read by other nodes than linears' inputs, not fused", node.name)
     return out
-
-
-def _is_param(node) -> bool:
-    """Whether an entry's input is a parameter (a get_attr, or a region's placeholder for one)."""
-    if not isinstance(node, fx.Node):
-        return False
-    info = get_info(node)
-    return param_source(node) is not None or (info is not None and info.kind == "param")
 
 
 def _linear(node: fx.Node) -> _Linear | None:

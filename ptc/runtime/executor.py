@@ -41,7 +41,8 @@ from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
 from ptc.runtime.seq_regather import SeqRegather, forward_context
-from ptc.runtime.tp_state import join_over_tp, rank_values, replicated_ranges, seed_dropout
+from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
+                                   sequence_partial_ranges, sum_sequence_partial_grads)
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -180,7 +181,9 @@ class Trainer:
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
-                self.units, tp, zero=self.zero, rank=self.dp_rank, world=self.dp))
+                self.units, tp, zero=self.zero, rank=self.dp_rank))
+        self.partial = [] if tp is None else sequence_partial_ranges(
+            self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.overlap = stage_overlap(program.stages[0], program.layout, plan)
         self.reducer = GradReducer(self.units, self.group, self.zero, self.overlap) \
             if self.zero < 3 else None
@@ -211,6 +214,7 @@ class Trainer:
                 loss_sum += self._forward_backward(tokens, targets, scale, step, m, micro)
             if self.reducer is not None:
                 self.reducer.finish()
+            sum_sequence_partial_grads(self.units, self.partial, self.tp_group)
             all_reduce_flat(loss_sum.view(1), self.group).wait()
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 

@@ -62,7 +62,8 @@ from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import CLIP_EPS, ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
-from ptc.runtime.tp_state import join_over_tp, rank_values, replicated_ranges, seed_dropout
+from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
+                                   sequence_partial_ranges, sum_sequence_partial_grads)
 from ptc.runtime.zero3 import ParamSession
 
 
@@ -143,7 +144,9 @@ class PipelineTrainer:
         self.optimizer = ShardedOptimizer(
             units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
-                units, tp, zero=self.zero, rank=self.dp_rank, world=self.dp))
+                units, tp, zero=self.zero, rank=self.dp_rank))
+        self.partial = [] if tp is None else sequence_partial_ranges(
+            units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()
         self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
         self.peak_in_flight = 0
@@ -211,6 +214,7 @@ class PipelineTrainer:
                     chunk.reducer.finish()
             for tied in self.tied:
                 tied.sum_grads()
+            sum_sequence_partial_grads(units, self.partial, self.tp_group)
             all_reduce_flat(loss_sum.view(1), self.group).wait()
             all_reduce_flat(loss_sum.view(1), self.pp_group).wait()
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)

@@ -10,6 +10,10 @@ parameters (`ptc.compiler.tp_layout`). Three things need the tp axis:
   replicated ones (norms, row-parallel biases) hold the same gradient on
   every tp rank and must be counted once (`replicated_ranges` tells the
   optimizer where they are in each unit's master);
+- sequence parallelism: a replicated parameter used on the split sequence
+  gets from each rank the gradient of its part of the sequence only; those
+  gradients are summed over tp once per step, with one collective
+  (`sequence_partial_ranges`, `sum_sequence_partial_grads`);
 - full weights for checkpoints and tests: gathered over tp and joined
   (`join_over_tp`).
 """
@@ -26,7 +30,7 @@ from torch import nn
 from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.plan import Plan
-from ptc.runtime.comm import group_size
+from ptc.runtime.comm import AllReduceBucket, group_size
 from ptc.runtime.init import initial_params
 from ptc.runtime.params import UnitState
 
@@ -58,20 +62,49 @@ def seed_dropout(plan: Plan, tp_group: dist.ProcessGroup | None, rank: int) -> N
     torch.manual_seed(plan.runtime.seed + leader)
 
 
-def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int, rank: int,
-                      world: int) -> list[list[tuple[int, int]]]:
+def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
+                      rank: int) -> list[list[tuple[int, int]]]:
     """Per unit, the [start, end) element ranges of its master that hold replicated parameters.
 
     The master is the unit's whole flat buffer at ZeRO-0 and dp shard `rank`
-    of `world` from ZeRO-1 on (padding is zero and needs no range).
+    from ZeRO-1 on (padding is zero and needs no range).
     """
+    return _slot_ranges(units, lambda slot: slot.name not in tp.params, whole=zero == 0,
+                        rank=rank)
+
+
+def sequence_partial_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
+                            rank: int) -> list[list[tuple[int, int]]]:
+    """Per unit, the ranges of its gradient buffer (whole at ZeRO 0-1, dp shard `rank` from
+    ZeRO-2) that hold parameters of the split sequence (`tp.sequence_partial`)."""
+    partial = set(tp.sequence_partial)
+    return _slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases),
+                        whole=zero < 2, rank=rank)
+
+
+def sum_sequence_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]],
+                               group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the split sequence's parameters over tp, with one collective.
+
+    Call once per step, after the dp reduction (the two sums commute: tp
+    ranks of one dp coordinate hold the same ranges), before clipping.
+    """
+    pieces = [unit.grad[a:b] for unit, spans in zip(units, ranges) for a, b in spans]
+    if pieces and group_size(group) > 1:
+        AllReduceBucket(pieces, group).wait()
+
+
+def _slot_ranges(units: list[UnitState], keep, *, whole: bool,
+                 rank: int) -> list[list[tuple[int, int]]]:
+    """Per unit, the ranges of the slots `keep` accepts within the whole flat buffer or the
+    dp shard `rank`, relative to that buffer's start (padding is never included)."""
     out = []
     for unit in units:
         n = unit.spec.shard_numel
-        base, end = (0, unit.spec.padded_numel) if zero == 0 else (rank * n, (rank + 1) * n)
+        base, end = (0, unit.spec.padded_numel) if whole else (rank * n, (rank + 1) * n)
         ranges = []
         for slot in unit.slots:
-            if slot.name in tp.params:
+            if not keep(slot):
                 continue
             a, b = max(slot.offset, base), min(slot.offset + slot.numel, end)
             if a < b:

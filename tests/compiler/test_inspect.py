@@ -34,14 +34,14 @@ def gathers(program) -> int:
 
 # One layer's qkv and MLP input, and the head: each all_gather_seq is fused with its linears.
 FUSED = 3
-COLLECTIVES = 3 + 1 + 8 + 1 + FUSED  # reduce_scatter_seq, scatter_seq, copy_to_tp, vocab CE
+COLLECTIVES = 3 + 1 + 1 + FUSED  # reduce_scatter_seq, scatter_seq, vocab cross-entropy
 
 
 def test_summary_counts_collectives(program):
     line = summary_line(program)
     assert line.startswith("stage 0: ")
     for part in (f"{FUSED} column_parallel_linears_seq", "3 reduce_scatter_seq", "1 scatter_seq",
-                 "8 copy_to_tp", "1 vocab_parallel_cross_entropy",
+                 "1 vocab_parallel_cross_entropy",
                  f"{gathers(program)} gather_params_start", f"{gathers(program)} gather_params,"):
         assert part in line
     assert "all_gather_seq" not in line.replace("column_parallel_linears_seq", "")
@@ -92,3 +92,5 @@ def test_header_states_the_overlap_decisions(program):
     assert line.startswith(f"# buckets: {len(decided.buckets)} of <= ")
     assert "[" + " ".join(map(str, decided.buckets[0])) + "]" in line
     assert "gathers start 1 ahead, 2 gradient reductions in flight" in line
+    # Norm weights and biases, attention-out and MLP-down biases, final norm: summed once.
+    assert line.endswith("8 sequence-parallel parameter gradients summed over tp once per step")

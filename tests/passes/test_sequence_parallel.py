@@ -2,7 +2,7 @@
 
 Which tp all-reduces become reduce-scatter / all-gather along the sequence,
 where replicated tensors enter the split sequence (scatter_seq), which
-parameters get their gradient summed over tp (copy_to_tp), the local shapes
+parameters get their gradient summed over tp (listed for the runtime), the local shapes
 in the metadata, and the rewritten sequence lengths. Numerical equivalence
 on several processes is in tests/distributed/test_tp_equivalence.py.
 """
@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.compiler.pipeline import capture_plan  # noqa: E402
+from ptc.compiler.tp_layout import TP_KEY  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
@@ -70,7 +71,8 @@ class TestShardSequencePass:
         assert not calls(gm, reduce_from_tp)
         assert len(calls(gm, scatter_seq)) == 1  # learned positions meet the split sequence
         assert "inserted 5 all_gather_seq, 5 reduce_scatter_seq, 1 scatter_seq" in caplog.text
-        assert "and 14 copy_to_tp on parameters" in caplog.text
+        assert "14 parameters of the split sequence get their gradients summed over tp once " \
+            "per step" in caplog.text
 
     def test_collectives_split_the_sequence_dim(self):
         gm = lowered(plan(GPT))
@@ -79,17 +81,17 @@ class TestShardSequencePass:
         (scatter,) = calls(gm, scatter_seq)
         assert scatter.args == (node(gm, "pos_embed"), 0)  # [s, h]: the sequence is dim 0
 
-    def test_parameters_on_the_split_sequence_sum_their_gradient(self):
+    def test_parameters_on_the_split_sequence_are_listed_for_one_tp_sum_per_step(self):
         gm = lowered(plan(GPT))
-        copied = param_copies(gm)
-        assert copied == sorted(
+        assert sorted(gm.meta[TP_KEY].sequence_partial) == sorted(
             [f"layers.{i}.{m}.{w}" for i in range(2) for m in ("attn_norm", "mlp_norm")
              for w in ("weight", "bias")]
             + [f"layers.{i}.{m}.bias" for i in range(2) for m in ("attn.o", "mlp.down")]
             + ["norm.bias", "norm.weight"])
+        assert param_copies(gm) == []  # no per-use collective on a parameter
         norm = node(gm, "layers_0_attn_norm")  # the LayerNorm module became F.layer_norm
         assert norm.target is torch.nn.functional.layer_norm
-        assert norm.args[2].target is copy_to_tp
+        assert norm.args[2].op == "get_attr" and norm.args[2].target == "layers.0.attn_norm.weight"
 
     def test_meta_shapes_are_split_along_the_sequence(self):
         gm = lowered(plan(GPT))
@@ -116,7 +118,7 @@ class TestShardSequencePass:
         assert len(calls(gm, all_gather_seq)) == 5
         assert len(calls(gm, reduce_scatter_seq)) == 5
         assert not calls(gm, scatter_seq)
-        assert param_copies(gm) == sorted(
+        assert sorted(gm.meta[TP_KEY].sequence_partial) == sorted(
             [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn_norm", "mlp_norm")]
             + ["norm.weight"])
         assert node(gm, "layers_0_attn_norm").target is torch.nn.functional.rms_norm
