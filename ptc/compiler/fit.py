@@ -25,9 +25,8 @@ from ptc.compiler.profile import model_profile
 from ptc.compiler.search import axis_choices
 from ptc.errors import CompileError
 from ptc.plan import Plan
+from ptc.presets import GiB
 from ptc.units import format_bytes
-
-GiB = 2**30
 
 
 def _fits(plan: Plan, **layout_changes) -> bool:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from ptc.compiler.comm import all_gather, all_reduce, reduce_scatter
 from ptc.compiler.program import DTYPE_BYTES
-from ptc.compiler.topology import axis_groups
+from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import LinkSpec, Plan
 
 if TYPE_CHECKING:
@@ -85,12 +84,16 @@ def stage_overlap(stage: Stage, layout: ParamLayout, plan: Plan) -> OverlapPlan:
                        prefetch=int(on), in_flight=IN_FLIGHT if on else 0)
 
 
+def dp_group(plan: Plan) -> AxisGroup:
+    """Where a dp group of the (resolved) plan sits on the nodes."""
+    par = plan.parallel
+    degrees = {"tp": par.tp, "pp": par.pp, "dp": par.dp}
+    return axis_groups(degrees, par.order, plan.hardware.gpus_per_node)["dp"]
+
+
 def dp_link(plan: Plan) -> LinkSpec:
     """The link the dp axis's collectives cross: NVLink inside a node, else the inter-node one."""
-    par, hw = plan.parallel, plan.hardware
-    degrees = {"tp": par.tp, "pp": par.pp, "dp": par.dp}
-    group = axis_groups(degrees, par.order, hw.gpus_per_node)["dp"]
-    return hw.inter if group.spans_nodes else hw.intra
+    return plan.hardware.inter if dp_group(plan).spans_nodes else plan.hardware.intra
 
 
 def link_bucket_bytes(link: LinkSpec) -> int:
@@ -167,8 +170,7 @@ def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: 
                       ("post", "pre") if regathers else ("post",)))
     names, sizes, units = zip(*items)
     size = resolve_bucket_bytes(plan, sizes)
-    group = axis_groups({"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}, plan.parallel.order,
-                        plan.hardware.gpus_per_node)["dp"]
+    group = dp_group(plan)
     out = []
     for members in plan_buckets(sizes, size, units):
         grad = sum(sizes[i] for i in members)
@@ -177,7 +179,8 @@ def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: 
     return size, out
 
 
-def _bucket_seconds(plan: Plan, grad_bytes: int, group) -> float:
+def _bucket_seconds(plan: Plan, grad_bytes: int, group: AxisGroup) -> float:
+    """Predicted seconds of one bucket's collectives per micro-batch (see PredictedBucket)."""
     hw, zero = plan.hardware, plan.parallel.zero
     if zero == 3:
         weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.dtype]

@@ -214,7 +214,7 @@ class Stage:
     (None: the Program's layout)."""
     overlap: OverlapPlan | None = None
     """Buckets and overlap decisions of the comm_overlap pass (None: the pass did not run;
-    the runtime then uses one bucket per unit, see `ptc.compiler.overlap.default_overlap`)."""
+    the runtime then uses one bucket per unit, see `ptc.compiler.overlap.stage_overlap`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

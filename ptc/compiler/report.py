@@ -123,13 +123,27 @@ def _checkpointing(plan: Plan, est: Estimate) -> Table:
 
 def _policy_runs(layers: list[int], policies: list[str]) -> str:
     """`0-1:full, 2:selective, 3-9:none`: consecutive layers of one policy as one run."""
-    runs: list[list] = []  # [first, last, policy]
-    for layer, pol in zip(layers, policies):
-        if runs and runs[-1][1] == layer - 1 and runs[-1][2] == pol:
-            runs[-1][1] = layer
+    return ", ".join(f"{_span(a, b)}:{pol}" for a, b, pol in _runs(layers, policies))
+
+
+def _ranges(numbers: list[int]) -> str:
+    """`0-9, 40-49`: consecutive numbers as ranges."""
+    return ", ".join(_span(a, b) for a, b, _ in _runs(numbers, [None] * len(numbers)))
+
+
+def _runs(numbers: list[int], keys: list) -> list[list]:
+    """[first, last, key] of each run of consecutive numbers sharing a key."""
+    runs: list[list] = []
+    for n, key in zip(numbers, keys):
+        if runs and runs[-1][1] == n - 1 and runs[-1][2] == key:
+            runs[-1][1] = n
         else:
-            runs.append([layer, layer, pol])
-    return ", ".join(f"{a}:{pol}" if a == b else f"{a}-{b}:{pol}" for a, b, pol in runs)
+            runs.append([n, n, key])
+    return runs
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
 
 
 def _vs_budget(headroom: float) -> str:
@@ -194,7 +208,9 @@ def _overlap(plan: Plan, est: Estimate) -> Table:
     layout, par = est.layout, plan.parallel
     profile = model_profile(plan.model, plan.train.dtype)
     link = dp_link(plan)
-    size = predicted_buckets(plan, profile, layout, 0)[0]
+    by_stage = {stage: predicted_buckets(plan, profile, layout, stage)
+                for stage in sorted({0, layout.pp - 1})}
+    size = by_stage[0][0]
     how = "auto = min(9 x latency x bandwidth of the dp link, largest unit)" \
         if par.bucket_size == "auto" else "set in the plan"
     collective = {3: "2 gathers + reduce-scatter", 2: "reduce-scatter"}.get(
@@ -204,8 +220,8 @@ def _overlap(plan: Plan, est: Estimate) -> Table:
                         f"{format_seconds(link.latency)}). {_overlap_summary(plan)}")
     for name in ("stage", "buckets", "carries", "fp32 grad each", f"{collective} each"):
         table.add_column(name, justify="left" if name == "carries" else "right")
-    for stage in sorted({0, layout.pp - 1}):
-        for run in _layer_runs(predicted_buckets(plan, profile, layout, stage)[1]):
+    for stage, (_, buckets) in by_stage.items():
+        for run in _layer_runs(buckets):
             carries = " + ".join(run[0].items) if len(run) == 1 else \
                 "layers " + _ranges([int(b.items[0].split(".")[1]) for b in run]) + \
                 ", one each"
@@ -228,17 +244,6 @@ def _overlap_summary(plan: Plan) -> str:
     if par.tp > 1:
         text += "; tp input-gradient reductions run under the weight gradients"
     return text + "."
-
-
-def _ranges(numbers: list[int]) -> str:
-    """`0-9, 40-49`: consecutive numbers as ranges."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and runs[-1][1] == n - 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _layer_runs(buckets: list[PredictedBucket]) -> list[list[PredictedBucket]]:

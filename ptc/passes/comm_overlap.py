@@ -121,9 +121,9 @@ def _dp_sequence(gm: fx.GraphModule) -> list[int]:
 def _bucket_gathers(gm: fx.GraphModule, plan: Plan, layout: ParamLayout
                     ) -> tuple[list[tuple[int, ...]], int, bool]:
     """Merge runs of small consecutive gathers into one; return buckets, size, whether merged."""
-    before = _dp_sequence(gm)
     gathers = _gathers(gm)
     units = [_units(start) for start, _ in gathers]
+    before = [u for us in units for u in us]
     sizes = [sum(GRAD_BYTES * layout.units[u].padded_numel for u in us) for us in units]
     size = resolve_bucket_bytes(plan, sizes)
     groups = plan_buckets(sizes, size, units)

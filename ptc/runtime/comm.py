@@ -15,6 +15,7 @@ NCCL require.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -163,35 +164,24 @@ def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGrou
     return [Piece(work, lambda out, a=a, b=b: out[a:b]) for a, b in bounds]
 
 
-class AllReduceBucket:
-    """Several buffers summed over ranks in place with one collective (one per buffer alone)."""
+def all_reduce_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+                      ) -> list[Work | Piece]:
+    """Start summing several buffers over ranks with one collective; one waitable per buffer.
 
-    __slots__ = ("_flats", "_bucket", "_work")
-
-    def __init__(self, flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None):
-        """Start the sum: the buffers are concatenated unless there is just one."""
-        self._flats = list(flats)
-        alone = len(self._flats) == 1 or group_size(group) == 1
-        self._bucket = None if alone else torch.cat(self._flats)
-        self._work = [all_reduce_flat(f, group) for f in self._flats] if alone else \
-            [all_reduce_flat(self._bucket, group)]
-
-    def wait(self) -> None:
-        """Block until summed; copy a concatenated bucket's sums back into the buffers."""
-        for work in self._work:
-            work.wait()
-        if self._bucket is not None:
-            for flat, (a, b) in zip(self._flats, _bounds([f.numel() for f in self._flats])):
-                flat.copy_(self._bucket[a:b])
-            self._bucket = None
+    The buffers are concatenated; waiting on a buffer's piece copies its sum
+    back into it (in place, as `all_reduce_flat` leaves it).
+    """
+    if len(flats) == 1 or group_size(group) == 1:
+        return [all_reduce_flat(f, group) for f in flats]
+    work = all_reduce_flat(torch.cat(list(flats)), group)
+    return [Piece(work, lambda out, flat=flat, a=a, b=b: flat.copy_(out[a:b]))
+            for flat, (a, b) in zip(flats, _bounds([f.numel() for f in flats]))]
 
 
 def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in lengths:
-        out.append((start, start + n))
-        start += n
-    return out
+    """[start, end) of each of consecutive pieces of the given lengths."""
+    ends = list(itertools.accumulate(lengths))
+    return [(end - n, end) for n, end in zip(lengths, ends)]
 
 
 def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ptc.compiler.overlap import OverlapPlan
-from ptc.runtime.comm import AllReduceBucket, Piece, Work, reduce_scatter_bucket
+from ptc.runtime.comm import Piece, Work, all_reduce_bucket, reduce_scatter_bucket
 from ptc.runtime.params import UnitState
 
 
@@ -45,7 +45,7 @@ class GradReducer:
         self._ready = [0] * len(self.buckets)
         self._flushed = [False] * len(self.buckets)
         self._micro: dict[int, torch.Tensor] = {}  # ZeRO-2: this micro-batch's full gradients
-        self._works: list[tuple[int, AllReduceBucket | list[Work | Piece]]] = []
+        self._works: list[tuple[int, list[Work | Piece]]] = []
         for index, unit in enumerate(units):
             for slot, param in zip(unit.slots, unit.params):
                 param.register_post_accumulate_grad_hook(self._hook(index, slot.offset, slot.numel))
@@ -83,12 +83,12 @@ class GradReducer:
         self._flushed[bucket] = True
         members = self.buckets[bucket]
         if self.zero < 2:
-            work = AllReduceBucket([self.units[u].grad for u in members], self.group)
+            works = all_reduce_bucket([self.units[u].grad for u in members], self.group)
         else:
-            work = reduce_scatter_bucket([self._buffer(u) for u in members], self.group)
+            works = reduce_scatter_bucket([self._buffer(u) for u in members], self.group)
             for u in members:
                 del self._micro[u]
-        self._works.append((bucket, work))
+        self._works.append((bucket, works))
         while len(self._works) > self.in_flight:
             self._complete(*self._works.pop(0))
 
@@ -96,14 +96,13 @@ class GradReducer:
         """Reduce the buckets that got no gradient, wait for every reduction, fill shard grads."""
         for bucket in range(len(self.buckets)):
             self._flush(bucket)
-        for bucket, work in self._works:
-            self._complete(bucket, work)
+        for bucket, works in self._works:
+            self._complete(bucket, works)
         self._works.clear()
 
-    def _complete(self, bucket: int, work: AllReduceBucket | list[Work | Piece]) -> None:
-        if self.zero < 2:
-            work.wait()
-            return
+    def _complete(self, bucket: int, works: list[Work | Piece]) -> None:
         with torch.no_grad():
-            for unit, piece in zip(self.buckets[bucket], work):
-                self.units[unit].grad.add_(piece.wait())
+            for unit, work in zip(self.buckets[bucket], works):
+                out = work.wait()  # ZeRO 0-1: summed in the unit's own gradient buffer
+                if self.zero == 2:
+                    self.units[unit].grad.add_(out)

@@ -30,7 +30,7 @@ from torch import nn
 from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.plan import Plan
-from ptc.runtime.comm import AllReduceBucket, group_size
+from ptc.runtime.comm import all_reduce_bucket, group_size
 from ptc.runtime.init import initial_params
 from ptc.runtime.params import UnitState
 
@@ -91,7 +91,8 @@ def sum_sequence_partial_grads(units: list[UnitState], ranges: list[list[tuple[i
     """
     pieces = [unit.grad[a:b] for unit, spans in zip(units, ranges) for a, b in spans]
     if pieces and group_size(group) > 1:
-        AllReduceBucket(pieces, group).wait()
+        for work in all_reduce_bucket(pieces, group):
+            work.wait()
 
 
 def _slot_ranges(units: list[UnitState], keep, *, whole: bool,
