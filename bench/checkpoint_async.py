@@ -52,7 +52,7 @@ def run_mode(args, mode: str) -> dict:
     """Train `args.steps` steps in one mode ("none", "sync", "async"); per-step seconds."""
     import torch
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
     from ptc.runtime.checkpoint_store import CheckpointStore
     from ptc.runtime.executor import Trainer

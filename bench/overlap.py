@@ -11,7 +11,7 @@ for as soon as it is issued). Both use the same buckets, weights and data.
 
 The two ways take turns step by step, so load spikes on the machine hit
 both alike. *Exposed communication* is the time a rank spends blocked in
-`Work.wait` (`ptc.runtime.comm.comm_wait_seconds`): communication that
+`Work.wait` (`ptc.ops.comm.comm_wait_seconds`): communication that
 computation did not hide. Without overlap that is nearly all of it. The
 table shows medians over `--repeat` steps (rank 0) and the share of the step
 that was exposed communication.
@@ -52,8 +52,8 @@ def measure(args) -> dict[str, dict[str, float]] | None:
     """Worker: train both ways in turns; rank 0 returns median step and exposed seconds."""
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
-    from ptc.runtime.comm import comm_wait_seconds
+    from ptc.lower.driver import compile_plan
+    from ptc.ops.comm import comm_wait_seconds
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 

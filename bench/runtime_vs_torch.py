@@ -78,7 +78,7 @@ def timed(step, repeat: int, warmup: int) -> float:
 
 def ptc_step_time(args, zero: int) -> float:
     """ptc's runtime at ZeRO stage `zero`."""
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh
 
@@ -263,7 +263,7 @@ def pp_worker(args) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.mesh import init_distributed
 
     torch.set_num_threads(1)
@@ -295,7 +295,7 @@ def make_tp_plan(args, sp: bool):
 
 def ptc_tp_step_time(args, sp: bool) -> float:
     """ptc's runtime with tp = 2 (and sequence parallelism when `sp`)."""
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh
 

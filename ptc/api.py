@@ -34,7 +34,7 @@ def compile(model: nn.Module | None, plan: Plan | str | os.PathLike) -> Program:
     parallel and train sections say how the module is split and trained.
     Compiling needs no process group and no GPU.
     """
-    from ptc.compiler.pipeline import compile_plan  # noqa: PLC0415 - torch loads on first use
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415 - torch loads on first use
 
     return compile_plan(_as_plan(plan), model=model)
 
@@ -42,9 +42,11 @@ def compile(model: nn.Module | None, plan: Plan | str | os.PathLike) -> Program:
 def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None) -> RunResult:
     """Train a plan (or a compiled Program) on local processes and return the losses."""
     from ptc.compiler.program import Program  # noqa: PLC0415
-    from ptc.runtime import run as _run  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
+    from ptc.runtime.train import run as _run  # noqa: PLC0415
 
-    return _run(plan if isinstance(plan, Program) else _as_plan(plan), steps=steps)
+    return _run(plan if isinstance(plan, Program) else _as_plan(plan), compiler=compile_plan,
+                steps=steps)
 
 
 def estimate(plan: Plan | str | os.PathLike) -> Estimate:

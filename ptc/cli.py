@@ -56,7 +56,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a plan: summarise the captured model and list what the passes did."""
-    from ptc.compiler.pipeline import compile_graph, capture_plan  # noqa: PLC0415
+    from ptc.lower.driver import compile_graph, capture_plan  # noqa: PLC0415
     from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
 
     plan = _load(args.plan)
@@ -71,7 +71,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a stage's lowered graph (with its collectives), its Graphviz, or the schedule."""
     from ptc.compiler.inspect import graph_to_dot, render_graph  # noqa: PLC0415
-    from ptc.compiler.pipeline import compile_plan  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.compiler.schedule import render_schedule  # noqa: PLC0415
 
     plan = _load(args.plan)
@@ -107,8 +107,11 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Train a plan on one process per rank through torch's elastic launcher."""
-    from ptc.runtime import launch  # noqa: PLC0415
+    """Train a plan on one process per rank through torch's elastic launcher.
+
+    Inside a launched worker (`torchrun ... -m ptc run PLAN`) it trains as this rank.
+    """
+    from ptc.runtime.launcher import in_worker, launch  # noqa: PLC0415
 
     extra = [f"--{flag.replace('_', '-')}={value}" for flag, value in
              (("nnodes", args.nnodes), ("node_rank", args.node_rank),
@@ -116,6 +119,10 @@ def cmd_run(args: argparse.Namespace) -> int:
               ("rdzv_id", args.rdzv_id), ("max_restarts", args.max_restarts))
              if value is not None]
     _load(args.plan)  # report plan errors before any process starts
+    if in_worker():
+        from ptc.worker import main  # noqa: PLC0415
+
+        return main([args.plan])
     return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra)
 
 

@@ -1,5 +1,5 @@
 """The compiler: capture, node metadata, predicates, FLOPs, memory and cost models,
-plan search, the pass pipeline and the Program.
+plan search, and the Program.
 
 Import what you need from its submodule (`ptc.compiler.capture.capture`,
 `ptc.compiler.meta.NodeInfo`, ...). Nothing is re-exported here, so that

@@ -3,7 +3,7 @@
 `ptc inspect PLAN [--stage S] [--dot FILE]` prints what one pipeline stage
 of a compiled Program runs on every rank of that stage. A *collective* is a
 node whose target carries `ptc_collective = (forward, backward)` — the ops
-of `ptc.runtime.tp_ops` and `ptc.runtime.collectives` set it — so this
+of `ptc.ops.tp_ops` and `ptc.ops.collectives` set it — so this
 module recognises them without importing the runtime.
 """
 

@@ -260,9 +260,3 @@ class Program:
         return {"params": compute * full,
                 "grads": MASTER_BYTES * (full if zero < 2 else shard),
                 "optimizer": moments * MASTER_BYTES * owned + master}
-
-    def run(self, **kwargs: Any):
-        """Train this program: see `ptc.runtime.run` for the arguments."""
-        from ptc.runtime import run  # noqa: PLC0415 - the compiler never needs the runtime
-
-        return run(self, **kwargs)

@@ -1,7 +1,7 @@
 """Graph passes, and the ordered list the compile pipeline runs.
 
 Each pass is `<verb>_<noun>_pass(gm, plan, *, knobs) -> GraphModule`
-(DESIGN convention 1); `ptc.compiler.pipeline.run_passes` runs them in the
+(DESIGN convention 1); `ptc.lower.driver.run_passes` runs them in the
 order below. A pass that does not apply to a plan returns the graph
 unchanged.
 """

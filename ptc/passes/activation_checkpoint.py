@@ -14,7 +14,7 @@ from ptc.compiler.nodes import attention_parts
 from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
 from ptc.plan import Plan
-from ptc.runtime.recompute import checkpoint_region, invoke_module
+from ptc.ops.recompute import checkpoint_region, invoke_module
 
 log = logging.getLogger("ptc.passes")
 
@@ -30,7 +30,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
     this pass makes the runtime match it. A "full" layer's nodes move into
     one region GraphModule, a "selective" layer's attention core (scores,
     softmax, dropout, probabilities @ values; or the fused SDPA) does; each
-    region is called through `ptc.runtime.recompute.checkpoint_region`, so
+    region is called through `ptc.ops.recompute.checkpoint_region`, so
     only its inputs are kept and backward reruns its forward. Parameters the
     region reads stay get_attr nodes of the outer graph passed in as inputs,
     so later passes (ZeRO) still see and rewrite them; under ZeRO-3 a full

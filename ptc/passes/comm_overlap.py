@@ -44,7 +44,7 @@ from ptc.errors import CompileError
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.passes.zero import SHARDS_ATTR
 from ptc.plan import Plan
-from ptc.runtime.collectives import gather_params, gather_params_start
+from ptc.ops.collectives import gather_params, gather_params_start
 from ptc.units import format_bytes
 
 log = logging.getLogger("ptc.passes.comm_overlap")

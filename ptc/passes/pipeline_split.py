@@ -5,7 +5,7 @@ The pass returns a *pipeline graph*: a GraphModule whose submodules
 them in order, handing each stage's boundary values to the next. Run in
 one process it computes exactly what the captured graph computed (a test
 checks that), and `PTC_DUMP_DIR` shows the cut. The passes after this one
-run on every stage graph (`ptc.compiler.pipeline.run_passes`), and the
+run on every stage graph (`ptc.lower.driver.run_passes`), and the
 Program keeps one lowered graph per stage — graphs per stage, never per
 rank. `ptc.compiler.stages` defines what each stage graph records.
 

@@ -36,7 +36,7 @@ from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
 from ptc.plan import Plan
-from ptc.runtime.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
+from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
                                 scatter_seq)
 
 log = logging.getLogger("ptc.passes.sequence_parallel")

@@ -42,7 +42,7 @@ from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
 from ptc.passes.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
 from ptc.plan import Plan
-from ptc.runtime.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
+from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
                                 vocab_parallel_embedding)
 
 log = logging.getLogger("ptc.passes.tensor_parallel")

@@ -37,7 +37,7 @@ from ptc.compiler.nodes import module_of, op_name
 from ptc.compiler.stages import pipeline_stages
 from ptc.passes.activation_checkpoint import REGION_PREFIX
 from ptc.passes.functional import param_node
-from ptc.runtime.tp_ops import (all_gather_seq, column_parallel_linears,
+from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
                                 column_parallel_linears_seq, copy_to_tp)
 
 log = logging.getLogger("ptc.passes.tp_overlap")

@@ -13,7 +13,7 @@ Each start sits right before its wait: when to issue it (a layer early, so
 the weights travel while the previous layer computes) and which small
 gathers to merge is the comm_overlap pass's decision
 (`ptc.passes.comm_overlap`); the runtime's session prefetches in backward
-(see `ptc.runtime.zero3`).
+(see `ptc.ops.zero3`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
 from ptc.plan import Plan
-from ptc.runtime.collectives import gather_params, gather_params_start
+from ptc.ops.collectives import gather_params, gather_params_start
 
 log = logging.getLogger("ptc.passes.zero")
 

@@ -38,7 +38,7 @@ from ptc.compiler import comm as cost
 from ptc.compiler.topology import AxisGroup
 from ptc.compiler.topology import axis_groups as placement
 from ptc.plan import Plan
-from ptc.runtime.comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from ptc.ops.comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from ptc.units import UNITS, format_bytes, format_seconds
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")

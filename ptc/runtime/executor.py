@@ -31,7 +31,7 @@ from ptc.compiler.meta import get_info
 from ptc.compiler.overlap import stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.errors import PtcError
-from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
+from ptc.ops.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
     group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
@@ -40,10 +40,10 @@ from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
-from ptc.runtime.seq_regather import SeqRegather, forward_context
+from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
                                    sequence_partial_ranges, sum_sequence_partial_grads)
-from ptc.runtime.zero3 import ParamSession
+from ptc.ops.zero3 import ParamSession
 
 
 class RankError(PtcError):

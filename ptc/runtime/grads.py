@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ptc.compiler.overlap import OverlapPlan
-from ptc.runtime.comm import Piece, Work, all_reduce_bucket, reduce_scatter_bucket
+from ptc.ops.comm import Piece, Work, all_reduce_bucket, reduce_scatter_bucket
 from ptc.runtime.params import UnitState
 
 

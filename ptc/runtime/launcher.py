@@ -4,8 +4,8 @@
 it hands torchrun `--nproc-per-node`, the user's launcher flags (`--nnodes`,
 `--node-rank`, `--rdzv-endpoint`, ... pass through unchanged; without them
 the job is `--standalone` on this machine) and the worker module
-`ptc.runtime.worker`. When we already are a launched worker —
-`torchrun ... -m ptc run PLAN` — it trains in this process instead.
+`ptc.worker`. (When we already are a launched worker — `torchrun ... -m
+ptc run PLAN` — the command line trains in this process instead.)
 
 `run_local(fn, nproc, *args)` starts `fn(*args)` on nproc local processes
 through `elastic_launch` and returns each rank's return value; a failing
@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-WORKER_MODULE = "ptc.runtime.worker"
+WORKER_MODULE = "ptc.worker"
+"""The module each launched process runs (above the runtime: it compiles the plan)."""
 _RENDEZVOUS_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--nnodes", "--master-addr",
                      "--master_addr", "--standalone")
 
@@ -46,8 +47,7 @@ def launch(plan_path: str, nproc: int | None = None,
            extra_launcher_args: Sequence[str] = ()) -> int:
     """Run the plan file on nproc local processes (per node); return the exit code.
 
-    nproc defaults to tp * pp * dp divided by the plan's nodes. Inside a
-    launched worker, trains in this process. When a rank fails, the others
+    nproc defaults to tp * pp * dp divided by the plan's nodes. When a rank fails, the others
     are stopped and its error (rank, graph node, source line) goes to stderr;
     with `--max-restarts=N` the agent restarts the group instead, up to N
     times, and the workers resume from the latest checkpoint. With
@@ -57,10 +57,6 @@ def launch(plan_path: str, nproc: int | None = None,
     from ptc.dsl import load_plan  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
 
-    if in_worker():
-        from ptc.runtime.worker import main  # noqa: PLC0415
-
-        return main([plan_path])
     if nproc is None:
         plan = load_plan(plan_path)
         nproc = max(1, world_size(plan) // plan.hardware.nodes)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ptc.plan import OptimizerSpec
-from ptc.runtime.comm import all_reduce_flat, group_size
+from ptc.ops.comm import all_reduce_flat, group_size
 from ptc.runtime.params import UnitState
 
 CLIP_EPS = 1e-6

@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from ptc.compiler.program import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import PtcError
-from ptc.runtime.comm import Work, all_gather_flat
+from ptc.ops.comm import Work, all_gather_flat
 
 @dataclass(eq=False)
 class UnitState:

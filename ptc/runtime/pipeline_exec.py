@@ -49,7 +49,7 @@ from torch import fx, nn
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo, stage_info
-from ptc.runtime.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
+from ptc.ops.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
     group_rank, group_size
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.executor import GraphRunner, RankError, StepStats
@@ -64,7 +64,7 @@ from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
 from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
                                    sequence_partial_ranges, sum_sequence_partial_grads)
-from ptc.runtime.zero3 import ParamSession
+from ptc.ops.zero3 import ParamSession
 
 
 @dataclass(eq=False)

@@ -30,7 +30,7 @@ from torch import nn
 from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.plan import Plan
-from ptc.runtime.comm import all_reduce_bucket, group_size
+from ptc.ops.comm import all_reduce_bucket, group_size
 from ptc.runtime.init import initial_params
 from ptc.runtime.params import UnitState
 

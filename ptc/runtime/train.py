@@ -1,11 +1,12 @@
 """Training a plan or a compiled Program: in this process, or on launched processes.
 
-`run(plan_or_program)` is the Python entry (`ptc.run`, `Program.run`).
+`run(plan_or_program, compiler=...)` is the Python entry (`ptc.run`).
 Inside a launched worker (torchrun, `ptc run`), or when the plan needs one
 process, the training runs here; otherwise `run` starts the plan's
 processes with PyTorch's elastic launcher and returns rank 0's result.
 `train_worker` is what each process runs: join the process group, build
-the mesh, compile the plan (every rank compiles the same Program), then
+the mesh, compile the plan with the `compiler` it was handed (every rank
+compiles the same Program; the runtime itself never imports the passes), then
 `TrainLoop` resumes from the latest checkpoint, trains and checkpoints,
 and the reporter records every step. In an elastic job (`ptc run --nnodes
 MIN:MAX`) the plan's dp first adapts to the processes that joined.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -55,8 +57,16 @@ class RunResult:
         return [s.loss for s in self.steps]
 
 
-def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -> RunResult:
-    """Run the training as one process of the job (collective with the other ranks)."""
+Compiler = Callable[[Plan], Program]
+"""What turns a plan into a Program (`ptc.lower.driver.compile_plan`), handed in from above."""
+
+
+def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
+                 steps: int | None = None) -> RunResult:
+    """Run the training as one process of the job (collective with the other ranks).
+
+    A Plan is compiled here, after the process group is up, with `compiler`.
+    """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     joined = int(os.environ.get("WORLD_SIZE", world_size(plan)))
     asked = plan.parallel.dp
@@ -68,10 +78,10 @@ def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -
     try:
         if isinstance(plan_or_program, Program):
             program = plan_or_program
+        elif compiler is None:
+            raise TypeError("train_worker of a Plan needs the compiler that lowers it")
         else:
-            from ptc.compiler.pipeline import compile_plan  # noqa: PLC0415
-
-            program = compile_plan(plan)
+            program = compiler(plan)
         groups = axis_groups(build_mesh(plan))
         kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
         trainer = kind(program, groups, device=device_for(plan))
@@ -97,7 +107,8 @@ def train_worker(plan_or_program: Plan | Program, *, steps: int | None = None) -
             dist.destroy_process_group()
 
 
-def run(plan_or_program: Plan | Program, *, steps: int | None = None) -> RunResult:
+def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
+        steps: int | None = None) -> RunResult:
     """Train a plan (compiling it) or a compiled Program; return rank 0's RunResult.
 
     From a plain Python process, a plan for several processes is run on
@@ -107,7 +118,7 @@ def run(plan_or_program: Plan | Program, *, steps: int | None = None) -> RunResu
     """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     if in_worker() or dist.is_initialized() or world_size(plan) == 1:
-        return train_worker(plan_or_program, steps=steps)
+        return train_worker(plan_or_program, compiler=compiler, steps=steps)
     # Workers get the plan and compile it again: compiling is deterministic, and the plan
     # travels to spawned processes where a GraphModule may not pickle.
-    return run_local(train_worker, world_size(plan), plan, steps=steps)[0]
+    return run_local(train_worker, world_size(plan), plan, compiler=compiler, steps=steps)[0]

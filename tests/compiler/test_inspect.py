@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.inspect import graph_to_dot, render_graph, summary_line  # noqa: E402
-from ptc.compiler.pipeline import compile_plan  # noqa: E402
+from ptc.lower.driver import compile_plan  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

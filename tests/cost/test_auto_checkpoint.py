@@ -23,7 +23,7 @@ from ptc.compiler.estimate import estimate, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import layout_of
 from ptc.compiler.memory import peak, stage_memory
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.compiler.profile import model_profile
 from ptc.compiler.search import search_all
 from ptc.errors import CompileError

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ptc.compiler.layout import layout_of
 from ptc.compiler.overlap import GRAD_BYTES, OVERLAP_KEY, predicted_buckets
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.compiler.profile import model_profile
 from ptc.compiler.report import render_explain
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec

@@ -55,7 +55,7 @@ def with_runtime(plan: Plan, **runtime) -> Plan:
 
 
 def _trainer(plan: Plan):
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
     from ptc.runtime.pipeline_exec import PipelineTrainer
@@ -83,7 +83,7 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
         optimizer_kinds,
         rank_units,
     )
-    from ptc.runtime.comm import all_gather_flat
+    from ptc.ops.comm import all_gather_flat
     from ptc.runtime.tp_state import join_over_tp
 
     ensure_optimizer_state(trainer)
@@ -163,6 +163,7 @@ def run_worker(plans: list[Plan], fault: str | None = None) -> list[dict]:
     """Train each plan through the production loop; per plan: events, losses, error, weights."""
     from ptc.runtime import faults
     from ptc.runtime.mesh import init_distributed
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.train import train_worker
 
     if fault is not None:
@@ -172,7 +173,7 @@ def run_worker(plans: list[Plan], fault: str | None = None) -> list[dict]:
         faults._fired.clear()  # each plan meets the fault afresh
         init_distributed(plan)
         try:
-            result = train_worker(plan)
+            result = train_worker(plan, compiler=compile_plan)
             out.append({"events": result.events, "losses": result.losses,
                         "nonfinite": [s.nonfinite for s in result.steps], "error": None})
         except Exception as exc:  # noqa: BLE001 - the test compares errors across ranks
@@ -226,17 +227,18 @@ def damage(directory: str, how: str) -> None:
 def damage_worker(plans: list[Plan], hows: list[str], steps: int) -> list[dict]:
     """Per plan: train, damage the newest checkpoint (rank 0), resume up to `steps`."""
     from ptc.runtime.mesh import init_distributed
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.train import train_worker
 
     out = []
     for plan, how in zip(plans, hows):
         init_distributed(plan)
-        train_worker(plan)
+        train_worker(plan, compiler=compile_plan)
         if dist.get_rank() == 0:
             damage(plan.runtime.checkpoint_dir, how)
         dist.barrier()
         result = train_worker(dataclasses.replace(
-            plan, train=dataclasses.replace(plan.train, steps=steps)))
+            plan, train=dataclasses.replace(plan.train, steps=steps)), compiler=compile_plan)
         out.append({"events": result.events, "losses": result.losses})
     dist.destroy_process_group()
     return out

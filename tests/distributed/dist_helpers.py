@@ -107,7 +107,7 @@ def run_cases(cases: list[tuple], dp: int) -> dict:
     """
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 

@@ -18,8 +18,8 @@ def log_collectives(zeros: list[int], dp: int) -> dict:
     """Worker: per ZeRO stage, train 2 steps recording collectives; rank 0 gets every log."""
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
-    from ptc.runtime.comm import record_collectives
+    from ptc.lower.driver import compile_plan
+    from ptc.ops.comm import record_collectives
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 

@@ -57,7 +57,7 @@ def run_pp_cases(cases: list[Case]) -> dict:
     """Worker: train every case; rank 0 returns losses, weights and every rank's peak in flight."""
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
     from ptc.runtime.pipeline_exec import PipelineTrainer
 

@@ -78,7 +78,7 @@ def auto_budget(plan: Plan) -> float:
 def program_policies(program) -> tuple[str, ...]:
     """Per layer, the policy the compiled graphs apply, read off their checkpoint regions."""
     from ptc.passes.activation_checkpoint import REGION_PREFIX
-    from ptc.runtime.recompute import checkpoint_region
+    from ptc.ops.recompute import checkpoint_region
 
     policies = ["none"] * program.plan.model.layers
     for stage in program.stages:
@@ -93,7 +93,7 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
     """Worker: train every case; rank 0 returns losses, weights and every rank's policies."""
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
     from ptc.runtime.pipeline_exec import PipelineTrainer

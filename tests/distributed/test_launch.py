@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_helpers import ROOT, reference_run, tiny_plan
 
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.dsl import dump_plan
 from ptc.models import build_model
 from ptc.plan import DataSpec, InitSpec

@@ -25,7 +25,7 @@ from dist_helpers import STEPS, assert_same_training, reference_run, run_cases, 
 
 from ptc.compiler.estimate import estimate
 from ptc.compiler.memory import stage_params
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.compiler.profile import model_profile
 from ptc.runtime.launcher import run_local
 

@@ -62,7 +62,7 @@ def run_tp_cases(cases: list[TPCase]) -> dict:
     """Worker: train every case; rank 0 returns each case's losses, full weights and pass log."""
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
+    from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 
@@ -92,11 +92,11 @@ def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[li
     import torch
     import torch.distributed as dist
 
-    from ptc.compiler.pipeline import compile_plan
-    from ptc.runtime.comm import bind_axes
+    from ptc.lower.driver import compile_plan
+    from ptc.ops.comm import bind_axes
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-    from ptc.runtime.seq_regather import SeqRegather, _SeqRef
+    from ptc.ops.seq_regather import SeqRegather, _SeqRef
 
     results = []
     for spec, sp in specs:

@@ -18,7 +18,7 @@ from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.compiler.estimate import estimate  # noqa: E402
 from ptc.compiler.layout import Layout  # noqa: E402
 from ptc.compiler.memory import precision, stage_memory  # noqa: E402
-from ptc.compiler.pipeline import capture_plan, compile_graph, run_passes  # noqa: E402
+from ptc.lower.driver import capture_plan, compile_graph, run_passes  # noqa: E402
 from ptc.compiler.profile import model_profile  # noqa: E402
 from ptc.compiler.program import param_layout  # noqa: E402
 from ptc.models import build_model  # noqa: E402
@@ -28,7 +28,7 @@ from ptc.passes import (PASSES, checkpoint_layers_pass, shard_params_pass,  # no
 from ptc.compiler.balance import layer_policies  # noqa: E402
 from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
-from ptc.runtime.recompute import checkpoint_region  # noqa: E402
+from ptc.ops.recompute import checkpoint_region  # noqa: E402
 from ptc.units import format_bytes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,12 +16,12 @@ from torch import fx
 
 from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, link_bucket_bytes,
                                   plan_buckets, resolve_bucket_bytes)
-from ptc.compiler.pipeline import capture_plan, compile_plan
+from ptc.lower.driver import capture_plan, compile_plan
 from ptc.compiler.program import param_layout
 from ptc.models import build_model
 from ptc.passes import overlap_collectives_pass, shard_params_pass
 from ptc.plan import LinkSpec
-from ptc.runtime.collectives import gather_params, gather_params_start
+from ptc.ops.collectives import gather_params, gather_params_start
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,8 +181,8 @@ class TestGradientBuckets:
 SIGNATURE = """
 import json, sys
 from ptc.dsl import load_plan
-from ptc.compiler.pipeline import compile_plan
-from ptc.runtime.collectives import gather_params_start
+from ptc.lower.driver import compile_plan
+from ptc.ops.collectives import gather_params_start
 program = compile_plan(load_plan(sys.argv[1]))
 out = []
 for stage in program.stages:

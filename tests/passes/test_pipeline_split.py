@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import with_weights  # noqa: E402
-from ptc.compiler.pipeline import capture_plan, compile_plan  # noqa: E402
+from ptc.lower.driver import capture_plan, compile_plan  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.compiler.stages import PIPELINE_KEY, pipeline_stages, stage_info  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402

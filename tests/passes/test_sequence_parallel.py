@@ -23,12 +23,12 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.compiler.pipeline import capture_plan  # noqa: E402
+from ptc.lower.driver import capture_plan  # noqa: E402
 from ptc.compiler.tp_layout import TP_KEY  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
-from ptc.runtime.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp,  # noqa: E402
+from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp,  # noqa: E402
                                 reduce_scatter_seq, scatter_seq)
 from tests.user_models.nanogpt import nanogpt  # noqa: E402
 

@@ -24,14 +24,14 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.compiler.pipeline import capture_plan, compile_graph  # noqa: E402
+from ptc.lower.driver import capture_plan, compile_graph  # noqa: E402
 from ptc.compiler.tp_layout import TP_KEY, ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import PASSES, shard_tensors_pass  # noqa: E402
 from ptc.passes.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
-from ptc.runtime.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,  # noqa: E402
+from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,  # noqa: E402
                                 vocab_parallel_embedding)
 from tests.user_models.nanogpt import nanogpt  # noqa: E402
 

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from ptc.compiler.inspect import collective  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.compiler.nodes import module_of  # noqa: E402
-from ptc.compiler.pipeline import capture_plan, run_passes  # noqa: E402
+from ptc.lower.driver import capture_plan, run_passes  # noqa: E402
 from ptc.compiler.stages import pipeline_stages  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
@@ -38,8 +38,8 @@ from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
 from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.passes.tp_overlap import fuse_column_parallel_linears  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
-from ptc.runtime import tp_ops  # noqa: E402
-from ptc.runtime.tp_ops import (all_gather_seq, column_parallel_linears,  # noqa: E402
+from ptc.ops import tp_ops  # noqa: E402
+from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,  # noqa: E402
                                 column_parallel_linears_seq, copy_to_tp)
 
 pytestmark = pytest.mark.timeout(120)

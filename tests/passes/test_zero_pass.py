@@ -15,13 +15,13 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.compiler.pipeline import capture_plan, compile_graph, run_passes  # noqa: E402
+from ptc.lower.driver import capture_plan, compile_graph, run_passes  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import PASSES, shard_params_pass  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec)  # noqa: E402
-from ptc.runtime.collectives import gather_params, gather_params_start  # noqa: E402
+from ptc.ops.collectives import gather_params, gather_params_start  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from runtime_helpers import tiny_plan
 
-from ptc.compiler.pipeline import compile_plan
-from ptc.runtime import zero3
-from ptc.runtime.collectives import GatherHandle
-from ptc.runtime.comm import all_gather_flat, bind_axes, reduce_scatter_flat
+from ptc.lower.driver import compile_plan
+from ptc.ops import zero3
+from ptc.ops.collectives import GatherHandle
+from ptc.compiler.overlap import IN_FLIGHT
+from ptc.ops.comm import all_gather_flat, bind_axes, reduce_scatter_flat
 from ptc.runtime.executor import Trainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +33,7 @@ def forward_backward(prefetch: bool, monkeypatch, dtype: str = "fp32"):
 
     monkeypatch.setattr(GatherHandle, "start", logged_start)
     monkeypatch.setattr(zero3.ParamSession, "_regather", logged_regather)
-    session = zero3.ParamSession(prefetch=prefetch)
+    session = zero3.ParamSession(prefetch=prefetch, in_flight=IN_FLIGHT)
     with session, session.saved_tensor_hooks():
         loss = trainer.runner.run(tokens, targets)
     alive_after_forward = session.alive()

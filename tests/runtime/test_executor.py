@@ -7,7 +7,7 @@ import pytest
 import torch
 from runtime_helpers import reference_run, tiny_plan
 
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.errors import PtcError
 from ptc.plan import DataSpec, HardwareSpec, ParallelSpec, Plan
 from ptc.runtime.executor import RankError, Trainer

@@ -6,7 +6,7 @@ import pytest
 import torch
 from runtime_helpers import tiny_plan
 
-from ptc.compiler.pipeline import compile_plan
+from ptc.lower.driver import compile_plan
 from ptc.errors import PtcError
 from ptc.models import build_model
 from ptc.plan import InitSpec

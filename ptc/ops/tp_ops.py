@@ -20,7 +20,7 @@ input's gradient and compute the weight gradients while it travels;
 vocabulary-parallel embedding lookup and cross-entropy, whose
 rank's slice of the vocabulary is rows [rank·V/t, (rank+1)·V/t) of the table.
 
-Ops name a mesh axis ("tp"), never a process group: `ptc.runtime.comm`
+Ops name a mesh axis ("tp"), never a process group: `ptc.ops.comm`
 binds axes to groups at run time. An unbound axis, or a group of one rank,
 makes every op local, so a lowered graph also runs in one plain process.
 
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from ptc.runtime.comm import Work, all_gather_flat, all_reduce_flat, axis_group, group_rank, \
+from ptc.ops.comm import Work, all_gather_flat, all_reduce_flat, axis_group, group_rank, \
     group_size, reduce_scatter_flat
-from ptc.runtime.seq_regather import current_session
+from ptc.ops.seq_regather import current_session
 
 TP = "tp"
 """The mesh axis of tensor parallelism."""

@@ -1,4 +1,7 @@
-"""`python -m ptc.runtime.worker PLAN`: what each process started by `launch` runs.
+"""`python -m ptc.worker PLAN`: what each process started by `ptc run` runs.
+
+It sits above the runtime: it compiles the plan (`ptc.lower.driver`) and
+hands the Program to the runtime, which never imports the compiler passes.
 
 `record` writes the exception of a failing rank to the file torchrun reads,
 so the launcher reports that rank's message (rank, graph node, source line)
@@ -18,12 +21,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 def main(argv: Sequence[str] | None = None) -> int:
     """Load the plan file and train it as this rank; return the exit code."""
     from ptc.dsl import load_plan  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.runtime.train import train_worker  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="ptc.runtime.worker")
+    parser = argparse.ArgumentParser(prog="ptc.worker")
     parser.add_argument("plan", help="plan file (.ptc)")
     args = parser.parse_args(argv)
-    train_worker(load_plan(args.plan))
+    train_worker(load_plan(args.plan), compiler=compile_plan)
     return 0
 
 

@@ -12,7 +12,7 @@ the next layer's gather before the current layer computes (prefetch):
   gradient of its own shard.
 
 Between forward and backward only the shards persist: under a
-`ParamSession` (ptc.runtime.zero3) autograd saves gathered weights by
+`ParamSession` (ptc.ops.zero3) autograd saves gathered weights by
 reference and re-gathers them in backward, and the reduce-scatter runs
 asynchronously while backward continues; the session adds its result into
 each shard's `.grad`. Without a session (a graph run by hand) the weights
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ptc.runtime.comm import Piece, Work, all_gather_bucket, axis_group, group_size, \
+from ptc.ops.comm import Piece, Work, all_gather_bucket, axis_group, group_size, \
     reduce_scatter_bucket
-from ptc.runtime.zero3 import current_session
+from ptc.ops.zero3 import current_session
 
 
 class GatherHandle:

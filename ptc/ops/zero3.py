@@ -29,11 +29,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ptc.compiler.overlap import IN_FLIGHT
-
 if TYPE_CHECKING:
-    from ptc.runtime.collectives import GatherHandle
-    from ptc.runtime.comm import Piece, Work
+    from ptc.ops.collectives import GatherHandle
+    from ptc.ops.comm import Piece, Work
 
 # A module global, not a contextvar: backward may run on autograd's own threads.
 _SESSION: ParamSession | None = None
@@ -56,7 +54,7 @@ class _Ref:
 class ParamSession(AbstractContextManager):
     """Saved-tensor hooks, backward re-gather with prefetch, and deferred gradient reductions."""
 
-    def __init__(self, prefetch: bool = True, in_flight: int = IN_FLIGHT):
+    def __init__(self, *, prefetch: bool, in_flight: int):
         """`prefetch`: start the next gather backward needs as soon as one arrives;
         `in_flight`: gradient reduce-scatters left running while backward goes on."""
         self.prefetch, self.in_flight = prefetch, in_flight

@@ -1,0 +1,7 @@
+"""Lowering: the compile driver above the passes.
+
+`ptc.lower.driver` captures a model, resolves the plan into one Decisions
+record, runs the pass list through the generic runner and packages the
+lowered stage graphs as a Program. It is the only room that imports both
+the compiler and the passes; the runtime receives its Programs.
+"""
