@@ -11,7 +11,7 @@ shows the median step time and ptc / torch (below 1: ptc is faster).
 
 Pipeline parallelism (`--pp`, on by default): four gloo processes train an
 untied GPT (`--pp-layers`) with 1F1B over 4 stages and 8 micro-batches, as
-ptc's PipelineTrainer and as torch.distributed.pipelining's Schedule1F1B on
+ptc's Trainer and as torch.distributed.pipelining's Schedule1F1B on
 the same stage split (ptc's, read off the compiled Program), each step with
 the global-norm clip over all stages and AdamW.
 
@@ -189,9 +189,9 @@ def timed_in_turns(steps: dict, repeat: int, warmup: int) -> dict[str, float]:
 def ptc_pp_step(program):
     """ptc's pipeline runtime on `program`: its step function."""
     from ptc.runtime.mesh import axis_groups, build_mesh
-    from ptc.runtime.pipeline_exec import PipelineTrainer
+    from ptc.runtime.executor import Trainer
 
-    return PipelineTrainer(program, axis_groups(build_mesh(program.plan))).train_step
+    return Trainer(program, axis_groups(build_mesh(program.plan))).train_step
 
 
 def torch_pp_step(program):

@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from ptc.compiler.activations import saved_storages
+from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import used_params
 from ptc.errors import CompileError
@@ -78,10 +79,11 @@ class Split:
 
 
 def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: Sequence[str],
-                plan: Plan) -> list[AtomCost]:
-    """Price every atom of the captured graph `gm` for `plan` (see module docstring)."""
+                decisions: Decisions) -> list[AtomCost]:
+    """Price every atom of the captured graph `gm` for the plan (see module docstring)."""
     from ptc.compiler.memory import precision  # noqa: PLC0415 - memory imports sympy (slow)
 
+    plan = decisions.plan
     hw, train, par = plan.hardware, plan.train, plan.parallel
     rate = hw.peak_flops[train.dtype] * hw.achievable_fraction
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[train.dtype]
@@ -89,7 +91,6 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     zero, dp = par.zero, par.dp
     per_element = (prec.weight / (dp if zero >= 3 else 1) + prec.grad / (dp if zero >= 2 else 1)
                    + prec.optimizer / (dp if zero >= 1 else 1))
-    policies = layer_policies(plan)
     kept = _kept_share(plan)
     saved = _saved_bytes(gm, atoms)
     seen: set[int] = set()
@@ -107,7 +108,7 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
                 if id(p) not in seen:
                     seen.add(id(p))
                     elements += p.numel()
-        policy = "none" if layer is None else policies(layer)
+        policy = decisions.policy(layer)
         recompute = {"none": 0, "selective": core, "full": flops}[policy]
         costs.append(AtomCost(name=name, flops=flops, seconds=(3 * flops + recompute) / rate,
                               state_bytes=elements * per_element,
@@ -132,25 +133,6 @@ def _kept_share(plan: Plan) -> Callable[[str], float]:
                  tp=plan.parallel.tp, sp=plan.parallel.sequence_parallel)
     bytes_of = {p: layer_activation_bytes(profile, p, **shape) for p in ("none", "selective", "full")}
     return lambda policy: bytes_of[policy] / bytes_of["none"] if bytes_of["none"] else 1.0
-
-
-def layer_policies(plan: Plan) -> Callable[[int], str]:
-    """Layer index -> recompute policy ("none", "selective", "full") the plan asks for.
-
-    "auto" is resolved for a built-in family by `ptc.compiler.fit.auto_policies`
-    (the per-stage choice of `ptc.compiler.estimate.auto_checkpoint`), which
-    raises CompileError when a stage cannot fit even fully recomputed: the
-    split and the checkpoint pass call this, so compiling such a plan stops
-    here. A custom model has no profile to price with: its "auto" is "none".
-    """
-    ckpt = plan.parallel.checkpoint
-    if ckpt == "auto":
-        from ptc.compiler.fit import auto_policies  # noqa: PLC0415 - profiles the model (sympy)
-
-        ckpt = "none" if plan.model.family == "custom" else auto_policies(plan)
-    if isinstance(ckpt, str):
-        return lambda layer: ckpt
-    return lambda layer: ckpt[layer] if 0 <= layer < len(ckpt) else "none"
 
 
 def _saved_bytes(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]) -> list[float]:

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from ptc.compiler import flops as flops_mod
 from ptc.compiler import nodes
-from ptc.compiler.meta import CaptureInfo, NodeInfo, set_info
+from ptc.compiler.meta import CaptureInfo, GraphRecord, NodeInfo, set_graph_record, set_info
 from ptc.errors import CaptureError
 
 TARGET_NAMES = ("targets", "labels", "target", "y")
@@ -83,8 +83,8 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     logits[b, s, V], or the mean cross-entropy loss when `with_loss`. Its
     parameters are meta tensors in `dtype` with the model's own names (bind
     it to real weights with `with_weights` to run it). Every node has a
-    NodeInfo under node.meta["ptc"]; the graph a CaptureInfo under
-    gm.meta["ptc"]. `dtype` is a torch dtype or "fp32" / "bf16" / "fp16".
+    NodeInfo under node.meta["ptc"]; the graph a GraphRecord holding its
+    CaptureInfo under gm.meta["ptc"]. `dtype` is a torch dtype or "fp32" / "bf16" / "fp16".
 
     `leaf_modules`: module classes, or fnmatch globs of module paths, that
     the fx door keeps as single call_module nodes (for modules whose Python
@@ -113,10 +113,10 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         raise CaptureError(_meta_failure_message(model, failed)) from failed.exc
     gm = fx.GraphModule(owner, graph, type(model).__name__)
     blocks, num_layers = find_blocks(root)
-    gm.meta["ptc"] = CaptureInfo(
+    set_graph_record(gm, GraphRecord(capture=CaptureInfo(
         front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
-        blocks_path=blocks, num_layers=num_layers, vocab=vocab)
+        blocks_path=blocks, num_layers=num_layers, vocab=vocab)))
     _annotate(gm, root, evaluator, blocks, dtype)
     return gm
 

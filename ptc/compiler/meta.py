@@ -10,15 +10,28 @@ Convention: the metadata is a frozen dataclass, written once at capture.
 Passes change it only with `update_info` (dataclasses.replace), and every
 node a pass creates gets its source's metadata through `copy_meta`, so no
 two nodes ever share a mutable record.
+
+A graph's own record lives under the same key of `gm.meta`: one frozen
+`GraphRecord` holding what capture found (`CaptureInfo`) and what the passes
+recorded about the graph (its tensor-parallel split, its place in the
+pipeline, its parameter layout, its overlap decisions), replaced whole with
+`update_graph_record`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
+
+if TYPE_CHECKING:
+    from ptc.compiler.overlap import OverlapPlan
+    from ptc.compiler.program import ParamLayout
+    from ptc.compiler.stages import PipelineInfo, StageInfo
+    from ptc.compiler.tp_layout import TensorParallelLayout
 
 KEY = "ptc"
 """The one node.meta / gm.meta key ptc writes."""
@@ -69,7 +82,7 @@ KINDS = ("input", "param", "buffer", "output", "linear", "embedding", "attention
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CaptureInfo:
-    """What capture recorded about the whole graph, under gm.meta["ptc"]."""
+    """What capture recorded about the whole graph (in its GraphRecord)."""
 
     front_door: str
     """"fx" (torch.fx.symbolic_trace) or "export" (torch.export, aten graph)."""
@@ -91,6 +104,44 @@ class CaptureInfo:
     """Number of repeated blocks."""
     vocab: int | None
     """Last dimension of the logits."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRecord:
+    """Everything ptc records about one GraphModule, under gm.meta["ptc"]."""
+
+    capture: CaptureInfo
+    """What capture found (stage graphs carry their whole graph's)."""
+    tensor_parallel: TensorParallelLayout | None = None
+    """How the tensor_parallel pass split the parameters (None: not split over tp)."""
+    pipeline: PipelineInfo | None = None
+    """Set on the pipeline graph the split returns: its stages and tied weights."""
+    stage: StageInfo | None = None
+    """Set on a stage graph: its place in the pipeline and what crosses its edges."""
+    layout: ParamLayout | None = None
+    """The stage graph's parameter layout, fixed once at the split (units, slots)."""
+    overlap: OverlapPlan | None = None
+    """The comm_overlap pass's buckets and overlap decisions."""
+
+
+def graph_record(gm: fx.GraphModule) -> GraphRecord:
+    """The GraphRecord of a GraphModule made by ptc's capture or passes."""
+    try:
+        return gm.meta[KEY]
+    except KeyError:
+        raise KeyError("this GraphModule was not made by ptc.compiler.capture") from None
+
+
+def set_graph_record(gm: fx.GraphModule, record: GraphRecord) -> None:
+    """Attach `record` to `gm` (capture, and the split for the stage graphs it makes)."""
+    gm.meta[KEY] = record
+
+
+def update_graph_record(gm: fx.GraphModule, **changes: Any) -> GraphRecord:
+    """Replace some fields of the graph's record (a new frozen record) and return it."""
+    record = dataclasses.replace(graph_record(gm), **changes)
+    gm.meta[KEY] = record
+    return record
 
 
 def get_info(node: fx.Node) -> NodeInfo | None:
@@ -122,14 +173,15 @@ def update_info(node: fx.Node, **changes) -> NodeInfo:
 _PROVENANCE = ("nn_module_stack", "stack_trace")
 
 
-def copy_meta(src: fx.Node, dst: fx.Node, **changes) -> None:
+def copy_meta(src: fx.Node, dst: fx.Node, *, same_value: bool = False, **changes) -> None:
     """Give a created node `dst` the metadata of the node `src` it stands for.
 
     Copies the NodeInfo (with `changes` applied through dataclasses.replace)
     and torch's provenance keys, so the module path, layer and user source
-    line of `src` follow the new node. torch's "val" is not copied: a created
-    node's value generally differs from its source's; pass its `shapes` and
-    `dtypes` in `changes` when they do.
+    line of `src` follow the new node. torch's "val" is copied only with
+    `same_value` (a node standing for `src`'s very value, such as a region's
+    placeholder): a created node's value generally differs from its source's;
+    pass its `shapes` and `dtypes` in `changes` when they do.
     """
     src_info = get_info(src)
     if src_info is not None:
@@ -141,11 +193,16 @@ def copy_meta(src: fx.Node, dst: fx.Node, **changes) -> None:
             value = src.meta[key]
             # nn_module_stack is a mutable dict: never let two nodes share one.
             dst.meta[key] = dict(value) if isinstance(value, dict) else value
+    if same_value:
+        for key in _VALUE:
+            if key in src.meta:
+                dst.meta[key] = src.meta[key]
+
+
+_VALUE = ("val", "tensor_meta")
+"""torch's keys for the (fake) value a node computes."""
 
 
 def graph_info(gm: fx.GraphModule) -> CaptureInfo:
-    """The CaptureInfo of a captured GraphModule."""
-    try:
-        return gm.meta[KEY]
-    except KeyError:
-        raise KeyError("this GraphModule was not made by ptc.compiler.capture") from None
+    """The CaptureInfo of a captured GraphModule (or of a graph lowered from one)."""
+    return graph_record(gm).capture

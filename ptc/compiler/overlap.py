@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from ptc.compiler.profile import ModelProfile
     from ptc.compiler.program import ParamLayout, Stage
 
-OVERLAP_KEY = "ptc_overlap"
-"""`gm.meta` key of a lowered graph's OverlapPlan."""
-
 LATENCY_SHARE = 0.1
 """Largest share of a bucket's transfer time that link latency may take ("auto" size)."""
 

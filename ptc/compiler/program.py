@@ -21,17 +21,21 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 
+from ptc.compiler.meta import graph_record, update_graph_record
 from ptc.compiler.nodes import module_path
+from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
 
 if TYPE_CHECKING:
+    from ptc.compiler.decisions import Decisions
     from ptc.compiler.overlap import OverlapPlan
     from ptc.compiler.schedule import Schedule
+    from ptc.compiler.stages import StageInfo
     from ptc.compiler.tp_layout import TensorParallelLayout
     from ptc.plan import Plan
 
@@ -184,6 +188,33 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
     return ParamLayout(units=tuple(units), params=slots)
 
 
+def fix_stage_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
+    """Lay out a stage graph's parameters once and record the layout in the graph's record.
+
+    The pipeline split's seam calls this for every stage graph (an unsplit
+    graph is one stage); the zero and comm_overlap passes, the Program and
+    the runtime then read this one layout (`stage_layout`), so they agree.
+    """
+    layout = param_layout(gm, shards, own_units=tied_names(gm))
+    update_graph_record(gm, layout=layout)
+    return layout
+
+
+def stage_layout(gm: fx.GraphModule) -> ParamLayout:
+    """The parameter layout fixed for a stage graph at the pipeline split."""
+    layout = graph_record(gm).layout
+    if layout is None:
+        raise CompileError("this graph has no parameter layout yet: per-stage passes run after "
+                           "the pipeline split, which fixes each stage's layout "
+                           "(ptc.compiler.program.fix_stage_layout)")
+    return layout
+
+
+def shard_unit(node: fx.Node) -> int:
+    """The unit whose shard a `get_attr zero.shard_{i}` node of a ZeRO-3 graph reads."""
+    return int(str(node.target).rsplit("_", 1)[1])
+
+
 class ZeroShards(nn.Module):
     """Holds a ZeRO-3 graph's parameter shards (`shard_{i}` for unit i) and the layout.
 
@@ -206,12 +237,13 @@ class Stage:
 
     index: int
     """Pipeline stage number."""
+    info: StageInfo
+    """Where the stage sits in the pipeline and what crosses its edges (pp = 1: one stage)."""
     graph: fx.GraphModule
     """The lowered graph on the meta device: (tokens, targets) -> mean loss, or, split into
     pipeline stages, the calling convention of `ptc.compiler.stages`."""
-    layout: ParamLayout | None = None
-    """The stage's own parameter layout when the model is split into pipeline stages
-    (None: the Program's layout)."""
+    layout: ParamLayout
+    """The stage's own parameter layout (pp = 1: the Program's)."""
     overlap: OverlapPlan | None = None
     """Buckets and overlap decisions of the comm_overlap pass (None: the pass did not run;
     the runtime then uses one bucket per unit, see `ptc.compiler.overlap.stage_overlap`)."""
@@ -223,6 +255,8 @@ class Program:
 
     plan: Plan
     """The plan it was compiled from."""
+    decisions: Decisions
+    """The plan resolved once before the first pass: per-layer recompute policy, estimate."""
     stages: tuple[Stage, ...]
     """One lowered graph per pipeline stage."""
     layout: ParamLayout
@@ -231,12 +265,15 @@ class Program:
     each Stage then has its own."""
     pass_log: tuple[str, ...] = ()
     """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
-    predicted_step_time: float | None = None
-    """The cost model's step time in seconds, when one is available."""
-    schedule: Schedule | None = None
-    """The pipeline schedule, checked deadlock-free (None when pp = 1)."""
+    schedule: Schedule
+    """The pipeline schedule, checked deadlock-free (pp = 1: the one-stage schedule)."""
     tensor_parallel: TensorParallelLayout | None = None
     """How tp splits each parameter (None when tp = 1); the layout's shapes are tp-local."""
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """The cost model's step time in seconds, when the plan was priced."""
+        return self.decisions.predicted_step_time
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes one dp rank holds between steps, per category: params, grads, optimizer.

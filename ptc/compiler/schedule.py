@@ -155,12 +155,17 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
     return schedule
 
 
-def schedule_for(plan) -> Schedule | None:
-    """The plan's schedule (None when pp = 1: nothing to schedule)."""
+def schedule_for(plan) -> Schedule:
+    """The plan's schedule; with pp = 1, the one-stage schedule (each micro-batch's F, then B)."""
     par = plan.parallel
     if par.pp == 1:
-        return None
+        return one_stage_schedule(plan.num_microbatches)
     return build_schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages)
+
+
+def one_stage_schedule(microbatches: int) -> Schedule:
+    """The schedule of an unsplit model: F and B of each micro-batch in turn, nothing to send."""
+    return build_schedule("1f1b", 1, microbatches)
 
 
 def _gpipe(rank: int, p: int, m: int, v: int) -> list[Action]:
@@ -459,10 +464,8 @@ def format_grid(schedule: Schedule) -> str:
 
 def render_schedule(program_or_plan) -> str:
     """The step × rank grid of a Program's schedule, or of the schedule a Plan compiles to."""
-    schedule = getattr(program_or_plan, "schedule", None)
     plan = getattr(program_or_plan, "plan", program_or_plan)
-    if schedule is None:
-        schedule = schedule_for(plan)
-    if schedule is None:
+    if plan.parallel.pp == 1:
         return "pp = 1: no pipeline schedule (every rank runs the whole model)\n"
-    return format_grid(schedule)
+    schedule = getattr(program_or_plan, "schedule", None)
+    return format_grid(schedule if schedule is not None else schedule_for(plan))

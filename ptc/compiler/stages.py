@@ -1,11 +1,12 @@
 """What a pipeline stage graph takes, gives and shares, recorded on its GraphModule.
 
 The pipeline_split pass cuts the captured graph into p·v *stage graphs*
-(stage s runs on pipeline rank s % p as its chunk s // p). Each stage graph
-carries a `StageInfo` under `gm.meta[STAGE_KEY]`; the *pipeline graph* —
-the GraphModule the pass returns, whose submodules `stage_0`, `stage_1`, ...
-are the stage graphs and whose own graph calls them in order — carries a
-`PipelineInfo` under `gm.meta[PIPELINE_KEY]`.
+(stage s runs on pipeline rank s % p as its chunk s // p). Each stage graph's
+record (`ptc.compiler.meta.GraphRecord`) holds its `StageInfo`; the
+*pipeline graph* — the GraphModule the pass returns, whose submodules
+`stage_0`, `stage_1`, ... are the stage graphs and whose own graph calls them
+in order — holds a `PipelineInfo`. An unsplit graph is one stage
+(`whole_graph_stage`).
 
 Terms:
 - a *boundary value* is a tensor that stage s - 1 sends to stage s: an
@@ -32,10 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-STAGE_KEY = "ptc.stage"
-"""gm.meta key of a stage graph's StageInfo."""
-PIPELINE_KEY = "ptc.pipeline"
-"""gm.meta key of the pipeline graph's PipelineInfo."""
+from ptc.compiler.meta import graph_record
+
 DATA_ROLES = ("tokens", "targets")
 """What the captured graph's placeholders are, in order."""
 
@@ -84,10 +83,11 @@ class StageInfo:
     """(name in this stage, canonical name) of each tied weight it holds a copy of."""
     atoms: tuple[str, ...]
     """The graph pieces it holds, in order ("embed", "layers.0", ..., "head")."""
-    seconds: float
-    """Predicted forward + backward + recompute seconds per micro-batch (cost model)."""
-    memory_bytes: float
-    """Predicted peak bytes of its model state and in-flight activations."""
+    seconds: float | None
+    """Predicted forward + backward + recompute seconds per micro-batch (cost model);
+    None for an unsplit graph, which the split did not price."""
+    memory_bytes: float | None
+    """Predicted peak bytes of its model state and in-flight activations (None: unsplit)."""
 
     @property
     def is_first(self) -> bool:
@@ -116,15 +116,26 @@ class PipelineInfo:
 
 def stage_info(gm: fx.GraphModule) -> StageInfo | None:
     """The StageInfo of a stage graph, None for any other graph."""
-    return gm.meta.get(STAGE_KEY)
+    return graph_record(gm).stage
+
+
+def pipeline_info(gm: fx.GraphModule) -> PipelineInfo | None:
+    """The PipelineInfo of a pipeline graph, None for any other graph."""
+    return graph_record(gm).pipeline
 
 
 def pipeline_stages(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
     """(submodule name, stage graph) of a pipeline graph, stage 0 first; [] for any other graph."""
-    info: PipelineInfo | None = gm.meta.get(PIPELINE_KEY)
+    info = pipeline_info(gm)
     if info is None:
         return []
     return [(name, gm.get_submodule(name)) for name in info.stages]
+
+
+def whole_graph_stage(gm: fx.GraphModule) -> StageInfo:
+    """The StageInfo of an unsplit (tokens, targets) -> loss graph: the only stage of pp = 1."""
+    return StageInfo(index=0, num_stages=1, rank=0, chunk=0, inputs=(), outputs=(),
+                     data=DATA_ROLES, tied=(), atoms=(), seconds=None, memory_bytes=None)
 
 
 def tied_names(gm: fx.GraphModule) -> tuple[str, ...]:

@@ -22,9 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-TP_KEY = "ptc.tp"
-"""gm.meta key under which the tensor_parallel pass leaves its `TensorParallelLayout`."""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamShard:

@@ -1,134 +1,48 @@
-"""The compile pipeline: capture, the ordered pass list, and the Program.
+"""The compile driver: capture, resolve, the pass list, and the Program.
 
-`compile_plan(plan)` builds the plan's model on the meta device, captures it
-as a (tokens, targets) -> loss graph, runs the pass list of `ptc.passes`
-through `run_passes`, and packages the lowered graph with its parameter
-layout and reports as a `Program`. Nothing here needs a process group.
-
-`run_passes` is the generic runner (DESIGN convention 2): each pass is
-`fn(gm, plan, *, knobs) -> gm`; a pass that raises is reported by name with
-the passes that ran before it; what a pass logs on the "ptc.passes" logger
-becomes the Program's pass log; with `PTC_DUMP_DIR` set, the graph is
-written after capture and after each pass (`00_captured.txt`,
-`01_shard_params_pass.txt`, ...) as readable code and as a node list.
+`compile_plan(plan)` builds the plan's model on the meta device (or takes
+the user's module), captures it as a (tokens, targets) -> loss graph,
+resolves the plan into the Decisions record (`ptc.compiler.decisions`: the
+cost model runs there, once), runs `PASSES` through the generic runner
+(`ptc.lower.runner`) and packages the lowered stage graphs with their
+layouts and reports as a `Program`. Nothing here needs a process group.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import fx, nn
 
-from ptc.compiler.overlap import OVERLAP_KEY
-from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, Program, Stage, ZeroShards,
-                                  param_layout)
+from ptc.compiler.decisions import Decisions, resolve
+from ptc.compiler.meta import graph_record, update_graph_record
+from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, fix_stage_layout, param_layout,
+                                  stage_layout)
 from ptc.compiler.schedule import schedule_for
-from ptc.compiler.stages import pipeline_stages, tied_names
-from ptc.compiler.tp_layout import TP_KEY
-from ptc.errors import CompileError, PtcError
+from ptc.compiler.stages import stage_info, whole_graph_stage
+from ptc.errors import CompileError
+from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
+from ptc.lower.verify import verify_graph
+from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, shard_params_pass,
+                        shard_sequence_pass, shard_tensors_pass, split_pipeline_pass)
 from ptc.plan import Plan
 
-Pass = Callable[..., fx.GraphModule]
-PASS_LOGGER = "ptc.passes"
+PASSES = PassList(whole=(shard_tensors_pass, shard_sequence_pass), split=split_pipeline_pass,
+                  per_stage=(checkpoint_layers_pass, shard_params_pass, overlap_collectives_pass))
+"""The pipeline, in order: tensor_parallel, sequence_parallel | pipeline_split |
+activation_checkpoint, zero, comm_overlap. activation_checkpoint runs before zero so zero
+sees the parameters its regions read; comm_overlap runs last, on every collective."""
 
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass], *,
-               knobs: Mapping[str, Mapping[str, Any]] | None = None,
-               dump_dir: str | os.PathLike | None = None) -> tuple[fx.GraphModule, list[str]]:
-    """Run `passes` in order on `gm`; return the lowered graph and the pass log.
-
-    `knobs` maps a pass's function name to its keyword knobs. A failing pass
-    raises CompileError naming it and the passes before it, so a bug is
-    traced to the pass that made it, not the one that tripped over it.
-    """
-    dump_dir = dump_dir or os.environ.get("PTC_DUMP_DIR")
-    _dump(dump_dir, 0, "captured", gm)
-    logger = logging.getLogger(PASS_LOGGER)
-    log: list[str] = []
-    done: list[str] = []
-    for index, fn in enumerate(passes, start=1):
-        name = fn.__name__
-        handler, level = _Collect(), logger.level
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        try:
-            gm = _apply(fn, gm, plan, dict((knobs or {}).get(name, {})))
-        except Exception as exc:
-            after = ", ".join(done) if done else "capture only"
-            raise CompileError(f"pass {name} failed (passes run before it: {after}): "
-                               f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-        log.extend(f"{name}: {message}" for message in handler.messages)
-        done.append(name)
-        _dump(dump_dir, index, name, gm)
-    return gm, log
-
-
-def _apply(fn: Pass, gm: fx.GraphModule, plan: Plan, knobs: dict[str, Any]) -> fx.GraphModule:
-    """Run one pass on `gm`, or, once the graph is split into pipeline stages, on every stage."""
-    stages = pipeline_stages(gm)
-    if not stages:
-        return fn(gm, plan, knobs=knobs)
-    for name, stage in stages:
-        setattr(gm, name, fn(stage, plan, knobs=knobs))
-    return gm
-
-
-def _dump(dump_dir: str | os.PathLike | None, index: int, name: str, gm: fx.GraphModule) -> None:
-    if not dump_dir:
-        return
-    path = Path(dump_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    text = gm.print_readable(print_output=False) + "\n\n# nodes\n" + str(gm.graph) + "\n"
-    (path / f"{index:02d}_{name}.txt").write_text(text)
-
-
-def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: Sequence[Pass] | None = None,
-                  knobs: Mapping[str, Mapping[str, Any]] | None = None) -> Program:
-    """Lower an already captured (tokens, targets) -> loss graph into a Program."""
-    if not plan.is_resolved:
-        raise CompileError("compiling needs a resolved plan: tp, pp and dp must not be auto")
-    if passes is None:
-        from ptc.passes import PASSES  # noqa: PLC0415 - passes import the compiler
-
-        passes = PASSES
-    # Split into stages, the model's parameters live in several graphs: lay them out whole first.
-    whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
-    gm, log = run_passes(gm, plan, passes, knobs=knobs)
-    split = pipeline_stages(gm)
-    if split:
-        stages = tuple(Stage(index=i, graph=stage, layout=_layout(stage, plan),
-                             overlap=stage.meta.get(OVERLAP_KEY))
-                       for i, (_, stage) in enumerate(split))
-    else:
-        stages = (Stage(index=0, graph=gm, overlap=gm.meta.get(OVERLAP_KEY)),)
-        whole = _layout(gm, plan)
-    return Program(plan=plan, stages=stages, layout=whole, pass_log=tuple(log),
-                   predicted_step_time=predicted_step_time(plan), schedule=schedule_for(plan),
-                   tensor_parallel=gm.meta.get(TP_KEY))
-
-
-def _layout(gm: fx.GraphModule, plan: Plan) -> ParamLayout:
-    """The parameter layout of a lowered graph: the zero pass's, or one by first use."""
-    shards = getattr(gm, "zero", None)
-    if isinstance(shards, ZeroShards):
-        return shards.layout
-    return param_layout(gm, plan.parallel.dp, own_units=tied_names(gm))
+NEEDED_BY = {
+    "shard_tensors_pass": lambda plan: plan.parallel.tp > 1 and "tp > 1",
+    "shard_sequence_pass": lambda plan: (plan.parallel.sequence_parallel and plan.parallel.tp > 1
+                                         and "sequence_parallel"),
+    "split_pipeline_pass": lambda plan: plan.parallel.pp > 1 and "pp > 1",
+    "shard_params_pass": lambda plan: plan.parallel.zero == 3 and "zero = 3",
+}
+"""Passes without which the runtime would train something other than the plan, and when."""
 
 
 def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
@@ -147,20 +61,65 @@ def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
     return compile_graph(capture_plan(plan, model), plan)
 
 
-def predicted_step_time(plan: Plan) -> float | None:
-    """The cost model's predicted step time in seconds (`ptc.compiler.estimate`), if it has one.
+def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
+                  knobs: Mapping[str, Mapping[str, Any]] | None = None,
+                  disabled: Sequence[str] = ()) -> Program:
+    """Lower an already captured (tokens, targets) -> loss graph into a Program."""
+    # Split into stages, the model's parameters live in several graphs: lay them out whole first.
+    whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
+    decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)
+    stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph, layout=stage_layout(graph),
+                         overlap=graph_record(graph).overlap)
+                   for i, graph in enumerate(lowered.stages))
+    return Program(plan=plan, decisions=decisions, stages=stages,
+                   layout=whole if whole is not None else stages[0].layout,
+                   pass_log=lowered.log, schedule=schedule_for(plan),
+                   tensor_parallel=graph_record(lowered.graph).tensor_parallel)
 
-    The one hook between the cost model and the runtime's step report. A
-    plan the cost model cannot price still compiles and trains: the reason
-    is logged and the prediction is None.
+
+def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
+          knobs: Mapping[str, Mapping[str, Any]] | None = None,
+          disabled: Sequence[str] = ()) -> tuple[Decisions, Lowered]:
+    """Resolve `plan` for the captured graph `gm` and run `passes` on it (the runner's result)."""
+    decisions = resolve(gm, plan)
+    return decisions, run_passes(gm, decisions, passes, knobs=knobs,
+                                 disabled=_allowed_to_disable(plan, disabled))
+
+
+def pass_list(*passes: Pass) -> PassList:
+    """`passes` in their places around the seam, as PASSES places them (others run per stage).
+
+    For running part of the pipeline, in tests and when debugging a pass.
     """
-    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model (slow once)
+    return PassList(whole=tuple(fn for fn in passes if fn in PASSES.whole),
+                    split=next((fn for fn in passes if fn is PASSES.split), None),
+                    per_stage=tuple(fn for fn in passes
+                                    if fn not in PASSES.whole and fn is not PASSES.split))
 
-    if plan.model.family == "custom":  # profiles are built from a family's shape fields
-        logging.getLogger("ptc.compiler").info("no predicted step time for a custom model")
-        return None
-    try:
-        return float(estimate(plan).step_time_s)
-    except (PtcError, ValueError) as exc:
-        logging.getLogger("ptc.compiler").warning("no predicted step time: %s", exc)
-        return None
+
+def _allowed_to_disable(plan: Plan, disabled: Sequence[str]) -> Sequence[str]:
+    """`disabled`, unless it (or PTC_DISABLE_PASSES) names a pass the plan cannot do without."""
+    names = [*disabled, *(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(","))]
+    for name in names:
+        why = NEEDED_BY.get(name, lambda plan: False)(plan)
+        if why:
+            raise CompileError(f"{DISABLE_ENV}: {name} cannot be skipped: the plan's {why} needs "
+                               "it, and without it the runtime would train another model")
+    return disabled
+
+
+
+def apply_pass(fn: Pass, gm: fx.GraphModule, plan: Plan, **knobs: Any) -> fx.GraphModule:
+    """Run one pass of `PASSES` on `gm` as the runner would, then the verifier (tests, notebooks).
+
+    The plan is resolved for `gm`; a per-stage pass given a graph that was
+    never split runs on it as the only stage, its layout fixed first.
+    """
+    decisions = resolve(gm, plan)
+    if fn in PASSES.per_stage and graph_record(gm).layout is None:
+        if stage_info(gm) is None:
+            update_graph_record(gm, stage=whole_graph_stage(gm))
+        fix_stage_layout(gm, plan.parallel.dp)
+    out = fn(gm, decisions, **knobs)
+    verify_graph(out, plan, after=fn.__name__)
+    return out

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
 
 from torch import fx
 
-from ptc.compiler.balance import layer_policies
+from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import attention_parts
 from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
-from ptc.plan import Plan
 from ptc.ops.recompute import checkpoint_region, invoke_module
 
 log = logging.getLogger("ptc.passes")
 
 REGION_PREFIX = "ckpt_region_"
-"""Attribute name prefix of the region GraphModules on the graph."""
+"""Attribute name prefix of the region GraphModules on the graph (readable names only: a
+region is found by its `checkpoint_region` call, see `checkpoint_regions`)."""
 
 
-def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
-                           knobs: dict[str, Any] | None = None) -> fx.GraphModule:
+def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
     """Insert checkpoint_region calls so layers (or their attention cores) recompute in backward.
 
     The memory model (ptc.compiler.memory) prices the plan's checkpoint policy;
@@ -35,10 +33,9 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
     region reads stay get_attr nodes of the outer graph passed in as inputs,
     so later passes (ZeRO) still see and rewrite them; under ZeRO-3 a full
     region therefore keeps its layer's gathered weights until backward.
-    checkpoint = "auto" is resolved per stage by `layer_policies`; a plan
-    that cannot fit even fully recomputed raises CompileError there.
+    Each layer's policy is the Decisions record's (checkpoint = "auto" is
+    resolved per stage there, before any pass).
     """
-    policy_of = layer_policies(plan)
     layers: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         info = get_info(node)
@@ -48,7 +45,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
             layers.setdefault(info.layer, []).append(node)
     counts = {"full": 0, "selective": 0}
     for layer, nodes in sorted(layers.items()):
-        policy = policy_of(layer)
+        policy = decisions.policy(layer)
         if policy == "full":
             regions = [nodes]
         elif policy == "selective":
@@ -172,7 +169,7 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     env: dict[fx.Node, fx.Node] = {}
     for a in inputs:
         env[a] = sub.placeholder(a.name)
-        env[a].meta = dict(a.meta)
+        copy_meta(a, env[a], same_value=True)
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[o] for o in outputs) if len(outputs) > 1 else env[outputs[0]])
@@ -198,3 +195,9 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
             prev = item
     for n in reversed(nodes):
         gm.graph.erase_node(n)
+
+
+def checkpoint_regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The region GraphModules `gm` calls through `checkpoint_region`, in graph order."""
+    return [gm.get_submodule(str(node.args[0].target)) for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is checkpoint_region]

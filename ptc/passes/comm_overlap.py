@@ -22,27 +22,23 @@ Every decision is a function of the plan and the graph, and merging or
 moving never changes the order in which one axis's collectives are issued:
 the pass checks that the sequence of units gathered over dp is the same
 before and after, so all ranks of a group issue the same collectives in the
-same order. The decisions land in `gm.meta[OVERLAP_KEY]` as an
-`OverlapPlan`; the runtime follows it without re-planning.
+same order. The decisions land in the graph's record as an `OverlapPlan`;
+the runtime follows it without re-planning.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Mapping
-from typing import Any
 
 from torch import fx
 
-from ptc.compiler.meta import copy_meta
-from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, OverlapPlan, plan_buckets,
-                                  resolve_bucket_bytes)
-from ptc.compiler.program import ParamLayout, ZeroShards, param_layout
-from ptc.compiler.stages import tied_names
+from ptc.compiler.decisions import Decisions
+from ptc.compiler.meta import copy_meta, update_graph_record
+from ptc.compiler.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan, plan_buckets, resolve_bucket_bytes
+from ptc.compiler.program import ParamLayout, shard_unit, stage_layout
 from ptc.errors import CompileError
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
-from ptc.passes.zero import SHARDS_ATTR
 from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
 from ptc.units import format_bytes
@@ -50,24 +46,24 @@ from ptc.units import format_bytes
 log = logging.getLogger("ptc.passes.comm_overlap")
 
 
-def overlap_collectives_pass(gm: fx.GraphModule, plan: Plan, *,
-                             knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,
+                             prefetch: int | None = None,
+                             in_flight: int | None = None) -> fx.GraphModule:
     """Merge small collectives into buckets and move ZeRO-3 gather starts a layer early.
 
     Communication hidden under compute is free; exposed, it is the step time
     that data parallelism adds. Knobs: `prefetch` (gathers started ahead,
     default 1 with `parallel.overlap`, else 0) and `in_flight` (gradient
     reductions left running behind backward, default IN_FLIGHT, 0 without
-    overlap). Records an OverlapPlan under `gm.meta[OVERLAP_KEY]`.
+    overlap). Records an OverlapPlan in the graph's record. Runs on a stage
+    graph, whose parameter layout the pipeline split fixed.
     """
-    knobs = dict(knobs or {})
+    plan = decisions.plan
     on = plan.parallel.overlap
-    prefetch = int(knobs.get("prefetch", 1 if on else 0))
-    in_flight = int(knobs.get("in_flight", IN_FLIGHT if on else 0))
-    shards = getattr(gm, SHARDS_ATTR, None)
-    zero3 = isinstance(shards, ZeroShards)
-    layout = shards.layout if zero3 else param_layout(gm, plan.parallel.dp,
-                                                      own_units=tied_names(gm))
+    prefetch = int(prefetch if prefetch is not None else 1 if on else 0)
+    in_flight = int(in_flight if in_flight is not None else IN_FLIGHT if on else 0)
+    zero3 = plan.parallel.zero == 3
+    layout = stage_layout(gm)
     if zero3:
         buckets, size, merged = _bucket_gathers(gm, plan, layout)
         moved = _prefetch(_gathers(gm), prefetch)
@@ -82,9 +78,9 @@ def overlap_collectives_pass(gm: fx.GraphModule, plan: Plan, *,
         gm.graph.lint()
         gm.recompile()
     each = tuple(sum(GRAD_BYTES * layout.units[u].padded_numel for u in b) for b in buckets)
-    gm.meta[OVERLAP_KEY] = OverlapPlan(overlap=on, bucket_bytes=size, buckets=tuple(buckets),
-                                       bucket_bytes_each=each, prefetch=prefetch,
-                                       in_flight=in_flight, tp_fused=fused)
+    update_graph_record(gm, overlap=OverlapPlan(
+        overlap=on, bucket_bytes=size, buckets=tuple(buckets), bucket_bytes_each=each,
+        prefetch=prefetch, in_flight=in_flight, tp_fused=fused))
     log.info("%d buckets of <= %s for %d units%s%s", len(buckets), format_bytes(size),
              sum(len(b) for b in buckets),
              f", gathers start {prefetch} ahead" if zero3 else "",
@@ -109,8 +105,8 @@ def _gathers(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def _units(start: fx.Node) -> list[int]:
-    """Unit indices a gather start reads, from its `zero.shard_{i}` inputs."""
-    return [int(str(s.target).rsplit("_", 1)[1]) for s in start.args[0]]
+    """Unit indices a gather start reads, from its shard inputs."""
+    return [shard_unit(s) for s in start.args[0]]
 
 
 def _dp_sequence(gm: fx.GraphModule) -> list[int]:

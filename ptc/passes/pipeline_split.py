@@ -44,10 +44,11 @@ import torch
 from torch import fx, nn
 
 from ptc.compiler.balance import AtomCost, Split, balance, price_atoms
-from ptc.compiler.meta import copy_meta, get_info, graph_info
+from ptc.compiler.decisions import Decisions
+from ptc.compiler.meta import copy_meta, get_info, graph_info, update_graph_record
 from ptc.compiler.nodes import module_path
 from ptc.compiler.program import used_params
-from ptc.compiler.stages import (DATA_ROLES, PIPELINE_KEY, STAGE_KEY, Boundary, PipelineInfo,
+from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_info,
                                  StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
 from ptc.plan import Plan
@@ -57,8 +58,8 @@ log = logging.getLogger("ptc.passes.pipeline_split")
 _FREE = dict(flops=0, params=0, param_bytes=0)
 
 
-def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
-                        knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+def split_pipeline_pass(gm: fx.GraphModule, decisions: Decisions, *,
+                        boundaries: Any = None) -> fx.GraphModule:
     """Cut the graph into pp × virtual_stages stage graphs, balanced by predicted time.
 
     Pipeline parallelism runs consecutive pieces of the model on different
@@ -66,23 +67,25 @@ def split_pipeline_pass(gm: fx.GraphModule, plan: Plan, *,
     memory, so it is chosen by the cost model, with memory as a constraint,
     not by counting layers. Returns the pipeline graph (module docstring);
     a plan with pp = 1 gets `gm` back unchanged. The plan's `stage_boundaries`
-    (or knob `boundaries`, which wins) pins cuts.
+    (or the knob `boundaries`, which wins) pins cuts.
     """
+    plan = decisions.plan
     from ptc.compiler.layout import layout_of  # noqa: PLC0415 - layout imports the plan only
     from ptc.compiler.memory import RUNTIME_RESERVE, in_flight  # noqa: PLC0415 - sympy
 
     par = plan.parallel
     if par.pp == 1:
         return gm
-    if PIPELINE_KEY in gm.meta or stage_info(gm) is not None:
+    if pipeline_info(gm) is not None or stage_info(gm) is not None:
         raise CompileError("pipeline_split: the graph is already split into stages")
     p, v = par.pp, par.virtual_stages
     chunks = p * v
     atoms, names = find_atoms(gm)
-    pins = _pins(dict(knobs or {}).get("boundaries", par.stage_boundaries or None), names, chunks)
+    pins = _pins(boundaries if boundaries is not None else par.stage_boundaries or None, names,
+                 chunks)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     atom_of = {node: i for i, nodes in enumerate(atoms) for node in nodes}
-    costs = price_atoms(gm, atoms, names, plan)
+    costs = price_atoms(gm, atoms, names, decisions)
     cut_seconds = _cut_seconds(gm, atoms, atom_of, plan)
     # A custom model's plan has no layer count: the graph's is the one that matters.
     layout = dataclasses.replace(layout_of(plan), layers=graph_info(gm).num_layers)
@@ -269,7 +272,7 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
             atoms=tuple(names[a] for a in atom_range), seconds=split.seconds[c],
             memory_bytes=split.memory[c])
         stage_gm.meta.update(gm.meta)  # what earlier passes left (capture info, tp layout)
-        stage_gm.meta[STAGE_KEY] = info
+        update_graph_record(stage_gm, stage=info)
         stages.append(stage_gm)
     return stages
 
@@ -417,10 +420,10 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
         for _, canonical in stage_info(stage).tied:
             tied.setdefault(canonical, []).append(stage_info(stage).index)
     last = stage_info(stages[-1])
-    pipeline.meta[PIPELINE_KEY] = PipelineInfo(
+    update_graph_record(pipeline, pipeline=PipelineInfo(
         pp=last.rank + 1, virtual=last.chunk + 1,
         stages=tuple(f"stage_{c}" for c in range(len(stages))),
-        tied=tuple((name, tuple(ss)) for name, ss in tied.items()))
+        tied=tuple((name, tuple(ss)) for name, ss in tied.items())))
     return pipeline
 
 

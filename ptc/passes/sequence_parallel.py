@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import fx
 
-from ptc.compiler.meta import copy_meta, get_info, graph_info
+from ptc.compiler.decisions import Decisions
+from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
 from ptc.compiler.nodes import module_of
-from ptc.compiler.tp_layout import TP_KEY
 from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
-from ptc.plan import Plan
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
                                 scatter_seq)
 
@@ -61,8 +58,7 @@ def _rules():
     }
 
 
-def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
-                        knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
     """Replace tp all-reduces by reduce-scatter / all-gather along the sequence.
 
     Norm, residual and dropout activations then take 1/tp of the memory on
@@ -70,10 +66,12 @@ def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
     `parallel.sequence_parallel` is set and tp > 1, after the
     tensor_parallel pass.
     """
+    plan = decisions.plan
     tp = plan.parallel.tp
     if not plan.parallel.sequence_parallel or tp == 1:
         return gm
-    if TP_KEY not in gm.meta:
+    tp_layout = graph_record(gm).tensor_parallel
+    if tp_layout is None:
         raise CompileError("sequence_parallel: run the tensor_parallel pass first")
     capture = graph_info(gm)
     if capture.seq_len % tp:
@@ -99,7 +97,8 @@ def shard_sequence_pass(gm: fx.GraphModule, plan: Plan, *,
                      rules=_rules(), on_mix=scatter, what="sequence parallelism")
     region = _region(gm, prop)
     partial = _sequence_params(gm, region)
-    gm.meta[TP_KEY] = dataclasses.replace(gm.meta[TP_KEY], sequence_partial=partial)
+    update_graph_record(gm, tensor_parallel=dataclasses.replace(tp_layout,
+                                                                sequence_partial=partial))
     gm.graph.lint()
     gm.recompile()
     log.info("inserted %d all_gather_seq, %d reduce_scatter_seq, %d scatter_seq (replacing tp "

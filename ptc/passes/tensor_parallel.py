@@ -17,7 +17,7 @@ the pass rewrites the captured graph into the graph every tp rank runs:
   (`ptc.passes.local_shapes`).
 
 The parameters of the graph module get their tp-local shapes (on meta);
-how each maps to the full tensor is left in `gm.meta[TP_KEY]` as a
+how each maps to the full tensor is left in the graph's record as a
 `TensorParallelLayout` for the Program and the runtime.
 """
 
@@ -27,21 +27,19 @@ import inspect
 import logging
 import math
 import operator
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ptc.compiler.meta import copy_meta, get_info
+from ptc.compiler.decisions import Decisions
+from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
 from ptc.compiler.nodes import linear_weight, op_name, param_source
-from ptc.compiler.tp_layout import TP_KEY, ParamShard, TensorParallelLayout
+from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
 from ptc.passes.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
-from ptc.plan import Plan
 from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
                                 vocab_parallel_embedding)
 
@@ -52,8 +50,7 @@ _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
-def shard_tensors_pass(gm: fx.GraphModule, plan: Plan, *,
-                       knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
     """Insert copy_to_tp / reduce_from_tp around tp-split linears and keep 1/tp of their weights.
 
     Tensor parallelism divides a layer's weights, FLOPs and inner activations
@@ -62,10 +59,11 @@ def shard_tensors_pass(gm: fx.GraphModule, plan: Plan, *,
     module and node and the shard rule that would fix it, for a structure it
     cannot split.
     """
+    plan = decisions.plan
     tp = plan.parallel.tp
     if tp == 1:
         return gm
-    if TP_KEY in gm.meta:
+    if graph_record(gm).tensor_parallel is not None:
         raise CompileError("tensor_parallel: the graph is already split over tp")
     sharding = find_sharding(gm, plan)
     for path, style in sharding.styles.items():
@@ -75,7 +73,7 @@ def shard_tensors_pass(gm: fx.GraphModule, plan: Plan, *,
     rewrite.insert_collectives()
     propagation = propagate(gm, k=tp, prefer=sharding.heads)
     _check_region(gm, rewrite, propagation)
-    gm.meta[TP_KEY] = layout
+    update_graph_record(gm, tensor_parallel=layout)
     gm.graph.lint()
     gm.recompile()
     styles = list(sharding.styles.values())

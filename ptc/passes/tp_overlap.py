@@ -20,7 +20,7 @@ entry whose linears read a weight computed after the first of them (only
 
 `fuse_column_parallel_linears` works on the graph it is given, on every
 stage of a pipeline graph, and on the activation-checkpoint regions
-(`ckpt_region_*` submodules) of those, whose linears are inside them.
+(the submodules `checkpoint_region` calls) of those, whose linears are inside them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import fx, nn
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_of, op_name
 from ptc.compiler.stages import pipeline_stages
-from ptc.passes.activation_checkpoint import REGION_PREFIX
+from ptc.passes.activation_checkpoint import checkpoint_regions
 from ptc.passes.functional import param_node
 from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
                                 column_parallel_linears_seq, copy_to_tp)
@@ -81,8 +81,7 @@ def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     out = []
     for graph in [stage for _, stage in pipeline_stages(gm)] or [gm]:
         out.append(graph)
-        out.extend(child for name, child in graph.named_children()
-                   if name.startswith(REGION_PREFIX) and isinstance(child, fx.GraphModule))
+        out.extend(checkpoint_regions(graph))
     return out
 
 

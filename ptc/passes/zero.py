@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,12 +27,11 @@ from torch import fx
 
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_path
+from ptc.compiler.decisions import Decisions
 from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
-                                  param_layout, used_params)
-from ptc.compiler.stages import tied_names
+                                  stage_layout, used_params)
 from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
-from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
 
 log = logging.getLogger("ptc.passes.zero")
@@ -41,20 +39,21 @@ log = logging.getLogger("ptc.passes.zero")
 SHARDS_ATTR = "zero"
 
 
-def shard_params_pass(gm: fx.GraphModule, plan: Plan, *,
-                      knobs: Mapping[str, Any] | None = None) -> fx.GraphModule:
+def shard_params_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
     """Insert gather_params before each layer's first use and keep only parameter shards.
 
     ZeRO-3 stores 1/dp of every parameter per rank; the graph itself shows
     where full weights are materialised, so memory and overlap are visible
-    to later passes and to `ptc inspect`. Runs only when `parallel.zero` is 3.
+    to later passes and to `ptc inspect`. Runs only when `parallel.zero` is 3,
+    on a stage graph, whose parameter layout the pipeline split fixed.
     """
+    plan = decisions.plan
     if plan.parallel.zero < 3:
         return gm
     if hasattr(gm, SHARDS_ATTR):
         raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
     dtype = COMPUTE_DTYPES[plan.train.dtype]
-    layout = param_layout(gm, plan.parallel.dp, own_units=tied_names(gm))
+    layout = stage_layout(gm)
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
     gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]

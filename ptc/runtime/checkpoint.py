@@ -55,21 +55,15 @@ from ptc.runtime.checkpoint_store import (
 )
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
 from ptc.runtime.health import nonfinite_ranks
-from ptc.runtime.params import UnitState, publish
+from ptc.runtime.params import publish
 
 Source = Callable[[int, str], tuple[int, torch.Tensor]]
 """(unit index, kind) -> (first element in the unit's flat buffer, flat tensor from there)."""
 
 
-def rank_units(trainer) -> list[UnitState]:
-    """Every unit this rank holds: a Trainer's, or those of all of a PipelineTrainer's chunks."""
-    chunks = getattr(trainer, "chunks", None)
-    return trainer.units if chunks is None else [u for c in chunks.values() for u in c.units]
-
-
 def full_name(trainer, slot: ParamSlot) -> str:
     """The model's name of a parameter (a pipeline stage may hold it under an alias)."""
-    return getattr(trainer, "canonical", {}).get(slot.name, slot.name)
+    return trainer.canonical.get(slot.name, slot.name)
 
 
 def optimizer_kinds(trainer) -> tuple[str, ...]:
@@ -88,7 +82,7 @@ def ensure_optimizer_state(trainer) -> None:
     so a state created here gives the same numbers.
     """
     adam = trainer.plan.train.optimizer.name == "adamw"
-    for unit in rank_units(trainer):
+    for unit in trainer.units:
         state = trainer.optimizer.inner.state[unit.master]
         if not state and optimizer_kinds(trainer):
             if adam:
@@ -98,7 +92,7 @@ def ensure_optimizer_state(trainer) -> None:
 
 
 def _flat(trainer, unit: int, kind: str) -> torch.Tensor:
-    master = rank_units(trainer)[unit].master
+    master = trainer.units[unit].master
     # detach: DCP reads into these views in place, and a ZeRO-3 master is a Parameter.
     return master.detach() if kind == "model" else trainer.optimizer.inner.state[master][kind]
 
@@ -107,7 +101,7 @@ def held(trainer) -> Source:
     """What this rank holds: the full buffers at ZeRO-0, its shard from ZeRO-1 on."""
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         flat = _flat(trainer, unit, kind)
-        shard = rank_units(trainer)[unit].spec.shard_numel
+        shard = trainer.units[unit].spec.shard_numel
         start = 0 if trainer.zero == 0 else trainer.dp_rank * shard
         return start, flat
     return source
@@ -119,7 +113,7 @@ def owned(trainer) -> Source:
 
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         start, flat = hold(unit, kind)
-        size = rank_units(trainer)[unit].spec.shard_numel
+        size = trainer.units[unit].spec.shard_numel
         mine = trainer.dp_rank * size
         return mine, flat[mine - start:mine - start + size]
     return source
@@ -133,7 +127,7 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
     """
     tp = trainer.program.tensor_parallel
     out = {}
-    for index, unit in enumerate(rank_units(trainer)):
+    for index, unit in enumerate(trainer.units):
         for kind in ("model", *optimizer_kinds(trainer)):
             start, flat = source(index, kind)
             prefix = "model." if kind == "model" else f"optim.{kind}."
@@ -178,7 +172,7 @@ def tp_chunks(chunks: FlatChunks, split: ParamShard, rank: int, tp: int) -> Flat
 def _adam_step(trainer) -> torch.Tensor | None:
     if trainer.plan.train.optimizer.name != "adamw":
         return None
-    return trainer.optimizer.inner.state[rank_units(trainer)[0].master]["step"]
+    return trainer.optimizer.inner.state[trainer.units[0].master]["step"]
 
 
 def _rng_state(rank: int) -> dict[str, torch.Tensor]:
@@ -203,7 +197,7 @@ class Snapshot:
         # loads into it, so the live tensors stay the same for the whole run.
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         buffers: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
-        for index in range(len(rank_units(trainer))):
+        for index in range(len(trainer.units)):
             for kind in ("model", *optimizer_kinds(trainer)):
                 start, live = own(index, kind)
                 buffer = torch.empty(live.numel(), dtype=live.dtype, pin_memory=pin)
@@ -262,7 +256,7 @@ class Checkpointer:
         host memory. Waits for the previous save first.
         """
         self.wait()
-        bad = nonfinite_ranks([u.master for u in rank_units(self.trainer)])
+        bad = nonfinite_ranks([u.master for u in self.trainer.units])
         if bad:
             self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
             return False
@@ -384,7 +378,7 @@ class Checkpointer:
         dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                  process_group=self.group)
         if adam_step is not None:
-            for unit in rank_units(trainer):
+            for unit in trainer.units:
                 trainer.optimizer.inner.state[unit.master]["step"].copy_(state["optim.step"])
         if f"rng.{trainer.rank}.cpu" in state:
             torch.set_rng_state(state[f"rng.{trainer.rank}.cpu"])
@@ -394,7 +388,7 @@ class Checkpointer:
             leader = dist.get_process_group_ranks(trainer.tp_group)[0] if trainer.tp_group \
                 else trainer.rank
             torch.manual_seed(trainer.plan.runtime.seed + leader + self.world * step)
-        publish(rank_units(trainer), trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
+        publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
                 world=trainer.dp)
 
 

@@ -1,16 +1,41 @@
-"""One rank's training step on its part of a Program.
+"""The one trainer: a rank's training step over its part of a Program, every layout.
 
-The rank runs its stage's lowered graph through `GraphRunner`, which turns
-any failure into a `RankError` naming the rank, the graph node and the
-user's source line. A step is: for each micro-batch,
-forward and backward of loss / (micro-batches · dp) — so that gradient sums
-over micro-batches and ranks are the global-batch mean — with gradient
-reduction overlapped (ZeRO 0-2: `GradReducer`; ZeRO-3: the graph's
-`gather_params` under a `ParamSession`); then the global-norm clip, the
-optimizer update of the rank's masters, and publishing the new weights.
+Terms: p pipeline ranks, v chunks per rank, m micro-batches per step. The
+rank holds the stage graphs s = chunk·p + rank (`ptc.compiler.stages` says
+what each takes and gives); pp = 1 is one stage, p = v = 1. Each graph runs
+through `GraphRunner`, which turns any failure into a `RankError` naming the
+rank, the graph node and the user's source line.
 
-This trainer runs pp = 1 with any tp and dp: under tensor parallelism the graph's
-parameters are the rank's tp-local slices (see `ptc.runtime.tp_state`).
+A step runs the rank's part of the Program's schedule (`ptc.compiler.schedule`,
+lowered with sends and receives), action by action, through a table from
+action kind to handler:
+
+- RECV_F / RECV_B post the receives of a stage's input activations / of
+  the gradients of its outputs (asynchronous: the transfer overlaps the
+  compute actions before the one that waits for it);
+- F runs the stage graph on the received activations — made autograd
+  leaves — and the micro-batch's tokens / targets, which every rank reads
+  itself; the inputs and outputs stay alive until the micro-batch's B;
+- SEND_F sends the outputs, SEND_B the gradients of the inputs
+  (asynchronous; a sent tensor is dropped as soon as its send completes);
+- B runs backward from the received gradients (the last stage: from
+  loss / (m·dp), so that gradient sums over micro-batches and ranks are the
+  global-batch mean) and drops the micro-batch's activations at once.
+
+What every layout shares lives here once: gradient reduction overlapped with
+backward (ZeRO 0-2: `GradReducer` per stage, its "last micro-batch" the
+stage's last B of the step; ZeRO-3: the graph's `gather_params` under a
+`ParamSession` per stage and micro-batch), the sequence-parallel regather of
+gathered activations around each forward, the sums after the last action
+(tied weights between the stages holding them, sequence-partial gradients
+over tp), the global-norm clip over dp, tp and pp counting a tied weight once,
+the NaN guard, the update of the rank's masters and the publishing of the new
+weights. Under tensor parallelism the graphs hold the rank's tp-local slices
+(`ptc.runtime.tp_state`) and run their own tp collectives.
+
+The rank counts its in-flight stage micro-batches (forwarded, not yet
+backwarded) and keeps the peak in `peak_in_flight`: the number the memory
+model's `in_flight` charges activations for.
 """
 
 from __future__ import annotations
@@ -20,30 +45,34 @@ import copy
 import inspect
 import re
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
 from ptc.compiler.meta import get_info
-from ptc.compiler.overlap import stage_overlap
+from ptc.compiler.overlap import OverlapPlan, stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
+from ptc.compiler.schedule import Action, lower
+from ptc.compiler.stages import StageInfo
 from ptc.errors import PtcError
 from ptc.ops.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
     group_rank, group_size
+from ptc.ops.seq_regather import SeqRegather, forward_context
+from ptc.ops.zero3 import ParamSession
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import guarded_update
 from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
+from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import ShardedOptimizer
-from ptc.runtime.params import bind_buffers, build_units, held_bytes, publish
-from ptc.ops.seq_regather import SeqRegather, forward_context
+from ptc.runtime.p2p import Transfer, post_recv, send
+from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
 from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
                                    sequence_partial_ranges, sum_sequence_partial_grads)
-from ptc.ops.zero3 import ParamSession
 
 
 class RankError(PtcError):
@@ -142,13 +171,75 @@ class StepStats:
         return self.tokens / self.step_time if self.step_time > 0 else 0.0
 
 
+@dataclass(eq=False)
+class Chunk:
+    """One stage graph this rank holds, with its weights and gradient machinery."""
+
+    info: StageInfo
+    gm: fx.GraphModule
+    runner: GraphRunner
+    units: list[UnitState]
+    reducer: GradReducer | None
+    last_backward: int
+    """Micro-batch of the stage's last B in the step: its gradients are complete after it."""
+    overlap: OverlapPlan
+    """The comm_overlap pass's buckets and prefetch depth for this stage."""
+
+
+@dataclass(eq=False)
+class _Live:
+    """One stage micro-batch between its F and its B."""
+
+    inputs: list[torch.Tensor]
+    outputs: object
+    session: ParamSession | None = None
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _StepState:
+    """What the actions of one step share: transfers, live micro-batches, the loss."""
+
+    step: int
+    skipped: int
+    """Samples a rollback skipped before this step."""
+    scale: float
+    """1 / (m · dp): the loss scale that makes gradient sums the global-batch mean."""
+    loss_sum: torch.Tensor
+    recvs: dict[Action, Transfer] = field(default_factory=dict)
+    live: dict[tuple[int, int], _Live] = field(default_factory=dict)
+    sends: list[Transfer] = field(default_factory=list)
+    batches: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    in_flight: int = 0
+
+
+@dataclass(eq=False)
+class _Tied:
+    """This rank's copies of a tied weight (a unit of their own each), the group of its holders."""
+
+    name: str
+    units: list[UnitState]
+    group: dist.ProcessGroup
+    uncounted: list[UnitState]
+    """Copies left out of the gradient norm: all but the first holding stage's."""
+
+    def sum_grads(self) -> None:
+        """Make every copy's gradient the sum over all copies, on every holding rank."""
+        total = self.units[0].grad
+        for unit in self.units[1:]:
+            total.add_(unit.grad)
+        all_reduce_flat(total, self.group).wait()
+        for unit in self.units[1:]:
+            unit.grad.copy_(total)
+
+
 class Trainer:
-    """One rank's training state for a Program: graph, weights, gradients, optimizer, data."""
+    """One rank's training state for a Program: its stage graphs, weights, optimizer, data."""
 
     def __init__(self, program: Program, groups: Mapping[str, dist.ProcessGroup | None], *,
                  device: torch.device | str = "cpu", model: nn.Module | None = None,
                  values: Mapping[str, torch.Tensor] | None = None):
-        """Build this rank's state: weights bound into a copy of the stage graph, optimizer, data.
+        """Build this rank's chunks: weights bound into copies of its stage graphs, optimizer, data.
 
         `groups` maps axis names to this rank's process groups (empty: one
         process). `model` is the model whose names, init rules and buffers
@@ -156,42 +247,93 @@ class Trainer:
         the plan's initial weights (full tensors by canonical name).
         """
         plan = self.plan = program.plan
-        if plan.parallel.pp != 1:
-            raise PtcError(f"this runtime runs pp = 1, the plan has pp = {plan.parallel.pp}")
         self.program, self.groups = program, dict(groups)
         self.device = torch.device(device)
-        self.group = self.groups.get("dp")
-        self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.group, self.pp_group = self.groups.get("dp"), self.groups.get("pp")
         self.tp_group = self.groups.get("tp")
+        self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.pp, self.pp_rank = group_size(self.pp_group), group_rank(self.pp_group)
         self.tp_rank = group_rank(self.tp_group)
-        if group_size(self.tp_group) != plan.parallel.tp:
-            raise PtcError(f"the program is split over tp = {plan.parallel.tp}, but this rank's "
-                           f"tp group has {group_size(self.tp_group)} rank(s)")
+        for axis, size in (("tp", group_size(self.tp_group)), ("pp", self.pp)):
+            if size != plan.parallel.degree(axis):
+                raise PtcError(f"the program is split over {axis} = {plan.parallel.degree(axis)},"
+                               f" but this rank's {axis} group has {size} rank(s)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.zero = plan.parallel.zero
         seed_dropout(plan, self.tp_group, self.rank)
-        self.gm = copy.deepcopy(program.stages[0].graph)
+        schedule = program.schedule
+        self.actions = lower(schedule)[self.pp_rank]
         model = model if model is not None else reference_model(plan)
         values = rank_values(program, model, values, self.tp_rank)
         tp = program.tensor_parallel
-        self.units = build_units(self.gm, program.layout, values, zero=self.zero,
-                                 dtype=COMPUTE_DTYPES[plan.train.dtype], rank=self.dp_rank,
-                                 world=self.dp, device=self.device)
-        bind_buffers(self.gm, initial_buffers(self.gm, plan, model), self.device)
+        self.canonical = {alias: slot.name for slot in program.layout.params.values()
+                          for alias in slot.aliases}
+        self.chunks: dict[int, Chunk] = {
+            s: self._chunk(program, s, values, model) for s in schedule.stages_of(self.pp_rank)}
+        self.units = [u for chunk in self.chunks.values() for u in chunk.units]
+        """Every unit this rank holds, chunk by chunk."""
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank))
         self.partial = [] if tp is None else sequence_partial_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
-        self.overlap = stage_overlap(program.stages[0], program.layout, plan)
-        self.reducer = GradReducer(self.units, self.group, self.zero, self.overlap) \
-            if self.zero < 3 else None
+        self.tied = self._tied_groups()
         self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
-        self.runner = GraphRunner(self.gm, self.rank)
+        self.peak_in_flight = 0
+        """Most stage micro-batches held between their F and B at once, over all steps."""
+        self._handlers: dict[str, Callable[[Action, _StepState], None]] = {
+            "RECV_F": self._recv_forward, "RECV_B": self._recv_backward, "F": self._forward,
+            "SEND_F": self._send_forward, "B": self._backward, "SEND_B": self._send_backward}
+
+    def _chunk(self, program: Program, s: int, values: Mapping[str, torch.Tensor],
+               model: nn.Module) -> Chunk:
+        stage = program.stages[s]
+        layout = stage.layout or program.layout
+        gm = copy.deepcopy(stage.graph)
+        mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
+        units = build_units(gm, layout, mine, zero=self.zero,
+                            dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,
+                            world=self.dp, device=self.device)
+        bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
+        overlap = stage_overlap(stage, layout, self.plan)
+        reducer = GradReducer(units, self.group, self.zero, overlap) if self.zero < 3 else None
+        last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
+        return Chunk(info=stage.info, gm=gm, runner=GraphRunner(gm, self.rank), units=units,
+                     reducer=reducer, last_backward=last, overlap=overlap)
+
+    def _tied_groups(self) -> list[_Tied]:
+        """A process group per tied weight and coordinate of the other axes (made by every rank)."""
+        holders: dict[str, list[int]] = {}
+        for stage in self.program.stages:
+            for _, canonical in stage.info.tied:
+                holders.setdefault(canonical, []).append(stage.info.index)
+        if not holders:
+            return []
+        par = self.plan.parallel
+        names = tuple(reversed(par.order))  # outermost first, as build_mesh lays ranks out
+        grid = torch.arange(dist.get_world_size()).reshape([par.degree(a) for a in names])
+        grid = grid.movedim(names.index("pp"), -1).reshape(-1, self.pp)
+        tied = []
+        for canonical in sorted(holders):
+            stages = holders[canonical]
+            pp_ranks = sorted({s % self.pp for s in stages})
+            for row in grid:  # every rank creates every group, in the same order
+                ranks = [int(row[r]) for r in pp_ranks]
+                group = dist.new_group(ranks, timeout=timeout())
+                if self.rank not in ranks:
+                    continue
+                copies = {s: next(u for u in chunk.units if u.spec.params == (name,))
+                          for s, chunk in self.chunks.items()
+                          for name, c in chunk.info.tied if c == canonical}
+                tied.append(_Tied(name=canonical, units=list(copies.values()), group=group,
+                                  uncounted=[u for s, u in copies.items() if s != min(stages)]))
+        return tied
+
+    # ------------------------------------------------------------------ step
 
     def train_step(self, step: int, *, position: int | None = None) -> StepStats:
-        """Run optimizer step `step` (0-based) on this rank; collective over the dp group.
+        """Run optimizer step `step` (0-based) on this rank; collective over every axis.
 
         `position` is the index of the step's first sample (default: step ·
         global_batch; larger once a rollback skipped data). When any rank
@@ -199,31 +341,38 @@ class Trainer:
         all-reduce — no rank updates, and the stats name those ranks.
         """
         train = self.plan.train
-        skipped = 0 if position is None else position - step * train.global_batch
         start, waited = time.perf_counter(), comm_wait_seconds()
         micro = self.plan.num_microbatches
-        scale = 1.0 / (micro * self.dp)
-        loss_sum = torch.zeros((), device=self.device)
+        state = _StepState(step=step, scale=1.0 / (micro * self.dp),
+                           skipped=0 if position is None else position - step * train.global_batch,
+                           loss_sum=torch.zeros((), device=self.device))
         with bind_axes(self.groups):
-            for m in range(micro):
-                first = skipped + microbatch_start(step, m, dp_rank=self.dp_rank, dp=self.dp,
-                                                   global_batch=train.global_batch,
-                                                   micro_batch=train.micro_batch)
-                tokens, targets = self.data.batch(first, train.micro_batch)
-                tokens, targets = tokens.to(self.device), targets.to(self.device)
-                loss_sum += self._forward_backward(tokens, targets, scale, step, m, micro)
-            if self.reducer is not None:
-                self.reducer.finish()
+            for action in self.actions:
+                self._handlers[action.kind](action, state)
+                state.sends = [t for t in state.sends if not t.done()]
+            for transfer in state.sends:
+                transfer.wait()
+            for chunk in self.chunks.values():
+                if chunk.reducer is not None:
+                    chunk.reducer.finish()
+            for tied in self.tied:
+                tied.sum_grads()
             sum_sequence_partial_grads(self.units, self.partial, self.tp_group)
+            loss_sum = state.loss_sum
             all_reduce_flat(loss_sum.view(1), self.group).wait()
+            all_reduce_flat(loss_sum.view(1), self.pp_group).wait()
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
-                norm = self.optimizer.clip(train.grad_clip)
+                norm = self.optimizer.clip(train.grad_clip, uncounted=self._uncounted,
+                                           pp_group=self.pp_group)
                 self.optimizer.step(lr)
-                publish(self.units, self.group, zero=self.zero, rank=self.dp_rank, world=self.dp)
+                for chunk in self.chunks.values():
+                    publish(chunk.units, self.group, zero=self.zero, rank=self.dp_rank,
+                            world=self.dp)
                 return norm
 
+            # One flag per rank of the job (every axis): all ranks skip or update together.
             bad, norm = guarded_update(self.rank, step, loss_sum, [u.grad for u in self.units],
                                        update)
             self.optimizer.zero_grad()
@@ -232,47 +381,129 @@ class Trainer:
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited)
 
-    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
-                          step: int, micro: int, micros: int) -> torch.Tensor:
+    @property
+    def _uncounted(self) -> set[int]:
+        """ids of the units the gradient norm leaves out (copies of tied weights)."""
+        return {id(u) for t in self.tied for u in t.uncounted}
+
+    def _recv_forward(self, action: Action, state: _StepState) -> None:
+        chunk = self.chunks[action.stage]
+        state.recvs[action] = post_recv(chunk.info.inputs, (action.stage - 1) % self.pp,
+                                        self.pp_group, self.device)
+
+    def _recv_backward(self, action: Action, state: _StepState) -> None:
+        chunk = self.chunks[action.stage]
+        state.recvs[action] = post_recv(chunk.info.outputs, (action.stage + 1) % self.pp,
+                                        self.pp_group, self.device, grads=True)
+
+    def _send_forward(self, action: Action, state: _StepState) -> None:
+        live = state.live[action.stage, action.microbatch]
+        state.sends.append(send(live.outputs, (action.stage + 1) % self.pp, self.pp_group))
+
+    def _send_backward(self, action: Action, state: _StepState) -> None:
+        live = state.live.pop((action.stage, action.microbatch))
+        state.sends.append(send(live.grads, (action.stage - 1) % self.pp, self.pp_group))
+
+    def _batch(self, mb: int, state: _StepState) -> dict[str, torch.Tensor]:
+        """The micro-batch's tokens and targets (read once per step, by every stage needing them)."""
+        if mb not in state.batches:
+            train = self.plan.train
+            first = state.skipped + microbatch_start(state.step, mb, dp_rank=self.dp_rank,
+                                                     dp=self.dp, global_batch=train.global_batch,
+                                                     micro_batch=train.micro_batch)
+            tokens, targets = self.data.batch(first, train.micro_batch)
+            state.batches[mb] = {"tokens": tokens.to(self.device),
+                                 "targets": targets.to(self.device)}
+        return state.batches[mb]
+
+    def _forward(self, action: Action, state: _StepState) -> None:
+        s, mb = action.stage, action.microbatch
+        chunk = self.chunks[s]
+        info = chunk.info
+        transfer = state.recvs.pop(Action(s, "RECV_F", mb), None)
+        inputs = transfer.wait() if transfer is not None else []
+        for tensor, spec in zip(inputs, info.inputs):
+            tensor.requires_grad_(spec.requires_grad)
+        data = self._batch(mb, state) if info.data else {}
+        args = [*inputs, *(data[name] for name in info.data)]
         # Sequence parallelism keeps only local chunks of gathered activations for backward.
         regather = SeqRegather() if self.plan.parallel.sequence_parallel and self.tp_group \
             else None
+        session = None
         if self.zero == 3:
-            session = ParamSession(prefetch=self.overlap.prefetch > 0,
-                                   in_flight=self.overlap.in_flight)
-            with session, forward_context(regather, session.saved_tensor_hooks()):
-                loss = self.runner.run(tokens, targets)
-        else:
-            session = contextlib.nullcontext()
-            self.reducer.begin(last_micro=micro == micros - 1)
-            with forward_context(regather):
-                loss = self.runner.run(tokens, targets)
+            session = ParamSession(prefetch=chunk.overlap.prefetch > 0,
+                                   in_flight=chunk.overlap.in_flight)
+        with session or contextlib.nullcontext(), forward_context(
+                regather, session.saved_tensor_hooks() if session is not None else None):
+            outputs = chunk.runner.run(*args)
+        for tensor, spec in zip(outputs if not info.is_last else (), info.outputs):
+            if tuple(tensor.shape) != spec.shape:
+                raise RankError(f"rank {self.rank}: stage {info.index} made boundary value "
+                                f"{spec.name} of shape {tuple(tensor.shape)}; the compiled split "
+                                f"expects {spec.shape}")
+        state.live[s, mb] = _Live(inputs=inputs, outputs=outputs, session=session)
+        if info.is_last:
+            state.loss_sum += outputs.detach().float()
+        state.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, state.in_flight)
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        s, mb = action.stage, action.microbatch
+        chunk, live = self.chunks[s], state.live[s, mb]
+        info = chunk.info
+        transfer = state.recvs.pop(Action(s, "RECV_B", mb), None)
+        if chunk.reducer is not None:
+            chunk.reducer.begin(last_micro=mb == chunk.last_backward)
         try:
-            with session:
-                (loss * scale).backward()
-                if self.zero == 3:
-                    session.finish()
+            with live.session if live.session is not None else contextlib.nullcontext():
+                if info.is_last:
+                    (live.outputs * state.scale).backward()
+                else:
+                    outs = [t for t, spec in zip(live.outputs, info.outputs) if spec.requires_grad]
+                    torch.autograd.backward(outs, transfer.wait())
+                if live.session is not None:
+                    live.session.finish()
         except Exception as exc:
-            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                            f"  during backward of micro-batch {micro} of step {step + 1}") from exc
-        return loss.detach().float()
+            where = f"stage {info.index}, " if info.num_stages > 1 else ""
+            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n  during backward "
+                            f"of {where}micro-batch {mb}, step {state.step + 1}") from exc
+        live.grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                      for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
+        live.inputs, live.outputs, live.session = [], None, None
+        state.in_flight -= 1
+        if info.is_first:
+            del state.live[s, mb]
+
+    # --------------------------------------------------------------- reports
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 master weights by canonical name (collective over dp and tp)."""
-        out = {}
+        """The full fp32 master weights by canonical name, on every rank (collective)."""
+        mine: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for unit in self.units:
-                if self.zero == 0:
-                    full = unit.master
-                else:
-                    full = all_gather_flat(unit.master.detach().contiguous(), self.group).wait()
+                full = unit.master if self.zero == 0 else all_gather_flat(
+                    unit.master.detach().contiguous(), self.group).wait()
                 for slot in unit.slots:
-                    out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(
-                        slot.shape).clone().cpu()
+                    mine.setdefault(self.canonical[slot.name], full[
+                        slot.offset:slot.offset + slot.numel].view(slot.shape).clone().cpu())
         if self.program.tensor_parallel is not None:
-            out = join_over_tp(out, self.program.tensor_parallel, self.tp_group)
+            mine = join_over_tp(mine, self.program.tensor_parallel, self.tp_group)
+        if self.pp == 1:
+            return mine
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp)]
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for name, value in part.items():
+                out.setdefault(name, value)
         return out
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
-        return held_bytes(self.gm, self.units, self.optimizer.state_tensors())
+        total = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        state = self.optimizer.state_tensors()
+        for index, chunk in enumerate(self.chunks.values()):
+            held = held_bytes(chunk.gm, chunk.units, state if index == 0 else [])
+            for key, value in held.items():
+                total[key] += value
+        return total

@@ -14,6 +14,8 @@ once), then every gradient times min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 
@@ -44,25 +46,41 @@ class ShardedOptimizer:
             self.inner = torch.optim.SGD(masters, lr=spec.lr, momentum=spec.momentum,
                                          weight_decay=spec.weight_decay)
 
-    def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradient (over every rank's shard when sharded)."""
-        squares = torch.stack([u.master.grad.pow(2).sum() for u in self.units]).sum()
+    def grad_norm(self, *, uncounted: Collection[int] = (),
+                  pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The global L2 norm of the gradient over every rank's part of it.
+
+        Sums the squares of this rank's gradients, counting a parameter that
+        tp replicates once over tp and leaving out the units whose ids are in
+        `uncounted` (the extra copies of a weight tied across pipeline
+        stages), then adds the sums over dp (when sharded), tp and pp.
+        """
+        counted = [(u, ranges) for u, ranges in zip(self.units, self.replicated)
+                   if id(u) not in uncounted]
+        device = self.units[0].master.device if self.units else None
+        squares = torch.stack([u.master.grad.pow(2).sum() for u, _ in counted]).sum() \
+            if counted else torch.zeros((), device=device)
         tp = group_size(self.tp_group)
         if tp > 1:
             # Every tp rank holds the same gradient of a replicated parameter: count it once.
-            same = sum((u.master.grad[a:b].pow(2).sum()
-                        for u, ranges in zip(self.units, self.replicated) for a, b in ranges),
-                       torch.zeros((), device=squares.device))
+            same = sum((u.master.grad[a:b].pow(2).sum() for u, ranges in counted
+                        for a, b in ranges), torch.zeros((), device=squares.device))
             squares = squares - same * (1 - 1 / tp)
         if self.sharded:
             all_reduce_flat(squares.view(1), self.group).wait()
         if tp > 1:
             all_reduce_flat(squares.view(1), self.tp_group).wait()
+        if group_size(pp_group) > 1:
+            all_reduce_flat(squares.view(1), pp_group).wait()
         return squares.sqrt()
 
-    def clip(self, max_norm: float | None) -> float:
-        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
-        norm = self.grad_norm()
+    def clip(self, max_norm: float | None, *, uncounted: Collection[int] = (),
+             pp_group: dist.ProcessGroup | None = None) -> float:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before.
+
+        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled.
+        """
+        norm = self.grad_norm(uncounted=uncounted, pp_group=pp_group)
         if max_norm is not None:
             scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
             for unit in self.units:

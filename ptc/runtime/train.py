@@ -37,7 +37,6 @@ from ptc.runtime.mesh import (
     world_size,
 )
 from ptc.runtime.metrics import StepReporter, model_flops_per_step
-from ptc.runtime.pipeline_exec import PipelineTrainer
 
 
 @dataclass
@@ -83,8 +82,7 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
         else:
             program = compiler(plan)
         groups = axis_groups(build_mesh(plan))
-        kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
-        trainer = kind(program, groups, device=device_for(plan))
+        trainer = Trainer(program, groups, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
         loop = TrainLoop(trainer, steps)
         if plan.parallel.dp != asked:

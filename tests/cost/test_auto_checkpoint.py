@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ptc.compiler.balance import layer_policies
+from ptc.compiler.decisions import resolve
+from ptc.lower.driver import capture_plan
 from ptc.compiler.estimate import estimate, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import layout_of
@@ -102,8 +103,13 @@ def test_auto_per_stage_equals_brute_force(name: str) -> None:
     per_stage = [recompute_flops(tuple(chosen[i] for i in layout_of(plan).stage_layers(s)))
                  for s in (0, 1)]
     assert per_stage[0] > per_stage[1]
-    assert layer_policies(plan)(0) == chosen[0]
-    assert tuple(layer_policies(plan)(i) for i in range(SPEC.layers)) == chosen
+    assert policies(plan) == chosen
+
+
+
+def policies(plan) -> tuple[str, ...]:
+    """The per-layer policies compiling `plan` resolves (the Decisions record's)."""
+    return resolve(capture_plan(plan), plan).checkpoint
 
 
 def test_stages_get_different_mixes() -> None:
@@ -159,9 +165,9 @@ def test_nothing_fits_raises_on_compile_with_the_numbers_and_what_would_fit() ->
     assert mp is not None and mp[0] * mp[1] <= 2
     assert estimate(dataclasses.replace(plan, parallel=dataclasses.replace(
         plan.parallel, tp=mp[0], pp=mp[1], dp=2 // (mp[0] * mp[1])))).fits
-    # The pass's own entry point raises too, not only the split.
+    # Resolving the plan for compiling raises, before any pass.
     with pytest.raises(CompileError, match="checkpoint = auto: nothing fits"):
-        layer_policies(plan)
+        policies(plan)
 
 
 def test_nothing_fits_is_reported_not_raised_by_estimate_and_search() -> None:
@@ -179,7 +185,7 @@ def test_nothing_fits_is_reported_not_raised_by_estimate_and_search() -> None:
 def test_nothing_fits_says_none_when_nothing_would() -> None:
     plan = pp2_plan(budget=min(stage_peaks(pp2_plan("none"), "full")) / 2)
     with pytest.raises(CompileError) as info:
-        layer_policies(plan)
+        policies(plan)
     assert "largest micro-batch none" in str(info.value)
     assert "smallest tp x pp none on 2 GPUs" in str(info.value)
 
@@ -188,9 +194,8 @@ _CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
 from tests.cost.test_auto_checkpoint import budgets, pp2_plan, SPEC
-from ptc.compiler.balance import layer_policies
-policy = layer_policies(pp2_plan(budget=budgets()[{name!r}]))
-print(json.dumps([policy(i) for i in range(SPEC.layers)]))
+from tests.cost.test_auto_checkpoint import policies
+print(json.dumps(list(policies(pp2_plan(budget=budgets()[{name!r}])))))
 """
 
 

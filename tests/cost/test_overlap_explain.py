@@ -8,8 +8,9 @@ import io
 import pytest
 from rich.console import Console
 
+from ptc.compiler.meta import graph_record
 from ptc.compiler.layout import layout_of
-from ptc.compiler.overlap import GRAD_BYTES, OVERLAP_KEY, predicted_buckets
+from ptc.compiler.overlap import GRAD_BYTES, predicted_buckets
 from ptc.lower.driver import compile_plan
 from ptc.compiler.profile import model_profile
 from ptc.compiler.report import render_explain
@@ -46,7 +47,7 @@ def test_a_tied_head_never_shares_the_embedding_s_zero3_bucket():
     _, buckets = predicted(plan)
     assert [b.items for b in buckets] == [("embedding", "layers.0", "layers.1", "layers.2"),
                                          ("norm + head",)]
-    compiled = compile_plan(plan).stages[0].graph.meta[OVERLAP_KEY]
+    compiled = graph_record(compile_plan(plan).stages[0].graph).overlap
     assert len(compiled.buckets) == len(buckets)
 
 

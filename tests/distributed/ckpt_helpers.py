@@ -58,11 +58,9 @@ def _trainer(plan: Plan):
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-    from ptc.runtime.pipeline_exec import PipelineTrainer
 
     init_distributed(plan)
-    kind = PipelineTrainer if plan.parallel.pp > 1 else Trainer
-    return kind(compile_plan(plan), axis_groups(build_mesh(plan)))
+    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
 
 
 def _checkpointer(trainer, directory: str):

@@ -35,8 +35,8 @@ def log_collectives(zeros: list[int], dp: int) -> dict:
         dist.all_gather_object(logs, list(log))
         if dist.get_rank() == 0:
             numels = [sum(trainer.units[u].spec.padded_numel for u in bucket)
-                      for bucket in trainer.overlap.buckets]
-            results[zero] = {"logs": logs, "buckets": trainer.overlap.buckets,
+                      for bucket in trainer.chunks[0].overlap.buckets]
+            results[zero] = {"logs": logs, "buckets": trainer.chunks[0].overlap.buckets,
                              "bucket_numels": numels, "units": len(trainer.units)}
     dist.destroy_process_group()
     return results

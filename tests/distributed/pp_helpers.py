@@ -59,14 +59,14 @@ def run_pp_cases(cases: list[Case]) -> dict:
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-    from ptc.runtime.pipeline_exec import PipelineTrainer
+    from ptc.runtime.executor import Trainer
 
     results = {}
     for case in cases:
         plan = pp_plan(case)
         init_distributed(plan)
         groups = axis_groups(build_mesh(plan))
-        trainer = PipelineTrainer(compile_plan(plan), groups)
+        trainer = Trainer(compile_plan(plan), groups)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         peaks = [None] * dist.get_world_size()

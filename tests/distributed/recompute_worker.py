@@ -96,15 +96,13 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-    from ptc.runtime.pipeline_exec import PipelineTrainer
 
     results = {}
     for case in cases:
         plan = recompute_plan(case)
         init_distributed(plan)
         program = compile_plan(plan)
-        make = PipelineTrainer if plan.parallel.pp > 1 else Trainer
-        trainer = make(program, axis_groups(build_mesh(plan)))
+        trainer = Trainer(program, axis_groups(build_mesh(plan)))
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         policies = [None] * dist.get_world_size()

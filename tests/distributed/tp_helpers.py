@@ -108,7 +108,7 @@ def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[li
         groups = axis_groups(build_mesh(plan))
         trainer = Trainer(compile_plan(plan), groups)
         state = {t.untyped_storage().data_ptr()
-                 for t in (*trainer.gm.parameters(), *trainer.gm.buffers())}
+                 for t in (*trainer.chunks[0].gm.parameters(), *trainer.chunks[0].gm.buffers())}
         saved: dict[int, int] = {}
         regather = SeqRegather()
 
@@ -122,7 +122,7 @@ def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[li
         tokens, targets = trainer.data.batch(0, plan.train.micro_batch)
         with bind_axes(groups), regather, \
                 torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
-            loss = trainer.runner.run(tokens, targets)
+            loss = trainer.chunks[0].runner.run(tokens, targets)
         with bind_axes(groups):
             loss.backward()  # the graph (and every saved storage) lived until here
         per_rank = [None] * dist.get_world_size()

@@ -18,14 +18,14 @@ from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.compiler.estimate import estimate  # noqa: E402
 from ptc.compiler.layout import Layout  # noqa: E402
 from ptc.compiler.memory import precision, stage_memory  # noqa: E402
-from ptc.lower.driver import capture_plan, compile_graph, run_passes  # noqa: E402
+from ptc.lower.driver import apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
 from ptc.compiler.profile import model_profile  # noqa: E402
 from ptc.compiler.program import param_layout  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.compiler.stages import pipeline_stages, stage_info  # noqa: E402
-from ptc.passes import (PASSES, checkpoint_layers_pass, shard_params_pass,  # noqa: E402
+from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
                         split_pipeline_pass)
-from ptc.compiler.balance import layer_policies  # noqa: E402
+from ptc.compiler.decisions import resolve  # noqa: E402
 from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
@@ -94,7 +94,7 @@ def test_loss_and_gradients_match_the_uncheckpointed_graph(family, policy):
     model = build_model(p.model, device="cpu", seed=1)
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
     ref = loss_and_grads(with_weights(capture_plan(p), model), model, tokens, targets)
-    gm = checkpoint_layers_pass(with_weights(capture_plan(p), model), p)
+    gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
     assert len(regions(gm)) == (0 if policy == "none" else 3 if isinstance(policy, str) else 2)
     got = loss_and_grads(gm, model, tokens, targets)
     torch.testing.assert_close(got[0], ref[0])
@@ -109,7 +109,7 @@ def test_dropout_masks_match_on_recompute():
     tokens, targets = torch.randint(0, spec.vocab, (2, B, S))
     torch.manual_seed(5)
     ref = loss_and_grads(with_weights(capture_plan(p), model), model, tokens, targets)
-    gm = checkpoint_layers_pass(with_weights(capture_plan(p), model), p)
+    gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
     torch.manual_seed(5)
     got = loss_and_grads(gm, model, tokens, targets)
     torch.testing.assert_close(got[0], ref[0])
@@ -123,7 +123,7 @@ def test_saved_bytes_match_the_memory_model(family, policy):
     p = plan(family, policy)
     model = build_model(p.model, device="cpu", seed=0)
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
-    gm = checkpoint_layers_pass(with_weights(capture_plan(p), model), p)
+    gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
     measured = measured_saved_bytes(gm, tokens, targets)
     layout = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0, sp=False,
                     schedule="1f1b", layers=p.model.layers, checkpoint=policy, overlap=True)
@@ -137,7 +137,7 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
     Counted per stage as `measured_saved_bytes` counts a whole graph (a
     storage two stages both keep counts in each: on two ranks it is two
     copies). A stage that is not the last also keeps its outputs until the
-    micro-batch's backward (`ptc.runtime.pipeline_exec`): they count too.
+    micro-batch's backward (`ptc.runtime.executor`): they count too.
     """
     stages = pipeline_stages(pipeline)
     state = {t.untyped_storage().data_ptr() for t in (*pipeline.parameters(), *pipeline.buffers())}
@@ -187,8 +187,8 @@ def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy):
     spec = dataclasses.replace(SPECS[family], layers=4)
     p = plan(family, policy, pp=2, spec=spec)
     model = build_model(spec, device="cpu", seed=0)
-    pipeline, _ = run_passes(with_weights(capture_plan(p), model), p,
-                             (split_pipeline_pass, checkpoint_layers_pass))
+    pipeline = lower(with_weights(capture_plan(p), model), p,
+                     pass_list(split_pipeline_pass, checkpoint_layers_pass))[1].graph
     stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
     assert [a for a in stages[0].atoms if a.startswith("layers.")] == ["layers.0", "layers.1"]
     tokens, targets = torch.randint(0, spec.vocab, (2, B, S))
@@ -206,11 +206,11 @@ def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy):
 def test_pass_logs_and_leaves_none_alone(caplog):
     p = plan("gpt", ("full", "selective", "full"))
     with caplog.at_level("INFO", logger="ptc.passes"):
-        checkpoint_layers_pass(capture_plan(p), p)
+        apply_pass(checkpoint_layers_pass, capture_plan(p), p)
     assert "checkpointed 2 layers full, 1 selective" in caplog.text
     gm = capture_plan(plan("gpt", "none"))
     code = gm.code
-    assert checkpoint_layers_pass(gm, plan("gpt", "none")) is gm and gm.code == code
+    assert apply_pass(checkpoint_layers_pass, gm, plan("gpt", "none")) is gm and gm.code == code
 
 
 def _hbm_for(family: str, policy: tuple[str, ...]) -> float:
@@ -223,10 +223,10 @@ def test_auto_picks_k_full_layers_under_a_budget_that_forces_k(k):
     family = "llama"  # its fused attention core saves little: selective cannot replace a full layer
     forced = ("full",) * k + ("none",) * (3 - k)
     p = plan(family, "auto", hbm=_hbm_for(family, forced))
-    first, second = ([layer_policies(p)(i) for i in range(3)] for _ in range(2))
+    first, second = (list(resolve(capture_plan(p), p).checkpoint) for _ in range(2))
     assert first == second
     assert first.count("full") == k and first.count("selective") == 0
-    gm = checkpoint_layers_pass(capture_plan(p), p)
+    gm = apply_pass(checkpoint_layers_pass, capture_plan(p), p)
     assert len(regions(gm)) == k
 
 
@@ -241,7 +241,7 @@ def test_zero3_after_checkpoint_keeps_loss_and_gradients():
     for passes in ((shard_params_pass,), (checkpoint_layers_pass, shard_params_pass)):
         gm = capture_plan(p, model)
         for fn in passes:
-            gm = fn(gm, p, knobs={})
+            gm = apply_pass(fn, gm, p)
         for i, unit in enumerate(layout.units):
             flat = torch.cat([state[n].detach().reshape(-1) for n in unit.params])
             gm.zero.register_parameter(f"shard_{i}", nn.Parameter(flat))
@@ -261,7 +261,7 @@ def test_zero3_after_checkpoint_keeps_loss_and_gradients():
 def test_runs_per_pipeline_stage():
     spec = dataclasses.replace(SPECS["gpt"], layers=4)
     p = plan("gpt", ("full", "selective", "none", "full"), pp=2, spec=spec)
-    program = compile_graph(capture_plan(p), p, passes=PASSES)
+    program = compile_graph(capture_plan(p), p)
     assert any(m.startswith("checkpoint_layers_pass") for m in program.pass_log)
     per_stage = [sorted(n.args[0].target for n in regions(s.graph)) for s in program.stages]
     assert per_stage == [["ckpt_region_0_full_0", "ckpt_region_1_selective_0"],

@@ -14,9 +14,10 @@ import torch
 from test_zero_pass import calls, plan
 from torch import fx
 
-from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, link_bucket_bytes,
+from ptc.compiler.meta import graph_record
+from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, link_bucket_bytes,
                                   plan_buckets, resolve_bucket_bytes)
-from ptc.lower.driver import capture_plan, compile_plan
+from ptc.lower.driver import apply_pass, capture_plan, compile_plan
 from ptc.compiler.program import param_layout
 from ptc.models import build_model
 from ptc.passes import overlap_collectives_pass, shard_params_pass
@@ -31,7 +32,7 @@ def with_parallel(p, **changes):
 
 
 def zero3_graph(p) -> fx.GraphModule:
-    return shard_params_pass(capture_plan(p), p)
+    return apply_pass(shard_params_pass, capture_plan(p), p)
 
 
 def gathered_units(gm: fx.GraphModule) -> list[tuple[int, ...]]:
@@ -74,18 +75,18 @@ class TestBuckets:
 class TestZero3Scheduling:
     def test_prefetch_starts_each_gather_right_after_the_previous_wait(self):
         p = with_parallel(plan("gpt"), bucket_size=1.0)  # no merging: one gather per group
-        gm = overlap_collectives_pass(zero3_graph(p), p)
+        gm = apply_pass(overlap_collectives_pass, zero3_graph(p), p)
         order = list(gm.graph.nodes)
         waits, starts = calls(gm, gather_params), calls(gm, gather_params_start)
         assert len(starts) == 6
         for wait, nxt in zip(waits, starts[1:]):
             between = order[order.index(wait) + 1:order.index(nxt)]
             assert all(n.op == "get_attr" for n in between), between
-        assert gm.meta[OVERLAP_KEY].prefetch == 1 and gm.meta[OVERLAP_KEY].in_flight == IN_FLIGHT
+        assert graph_record(gm).overlap.prefetch == 1 and graph_record(gm).overlap.in_flight == IN_FLIGHT
 
     def test_waits_stay_right_before_the_first_use_of_their_weights(self):
         p = plan("llama")
-        gm = overlap_collectives_pass(zero3_graph(p), p)
+        gm = apply_pass(overlap_collectives_pass, zero3_graph(p), p)
         for wait in calls(gm, gather_params):
             views, frontier = set(), [wait]
             while frontier:  # the weight views taken from the gathered buffers
@@ -100,10 +101,10 @@ class TestZero3Scheduling:
 
     def test_without_overlap_nothing_moves_and_nothing_stays_in_flight(self):
         p = with_parallel(plan("gpt", overlap=False), bucket_size=1.0)
-        gm = overlap_collectives_pass(zero3_graph(p), p)
+        gm = apply_pass(overlap_collectives_pass, zero3_graph(p), p)
         for start in calls(gm, gather_params_start):
             assert start.next.target is gather_params and start.next.args[0] is start
-        decided = gm.meta[OVERLAP_KEY]
+        decided = graph_record(gm).overlap
         assert (decided.prefetch, decided.in_flight, decided.overlap) == (0, 0, False)
 
     def test_small_gathers_merge_up_to_the_bucket_size_in_order(self):
@@ -114,7 +115,7 @@ class TestZero3Scheduling:
         sizes = [sum(GRAD_BYTES * layout.units[u].padded_numel for u in us) for us in before]
         bucket = sizes[2] + sizes[3]  # exactly two layers
         p = with_parallel(p, bucket_size=float(bucket))
-        gm = overlap_collectives_pass(gm, p)
+        gm = apply_pass(overlap_collectives_pass, gm, p)
         after = gathered_units(gm)
         expected = [[u for i in group for u in before[i]]
                     for group in plan_buckets(sizes, bucket, before)]
@@ -122,7 +123,7 @@ class TestZero3Scheduling:
         assert len(after) < len(before)
         # The units gathered over dp keep their order: the guarantee every rank relies on.
         assert [u for us in after for u in us] == [u for us in before for u in us]
-        decided = gm.meta[OVERLAP_KEY]
+        decided = graph_record(gm).overlap
         assert decided.buckets == tuple(after) and decided.bucket_bytes == bucket
 
     def test_merged_gathers_compute_the_same_loss_and_gradients(self):
@@ -136,7 +137,7 @@ class TestZero3Scheduling:
             gm = capture_plan(q, model)
             layout = param_layout(gm, 1)
             state, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-            gm = overlap_collectives_pass(shard_params_pass(gm, q), q)
+            gm = apply_pass(overlap_collectives_pass, apply_pass(shard_params_pass, gm, q), q)
             for i, unit in enumerate(layout.units):
                 flat = torch.cat([state[n].detach().reshape(-1) for n in unit.params])
                 gm.zero.register_parameter(f"shard_{i}", torch.nn.Parameter(flat))
@@ -164,8 +165,8 @@ class TestGradientBuckets:
         gm = capture_plan(p)
         layout = param_layout(gm, p.parallel.dp)
         sizes = [GRAD_BYTES * u.padded_numel for u in layout.units]
-        gm = overlap_collectives_pass(gm, p)
-        decided = gm.meta[OVERLAP_KEY]
+        gm = apply_pass(overlap_collectives_pass, gm, p)
+        decided = graph_record(gm).overlap
         expected = plan_buckets(sizes, resolve_bucket_bytes(p, sizes))
         assert decided.buckets == tuple(tuple(b) for b in expected)
         assert sorted(u for b in decided.buckets for u in b) == list(range(len(layout.units)))
@@ -174,7 +175,7 @@ class TestGradientBuckets:
     def test_the_program_carries_each_stage_s_decisions(self):
         p = plan("gpt")
         program = compile_plan(p)
-        assert program.stages[0].overlap is program.stages[0].graph.meta[OVERLAP_KEY]
+        assert program.stages[0].overlap is graph_record(program.stages[0].graph).overlap
         assert any(m.startswith("overlap_collectives_pass:") for m in program.pass_log)
 
 

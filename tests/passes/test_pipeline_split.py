@@ -21,9 +21,9 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import with_weights  # noqa: E402
-from ptc.lower.driver import capture_plan, compile_plan  # noqa: E402
+from ptc.lower.driver import apply_pass, capture_plan, compile_plan  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
-from ptc.compiler.stages import PIPELINE_KEY, pipeline_stages, stage_info  # noqa: E402
+from ptc.compiler.stages import pipeline_info, pipeline_stages, stage_info  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import split_pipeline_pass  # noqa: E402
@@ -55,7 +55,7 @@ def make_plan(family: str = "gpt", *, pp: int = 2, v: int = 1, m: int = 4, zero:
 
 def split(plan: Plan, knobs: dict | None = None, model: nn.Module | None = None):
     gm = capture_plan(plan, model)
-    return gm, split_pipeline_pass(gm, plan, knobs=knobs or {})
+    return gm, apply_pass(split_pipeline_pass, gm, plan, **(knobs or {}))
 
 
 def bind(pipeline, model: nn.Module) -> None:
@@ -109,7 +109,7 @@ class TestSplitPipelinePass:
         plan = Plan(model=model_spec(), hardware=HardwareSpec.preset("cpu", gpus_per_node=1),
                     train=TrainSpec(seq_len=16, global_batch=2, micro_batch=2, dtype="fp32"))
         gm = capture_plan(plan)
-        assert split_pipeline_pass(gm, plan, knobs={}) is gm
+        assert apply_pass(split_pipeline_pass, gm, plan) is gm
 
     def test_stages_and_what_crosses(self) -> None:
         _, pipeline = split(make_plan(pp=2))
@@ -129,7 +129,7 @@ class TestSplitPipelinePass:
         _, pipeline = split(make_plan(pp=2, v=2, layers=4))
         stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
         assert [(s.rank, s.chunk) for s in stages] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-        assert pipeline.meta[PIPELINE_KEY].pp == 2 and pipeline.meta[PIPELINE_KEY].virtual == 2
+        assert pipeline_info(pipeline).pp == 2 and pipeline_info(pipeline).virtual == 2
 
     def test_tied_embedding_is_held_by_first_and_last_stage(self) -> None:
         _, pipeline = split(make_plan(pp=4))
@@ -137,7 +137,7 @@ class TestSplitPipelinePass:
         assert stages[0].tied == (("embed.weight", "embed.weight"),)
         assert stages[3].tied == (("head.weight", "embed.weight"),)
         assert stages[1].tied == stages[2].tied == ()
-        assert pipeline.meta[PIPELINE_KEY].tied == (("embed.weight", (0, 3)),)
+        assert pipeline_info(pipeline).tied == (("embed.weight", (0, 3)),)
         first, last = (s for _, s in pipeline_stages(pipeline)[::3])
         assert first.get_parameter("embed.weight") is not last.get_parameter("head.weight")
 

@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
+from ptc.compiler.meta import graph_record  # noqa: E402
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.lower.driver import capture_plan  # noqa: E402
-from ptc.compiler.tp_layout import TP_KEY  # noqa: E402
+from ptc.lower.driver import apply_pass, capture_plan  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
@@ -47,7 +47,7 @@ def plan(model: ModelSpec = GPT, *, tp: int = 2, sp: bool = True, seq: int = 16)
 
 def lowered(p: Plan, gm: fx.GraphModule | None = None) -> fx.GraphModule:
     gm = gm if gm is not None else capture_plan(p)
-    return shard_sequence_pass(shard_tensors_pass(gm, p), p)
+    return apply_pass(shard_sequence_pass, apply_pass(shard_tensors_pass, gm, p), p)
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -83,7 +83,7 @@ class TestShardSequencePass:
 
     def test_parameters_on_the_split_sequence_are_listed_for_one_tp_sum_per_step(self):
         gm = lowered(plan(GPT))
-        assert sorted(gm.meta[TP_KEY].sequence_partial) == sorted(
+        assert sorted(graph_record(gm).tensor_parallel.sequence_partial) == sorted(
             [f"layers.{i}.{m}.{w}" for i in range(2) for m in ("attn_norm", "mlp_norm")
              for w in ("weight", "bias")]
             + [f"layers.{i}.{m}.bias" for i in range(2) for m in ("attn.o", "mlp.down")]
@@ -118,7 +118,7 @@ class TestShardSequencePass:
         assert len(calls(gm, all_gather_seq)) == 5
         assert len(calls(gm, reduce_scatter_seq)) == 5
         assert not calls(gm, scatter_seq)
-        assert sorted(gm.meta[TP_KEY].sequence_partial) == sorted(
+        assert sorted(graph_record(gm).tensor_parallel.sequence_partial) == sorted(
             [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn_norm", "mlp_norm")]
             + ["norm.weight"])
         assert node(gm, "layers_0_attn_norm").target is torch.nn.functional.rms_norm
@@ -134,17 +134,17 @@ class TestShardSequencePass:
 
     def test_off_without_the_option_or_with_tp1(self):
         p = plan(GPT, sp=False)
-        gm = shard_tensors_pass(capture_plan(p), p)
+        gm = apply_pass(shard_tensors_pass, capture_plan(p), p)
         code = gm.code
-        assert shard_sequence_pass(gm, p) is gm and gm.code == code
+        assert apply_pass(shard_sequence_pass, gm, p) is gm and gm.code == code
         p1 = plan(GPT, tp=1)
         gm1 = capture_plan(p1)
-        assert shard_sequence_pass(gm1, p1) is gm1
+        assert apply_pass(shard_sequence_pass, gm1, p1) is gm1
 
     def test_needs_the_tensor_parallel_pass_first(self):
         p = plan(GPT)
         with pytest.raises(CompileError, match="run the tensor_parallel pass first"):
-            shard_sequence_pass(capture_plan(p), p)
+            apply_pass(shard_sequence_pass, capture_plan(p), p)
 
     def test_sequence_not_divisible(self):
         p = plan(GPT, tp=4, seq=14)

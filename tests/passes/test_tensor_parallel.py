@@ -22,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
+from ptc.compiler.meta import graph_record  # noqa: E402
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.lower.driver import capture_plan, compile_graph  # noqa: E402
-from ptc.compiler.tp_layout import TP_KEY, ParamShard  # noqa: E402
+from ptc.lower.driver import apply_pass, capture_plan, compile_graph  # noqa: E402
+from ptc.compiler.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
-from ptc.passes import PASSES, shard_tensors_pass  # noqa: E402
+from ptc.passes import shard_tensors_pass  # noqa: E402
 from ptc.passes.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
@@ -51,7 +52,7 @@ def plan(model: ModelSpec = GPT, *, tp: int = 2, dp: int = 1, zero: int = 0,
 
 def lowered(p: Plan, model: nn.Module | None = None) -> fx.GraphModule:
     gm = capture(model, micro_batch=2, seq_len=16) if model is not None else capture_plan(p)
-    return shard_tensors_pass(gm, p)
+    return apply_pass(shard_tensors_pass, gm, p)
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -107,7 +108,7 @@ class TestShardTensorsPass:
         assert shapes["pos_embed.weight"] == (16, 32)  # indexed by positions: replicated
         assert shapes["layers.0.attn_norm.weight"] == (32,)
         assert gm.embed.weight is gm.head.weight  # tied: one shard shared
-        layout = gm.meta[TP_KEY]
+        layout = graph_record(gm).tensor_parallel
         assert layout.tp == 2
         assert layout.params["layers.0.attn.qkv.weight"] == ParamShard(
             style="colwise", dim=0, segments=(32, 32, 32), full_shape=(96, 32))
@@ -117,7 +118,7 @@ class TestShardTensorsPass:
         assert "pos_embed.weight" not in layout.params
 
     def test_fused_qkv_rank_gets_its_own_q_k_and_v_heads(self):
-        shard = lowered(plan(GPT)).meta[TP_KEY].params["layers.0.attn.qkv.weight"]
+        shard = graph_record(lowered(plan(GPT))).tensor_parallel.params["layers.0.attn.qkv.weight"]
         full = torch.arange(96.0).unsqueeze(1).expand(96, 32)
         rows = shard.local(full, 1, 2)[:, 0].long().tolist()
         assert rows == [*range(16, 32), *range(48, 64), *range(80, 96)]  # q, k, v heads 2, 3
@@ -171,7 +172,7 @@ class TestShardTensorsPass:
         merge = node(gm, "view_3")  # y.view(B, T, C): C // 2 inserted
         assert merge.args[3].target is operator.floordiv and merge.args[3].args[1] == 2
         assert node(gm, "split").args[1] == 16
-        layout = gm.meta[TP_KEY]
+        layout = graph_record(gm).tensor_parallel
         assert layout.params["transformer.h.0.attn.c_attn.weight"].segments == (32, 32, 32)
         assert gm.transformer.wte.weight is gm.lm_head.weight
         ce = calls(gm, vocab_parallel_cross_entropy)[0]
@@ -180,12 +181,12 @@ class TestShardTensorsPass:
     def test_tp1_leaves_the_graph_alone(self):
         gm = capture_plan(plan(GPT, tp=1))
         code = gm.code
-        assert shard_tensors_pass(gm, plan(GPT, tp=1)) is gm and gm.code == code
-        assert TP_KEY not in gm.meta
+        assert apply_pass(shard_tensors_pass, gm, plan(GPT, tp=1)) is gm and gm.code == code
+        assert graph_record(gm).tensor_parallel is None
 
     def test_program_and_zero_see_local_shapes(self):
         p = plan(LLAMA, dp=2, zero=3)
-        program = compile_graph(capture_plan(p), p, passes=PASSES)
+        program = compile_graph(capture_plan(p), p)
         assert program.tensor_parallel.params["layers.0.attn.q.weight"].full_shape == (32, 32)
         assert program.layout.params["layers.0.attn.q.weight"].shape == (16, 32)
         assert [m.split(":")[0] for m in program.pass_log] == [
@@ -278,9 +279,9 @@ class TestUnshardable:
                         vocab=64, max_seq=16)
         p = plan(odd, tp=4)
         with pytest.raises(CompileError, match=r"2 key/value heads, not divisible by tp = 4"):
-            shard_tensors_pass(capture_plan(p), p)
+            apply_pass(shard_tensors_pass, capture_plan(p), p)
         rules = (ShardRule(pattern="layers.*.attn.*", style="replicate"),)
-        gm = shard_tensors_pass(capture_plan(p), plan(odd, tp=4, shards=rules))
+        gm = apply_pass(shard_tensors_pass, capture_plan(p), plan(odd, tp=4, shards=rules))
         assert tuple(gm.get_parameter("layers.0.attn.k.weight").shape) == (16, 32)
         assert tuple(gm.get_parameter("layers.0.mlp.up.weight").shape) == (16, 32)
 

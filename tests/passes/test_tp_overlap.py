@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from ptc.compiler.inspect import collective  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.compiler.nodes import module_of  # noqa: E402
-from ptc.lower.driver import capture_plan, run_passes  # noqa: E402
+from ptc.lower.driver import capture_plan, lower, pass_list  # noqa: E402
 from ptc.compiler.stages import pipeline_stages  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
@@ -64,7 +64,7 @@ def plan(family: str, *, sp: bool = False, pp: int = 1, zero: int = 0,
 
 
 def lowered(p: Plan, passes=TP_PASSES) -> fx.GraphModule:
-    return run_passes(capture_plan(p), p, passes)[0]
+    return lower(capture_plan(p), p, pass_list(*passes))[1].graph
 
 
 def calls(gm: fx.GraphModule, *targets) -> list[fx.Node]:

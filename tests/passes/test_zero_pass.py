@@ -15,11 +15,12 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.lower.driver import capture_plan, compile_graph, run_passes  # noqa: E402
+from ptc.compiler.meta import GraphRecord, graph_info, set_graph_record  # noqa: E402
+from ptc.lower.driver import PASSES, apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
-from ptc.passes import PASSES, shard_params_pass  # noqa: E402
+from ptc.passes import shard_params_pass  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec)  # noqa: E402
 from ptc.ops.collectives import gather_params, gather_params_start  # noqa: E402
 
@@ -46,7 +47,7 @@ class TestShardParamsPass:
         p = plan("gpt", layers=3)
         gm = capture_plan(p)
         with caplog.at_level("INFO", logger="ptc.passes"):
-            gm = shard_params_pass(gm, p)
+            gm = apply_pass(shard_params_pass, gm, p)
         # embed, pos_embed, 3 layers, norm, head (tied to embed: gathered again)
         assert len(calls(gm, gather_params)) == 7
         assert len(calls(gm, gather_params_start)) == 7
@@ -54,7 +55,7 @@ class TestShardParamsPass:
 
     def test_only_shards_remain_as_parameters(self):
         p = plan("llama")
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         names = [n for n, _ in gm.named_parameters()]
         assert isinstance(gm.zero, ZeroShards)
         assert names == [f"zero.shard_{i}" for i in range(len(gm.zero.layout.units))]
@@ -63,14 +64,14 @@ class TestShardParamsPass:
 
     def test_shards_are_one_dp_slice_of_each_unit(self):
         p = plan("gpt", dp=4)
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         for i, unit in enumerate(gm.zero.layout.units):
             assert getattr(gm.zero, f"shard_{i}").shape == (unit.shard_numel,)
             assert unit.shard_numel * 4 >= unit.numel > (unit.shard_numel - 1) * 4
 
     def test_tied_head_gathers_the_embedding_unit_again(self):
         p = plan("gpt")
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         gathers = calls(gm, gather_params)
         shard_targets = [tuple(a.target for a in g.args[1]) for g in gathers]
         assert shard_targets[0] == ("zero.shard_0",)  # embed
@@ -81,13 +82,13 @@ class TestShardParamsPass:
     def test_each_start_sits_just_before_its_wait(self, overlap):
         # When to issue a gather is the comm_overlap pass's decision, not this pass's.
         p = plan("gpt", overlap=overlap)
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         for start in calls(gm, gather_params_start):
             assert start.next.target is gather_params and start.next.args[0] is start
 
     def test_created_nodes_keep_the_source_provenance(self):
         p = plan("llama")
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         layer1 = [g for g in calls(gm, gather_params)
                   if get_info(g) is not None and get_info(g).layer == 1]
         assert len(layer1) == 1
@@ -109,7 +110,7 @@ class TestShardParamsPass:
         layout = param_layout(gm, 1)
         state = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        gm = shard_params_pass(gm, p)
+        gm = apply_pass(shard_params_pass, gm, p)
         for i, unit in enumerate(layout.units):
             flat = torch.cat([state[n].detach().reshape(-1) for n in unit.params])
             gm.zero.register_parameter(f"shard_{i}", nn.Parameter(flat))
@@ -126,7 +127,7 @@ class TestShardParamsPass:
         p = plan("gpt", zero=2)
         gm = capture_plan(p)
         before = str(gm.graph)
-        assert shard_params_pass(gm, p) is gm and str(gm.graph) == before
+        assert apply_pass(shard_params_pass, gm, p) is gm and str(gm.graph) == before
 
     def test_unsupported_leaf_module_is_named(self):
         class Scale(nn.Module):
@@ -147,29 +148,31 @@ class TestShardParamsPass:
                 return self.conv(self.lin(x).unsqueeze(-1)).sum()
 
         gm = fx.symbolic_trace(M())
+        # A hand-traced graph: give it the record capture would (any captured graph's info).
+        set_graph_record(gm, GraphRecord(capture=graph_info(capture_plan(plan("gpt")))))
         with pytest.raises(CompileError, match=r"conv \(Conv1d\).*Linear, Embedding"):
-            shard_params_pass(gm, plan("gpt"))
+            apply_pass(shard_params_pass, gm, plan("gpt"))
 
 
 class TestRunPasses:
     def test_failing_pass_is_named_with_the_passes_before_it(self):
-        def first_pass(gm, plan, *, knobs):
+        def first_pass(gm, decisions):
             return gm
 
-        def broken_pass(gm, plan, *, knobs):
+        def broken_pass(gm, decisions):
             raise ValueError("boom")
 
         p = plan_ = plan("gpt", zero=0)
         with pytest.raises(CompileError, match=r"pass broken_pass failed \(passes run before it: "
                                                r"first_pass\): ValueError: boom"):
-            run_passes(capture_plan(p), plan_, [first_pass, broken_pass])
+            lower(capture_plan(p), plan_, pass_list(first_pass, broken_pass))
 
     def test_dump_dir_gets_the_graph_after_each_pass(self, tmp_path, monkeypatch):
         monkeypatch.setenv("PTC_DUMP_DIR", str(tmp_path))
         p = plan("gpt")
         program = compile_graph(capture_plan(p), p)
         files = sorted(f.name for f in tmp_path.iterdir())
-        after = [f"{i:02d}_{p.__name__}.txt" for i, p in enumerate(PASSES, start=1)]
+        after = [f"{i:02d}_{name}.txt" for i, name in enumerate(PASSES.names(), start=1)]
         assert files == ["00_captured.txt", *after]
         zero_dump = next(f for f in after if "shard_params_pass" in f)
         assert "gather_params" in (tmp_path / zero_dump).read_text()
@@ -178,14 +181,13 @@ class TestRunPasses:
 
     def test_knobs_reach_their_pass(self):
         p = plan("gpt")
-        gm, _ = run_passes(capture_plan(p), p, PASSES,
-                           knobs={"overlap_collectives_pass": {"prefetch": 0}})
+        gm = lower(capture_plan(p), p, knobs={"overlap_collectives_pass": {"prefetch": 0}})[1].graph
         for start in calls(gm, gather_params_start):
             assert start.next.target is gather_params
 
     def test_getitem_views_slice_the_unit_buffer(self):
         p = plan("gpt")
-        gm = shard_params_pass(capture_plan(p), p)
+        gm = apply_pass(shard_params_pass, capture_plan(p), p)
         view = next(n for n in gm.graph.nodes if n.name == "layers_0_attn_qkv_weight")
         piece = view.args[0]
         assert piece.target is operator.getitem and isinstance(piece.args[1], slice)

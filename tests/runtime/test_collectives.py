@@ -35,7 +35,7 @@ def forward_backward(prefetch: bool, monkeypatch, dtype: str = "fp32"):
     monkeypatch.setattr(zero3.ParamSession, "_regather", logged_regather)
     session = zero3.ParamSession(prefetch=prefetch, in_flight=IN_FLIGHT)
     with session, session.saved_tensor_hooks():
-        loss = trainer.runner.run(tokens, targets)
+        loss = trainer.chunks[0].runner.run(tokens, targets)
     alive_after_forward = session.alive()
     forward_events = len(events)
     with session:

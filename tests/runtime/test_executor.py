@@ -62,7 +62,7 @@ def test_failure_names_rank_node_and_source_line(tmp_path, zero):
 def test_bf16_compute_trains_near_fp32_and_holds_predicted_bytes(zero):
     fp32 = [s.loss for s in train(tiny_plan("llama", zero=zero, dp=1, accum=1))[1]]
     trainer, stats = train(tiny_plan("llama", zero=zero, dp=1, accum=1, dtype="bf16"))
-    assert all(p.dtype == torch.bfloat16 for p in trainer.gm.parameters()) or zero == 3
+    assert all(p.dtype == torch.bfloat16 for p in trainer.chunks[0].gm.parameters()) or zero == 3
     assert all(u.master.dtype == torch.float32 for u in trainer.units)
     # The captured loss is computed in the compute dtype: bf16 spaces values near 4 by 1/32.
     torch.testing.assert_close(torch.tensor([s.loss for s in stats]), torch.tensor(fp32),

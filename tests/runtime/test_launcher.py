@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(10)
 
 def test_single_node_is_standalone_without_restarts():
     assert launcher_args("p.ptc", 4) == ["--nproc-per-node=4", "--standalone", "--max-restarts=0",
-                                         "-m", "ptc.runtime.worker", "p.ptc"]
+                                         "-m", "ptc.worker", "p.ptc"]
 
 
 def test_multi_node_flags_pass_through():
@@ -20,7 +20,7 @@ def test_multi_node_flags_pass_through():
     args = launcher_args("p.ptc", 8, extra)
     assert "--standalone" not in args
     assert args[:2] == ["--nproc-per-node=8", "--max-restarts=0"]
-    assert args[2:6] == extra and args[-3:] == ["-m", "ptc.runtime.worker", "p.ptc"]
+    assert args[2:6] == extra and args[-3:] == ["-m", "ptc.worker", "p.ptc"]
 
 
 def test_torchrun_flags_parse():
@@ -29,7 +29,7 @@ def test_torchrun_flags_parse():
     parsed = parse_args(launcher_args("p.ptc", 2, ["--nnodes=2", "--node-rank=1",
                                                    "--rdzv-endpoint=host:29500"]))
     assert (parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint) == ("2", 1, "host:29500")
-    assert parsed.module and parsed.training_script == "ptc.runtime.worker"
+    assert parsed.module and parsed.training_script == "ptc.worker"
 
 
 def test_worker_detection(monkeypatch):

@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 from runtime_helpers import tiny_plan
 
-from ptc.compiler import pipeline
+from ptc.compiler.decisions import resolve
+from ptc.lower.driver import capture_plan, compile_plan
 from ptc.runtime.executor import StepStats
 from ptc.runtime.metrics import StepReporter, format_step
 
@@ -66,7 +67,8 @@ def test_progress_bar_on_a_terminal():
 
 
 def test_predicted_step_time_hook_is_none_or_positive():
-    value = pipeline.predicted_step_time(tiny_plan("gpt", zero=0, dp=1, accum=1))
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    value = resolve(capture_plan(plan), plan).predicted_step_time
     assert value is not None and value > 0
 
 
@@ -94,7 +96,7 @@ def test_model_flops_are_three_forwards_of_the_global_batch():
     from ptc.runtime.metrics import model_flops_per_step
 
     plan = tiny_plan("gpt", zero=0, dp=1, accum=2)  # two micro-batches of one sample
-    program = pipeline.compile_plan(plan)
+    program = compile_plan(plan)
     forward = sum(get_info(n).flops or 0 for n in program.stages[0].graph.graph.nodes
                   if get_info(n) is not None)
     assert forward > 0

@@ -1,0 +1,115 @@
+"""The Decisions record: the plan resolved once, before the first pass.
+
+A plan leaves choices open ("auto" checkpointing, a predicted step time to
+report). `resolve` makes them once, from the plan and the
+captured graph, into one frozen `Decisions` that every pass reads, the
+Program carries and `ptc explain`, `ptc inspect` and the runtime read; no
+one recomputes them. The cost model runs here and only here during a
+compile (`estimate`, once).
+
+What is decided where:
+- here, before any pass: each layer's recompute policy (checkpoint = auto
+  becomes the per-stage mix of none / selective / full that fits the memory
+  budget with the least recompute), and the cost model's estimate and so the
+  predicted step time;
+- at the pipeline split (the one seam of the pass list), from the graph the
+  whole-graph passes lowered: the cut into stages, what each stage holds
+  (`ptc.compiler.stages.StageInfo`) and each stage's parameter layout, fixed
+  once in the stage graph's record (`ptc.compiler.meta.GraphRecord`) and
+  read from there by the zero and comm_overlap passes, the Program and the
+  runtime. The split prices the tp-lowered graph, so it cannot come earlier;
+  the bucket size follows from the plan and that layout
+  (`ptc.compiler.overlap.resolve_bucket_bytes`) and is decided by the
+  comm_overlap pass, which records it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import fx
+
+from ptc.compiler.meta import graph_info
+from ptc.errors import CompileError, PtcError
+from ptc.plan import Plan
+
+if TYPE_CHECKING:
+    from ptc.compiler.estimate import Estimate
+
+log = logging.getLogger("ptc.compiler")
+
+POLICIES = ("none", "selective", "full")
+"""Recompute policies of a layer."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decisions:
+    """The plan with every open choice made: what the passes and the runtime follow."""
+
+    plan: Plan
+    """The resolved plan compiled."""
+    checkpoint: tuple[str, ...]
+    """Recompute policy of each layer of the captured graph (one of POLICIES)."""
+    estimate: Estimate | None
+    """The cost model's `ptc.compiler.estimate.Estimate` of the plan (None: not priced)."""
+    unpriced: str | None
+    """Why there is no estimate (a custom model, a plan the cost model cannot price)."""
+
+    def policy(self, layer: int | None) -> str:
+        """The recompute policy of layer `layer` ("none" outside the layers)."""
+        if layer is None or not 0 <= layer < len(self.checkpoint):
+            return "none"
+        return self.checkpoint[layer]
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """Predicted seconds per optimizer step, when the plan was priced."""
+        return None if self.estimate is None else float(self.estimate.step_time_s)
+
+
+def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
+    """Make the plan's open choices for the captured graph `gm` (see the module docstring).
+
+    Raises CompileError when checkpoint = auto cannot fit a stage even with
+    every layer fully recomputed: compiling such a plan would only fail
+    later, out of memory.
+    """
+    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model (sympy)
+
+    if not plan.is_resolved:
+        raise CompileError("compiling needs a resolved plan: tp, pp and dp must not be auto")
+    layers = graph_info(gm).num_layers
+    priced, unpriced = None, None
+    if plan.model.family == "custom":  # profiles are built from a family's shape fields
+        unpriced = "no predicted step time for a custom model"
+        log.info(unpriced)
+    else:
+        try:
+            priced = estimate(plan)
+        except (PtcError, ValueError) as exc:
+            unpriced = f"no predicted step time: {exc}"
+            log.warning(unpriced)
+    return Decisions(plan=plan, checkpoint=_policies(plan, layers, priced), estimate=priced,
+                     unpriced=unpriced)
+
+
+def _policies(plan: Plan, layers: int, priced: Estimate | None) -> tuple[str, ...]:
+    """Each layer's recompute policy: the plan's, or checkpoint = auto's choice."""
+    ckpt = plan.parallel.checkpoint
+    if ckpt != "auto":
+        if isinstance(ckpt, str):
+            return (ckpt,) * layers
+        return tuple(ckpt[i] if i < len(ckpt) else "none" for i in range(layers))
+    if plan.model.family == "custom":  # no profile to price with: nothing is recomputed
+        return ("none",) * layers
+    if priced is None:
+        raise CompileError("checkpoint = auto needs the cost model's estimate of the plan, "
+                           "which failed (see the warning above); name a policy instead")
+    if not priced.fits:
+        from ptc.compiler.fit import nothing_fits_message  # noqa: PLC0415
+
+        raise CompileError(nothing_fits_message(plan, list(priced.stage_memory_bytes)))
+    return tuple(priced.layout.checkpoint)
+
