@@ -158,7 +158,7 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
 
 
 _CACHE: dict[tuple, ModelProfile] = {}
-_SOURCES = ("compiler/capture.py", "compiler/activations.py", "compiler/profile.py",
+_SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
             "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
 
 

@@ -1,0 +1,76 @@
+"""Weights: capture never allocates one; its graphs bind to real ones afterwards.
+
+Terms: a *meta model* is the model with every parameter and buffer an
+empty meta tensor (floating ones in the compute dtype), the module tree and
+weight ties unchanged; both front doors trace it. A *bound* graph is a
+captured graph whose call_module / get_attr targets resolve in a
+materialised model with the same module paths, so it can run.
+
+Job: make the meta model before capture, and bind a captured graph to real
+weights after it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx, nn
+
+
+def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The model itself if it is all meta in `dtype`, else a meta copy of it.
+
+    Capture reads only shapes and dtypes, so a model of any size is captured
+    without allocating its weights.
+
+    The copy is a deepcopy whose memo maps every parameter and buffer to an
+    empty meta tensor (floating ones in `dtype`), so no weight is copied and
+    tied parameters stay tied.
+    """
+    tensors = [t for m in model.modules()
+               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+    if all(t.device.type == "meta" and (not t.is_floating_point() or t.dtype == dtype)
+           for t in tensors):
+        return model
+    memo: dict = {}
+    for m in model.modules():
+        for store, is_param in ((m._parameters, True), (m._buffers, False)):
+            for t in store.values():
+                if t is None or id(t) in memo:
+                    continue
+                empty = torch.empty_like(t, device="meta",
+                                         dtype=dtype if t.is_floating_point() else t.dtype)
+                memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) \
+                    if is_param else empty
+    return copy.deepcopy(model, memo)
+
+
+def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """A runnable copy of a captured graph whose parameters and buffers are `model`'s.
+
+    A graph is captured on meta; to run it (eager checks, tests) bind it to a
+    materialised model with the same module paths: the new GraphModule looks
+    every call_module / get_attr target up in `model`, so weights are shared,
+    not copied, and non-persistent buffers (RoPE tables) come along. The
+    graph, with its NodeInfo metadata, is copied; `gm` is left untouched.
+    Compute happens in the dtype of `model`'s tensors. An export-door graph
+    records the device of the tensors it creates (`arange(..., device=meta)`);
+    those become the device of `model`'s parameters.
+    """
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    meta = torch.device("meta")
+
+    def on_device(arg):
+        return device if isinstance(arg, torch.device) and arg == meta else arg
+
+    graph = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, val_map.__getitem__)
+        new.args = fx.node.map_aggregate(new.args, on_device)
+        new.kwargs = fx.node.map_aggregate(new.kwargs, on_device)
+        val_map[node] = new
+    bound = fx.GraphModule(model, graph, type(gm).__name__)
+    bound.meta.update(gm.meta)
+    return bound
