@@ -79,7 +79,6 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
         ensure_optimizer_state,
         full_name,
         optimizer_kinds,
-        rank_units,
     )
     from ptc.ops.comm import all_gather_flat
     from ptc.runtime.tp_state import join_over_tp
@@ -87,7 +86,7 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
     ensure_optimizer_state(trainer)
     kinds = ("model", *optimizer_kinds(trainer))
     local: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in kinds}
-    for unit in rank_units(trainer):
+    for unit in trainer.units:
         state = trainer.optimizer.inner.state[unit.master]
         for kind in kinds:
             flat = unit.master.detach() if kind == "model" else state[kind]

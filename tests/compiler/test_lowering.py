@@ -1,0 +1,100 @@
+"""The compile driver: one Decisions record, the cost model once, the verifier, disabled passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import pytest
+import torch
+
+import ptc.compiler.estimate as estimate_module
+from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
+from ptc.compiler.meta import graph_record
+from ptc.compiler.program import stage_layout
+from ptc.errors import CompileError
+from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
+from ptc.lower.verify import verify_graph
+
+MODEL = ModelSpec(family="llama", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64,
+                  max_seq=16)
+
+
+def plan(**parallel) -> Plan:
+    par = ParallelSpec(**{"tp": 1, "pp": 2, "dp": 1, "checkpoint": "auto", **parallel})
+    return Plan(model=MODEL, hardware=HardwareSpec.preset("cpu", gpus_per_node=par.tp * par.pp),
+                parallel=par, train=TrainSpec(seq_len=16, global_batch=4, micro_batch=1))
+
+
+@pytest.mark.parametrize("parallel", [dict(), dict(tp=2, sequence_parallel=True, zero=3),
+                                      dict(pp=1, checkpoint="selective")])
+def test_the_cost_model_runs_once_per_compile(monkeypatch, parallel):
+    """checkpoint = auto, the split's pricing and the predicted step time share one estimate."""
+    calls = []
+    real = estimate_module.step_cost
+    monkeypatch.setattr(estimate_module, "step_cost",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    program = compile_plan(plan(**parallel))
+    assert len(calls) == 1
+    assert program.predicted_step_time == program.decisions.estimate.step_time_s > 0
+    assert len(program.decisions.checkpoint) == MODEL.layers
+
+
+def test_stages_read_the_one_layout_the_split_fixed():
+    program = compile_plan(plan(zero=3))
+    for stage in program.stages:
+        assert stage.layout is stage_layout(stage.graph) is graph_record(stage.graph).layout
+        assert stage.overlap is graph_record(stage.graph).overlap
+        assert stage.info.num_stages == 2
+
+
+def test_pp1_is_one_stage_with_a_one_stage_schedule():
+    program = compile_plan(plan(pp=1))
+    (stage,) = program.stages
+    assert stage.info.is_first and stage.info.is_last and stage.info.data == ("tokens", "targets")
+    assert [str(a) for a in program.schedule.ranks[0][:4]] == ["0F0", "0B0", "0F1", "0B1"]
+
+
+def test_verifier_names_the_pass_that_broke_the_graph():
+    p = plan(pp=1, checkpoint="none")
+    gm = capture_plan(p)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    with gm.graph.inserting_after(node):
+        gm.graph.call_function(operator.neg, (node,))  # a created node without ptc metadata
+    with pytest.raises(CompileError, match=r"after pass my_pass is broken: node neg\w* .* no ptc "
+                                           r"metadata"):
+        verify_graph(gm, p, after="my_pass")
+
+
+def test_verifier_catches_a_parameter_resized_without_its_metadata():
+    p = plan(pp=1, checkpoint="none")
+    gm = capture_plan(p)
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr")
+    owner, _, leaf = str(attr.target).rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    setattr(module, leaf, torch.nn.Parameter(torch.empty(3, device="meta")))
+    with pytest.raises(CompileError, match=r"records shape .* of shape \(3,\)"):
+        verify_graph(gm, p, after="resize_pass")
+
+
+def test_disabling_an_optional_pass_skips_it(monkeypatch):
+    monkeypatch.setenv("PTC_DISABLE_PASSES", "overlap_collectives_pass")
+    p = plan(pp=1)
+    _, lowered = lower(capture_plan(p), p)
+    assert not any(line.startswith("overlap_collectives_pass") for line in lowered.log)
+    assert graph_record(lowered.stages[0]).overlap is None
+
+
+def test_a_pass_the_plan_needs_cannot_be_disabled(monkeypatch):
+    monkeypatch.setenv("PTC_DISABLE_PASSES", "split_pipeline_pass")
+    with pytest.raises(CompileError, match=r"split_pipeline_pass cannot be skipped: the plan's "
+                                           r"pp > 1 needs it"):
+        compile_plan(plan())
+
+
+def test_an_unknown_pass_name_lists_the_passes(monkeypatch):
+    monkeypatch.setenv("PTC_DISABLE_PASSES", "no_such_pass")
+    p = plan(pp=1)
+    with pytest.raises(CompileError, match="no pass named no_such_pass; the passes are "
+                                           + ", ".join(PASSES.names())):
+        compile_graph(capture_plan(p), dataclasses.replace(p))
