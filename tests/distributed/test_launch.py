@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+import ptc
 from dist_helpers import ROOT, reference_run, tiny_plan
 
 from ptc.lower.driver import compile_plan
@@ -84,8 +86,8 @@ def test_launch_inside_torchrun_trains_in_the_worker(tmp_path):
     plan = tiny_plan("llama", zero=3, dp=2, accum=1, steps=2,
                      metrics=str(tmp_path / "metrics.jsonl"))
     script = tmp_path / "entry.py"
-    script.write_text("import sys\nfrom ptc.runtime import launch\n"
-                      "raise SystemExit(launch(sys.argv[1]))\n")
+    script.write_text("import sys\nfrom ptc.cli import main\n"
+                      "raise SystemExit(main(['run', sys.argv[1]]))\n")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(script), write_plan(tmp_path, plan)],
@@ -98,7 +100,7 @@ def test_launch_inside_torchrun_trains_in_the_worker(tmp_path):
 @pytest.mark.timeout(120)
 def test_python_api_runs_a_program_on_local_processes():
     plan = tiny_plan("llama", zero=3, dp=2, accum=2)
-    result = compile_plan(plan).run()
+    result = ptc.run(compile_plan(plan))
     losses, _ = reference_run(plan)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), **LOSS_TOL)
     assert result.held_bytes["params"] == compile_plan(plan).state_bytes()["params"]
