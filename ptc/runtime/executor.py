@@ -358,9 +358,6 @@ class Trainer:
             for tied in self.tied:
                 tied.sum_grads()
             sum_sequence_partial_grads(self.units, self.partial, self.tp_group)
-            loss_sum = state.loss_sum
-            all_reduce_flat(loss_sum.view(1), self.group).wait()
-            all_reduce_flat(loss_sum.view(1), self.pp_group).wait()
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
@@ -373,8 +370,10 @@ class Trainer:
                 return norm
 
             # One flag per rank of the job (every axis): all ranks skip or update together.
-            bad, norm = guarded_update(self.rank, step, loss_sum, [u.grad for u in self.units],
-                                       update)
+            # The tp ranks of a stage compute the same loss: one of them reports it.
+            share = state.loss_sum if self.tp_rank == 0 else torch.zeros_like(state.loss_sum)
+            bad, norm, loss_sum = guarded_update(self.rank, step, state.loss_sum, share,
+                                                 [u.grad for u in self.units], update)
             self.optimizer.zero_grad()
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,

@@ -1,7 +1,10 @@
 """Gradient reduction over dp for ZeRO 0-2, overlapped with backward, bucket by bucket.
 
 A hook on every graph parameter moves its gradient, as soon as autograd has
-accumulated it, into the unit's fp32 buffer and frees it. When the last
+accumulated it, into the unit's fp32 buffer and frees it — or, at ZeRO 0-1
+with fp32 weights, autograd accumulates straight into that buffer: each
+parameter's `.grad` is a view of its slice (DDP's `gradient_as_bucket_view`),
+the same additions without the copy, and the hook only counts. When the last
 parameter of a *bucket* (consecutive units, chosen by the comm_overlap pass:
 `ptc.compiler.overlap.OverlapPlan`) is in, the bucket's reduction starts
 asynchronously — one collective for all its units — while backward goes on
@@ -48,7 +51,11 @@ class GradReducer:
         self._works: list[tuple[int, list[Work | Piece]]] = []
         for index, unit in enumerate(units):
             for slot, param in zip(unit.slots, unit.params):
-                param.register_post_accumulate_grad_hook(self._hook(index, slot.offset, slot.numel))
+                in_place = zero < 2 and param.dtype == unit.grad.dtype
+                if in_place:  # autograd adds into the existing .grad in place
+                    param.grad = unit.grad[slot.offset:slot.offset + slot.numel].view(param.shape)
+                param.register_post_accumulate_grad_hook(
+                    self._count(index) if in_place else self._hook(index, slot.offset, slot.numel))
 
     def begin(self, last_micro: bool) -> None:
         """Prepare for one micro-batch's backward; ZeRO 0-1 reduce only after the last."""
@@ -57,12 +64,21 @@ class GradReducer:
         self._flushed = [False] * len(self.buckets)
 
     def _hook(self, index: int, offset: int, numel: int):
-        bucket = self._bucket_of[index]
+        """Move the accumulated gradient into unit `index`'s buffer at `offset`, then count it."""
+        count = self._count(index)
 
         def on_grad(param: torch.Tensor) -> None:
             buffer = self._buffer(index)
             buffer[offset:offset + numel].view(param.shape).add_(param.grad)
             param.grad = None
+            count(param)
+        return on_grad
+
+    def _count(self, index: int):
+        """Count one more gradient of unit `index` in; start its bucket's reduction when full."""
+        bucket = self._bucket_of[index]
+
+        def on_grad(param: torch.Tensor) -> None:
             self._ready[bucket] += 1
             if self._ready[bucket] == self._expected[bucket]:
                 self._flush(bucket)

@@ -3,7 +3,9 @@
 Non-finite guard. After backward each rank checks its loss and gradient
 buffers; one all-reduce over every rank of the job of a one-slot-per-rank
 vector tells all of them which ranks saw a NaN or an Inf, so every rank takes
-the same decision (stop, skip, roll back) before any optimizer step. A rank
+the same decision (stop, skip, roll back) before any optimizer step. The same
+all-reduce carries one more slot, the sum of the ranks' step losses, so the
+step's loss costs no collective of its own. A rank
 deciding alone would skip a collective the others enter, and the job would
 hang. Weights are checked the same way before a checkpoint is written.
 
@@ -44,31 +46,47 @@ def nonfinite_ranks(tensors: Iterable[torch.Tensor],
     full-size boolean temporary per gradient buffer.
     """
     tensors = list(tensors)
-    device = tensors[0].device
+    return nonfinite_ranks_and_sum(tensors, torch.zeros((), device=tensors[0].device), group)[0]
+
+
+def nonfinite_ranks_and_sum(tensors: Sequence[torch.Tensor], share: torch.Tensor,
+                            group: dist.ProcessGroup | None = None
+                            ) -> tuple[tuple[int, ...], torch.Tensor]:
+    """`nonfinite_ranks(tensors)`, and the sum over the ranks of their scalar `share`.
+
+    One all-reduce carries both (a slot per rank for its flag, one for the
+    shares): the step loss travels with the guard instead of in collectives
+    of its own.
+    """
     sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
     bad = (~torch.isfinite(sums).all()).to(torch.float32)
     if not dist.is_initialized():
-        return (0,) if bad.item() else ()
-    flags = torch.zeros(dist.get_world_size(group), device=device)
+        return ((0,) if bad.item() else ()), share.detach().float()
+    world = dist.get_world_size(group)
+    flags = torch.zeros(world + 1, device=sums.device)
     flags[dist.get_rank(group)] = bad
+    flags[world] = share.detach().float()
     dist.all_reduce(flags, group=group)
-    return tuple(flags.nonzero().flatten().tolist())
+    return tuple(flags[:world].nonzero().flatten().tolist()), flags[world]
 
 
-def guarded_update(rank: int, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor],
-                   update: Callable[[], float]) -> tuple[tuple[int, ...], float]:
+def guarded_update(rank: int, step: int, loss: torch.Tensor, share: torch.Tensor,
+                   grads: Sequence[torch.Tensor], update: Callable[[], float]
+                   ) -> tuple[tuple[int, ...], float, torch.Tensor]:
     """The non-finite guard of one optimizer step: run `update` unless a rank saw NaN or Inf.
 
-    Call after backward and the gradient reductions, with this rank's
-    (reduced) `loss` and `grads`, on every rank of the job (collective: one
-    all-reduce, `nonfinite_ranks`). `update` clips, steps and publishes and
-    returns the gradient norm; it runs on every rank or on none. Returns
-    the bad ranks (empty: the update ran) and the norm (NaN when skipped).
-    `step` is 0-based; the `PTC_FAULT` nan hook (`faults`) fires here.
+    Call after backward and the gradient reductions, with this rank's step
+    `loss`, its `share` of the job's loss sum (its loss, or zero where
+    another rank reports the same one) and its `grads`, on every rank of the
+    job (collective: one all-reduce, `nonfinite_ranks_and_sum`). `update`
+    clips, steps and publishes and returns the gradient norm; it runs on
+    every rank or on none. Returns the bad ranks (empty: the update ran),
+    the norm (NaN when skipped) and the summed loss. `step` is 0-based; the
+    `PTC_FAULT` nan hook (`faults`) fires here.
     """
     corrupt_gradients(rank, step + 1, grads)  # test hook
-    bad = nonfinite_ranks([loss, *grads])
-    return bad, (float("nan") if bad else update())
+    bad, total = nonfinite_ranks_and_sum([loss, *grads], share)
+    return bad, (float("nan") if bad else update()), total
 
 
 def configure_flight_recorder(trace_dir: str | os.PathLike) -> None:
