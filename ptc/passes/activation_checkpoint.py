@@ -12,6 +12,7 @@ from ptc.compiler.balance import layer_policies
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import attention_parts
 from ptc.errors import CompileError
+from ptc.passes.codegen import recompile
 from ptc.passes.functional import functionalize
 from ptc.plan import Plan
 from ptc.ops.recompute import checkpoint_region, invoke_module
@@ -62,7 +63,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, plan: Plan, *,
         counts[policy] += 1
     if counts["full"] or counts["selective"]:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
         log.info("checkpointed %d layers full, %d selective", counts["full"], counts["selective"])
     return gm
 

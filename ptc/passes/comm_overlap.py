@@ -41,6 +41,7 @@ from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, OVERLAP_KEY, OverlapPla
 from ptc.compiler.program import ParamLayout, ZeroShards, param_layout
 from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
+from ptc.passes.codegen import recompile
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.passes.zero import SHARDS_ATTR
 from ptc.plan import Plan
@@ -77,10 +78,10 @@ def overlap_collectives_pass(gm: fx.GraphModule, plan: Plan, *,
         size = resolve_bucket_bytes(plan, sizes)
         buckets = [tuple(b) for b in plan_buckets(sizes, size)]
         changed = False
-    fused = _fuse_tp(gm, plan) if on else 0
-    if changed or fused:
+    fused = _fuse_tp(gm, plan) if on else 0  # lints and recompiles the graphs it fuses in
+    if changed:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
     each = tuple(sum(GRAD_BYTES * layout.units[u].padded_numel for u in b) for b in buckets)
     gm.meta[OVERLAP_KEY] = OverlapPlan(overlap=on, bucket_bytes=size, buckets=tuple(buckets),
                                        bucket_bytes_each=each, prefetch=prefetch,

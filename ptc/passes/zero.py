@@ -32,6 +32,7 @@ from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroSh
                                   param_layout, used_params)
 from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
+from ptc.passes.codegen import recompile
 from ptc.passes.functional import functional_op, replace_call
 from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
@@ -61,7 +62,7 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *,
     _drop_params(gm, layout)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
-    gm.recompile()
+    recompile(gm)
     log.info("inserted %d gather_params", len(gathers))
     return gm
 
