@@ -11,6 +11,7 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import attention_parts
 from ptc.errors import CompileError
+from ptc.passes.codegen import recompile
 from ptc.passes.functional import functionalize
 from ptc.ops.recompute import checkpoint_region, invoke_module
 
@@ -59,7 +60,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.Graph
         counts[policy] += 1
     if counts["full"] or counts["selective"]:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
         log.info("checkpointed %d layers full, %d selective", counts["full"], counts["selective"])
     return gm
 

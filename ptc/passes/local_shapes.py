@@ -7,7 +7,10 @@ shape (`view(b, s, 12, 64)`, `reshape(b, s, C)` with C read from a full-size
 tensor, `split(768, dim=2)`, `expand(...)`) do not. `propagate` runs the
 graph on the meta device node by node and rewrites those arguments so that
 each op keeps its meaning on the local tensors, then records the local
-shapes, dtypes, FLOPs and parameter counts in every node's NodeInfo.
+shapes, dtypes, FLOPs and parameter counts in every node's NodeInfo. A call
+whose signature came before (the same op on operands of the same metadata:
+every layer after the first of identical ones) reuses that evaluation
+(`ptc.compiler.call_cache`), so the cost stays flat in depth.
 
 Terms:
 - a node's *before* shape is the one its NodeInfo holds when `propagate`
@@ -35,6 +38,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from ptc.compiler import flops as flops_mod
+from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import copy_meta, get_info, update_info
 from ptc.compiler.nodes import CREATION_OPS, POINTWISE_OPS, op_name
 from ptc.errors import CompileError
@@ -106,6 +110,7 @@ class _Propagator:
         self.interp = fx.Interpreter(gm, garbage_collect_values=False)
         self.env = self.interp.env
         self.result = Propagation()
+        self.cache = CallCache(gm)  # identical layers: one evaluation of each call
 
     def run(self) -> Propagation:
         for node in self.gm.graph.nodes:
@@ -122,15 +127,14 @@ class _Propagator:
     # ------------------------------------------------------------ evaluation
 
     def _evaluate(self, node: fx.Node) -> None:
+        args, kwargs = (), {}
         try:
             if node.op == "placeholder":
                 meta = get_info(node)
                 value = torch.empty(meta.shapes[0], dtype=meta.dtypes[0], device="meta")
-            elif node.op == "call_function" and node.target in self.rules:
-                args, kwargs = self.interp.fetch_args_kwargs_from_env(node)
-                value = self.rules[node.target](self.k, *args, **kwargs)
             else:
-                value = self.interp.run_node(node)
+                args, kwargs = self.interp.fetch_args_kwargs_from_env(node)
+                value = self.cache.call(node, args, kwargs, lambda: self._run(node, args, kwargs))
         except CompileError:
             raise
         except Exception as exc:
@@ -138,13 +142,19 @@ class _Propagator:
                                f"shapes ({', '.join(self._input_shapes(node))}): "
                                f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
         self.env[node] = value
-        self._record(node, value)
+        self._record(node, value, args, kwargs)
+
+    def _run(self, node: fx.Node, args: tuple, kwargs: dict):
+        """The node's value: its shape rule's, else what fx.Interpreter computes for its op."""
+        if node.op == "call_function" and node.target in self.rules:
+            return self.rules[node.target](self.k, *args, **kwargs)
+        return getattr(self.interp, node.op)(node.target, args, kwargs)
 
     def _input_shapes(self, node: fx.Node) -> list[str]:
         return [f"{a.name}: {tuple(self.env[a].shape)}" for a in node.all_input_nodes
                 if isinstance(self.env.get(a), torch.Tensor)]
 
-    def _record(self, node: fx.Node, value) -> None:
+    def _record(self, node: fx.Node, value, args: tuple, kwargs: dict) -> None:
         tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in tensors)
         self.result.local[node] = shapes
@@ -159,19 +169,19 @@ class _Propagator:
             return
         changes: dict = dict(shapes=shapes, dtypes=tuple(t.dtype for t in tensors))
         if node.op in ("call_function", "call_method", "call_module"):
-            changes["flops"] = self._flops(node, meta, value)
+            changes["flops"] = self._flops(node, meta, value, args, kwargs)
         if node.op in ("call_module", "get_attr"):
             params = _params_read(self.gm, node)
             changes.update(params=params, param_bytes=params * meta.dtypes[0].itemsize
                            if params and meta.dtypes else 0)
-        update_info(node, **changes)
+        if any(getattr(meta, name) != new for name, new in changes.items()):  # else keep it:
+            update_info(node, **changes)  # records are frozen, an equal one says the same
 
-    def _flops(self, node: fx.Node, meta, value) -> int:
+    def _flops(self, node: fx.Node, meta, value, args: tuple, kwargs: dict) -> int:
         if flops_mod.needs_running(node, meta.kind):
             before = sum(math.prod(s) for s in self.result.before[node]) or 1
             after = sum(math.prod(s) for s in self.result.local[node])
             return meta.flops * after // before
-        args, kwargs = self.interp.fetch_args_kwargs_from_env(node)
         return int(flops_mod.node_flops(node, meta.kind, args, kwargs, value))
 
     # ---------------------------------------------------------------- fixes

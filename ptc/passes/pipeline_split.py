@@ -51,6 +51,7 @@ from ptc.compiler.program import used_params
 from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_info,
                                  StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
+from ptc.passes.codegen import code_kept
 from ptc.plan import Plan
 
 log = logging.getLogger("ptc.passes.pipeline_split")
@@ -413,7 +414,9 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
             values[b.name] = graph.call_function(operator.getitem, (call, i))
             copy_meta(call, values[b.name], kind="view", shapes=(b.shape,), dtypes=(b.dtype,))
     graph.lint()
-    pipeline = fx.GraphModule({f"stage_{c}": s for c, s in enumerate(stages)}, graph, "Pipeline")
+    with code_kept(stages):  # each stage's code was generated when it was built
+        pipeline = fx.GraphModule({f"stage_{c}": s for c, s in enumerate(stages)}, graph,
+                                  "Pipeline")
     pipeline.meta.update(gm.meta)
     tied: dict[str, list[int]] = {}
     for stage in stages:

@@ -91,6 +91,7 @@ class _Finder:
         self.linears = {n: p for n in gm.graph.nodes if (p := is_linear(n))}
         self.embeddings = {n: p for n in gm.graph.nodes if (p := is_embedding(n))}
         self.data = _data_nodes(gm)
+        self.order = _order(gm)  # the finder only reads the graph: one index for every sort
         self.failures: dict[str, str] = {}  # linear path -> why it could not be split
 
     def infer(self) -> Sharding:
@@ -199,7 +200,7 @@ class _Finder:
             if kind not in _ELEMENTWISE_KINDS and op_name(n) not in TRANSPARENT_OPS:
                 return sources, n
             todo.extend(n.all_input_nodes)
-        return sorted(sources, key=_order(self.gm)), None
+        return sorted(sources, key=self.order), None
 
     def _why_not(self, node: fx.Node) -> str:
         for user in _data_users(node, self.data):
@@ -231,7 +232,7 @@ class _Finder:
                 todo.extend(n.all_input_nodes)
             else:
                 return []
-        return sorted(reached, key=_order(self.gm))
+        return sorted(reached, key=self.order)
 
     def _trace_forward(self, start: fx.Node, through: frozenset[str]) -> fx.Node | None:
         """The one linear `start` reaches forwards through single-user ops of `through`."""

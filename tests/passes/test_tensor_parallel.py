@@ -9,6 +9,7 @@ tests/distributed/test_tp_equivalence.py.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ from ptc.compiler.meta import graph_record  # noqa: E402
 from ptc.compiler.capture import capture  # noqa: E402
 from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan, compile_graph  # noqa: E402
+from ptc.models import build_model  # noqa: E402
+from ptc.models.layers import make_mlp  # noqa: E402
+from ptc.models.llama import LlamaAttention  # noqa: E402
 from ptc.compiler.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_tensors_pass  # noqa: E402
@@ -163,6 +167,20 @@ class TestShardTensorsPass:
         q, k, v = (node(gm, f"layers_0_attn_{x}") for x in "qkv")
         assert q.args[0] is k.args[0] is v.args[0]
         assert len(calls(gm, copy_to_tp)) == 5
+
+    def test_layers_that_differ_get_their_own_local_shapes(self):
+        """Identical layers share one meta evaluation per call; these differ and must not."""
+        model = build_model(LLAMA, device="meta")
+        with torch.device("meta"):
+            model.layers[1].mlp = make_mlp(dataclasses.replace(LLAMA, ffn=128), "swiglu", False)
+            model.layers[1].attn = LlamaAttention(dataclasses.replace(LLAMA, kv_heads=4), False)
+        gm = lowered(plan(LLAMA), model)
+        assert get_info(node(gm, "layers_0_mlp_up")).shapes == ((2, 16, 32),)
+        assert get_info(node(gm, "layers_1_mlp_up")).shapes == ((2, 16, 64),)
+        assert get_info(node(gm, "layers_0_attn_k")).shapes == ((2, 16, 8),)
+        assert get_info(node(gm, "layers_1_attn_k")).shapes == ((2, 16, 16),)
+        assert node(gm, "view_1").args[3:] == (1, 8)  # layer 0: 2 kv heads -> 1 per rank
+        assert node(gm, "view_4").args[3:] == (2, 8)  # layer 1: 4 kv heads -> 2 per rank
 
     def test_user_model_sizes_read_from_tensors(self):
         """nanoGPT reads C from x.size() and splits by n_embd: both rewritten."""

@@ -1,0 +1,149 @@
+"""Reuse of meta evaluations: a call on meta tensors is decided by its signature.
+
+On the meta device an op's result (its shapes, dtypes and strides) depends
+only on what it calls and on its operands' metadata and constants, never on
+values. Identical transformer layers make the same calls on operands of the
+same metadata, so evaluating layer 0 answers layers 1 .. L-1, and compile
+cost stays flat in depth. Layers that differ (another width, more heads, an
+eps) differ in some signature and are evaluated themselves.
+
+Terms:
+- a value's *signature*: a tensor's (shape, dtype, strides, device type,
+  requires_grad); a scalar's type and value (1, 1.0 and True differ);
+  containers' element by element, with their type. Any other value has
+  none, and a call that reads it is not cached;
+- a module's signature: its class, training flag, simple configuration
+  attributes (an unknown one by identity: equal only to itself), its
+  parameters' and buffers' signatures, and its children's, recursively;
+  a module with forward hooks has none (a hook may do anything);
+- a call's *key*: what it calls (a function, a method name, or a module's
+  signature) and its arguments' signatures. In-place calls and calls with
+  an `out=` tensor have no key: their result is an operand they change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+
+_SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_MISSING = object()
+
+
+class _Unkeyable(Exception):
+    """A value, module or call that has no signature."""
+
+
+class CallCache:
+    """Results of the calls of graph nodes on meta tensors, by the calls' keys."""
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        """The module whose submodules `call_module` nodes name."""
+        self._results: dict[tuple, object] = {}
+        self._module_sigs: dict[int, tuple] = {}
+
+    def call(self, node: fx.Node, args: tuple, kwargs: dict, run: Callable[[], object]):
+        """run()'s result, or a copy of the result of an earlier call of the same key.
+
+        `args`/`kwargs` are the node's evaluated operands; `run` makes the
+        call. Each caller gets tensors of its own, so an in-place change to
+        metadata (unsqueeze_) on one node's value never reaches another's.
+        """
+        key = self.key(node, args, kwargs)
+        if key is None:
+            return run()
+        hit = self._results.get(key, _MISSING)
+        if hit is not _MISSING:
+            return _fresh_tree(hit)
+        out = run()
+        self._results[key] = _fresh_tree(out)
+        return out
+
+    def key(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
+        """The key of the node's call with these operands; None when it must not be cached."""
+        try:
+            if "out" in kwargs:
+                return None
+            if node.op == "call_module":
+                head = ("M", self._module_sig(self.root.get_submodule(str(node.target))))
+            elif node.op == "call_method":
+                if _in_place_name(node.target):
+                    return None
+                head = ("C", node.target)
+            elif node.op == "call_function":
+                if _mutates(node.target):
+                    return None
+                head = ("F", node.target)
+            else:
+                return None
+            return head + (signature(args), signature(kwargs))
+        except _Unkeyable:
+            return None
+
+    def _module_sig(self, mod: nn.Module) -> tuple:
+        sig = self._module_sigs.get(id(mod))
+        if sig is None:
+            sig = module_signature(mod)
+            self._module_sigs[id(mod)] = sig
+        return sig
+
+
+def signature(x) -> tuple:
+    """Hashable description of a value (module docstring); raises _Unkeyable for none."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.stride(), x.device.type, x.requires_grad)
+    if x is None or isinstance(x, _SCALARS):
+        return (type(x), x)
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(signature(v) for v in x))
+    if isinstance(x, dict):
+        return (type(x), tuple((k, signature(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return (slice, signature(x.start), signature(x.stop), signature(x.step))
+    raise _Unkeyable(type(x).__name__)
+
+
+def module_signature(mod: nn.Module) -> tuple:
+    """Hashable description of a module (module docstring); raises _Unkeyable for none."""
+    if mod._forward_hooks or mod._forward_pre_hooks:
+        raise _Unkeyable(f"{type(mod).__name__} has forward hooks")
+    config = []
+    for name, value in sorted(vars(mod).items()):
+        if name.startswith("_") or name == "training":
+            continue
+        try:
+            config.append((name, signature(value)))
+        except _Unkeyable:
+            config.append((name, id(value)))
+    tensors = tuple((n, signature(t)) for n, t in (*mod._parameters.items(),
+                                                    *mod._buffers.items()))
+    children = tuple((n, module_signature(c)) for n, c in mod.named_children())
+    return (type(mod), mod.training, tuple(config), tensors, children)
+
+
+def _mutates(target) -> bool:
+    """Whether a call_function target changes an operand in place (aten schema, or a name_)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return _in_place_name(getattr(target, "__name__", ""))
+
+
+def _in_place_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _fresh_tree(value):
+    """`value` with every tensor in it replaced by a new one of the same metadata."""
+    return _fresh(value) if isinstance(value, torch.Tensor) else tree_map(_fresh, value)
+
+
+def _fresh(x):
+    """A new meta tensor with x's metadata; other values as they are."""
+    if isinstance(x, torch.Tensor):
+        out = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+        return out.requires_grad_() if x.requires_grad else out
+    return x
