@@ -6,8 +6,9 @@ weights on the same samples four ways: ptc ZeRO-0 (plain DP) against
 layer and at the root). Every way runs the same step: micro-batches with
 gradient accumulation (DDP: `no_sync` but the last; FSDP2: reduce-scatter per
 micro-batch, as ptc does), global-norm clipping, AdamW. Each way warms up,
-then times `--repeat` steps (a barrier on both sides of each); the table
-shows the median step time and ptc / torch (below 1: ptc is faster).
+then times `--repeat` steps (a barrier on both sides of each), ptc and its
+peer taking turns step by step; the table shows the median step time and
+ptc / torch (below 1: ptc is faster).
 
 Pipeline parallelism (`--pp`, on by default): four gloo processes train an
 untied GPT (`--pp-layers`) with 1F1B over 4 stages and 8 micro-batches, as
@@ -76,19 +77,19 @@ def timed(step, repeat: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def ptc_step_time(args, zero: int) -> float:
-    """ptc's runtime at ZeRO stage `zero`."""
+def ptc_step(args, zero: int):
+    """ptc's runtime at ZeRO stage `zero`: its step function."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh
 
     plan = make_plan(args, zero)
-    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
-    return timed(trainer.train_step, args.repeat, args.warmup)
+    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan))).train_step
 
 
-def torch_step_time(args, wrap: str) -> float:
-    """Eager PyTorch with DDP ("ddp") or FSDP2 ("fsdp2") on the same model, data and optimizer."""
+def torch_step(args, wrap: str):
+    """Eager PyTorch with DDP ("ddp") or FSDP2 ("fsdp2") on the same model, data and optimizer:
+    its step function."""
     import contextlib
 
     import torch
@@ -127,7 +128,7 @@ def torch_step_time(args, wrap: str) -> float:
         opt.step()
         opt.zero_grad()
 
-    return timed(step, args.repeat, args.warmup)
+    return step
 
 
 def worker(args) -> dict[str, float]:
@@ -139,8 +140,12 @@ def worker(args) -> dict[str, float]:
 
     torch.set_num_threads(1)
     init_distributed(make_plan(args, 0))
-    result = {"ptc dp (zero 0)": ptc_step_time(args, 0), "torch DDP": torch_step_time(args, "ddp"),
-              "ptc zero 3": ptc_step_time(args, 3), "torch FSDP2": torch_step_time(args, "fsdp2")}
+    # Each pair takes turns step by step, so a change of load slows both alike.
+    result = {**timed_in_turns({"ptc dp (zero 0)": ptc_step(args, 0),
+                                "torch DDP": torch_step(args, "ddp")}, args.repeat, args.warmup),
+              **timed_in_turns({"ptc zero 3": ptc_step(args, 3),
+                                "torch FSDP2": torch_step(args, "fsdp2")},
+                               args.repeat, args.warmup)}
     dist.destroy_process_group()
     return result
 
