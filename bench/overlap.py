@@ -23,7 +23,6 @@ that was exposed communication.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time

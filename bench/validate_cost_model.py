@@ -104,7 +104,7 @@ def build(row: dict):
     gpu, dtype, notes = _hardware(row)
     L, h, a, V, s = (int(row[k]) for k in ("layers", "hidden", "heads", "vocab", "seq"))
     n, B = int(row["num_gpus"]), int(row["global_batch"])
-    readme24, readme20 = "README-H100-2024" in src, "README-2020" in src
+    readme24 = "README-H100-2024" in src
     bloom, zero3 = "BigScience" in src, row["zero"].strip() == "3"
     tp, pp = _int(row, "tp"), _int(row, "pp")
     if tp is None:

@@ -31,6 +31,14 @@ from ptc.plan import (  # noqa: E402
     RuntimeSpec,
     TrainSpec,
 )
+from tests.tolerances import (  # noqa: E402
+    Nudge,
+    Reference,
+    Run,
+    Step,
+    assert_losses_match,
+    assert_params_match,
+)
 
 STEPS = 5
 SEQ = 16
@@ -65,11 +73,16 @@ def tiny_plan(family: str, *, zero: int, dp: int, accum: int, steps: int = STEPS
     )
 
 
-def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
+                  nudge: Nudge | None = None) -> Run:
     """Plain single-process PyTorch training of the plan's model on the full global batch.
 
     torch.optim.AdamW on the eager model, the same initial weights and samples,
-    `clip_grad_norm_`, the same learning-rate schedule: the ground truth.
+    `clip_grad_norm_`, the same learning-rate schedule: the ground truth. In
+    float64 the weights are the fp32 ones converted (exactly): the same
+    computation, rounded 2^29 times finer. Each step's learning rate and
+    clipped gradients are kept, and `nudge` displaces the weights after each
+    step, for the tolerances (`tests/tolerances.py`).
     """
     from ptc.models import build_model
     from ptc.runtime.data import TokenSource
@@ -79,10 +92,11 @@ def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build_model(plan.model, device="cpu", seed=train.init.seed)
     if train.init.kind == "state_dict":
         model.load_state_dict(torch.load(train.init.path, weights_only=True))
+    model = model.to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
     source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
-    losses = []
+    losses, steps = [], []
     for step in range(train.steps):
         tokens, targets = source.batch(step * train.global_batch, train.global_batch)
         if plan.model.family == "custom":  # nanoGPT-style: forward(idx, targets) -> (logits, loss)
@@ -93,11 +107,31 @@ def reference_run(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
+            group["lr"] = lr
+        steps.append(Step(lr, {n: p.grad.clone() for n, p in model.named_parameters()}))
         opt.step()
+        if nudge is not None:
+            with torch.no_grad():
+                for name, delta in nudge(step).items():
+                    model.get_parameter(name).add_(delta)
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Run(losses, {n: p.detach().clone() for n, p in model.named_parameters()}, steps)
+
+
+_references: dict[tuple[str, str], Reference] = {}
+
+
+def reference(plan: Plan) -> Reference:
+    """The eager runs the tolerances of `plan` derive from, once per model and training spec."""
+    key = repr(plan.model), repr(plan.train)  # all the eager run reads of the plan
+    if key not in _references:
+        optimizer = plan.train.optimizer
+        _references[key] = Reference(
+            lambda dtype, nudge: reference_run(plan, dtype, nudge), betas=optimizer.betas,
+            adam_eps=optimizer.eps, tokens=plan.train.global_batch * plan.train.seq_len)
+    return _references[key]
 
 
 def run_cases(cases: list[tuple], dp: int) -> dict:
@@ -129,12 +163,7 @@ def run_cases(cases: list[tuple], dp: int) -> dict:
     return results
 
 
-def assert_same_training(got: dict, losses: list[float], state: dict[str, torch.Tensor], *,
-                         loss_tol: dict, param_tol: dict, what: str) -> None:
-    """Losses of every step and every parameter agree; name the parameter that does not."""
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), **loss_tol,
-                               msg=lambda m: f"{what}: losses differ\n{m}")
-    for name, expected in state.items():
-        assert name in got["state"], f"{what}: parameter {name} missing from the run"
-        torch.testing.assert_close(got["state"][name], expected, **param_tol,
-                                   msg=lambda m, name=name: f"{what}: parameter {name}\n{m}")
+def assert_same_training(got: dict, ref: Reference, what: str) -> None:
+    """Losses of every step and every parameter within the derived bounds; name what does not."""
+    assert_losses_match(got["losses"], ref, what)
+    assert_params_match(got["state"], ref, what)

@@ -11,11 +11,15 @@ at ZeRO-1 and ZeRO-3. The loss of every step and every parameter after 5 AdamW s
 `torch.optim.AdamW` on the eager model over the full global batch, from the
 same initial weights on the same samples.
 
-Tolerances (fp32), those of the ZeRO tests: losses rtol 1e-5, atol 1e-6 —
-observed ~5e-7, the mean loss summed over micro-batches and ranks in another
-order. Parameters rtol 1e-5, atol 1e-5 — Adam divides each gradient by its
-own running RMS, so a gradient near 0 turns a summation-order difference
-into an update difference of order lr·1e-3.
+Tolerances (fp32): derived per case by `tests/tolerances.py` from the same
+eager training in float64 (the mean loss is summed over micro-batches and
+ranks in another order; Adam turns a summation-order difference in a
+gradient near 0 into an update difference of up to lr). The GPT's
+`layers.1.mlp.up.weight[121, 12]` is such an element: its first gradient is
+1e-8, Adam's ε, and it ends 2e-6 to 1.4e-5 from eager depending on the
+CPU's kernels, within its bound of 6e-4 to 2e-3; the hidden unit it feeds
+moves `layers.1.mlp.down.weight[:, 121]` by up to 3e-6 (bound 1e-4) — the
+rest of those tensors is bounded by 3e-7 to 1e-5.
 
 Every rank's peak of in-flight stage micro-batches, counted by the
 executor, equals what the memory model charges activations for
@@ -25,7 +29,7 @@ executor, equals what the memory model charges activations for
 from __future__ import annotations
 
 import pytest
-from dist_helpers import STEPS, assert_same_training, reference_run
+from dist_helpers import STEPS, assert_same_training, reference
 from pp_helpers import Case, pp_plan, run_pp_cases
 
 from ptc.compiler.layout import layout_of
@@ -34,8 +38,6 @@ from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
 
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 CASES = [
     Case("gpt", 2, "gpipe", 4), Case("gpt", 2, "1f1b", 4),
     Case("gpt", 2, "interleaved", 4, virtual=2), Case("llama", 2, "1f1b", 4),
@@ -60,10 +62,8 @@ def _run(world: int) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_single_process_adamw(case: Case) -> None:
     got = _run(case.world)[case]
-    losses, state = reference_run(pp_plan(case))
     assert len(got["losses"]) == STEPS
-    assert_same_training(got, losses, state, loss_tol=LOSS_TOL, param_tol=PARAM_TOL,
-                         what=str(case))
+    assert_same_training(got, reference(pp_plan(case)), what=str(case))
 
 
 @pytest.mark.timeout(420)

@@ -8,17 +8,16 @@ tiny GPT (written-out attention) and Llama (fused SDPA, grouped-query).
 
 Numerics: the losses of every step and the parameters after training equal
 single-process AdamW on the eager model (the reference of dist_helpers),
-with the tolerances of test_zero_equivalence (tp: parameters atol 1e-4, as
-test_tp_equivalence explains). Determinism: every rank compiles the plan
-itself; the per-layer policies read off each rank's compiled graphs are
-gathered and must be equal, and equal to what was asked (for "auto", to the
-estimate's choice).
+within the tolerances `tests/tolerances.py` derives from the same training
+in float64. Determinism: every rank compiles the plan itself; the per-layer
+policies read off each rank's compiled graphs are gathered and must be
+equal, and equal to what was asked (for "auto", to the estimate's choice).
 """
 
 from __future__ import annotations
 
 import pytest
-from dist_helpers import assert_same_training, reference_run
+from dist_helpers import assert_same_training, reference
 from recompute_worker import RecomputeCase, recompute_plan, run_recompute_cases
 
 from ptc.compiler.estimate import estimate
@@ -44,9 +43,6 @@ CASES = [
     RecomputeCase("llama", "pp2", "selective"),
     RecomputeCase("gpt", "pp2", "auto"),
 ]
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
-TP_PARAM_TOL = dict(rtol=1e-5, atol=1e-4)
 _run: dict = {}
 
 
@@ -70,10 +66,7 @@ def expected_policies(case: RecomputeCase) -> tuple[str, ...]:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_checkpointed_training_matches_single_process_adamw(case: RecomputeCase) -> None:
     got = _results()[case]
-    losses, state = reference_run(recompute_plan(case))
-    assert_same_training(got, losses, state, loss_tol=LOSS_TOL,
-                         param_tol=TP_PARAM_TOL if case.layout == "tp2" else PARAM_TOL,
-                         what=str(case))
+    assert_same_training(got, reference(recompute_plan(case)), what=str(case))
 
 
 @pytest.mark.timeout(300)

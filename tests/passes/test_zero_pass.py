@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from ptc.models import build_model  # noqa: E402
 from ptc.passes import shard_params_pass  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec)  # noqa: E402
 from ptc.ops.collectives import gather_params, gather_params_start  # noqa: E402
+from tests.tolerances import assert_loss_within_rounding  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +107,8 @@ class TestShardParamsPass:
         model = build_model(p.model, device="cpu", seed=1)
         tokens = torch.randint(0, 64, (2, 16))
         targets = torch.randint(0, 64, (2, 16))
-        expected = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        expected, exact = (nn.functional.cross_entropy(m(tokens).flatten(0, 1), targets.flatten())
+                           for m in (model, copy.deepcopy(model).double()))
         gm = capture_plan(p, model)
         layout = param_layout(gm, 1)
         state = dict(model.named_parameters())
@@ -119,7 +122,7 @@ class TestShardParamsPass:
             if hasattr(gm.get_submodule(owner) if owner else gm, leaf):
                 (gm.get_submodule(owner) if owner else gm)._buffers[leaf] = value
         loss = gm(tokens, targets)
-        torch.testing.assert_close(loss, expected)
+        assert_loss_within_rounding(loss, expected, exact, "ZeRO-3 graph", tokens.numel())
         loss.backward()  # without a session, gradients land on the shards
         assert all(s.grad is not None for s in gm.zero.parameters())
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import reference_run, tiny_plan
+from runtime_helpers import reference, tiny_plan
 
 from ptc.lower.driver import compile_plan
 from ptc.errors import PtcError
 from ptc.plan import DataSpec, HardwareSpec, ParallelSpec, Plan
 from ptc.runtime.executor import RankError, Trainer
+from tests.tolerances import assert_losses_match, assert_params_match
 
 pytestmark = pytest.mark.timeout(60)
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-5, atol=1e-5)  # see tests/distributed/test_zero_equivalence.py
 
 
 def train(plan):
@@ -27,12 +26,9 @@ def train(plan):
 def test_single_process_equals_eager_adamw(family, zero):
     plan = tiny_plan(family, zero=zero, dp=1, accum=2)
     trainer, stats = train(plan)
-    losses, state = reference_run(plan)
-    torch.testing.assert_close(torch.tensor([s.loss for s in stats]), torch.tensor(losses),
-                               **LOSS_TOL)
-    got = trainer.full_state_dict()
-    for name, value in state.items():
-        torch.testing.assert_close(got[name], value, **PARAM_TOL, msg=lambda m, n=name: f"{n}\n{m}")
+    ref = reference(plan)  # tolerances derived from eager fp32 and fp64: tests/tolerances.py
+    assert_losses_match([s.loss for s in stats], ref, f"{family} zero={zero}")
+    assert_params_match(trainer.full_state_dict(), ref, f"{family} zero={zero}")
 
 
 def test_step_stats():
