@@ -1,5 +1,6 @@
 """A model that branches on tensor values: no front door can capture it."""
 
+import torch
 from torch import nn
 
 
