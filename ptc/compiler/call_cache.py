@@ -15,14 +15,21 @@ Terms:
 - a module's signature: its class, training flag, simple configuration
   attributes (an unknown one by identity: equal only to itself), its
   parameters' and buffers' signatures, and its children's, recursively;
-  a module with forward hooks has none (a hook may do anything);
+  a module with forward hooks has none (a hook may do anything). A
+  GraphModule's is its graph's: per node its op, what it calls (for an
+  attribute read, the attribute's signature) and its operands (earlier
+  nodes by position, constants by signature), so the checkpoint regions of
+  identical layers, whose nodes differ only in names, are one signature;
 - a call's *key*: what it calls (a function, a method name, or a module's
   signature) and its arguments' signatures. In-place calls and calls with
   an `out=` tensor have no key: their result is an operand they change.
+  Only results made of tensors and scalars are reused; any other object
+  returned (a handle) belongs to the call that made it.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -46,6 +53,16 @@ class CallCache:
         self._results: dict[tuple, object] = {}
         self._module_sigs: dict[int, tuple] = {}
 
+    def for_root(self, root: nn.Module) -> CallCache:
+        """A cache for the graph of another root module that shares these results.
+
+        A call's result depends on its key alone, so what one graph's evaluation
+        found answers another's (the same graph after a pass, another stage).
+        """
+        other = CallCache(root)
+        other._results = self._results
+        return other
+
     def call(self, node: fx.Node, args: tuple, kwargs: dict, run: Callable[[], object]):
         """run()'s result, or a copy of the result of an earlier call of the same key.
 
@@ -60,7 +77,8 @@ class CallCache:
         if hit is not _MISSING:
             return _fresh_tree(hit)
         out = run()
-        self._results[key] = _fresh_tree(out)
+        if _copyable(out):
+            self._results[key] = _fresh_tree(out)
         return out
 
     def key(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
@@ -104,6 +122,8 @@ def signature(x) -> tuple:
         return (type(x), tuple((k, signature(v)) for k, v in x.items()))
     if isinstance(x, slice):
         return (slice, signature(x.start), signature(x.stop), signature(x.step))
+    if isinstance(x, nn.Module):
+        return ("M", module_signature(x))
     raise _Unkeyable(type(x).__name__)
 
 
@@ -111,6 +131,8 @@ def module_signature(mod: nn.Module) -> tuple:
     """Hashable description of a module (module docstring); raises _Unkeyable for none."""
     if mod._forward_hooks or mod._forward_pre_hooks:
         raise _Unkeyable(f"{type(mod).__name__} has forward hooks")
+    if isinstance(mod, fx.GraphModule):
+        return ("G", mod.training, _graph_signature(mod))
     config = []
     for name, value in sorted(vars(mod).items()):
         if name.startswith("_") or name == "training":
@@ -125,6 +147,36 @@ def module_signature(mod: nn.Module) -> tuple:
     return (type(mod), mod.training, tuple(config), tensors, children)
 
 
+def _graph_signature(gm: fx.GraphModule) -> tuple:
+    """Per node: op, what it calls and its operands, nodes by position (module docstring)."""
+    position: dict[fx.Node, int] = {}
+    rows = []
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
+        if node.op == "placeholder":
+            target = None  # its name differs from layer to layer; its value is an operand
+        elif node.op == "get_attr":
+            target = signature(operator.attrgetter(str(node.target))(gm))
+        elif node.op == "call_module":
+            target = module_signature(gm.get_submodule(str(node.target)))
+        else:
+            target = node.target
+        rows.append((node.op, target, _operands(node.args, position),
+                     _operands(node.kwargs, position)))
+    return tuple(rows)
+
+
+def _operands(value, position: dict[fx.Node, int]):
+    """`value` with nodes by their position and other values by their signature."""
+    if isinstance(value, fx.Node):
+        return ("N", position[value])
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_operands(v, position) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _operands(v, position)) for k, v in value.items()))
+    return signature(value)
+
+
 def _mutates(target) -> bool:
     """Whether a call_function target changes an operand in place (aten schema, or a name_)."""
     if isinstance(target, torch._ops.OpOverload):
@@ -134,6 +186,16 @@ def _mutates(target) -> bool:
 
 def _in_place_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
+
+
+def _copyable(value) -> bool:
+    """Whether a result can be handed out again as copies: tensors, scalars and containers
+    of them. Any other object (a handle to a collective in flight) is one caller's own."""
+    try:
+        signature(value)
+    except _Unkeyable:
+        return False
+    return True
 
 
 def _fresh_tree(value):

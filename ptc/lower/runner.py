@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import fx
 
+from ptc.compiler.call_cache import CallCache
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import update_graph_record
 from ptc.compiler.program import fix_stage_layout
@@ -97,12 +98,16 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
     log: list[str] = []
     done: list[str] = []
     index = 0
+    calls = CallCache(gm)  # meta results shared by every check of this compile
 
     def apply(fn: Pass, graph: fx.GraphModule, stage: int | None = None) -> fx.GraphModule:
         nonlocal index
         name = fn.__name__
+        code = graph.code
         out = _run_one(fn, graph, decisions, dict((knobs or {}).get(name, {})), done, log)
-        verify_graph(out, plan, after=name)
+        # A pass recompiles exactly the graphs it changes (DESIGN convention 1): the same
+        # code object means an unchanged graph, whose shapes the last check found right.
+        verify_graph(out, plan, after=name, shapes=out is not graph or out.code is not code, calls=calls)
         index += stage is None or stage == 0
         _dump(dump_dir, index, name if stage is None else f"{name}.stage{stage}", out)
         return out

@@ -7,21 +7,42 @@ Checks, each cheap enough to run between all passes:
 - every parameter read by a `get_attr` has the shape its NodeInfo records
   (a pass that resized a weight also updated what later passes read);
 - every ptc op that names a mesh axis names one of the plan's mesh axes
-  (the runtime binds exactly those to process groups).
+  (the runtime binds exactly those to process groups);
+- the graph re-run on the meta device gives every node the shapes and
+  dtypes its NodeInfo records (what later passes, the memory model and
+  `ptc inspect` read). Each mesh axis is bound to a `ShapeGroup` of the
+  plan's size, so collectives give the shapes that many ranks would; a
+  node that records no shapes (a gather handle) is not compared. Identical
+  layers make identical calls, answered once (`ptc.compiler.call_cache`).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
+import operator
 
+import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
+from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import get_info
 from ptc.errors import CompileError
+from ptc.ops.comm import ShapeGroup, bind_axes
 from ptc.plan import Plan
 
-def verify_graph(gm: fx.GraphModule, plan: Plan, *, after: str) -> None:
-    """Check `gm` (see the module docstring); CompileError naming the pass `after` and the node."""
+MAX_PROBLEMS = 5
+"""Problems listed in one error: the first few say which pass broke what."""
+
+
+def verify_graph(gm: fx.GraphModule, plan: Plan, *, after: str, shapes: bool = True,
+                 calls: CallCache | None = None) -> None:
+    """Check `gm` (see the module docstring); CompileError naming the pass `after` and the node.
+
+    `shapes=False` leaves out the meta re-run (the costly check), for a graph the
+    pass did not change; `calls` shares meta results between the checks of one compile.
+    """
     problems: list[str] = []
     try:
         gm.graph.lint()
@@ -29,10 +50,13 @@ def verify_graph(gm: fx.GraphModule, plan: Plan, *, after: str) -> None:
         problems.append(f"lint: {exc}")
     for node in gm.graph.nodes:
         problems.extend(_node_problems(gm, node, plan))
-        if len(problems) >= 5:
+        if len(problems) >= MAX_PROBLEMS:
             break
+    if not problems and shapes:
+        problems = _shape_problems(gm, plan, calls.for_root(gm) if calls else CallCache(gm))
     if problems:
-        raise CompileError(f"the graph after pass {after} is broken: " + "; ".join(problems[:5]))
+        raise CompileError(f"the graph after pass {after} is broken: "
+                           + "; ".join(problems[:MAX_PROBLEMS]))
 
 
 def _node_problems(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> list[str]:
@@ -42,7 +66,7 @@ def _node_problems(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> list[str]:
         out.append(f"node {node.name} ({node.op} {node.target}) has no ptc metadata")
     if node.op in ("get_attr", "call_module"):
         try:
-            value = _attr(gm, str(node.target))
+            value = operator.attrgetter(str(node.target))(gm)
         except AttributeError:
             return [*out, f"node {node.name} reads {node.target}, which the graph module lacks"]
         if (node.op == "get_attr" and isinstance(value, nn.Parameter) and info is not None
@@ -58,11 +82,90 @@ def _node_problems(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> list[str]:
     return out
 
 
-def _attr(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
+def _shape_problems(gm: fx.GraphModule, plan: Plan, cache: CallCache) -> list[str]:
+    """Nodes whose meta re-run disagrees with their recorded shapes or dtypes, or fails.
+
+    A placeholder is given its recorded shape; one without (a non-tensor input)
+    leaves every node that reads it unchecked. Weights are read as meta
+    tensors even where a graph holds real ones.
+    """
+    groups = {axis: ShapeGroup(plan.parallel.degree(axis)) for axis in plan.parallel.order}
+    interp = _MetaInterpreter(gm)
+    unknown, problems = set(), []
+    with bind_axes(groups), torch.no_grad():
+        for node in gm.graph.nodes:
+            info = get_info(node)
+            if node.op == "output" or any(a in unknown for a in node.all_input_nodes):
+                unknown.add(node)
+                continue
+            if node.op == "placeholder":
+                if info is None or len(info.shapes) != 1:
+                    unknown.add(node)
+                    continue
+                value = torch.empty(info.shapes[0], dtype=info.dtypes[0], device="meta")
+            else:
+                args, kwargs = interp.fetch_args_kwargs_from_env(node)
+                try:
+                    value = cache.call(node, args, kwargs, lambda node=node, args=args,
+                                       kwargs=kwargs: getattr(interp, node.op)(node.target, args,
+                                                                              kwargs))
+                except Exception as exc:  # any op's own error: the node is what is named
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    problems.append(f"node {node.name} ({node.op} {_name(node)}) fails when "
+                                    f"re-run: {type(exc).__name__}: {first}")
+                    break
+            interp.env[node] = value
+            problem = _disagreement(node, info, value)
+            if problem:
+                problems.append(problem)
+                if len(problems) >= MAX_PROBLEMS:
+                    break
+    return problems
+
+
+class _MetaInterpreter(fx.Interpreter):
+    """fx's Interpreter with every weight it reads (attribute or module state) on meta."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+
+    def get_attr(self, target, args, kwargs):  # noqa: D102 - fx.Interpreter's
+        return _on_meta(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target, args, kwargs):  # noqa: D102 - fx.Interpreter's
+        module = self.fetch_attr(target)
+        state = {name: _on_meta(t) for name, t in itertools.chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False))}
+        return torch.func.functional_call(module, state, args, kwargs)
+
+
+def _on_meta(value):
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
     return value
+
+
+def _disagreement(node: fx.Node, info, value) -> str | None:
+    """What the node's recorded shapes/dtypes get wrong about `value`, or None."""
+    if info is None or not info.shapes:
+        return None
+    tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors)
+    recorded = tuple(tuple(s) for s in info.shapes)
+    if recorded == shapes and tuple(info.dtypes) == dtypes:
+        return None
+    return (f"node {node.name} ({node.op} {_name(node)}) records shapes {recorded} dtypes "
+            f"{_dtypes(info.dtypes)}, a meta re-run gives {shapes} {_dtypes(dtypes)}")
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _dtypes(dtypes) -> str:
+    return "(" + ", ".join(str(d).removeprefix("torch.") for d in dtypes) + ")"
 
 
 def _axis(node: fx.Node) -> str | None:

@@ -4,7 +4,10 @@ Lowered graphs name a mesh *axis* ("dp"), never a process group: the
 compiler has none. The executor binds axis names to the groups of its
 DeviceMesh with `bind_axes`; ops look them up with `axis_group`. An unbound
 axis, or a group of one rank, makes every collective a local no-op, so a
-lowered graph also runs in a plain single process.
+lowered graph also runs in a plain single process. A `ShapeGroup` stands in
+for a group of n ranks on meta tensors: its collectives return outputs of
+the shape n ranks would give and move nothing (`ptc.lower.verify` re-runs
+lowered graphs on the meta device so).
 
 Every collective here is issued with `async_op=True` and returns a `Work`
 to wait on later: that is what lets gathers and gradient reductions overlap
@@ -23,7 +26,23 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+
+
+class ShapeGroup:
+    """A stand-in for a process group of `size` ranks, this process being rank 0: its
+    collectives give results of the right shape (meta tensors) and communicate nothing."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"ShapeGroup({self.size})"
+
+
+Group = dist.ProcessGroup | ShapeGroup | None
+"""What an axis is bound to: a process group, a shape stand-in, or nothing (one rank)."""
+
+_GROUPS: dict[str, Group] = {}
 
 # The *_single names replace the deprecated *_into_tensor / *_tensor ones in recent torch.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,7 +50,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 @contextmanager
-def bind_axes(groups: Mapping[str, dist.ProcessGroup | None]) -> Iterator[None]:
+def bind_axes(groups: Mapping[str, Group]) -> Iterator[None]:
     """Make `axis_group(name)` return `groups[name]` inside the block."""
     saved = dict(_GROUPS)
     _GROUPS.update(groups)
@@ -42,19 +61,21 @@ def bind_axes(groups: Mapping[str, dist.ProcessGroup | None]) -> Iterator[None]:
         _GROUPS.update(saved)
 
 
-def axis_group(axis: str) -> dist.ProcessGroup | None:
+def axis_group(axis: str) -> Group:
     """The process group bound to `axis`, or None when unbound (single process)."""
     return _GROUPS.get(axis)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: Group) -> int:
     """Ranks in `group` (1 for None)."""
+    if isinstance(group, ShapeGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank inside `group` (0 for None)."""
-    return 0 if group is None else dist.get_rank(group)
+def group_rank(group: Group) -> int:
+    """This process's rank inside `group` (0 for None and for a ShapeGroup)."""
+    return 0 if group is None or isinstance(group, ShapeGroup) else dist.get_rank(group)
 
 
 _RECORD: list[list[tuple[str, tuple[int, ...], int]]] = []
@@ -76,8 +97,8 @@ def record_collectives() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
         _RECORD.remove(log)
 
 
-def _note(op: str, group: dist.ProcessGroup | None, numel: int) -> None:
-    if _RECORD:
+def _note(op: str, group: Group, numel: int) -> None:
+    if _RECORD and not isinstance(group, ShapeGroup):
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         for log in _RECORD:
             log.append((op, ranks, numel))
@@ -131,7 +152,7 @@ class Piece:
         return self._take(self._work.wait())
 
 
-def all_gather_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+def all_gather_bucket(flats: Sequence[torch.Tensor], group: Group
                       ) -> list[Work | Piece]:
     """Start gathering several units' shards with one collective; one waitable per unit.
 
@@ -147,7 +168,7 @@ def all_gather_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | 
             for a, b in bounds]
 
 
-def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: Group
                           ) -> list[Work | Piece]:
     """Start reduce-scattering several units' full buffers [world * n_i] with one collective.
 
@@ -164,7 +185,7 @@ def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGrou
     return [Piece(work, lambda out, a=a, b=b: out[a:b]) for a, b in bounds]
 
 
-def all_reduce_bucket(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+def all_reduce_bucket(flats: Sequence[torch.Tensor], group: Group
                       ) -> list[Work | Piece]:
     """Start summing several buffers over ranks with one collective; one waitable per buffer.
 
@@ -184,7 +205,7 @@ def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
     return [(end - n, end) for n, end in zip(lengths, ends)]
 
 
-def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
+def all_gather_flat(flat: torch.Tensor, group: Group,
                     out: torch.Tensor | None = None) -> Work:
     """Start gathering each rank's 1-D `flat` into one [world * n] tensor (rank order).
 
@@ -196,23 +217,29 @@ def all_gather_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
     _note("all_gather", group, flat.numel())
     if out is None:
         out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    if isinstance(group, ShapeGroup):
+        return Work(None, out)
     return Work(_all_gather(out, flat, group=group, async_op=True), out, flat)
 
 
-def reduce_scatter_flat(flat: torch.Tensor, group: dist.ProcessGroup | None) -> Work:
+def reduce_scatter_flat(flat: torch.Tensor, group: Group) -> Work:
     """Start summing 1-D `flat` [world * n] over ranks; rank r keeps elements [r*n, (r+1)*n)."""
     world = group_size(group)
     if world == 1:
         return Work(None, flat)
     _note("reduce_scatter", group, flat.numel())
     out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+    if isinstance(group, ShapeGroup):
+        return Work(None, out)
     return Work(_reduce_scatter(out, flat, group=group, async_op=True), out, flat)
 
 
-def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup | None,
+def all_reduce_flat(flat: torch.Tensor, group: Group,
                     op: dist.ReduceOp = dist.ReduceOp.SUM) -> Work:
     """Start reducing `flat` over ranks in place (sum unless `op` says otherwise)."""
     if group_size(group) == 1:
         return Work(None, flat)
     _note("all_reduce", group, flat.numel())
+    if isinstance(group, ShapeGroup):
+        return Work(None, flat)
     return Work(dist.all_reduce(flat, op=op, group=group, async_op=True), flat)

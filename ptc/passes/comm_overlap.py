@@ -34,7 +34,7 @@ import operator
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
-from ptc.compiler.meta import copy_meta, update_graph_record
+from ptc.compiler.meta import copy_meta, get_info, update_graph_record
 from ptc.compiler.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan, plan_buckets, resolve_bucket_bytes
 from ptc.compiler.program import ParamLayout, shard_unit, stage_layout
 from ptc.errors import CompileError
@@ -145,7 +145,9 @@ def _merge(graph: fx.Graph, gathers: list[tuple[fx.Node, fx.Node]]) -> None:
     with graph.inserting_before(first_wait):
         wait = graph.call_function(gather_params, (start, shards))
     copy_meta(first_start, start)
-    copy_meta(first_wait, wait)
+    waits = [get_info(w) for _, w in gathers]
+    copy_meta(first_wait, wait, shapes=tuple(s for i in waits for s in i.shapes),
+              dtypes=tuple(d for i in waits for d in i.dtypes))
     offset = 0
     for old_start, old_wait in gathers:
         for user in list(old_wait.users):

@@ -100,12 +100,18 @@ def _insert_gather(gm: fx.GraphModule, uses: list[tuple[fx.Node, list]],
         shards = tuple(graph.get_attr(f"{SHARDS_ATTR}.shard_{u}") for u in units)
         start = graph.call_function(gather_params_start, (shards,), {"axis": "dp", "dtype": dtype})
         wait = graph.call_function(gather_params, (start, shards))
-        for node in (*shards, start, wait):
-            _meta(first, node, kind="other", shapes=(), dtypes=(), **free)
+        shard_params = [gm.get_parameter(f"{SHARDS_ATTR}.shard_{u}") for u in units]
+        layout = getattr(gm, SHARDS_ATTR).layout
+        full = tuple((layout.units[u].padded_numel,) for u in units)
+        for node, param in zip(shards, shard_params):
+            _meta(first, node, kind="other", shapes=(tuple(param.shape),), dtypes=(param.dtype,),
+                  **free)
+        _meta(first, start, kind="other", shapes=(), dtypes=(), **free)  # a handle
+        _meta(first, wait, kind="other", shapes=full, dtypes=(dtype,) * len(units), **free)
         flats = {}
         for i, u in enumerate(units):
             flats[u] = graph.call_function(operator.getitem, (wait, i))
-            _meta(first, flats[u], kind="view", shapes=(), dtypes=(), **free)
+            _meta(first, flats[u], kind="view", shapes=(full[i],), dtypes=(dtype,), **free)
         for node, params in uses:
             for _, p in params:
                 slot = slots[id(p)]
@@ -115,8 +121,8 @@ def _insert_gather(gm: fx.GraphModule, uses: list[tuple[fx.Node, list]],
                     flats[slot.unit], slice(slot.offset, slot.offset + slot.numel)))
                 view = graph.create_node("call_method", "view", (piece, slot.shape),
                                          name=slot.name.replace(".", "_"))
-                for n in (piece, view):
-                    _meta(node, n, kind="view", shapes=(slot.shape,), dtypes=(dtype,), **free)
+                _meta(node, piece, kind="view", shapes=((slot.numel,),), dtypes=(dtype,), **free)
+                _meta(node, view, kind="view", shapes=(slot.shape,), dtypes=(dtype,), **free)
                 views[slot.name] = view
     for node, params in uses:
         _rewrite(gm, node, {name: views[slots[id(p)].name] for name, p in params})

@@ -88,3 +88,27 @@ def test_values_without_a_signature_are_not_cached():
     node = graph.call_function(operator.getitem, (x, 0))
     assert CallCache(nn.Module()).key(node, (object(), 0), {}) is None
     assert signature((1, 1.0, True)) != signature((1, 1, 1))
+
+
+def test_graph_modules_key_by_structure_not_names():
+    def region(names: tuple[str, str], scale: float) -> fx.GraphModule:
+        graph = fx.Graph()
+        x, w = (graph.placeholder(n) for n in names)
+        y = graph.call_function(torch.mul, (graph.call_function(torch.matmul, (x, w)), scale))
+        graph.output(y)
+        return fx.GraphModule(nn.Module(), graph, "Region")
+
+    layer0, layer1 = region(("x_0", "w_0"), 0.5), region(("x_1", "w_1"), 0.5)
+    other = region(("x_0", "w_0"), 2.0)
+    assert module_signature(layer0) == module_signature(layer1) != module_signature(other)
+    assert signature((layer0, meta(2))) == signature((layer1, meta(2)))
+
+
+def test_results_that_are_not_tensors_belong_to_their_call():
+    graph, x = graph_of(nn.Module())
+    a = graph.call_function(torch.relu, (x,))
+    b = graph.call_function(torch.relu, (x,))
+    cache, run = CallCache(nn.Module()), Counted(lambda: object())  # a handle, say
+    first = cache.call(a, (meta(2),), {}, run)
+    second = cache.call(b, (meta(2),), {}, run)
+    assert run.calls == 2 and first is not second

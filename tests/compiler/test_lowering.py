@@ -15,6 +15,9 @@ from ptc.compiler.program import stage_layout
 from ptc.errors import CompileError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
 from ptc.lower.verify import verify_graph
+from ptc.ops.collectives import gather_params
+from ptc.ops.comm import ShapeGroup, bind_axes
+from ptc.ops.tp_ops import all_gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq
 
 MODEL = ModelSpec(family="llama", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64,
                   max_seq=16)
@@ -22,7 +25,7 @@ MODEL = ModelSpec(family="llama", layers=4, hidden=32, heads=4, kv_heads=2, ffn=
 
 def plan(**parallel) -> Plan:
     par = ParallelSpec(**{"tp": 1, "pp": 2, "dp": 1, "checkpoint": "auto", **parallel})
-    return Plan(model=MODEL, hardware=HardwareSpec.preset("cpu", gpus_per_node=par.tp * par.pp),
+    return Plan(model=MODEL, hardware=HardwareSpec.preset("cpu", gpus_per_node=par.tp * par.pp * par.dp),
                 parallel=par, train=TrainSpec(seq_len=16, global_batch=4, micro_batch=1))
 
 
@@ -75,6 +78,38 @@ def test_verifier_catches_a_parameter_resized_without_its_metadata():
     setattr(module, leaf, torch.nn.Parameter(torch.empty(3, device="meta")))
     with pytest.raises(CompileError, match=r"records shape .* of shape \(3,\)"):
         verify_graph(gm, p, after="resize_pass")
+
+
+def test_verifier_reruns_the_graph_on_meta_and_compares_shapes():
+    p = plan(pp=1, checkpoint="none")
+    gm = capture_plan(p)
+    view = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "view")
+    *lead, heads, dim = view.args[1:]
+    view.args = (view.args[0], *lead, dim, heads)  # still runs; no longer what it records
+    with pytest.raises(CompileError, match=rf"after pass reshape_pass is broken: node "
+                                           rf"{view.name} \(call_method view\) records shapes "
+                                           rf".*, a meta re-run gives"):
+        verify_graph(gm, p, after="reshape_pass")
+
+
+@pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True, zero=3, dp=2),
+                                      dict(tp=2, checkpoint="full", zero=3, dp=2)])
+def test_every_lowered_graph_agrees_with_its_meta_rerun(parallel):
+    """The collectives under ShapeGroups give what the passes recorded, stage by stage."""
+    p = plan(**parallel)
+    for stage in compile_plan(p).stages:
+        verify_graph(stage.graph, p, after="the last pass")
+        nodes = {n.target for n in stage.graph.graph.nodes if n.op == "call_function"}
+        assert gather_params in nodes
+
+
+def test_a_shape_group_gives_the_shapes_its_ranks_would():
+    x = torch.empty(2, 8, 4, device="meta")
+    with bind_axes({"tp": ShapeGroup(4)}):
+        assert all_gather_seq(x, 1).shape == (2, 32, 4)
+        assert reduce_scatter_seq(x, 1).shape == (2, 2, 4)
+        assert scatter_seq(x, 1).shape == (2, 2, 4)
+        assert reduce_from_tp(x).shape == (2, 8, 4)
 
 
 def test_disabling_an_optional_pass_skips_it(monkeypatch):
