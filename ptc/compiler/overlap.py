@@ -99,11 +99,21 @@ def link_bucket_bytes(link: LinkSpec) -> int:
 
 
 def resolve_bucket_bytes(plan: Plan, item_bytes: Sequence[int]) -> int:
-    """`parallel.bucket_size`, or for "auto" the link's size capped at the largest item."""
+    """`parallel.bucket_size`, or for "auto" the link's size (`link_bucket_bytes`).
+
+    At ZeRO-3 "auto" is also capped at the largest item: a merged gather holds
+    the full weights of its whole bucket at once, so a bucket larger than the
+    largest layer would raise peak memory. Gradient buckets (ZeRO 0-2) reduce
+    tensors that are resident anyway: fewer, larger collectives pay fewer
+    latencies (DDP's 25 MB buckets, for the same reason).
+    """
     size = plan.parallel.bucket_size
     if size != "auto":
         return int(size)
-    return max(1, min(link_bucket_bytes(dp_link(plan)), max(item_bytes, default=1)))
+    link = link_bucket_bytes(dp_link(plan))
+    if plan.parallel.zero < 3:
+        return link
+    return max(1, min(link, max(item_bytes, default=1)))
 
 
 def plan_buckets(item_bytes: Sequence[int], bucket_bytes: int,

@@ -63,6 +63,11 @@ class TestBuckets:
         assert resolve_bucket_bytes(p, [100, 3000, 200]) == 3000
         assert resolve_bucket_bytes(with_parallel(p, bucket_size=512.0), [100, 3000]) == 512
 
+    @pytest.mark.parametrize("zero", [0, 1, 2])
+    def test_gradient_buckets_take_the_link_size_whatever_the_items(self, zero):
+        p = plan("gpt", zero=zero)  # resident gradients: no memory reason to cap the bucket
+        assert resolve_bucket_bytes(p, [100, 3000, 200]) == link_bucket_bytes(p.hardware.intra)
+
     def test_dp_across_nodes_uses_the_inter_node_link(self):
         p = plan("gpt", dp=4)
         spread = dataclasses.replace(p, hardware=dataclasses.replace(
