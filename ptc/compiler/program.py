@@ -269,6 +269,10 @@ class Program:
     """The pipeline schedule, checked deadlock-free (pp = 1: the one-stage schedule)."""
     tensor_parallel: TensorParallelLayout | None = None
     """How tp splits each parameter (None when tp = 1); the layout's shapes are tp-local."""
+    model: nn.Module | None = None
+    """The module `ptc.compile` was given (None: the plan's own model). It is what trains:
+    its weights are the initial ones (unless the plan's `init` says otherwise), and the
+    processes `ptc.run` starts compile it again."""
 
     @property
     def predicted_step_time(self) -> float | None:

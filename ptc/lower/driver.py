@@ -58,13 +58,16 @@ def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
 
 def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
     """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program."""
-    return compile_graph(capture_plan(plan, model), plan)
+    return compile_graph(capture_plan(plan, model), plan, model=model)
 
 
 def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
                   knobs: Mapping[str, Mapping[str, Any]] | None = None,
-                  disabled: Sequence[str] = ()) -> Program:
-    """Lower an already captured (tokens, targets) -> loss graph into a Program."""
+                  disabled: Sequence[str] = (), model: nn.Module | None = None) -> Program:
+    """Lower an already captured (tokens, targets) -> loss graph into a Program.
+
+    `model`: the user's module `gm` was captured from (None: the plan's own model).
+    """
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
     whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
     decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)
@@ -74,7 +77,7 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
     return Program(plan=plan, decisions=decisions, stages=stages,
                    layout=whole if whole is not None else stages[0].layout,
                    pass_log=lowered.log, schedule=schedule_for(plan),
-                   tensor_parallel=graph_record(lowered.graph).tensor_parallel)
+                   tensor_parallel=graph_record(lowered.graph).tensor_parallel, model=model)
 
 
 def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,

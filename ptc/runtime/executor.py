@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from ptc.compiler.devices import bind_device
 from ptc.compiler.meta import get_info
 from ptc.compiler.overlap import OverlapPlan, stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
@@ -243,7 +244,8 @@ class Trainer:
 
         `groups` maps axis names to this rank's process groups (empty: one
         process). `model` is the model whose names, init rules and buffers
-        the weights follow (default: the plan's, on meta); `values` replaces
+        the weights follow (default: the program's own module, else the
+        plan's model on meta); `values` replaces
         the plan's initial weights (full tensors by canonical name).
         """
         plan = self.plan = program.plan
@@ -263,7 +265,8 @@ class Trainer:
         seed_dropout(plan, self.tp_group, self.rank)
         schedule = program.schedule
         self.actions = lower(schedule)[self.pp_rank]
-        model = model if model is not None else reference_model(plan)
+        if model is None:
+            model = program.model if program.model is not None else reference_model(plan)
         values = rank_values(program, model, values, self.tp_rank)
         tp = program.tensor_parallel
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
@@ -291,6 +294,7 @@ class Trainer:
         stage = program.stages[s]
         layout = stage.layout or program.layout
         gm = copy.deepcopy(stage.graph)
+        bind_device(gm, self.device)  # tensors the graph creates: on this rank's device
         mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
         units = build_units(gm, layout, mine, zero=self.zero,
                             dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,

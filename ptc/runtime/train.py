@@ -15,13 +15,16 @@ MIN:MAX`) the plan's dp first adapts to the processes that joined.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import pickle
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
+from torch import nn
 
 from ptc.compiler.program import Program
+from ptc.errors import PtcError
 from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
@@ -56,15 +59,17 @@ class RunResult:
         return [s.loss for s in self.steps]
 
 
-Compiler = Callable[[Plan], Program]
-"""What turns a plan into a Program (`ptc.lower.driver.compile_plan`), handed in from above."""
+Compiler = Callable[..., Program]
+"""What turns a plan (and optionally the user's `model=`) into a Program
+(`ptc.lower.driver.compile_plan`), handed in from above."""
 
 
 def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
-                 steps: int | None = None) -> RunResult:
+                 steps: int | None = None, model: nn.Module | None = None) -> RunResult:
     """Run the training as one process of the job (collective with the other ranks).
 
-    A Plan is compiled here, after the process group is up, with `compiler`.
+    A Plan is compiled here, after the process group is up, with `compiler`,
+    from `model` when given (the module the Program `run` was handed came from).
     """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     joined = int(os.environ.get("WORLD_SIZE", world_size(plan)))
@@ -80,7 +85,7 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
         elif compiler is None:
             raise TypeError("train_worker of a Plan needs the compiler that lowers it")
         else:
-            program = compiler(plan)
+            program = compiler(plan) if model is None else compiler(plan, model=model)
         groups = axis_groups(build_mesh(plan))
         trainer = Trainer(program, groups, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
@@ -117,6 +122,23 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     if in_worker() or dist.is_initialized() or world_size(plan) == 1:
         return train_worker(plan_or_program, compiler=compiler, steps=steps)
-    # Workers get the plan and compile it again: compiling is deterministic, and the plan
-    # travels to spawned processes where a GraphModule may not pickle.
-    return run_local(train_worker, world_size(plan), plan, compiler=compiler, steps=steps)[0]
+    # Workers get the plan, and the user's module when the Program came from one, and
+    # compile again: compiling is deterministic, and a GraphModule may not pickle.
+    model = plan_or_program.model if isinstance(plan_or_program, Program) else None
+    if model is not None:
+        _check_sendable(model, world_size(plan))
+    return run_local(train_worker, world_size(plan), plan, compiler=compiler, steps=steps,
+                     model=model)[0]
+
+
+def _check_sendable(model: nn.Module, nproc: int) -> None:
+    """PtcError, before any process starts, when `model` cannot travel to spawned workers."""
+    try:
+        pickle.dumps(model)
+    except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError, ...
+        raise PtcError(
+            f"ptc.run: the module given to ptc.compile ({type(model).__qualname__}) cannot be "
+            f"sent to the {nproc} worker processes: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; define its class at module level "
+            f"of an importable file, or name it in the plan (model {{ family = custom, factory "
+            f"= \"package.module:factory\" }}), or start the script under torchrun") from None

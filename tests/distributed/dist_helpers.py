@@ -8,6 +8,7 @@ shared 2-core machine) is paid once per process count.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ptc.compiler.capture.call import call_rule  # noqa: E402
 from ptc.plan import (  # noqa: E402
     DataSpec,
     HardwareSpec,
@@ -74,8 +76,11 @@ def tiny_plan(family: str, *, zero: int, dp: int, accum: int, steps: int = STEPS
 
 
 def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
-                  nudge: Nudge | None = None) -> Run:
+                  nudge: Nudge | None = None, module: torch.nn.Module | None = None) -> Run:
     """Plain single-process PyTorch training of the plan's model on the full global batch.
+
+    `module`: a user's module to train instead (a copy of it; its own weights),
+    called as capture calls it (`ptc.compiler.capture.call`).
 
     torch.optim.AdamW on the eager model, the same initial weights and samples,
     `clip_grad_norm_`, the same learning-rate schedule: the ground truth. In
@@ -89,7 +94,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     from ptc.runtime.lr import learning_rate
 
     train = plan.train
-    model = build_model(plan.model, device="cpu", seed=train.init.seed)
+    model = copy.deepcopy(module) if module is not None else \
+        build_model(plan.model, device="cpu", seed=train.init.seed)
+    rule = call_rule(model)
     if train.init.kind == "state_dict":
         model.load_state_dict(torch.load(train.init.path, weights_only=True))
     model = model.to(dtype)
@@ -97,39 +104,46 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
     source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
     losses, steps = [], []
-    for step in range(train.steps):
-        tokens, targets = source.batch(step * train.global_batch, train.global_batch)
-        if plan.model.family == "custom":  # nanoGPT-style: forward(idx, targets) -> (logits, loss)
-            loss = model(tokens, targets)[1]
-        else:
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        steps.append(Step(lr, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        opt.step()
-        if nudge is not None:
-            with torch.no_grad():
-                for name, delta in nudge(step).items():
-                    model.get_parameter(name).add_(delta)
-        losses.append(loss.item())
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # tensors the model creates (masks) in the run's dtype too
+    try:
+        for step in range(train.steps):
+            tokens, targets = source.batch(step * train.global_batch, train.global_batch)
+            if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
+                out = model(tokens, **{rule.targets: targets}, **rule.concrete)
+                loss = out.loss if hasattr(out, "loss") else out[1]
+            else:
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            steps.append(Step(lr, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            if nudge is not None:
+                with torch.no_grad():
+                    for name, delta in nudge(step).items():
+                        model.get_parameter(name).add_(delta)
+            losses.append(loss.item())
+    finally:
+        torch.set_default_dtype(default)
     return Run(losses, {n: p.detach().clone() for n, p in model.named_parameters()}, steps)
 
 
-_references: dict[tuple[str, str], Reference] = {}
+_references: dict[tuple[str, str, int], Reference] = {}
 
 
-def reference(plan: Plan) -> Reference:
-    """The eager runs the tolerances of `plan` derive from, once per model and training spec."""
-    key = repr(plan.model), repr(plan.train)  # all the eager run reads of the plan
+def reference(plan: Plan, module: torch.nn.Module | None = None) -> Reference:
+    """The eager runs the tolerances of `plan` derive from, once per model and training spec
+    (`module`: a user's module trained instead of the plan's model)."""
+    key = repr(plan.model), repr(plan.train), id(module)  # all the eager run reads
     if key not in _references:
         optimizer = plan.train.optimizer
         _references[key] = Reference(
-            lambda dtype, nudge: reference_run(plan, dtype, nudge), betas=optimizer.betas,
+            lambda dtype, nudge: reference_run(plan, dtype, nudge, module), betas=optimizer.betas,
             adam_eps=optimizer.eps, tokens=plan.train.global_batch * plan.train.seq_len)
     return _references[key]
 

@@ -17,6 +17,8 @@ import copy
 import torch
 from torch import fx, nn
 
+from ptc.compiler.devices import bind_device
+
 
 def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The model itself if it is all meta in `dtype`, else a meta copy of it.
@@ -58,19 +60,11 @@ def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     records the device of the tensors it creates (`arange(..., device=meta)`);
     those become the device of `model`'s parameters.
     """
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    meta = torch.device("meta")
-
-    def on_device(arg):
-        return device if isinstance(arg, torch.device) and arg == meta else arg
-
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
-        new = graph.node_copy(node, val_map.__getitem__)
-        new.args = fx.node.map_aggregate(new.args, on_device)
-        new.kwargs = fx.node.map_aggregate(new.kwargs, on_device)
-        val_map[node] = new
+        val_map[node] = graph.node_copy(node, val_map.__getitem__)
     bound = fx.GraphModule(model, graph, type(gm).__name__)
     bound.meta.update(gm.meta)
+    bind_device(bound, next((t.device for t in model.parameters()), torch.device("cpu")))
     return bound

@@ -1,0 +1,85 @@
+"""`ptc.run(ptc.compile(module, plan))`: the module that was given is the module that trains.
+
+A user's module (nanoGPT through the fx door; a Hugging Face-style Llama through the
+export door, whose graph creates tensors with `device=meta` literals) is compiled
+and run in this process and on two launched processes; either way the losses are
+those of eager training of that very module, from its own weights, within the
+derived bounds of `tests/tolerances.py`. A module the workers cannot receive is
+refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist_helpers import ROOT, reference
+from torch import nn
+
+import ptc
+from ptc.errors import PtcError
+from ptc.plan import DataSpec, HardwareSpec, ModelSpec, OptimizerSpec, ParallelSpec, Plan, \
+    TrainSpec
+from tests.tolerances import assert_losses_match
+from tests.user_models.hf_llama import hf_llama
+from tests.user_models.nanogpt import nanogpt
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, SEQ = 64, 16
+MODULES = {
+    "nanogpt": ("tests.user_models.nanogpt:nanogpt", lambda: nanogpt(
+        n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ, bias=True,
+        dropout=0.0)),
+    "hf_llama": ("tests.user_models.hf_llama:hf_llama", lambda: hf_llama(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)),
+}
+
+
+@pytest.fixture(autouse=True)
+def importable_tests(monkeypatch):
+    # Spawned workers unpickle the module by its class's import path: tests.user_models.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("PTC_TIMEOUT", "60")
+
+
+def plan_for(factory: str, dp: int) -> Plan:
+    return Plan(model=ModelSpec(family="custom", factory=factory, vocab=VOCAB, max_seq=SEQ),
+                hardware=HardwareSpec.preset("cpu", gpus_per_node=dp),
+                parallel=ParallelSpec(dp=dp, zero=1 if dp > 1 else 0),
+                train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=2, steps=3, dtype="fp32",
+                                grad_clip=1.0, optimizer=OptimizerSpec(lr=3e-3),
+                                data=DataSpec(kind="synthetic", seed=5)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_run_of_a_compiled_module_trains_that_module(name, dp):
+    factory, make = MODULES[name]
+    torch.manual_seed(11)  # weights of the module's own init, not ptc's
+    module = make()
+    plan = plan_for(factory, dp)
+    result = ptc.run(ptc.compile(module, plan))
+    assert_losses_match(result.losses, reference(plan, module), f"{name} dp{dp}")
+
+
+def test_a_module_the_workers_cannot_receive_is_refused_before_launch():
+    class Unsendable(nn.Module):  # defined in a function: pickle cannot name its class
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 32)
+            self.head = nn.Linear(32, VOCAB)
+
+        def forward(self, tokens, targets):
+            logits = self.head(self.embed(tokens))
+            return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    program = ptc.compile(Unsendable(), plan_for(MODULES["nanogpt"][0], 2))
+    with pytest.raises(PtcError, match=r"ptc.run: the module given to ptc.compile "
+                                       r"\(.*Unsendable\) cannot be sent to the 2 worker "
+                                       r"processes: .*; define its class at module level"):
+        ptc.run(program)
