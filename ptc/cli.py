@@ -118,11 +118,14 @@ def cmd_run(args: argparse.Namespace) -> int:
               ("rdzv_endpoint", args.rdzv_endpoint), ("rdzv_backend", args.rdzv_backend),
               ("rdzv_id", args.rdzv_id), ("max_restarts", args.max_restarts))
              if value is not None]
-    _load(args.plan)  # report plan errors before any process starts
+    plan = _load(args.plan)  # report plan errors before any process starts
     if in_worker():
         from ptc.worker import main  # noqa: PLC0415
 
         return main([args.plan])
+    from ptc.runtime.data import check_data  # noqa: PLC0415
+
+    check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
     return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra)
 
 

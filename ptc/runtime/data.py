@@ -11,6 +11,12 @@ only on g and the data source, never on the parallel layout:
   (g mod W)·seq_len, where W = (N - 1) // seq_len windows fit in N tokens:
   windows follow the file in order and wrap around at its end.
 
+Every token id must be below the model's vocab: a batch holding one that is
+not is refused (PtcError naming the file and the token's position) before it
+reaches the model, where an out-of-range id would fail deep inside (tp = 1)
+or be masked and train silently (a vocab-parallel embedding). `check_data`
+scans a whole file (up to FULL_SCAN_TOKENS) before any process starts.
+
 Step k's global batch is samples k·B .. k·B + B - 1 (B = global_batch)
 whatever dp is. dp rank r takes the contiguous slice r·B/dp .. (r+1)·B/dp - 1
 and feeds it micro-batch by micro-batch: micro-batch m of rank r is samples
@@ -26,6 +32,13 @@ import torch
 
 from ptc.errors import PtcError
 from ptc.plan import DataSpec
+
+
+FULL_SCAN_TOKENS = 1 << 28
+"""Files up to this many tokens (512 MiB of uint16) are scanned whole by `check_data`;
+larger ones are checked batch by batch only."""
+SCAN_CHUNK = 1 << 24
+"""Tokens read at a time while scanning."""
 
 
 class TokenSource:
@@ -46,12 +59,37 @@ class TokenSource:
         if self._tokens is None:
             return np.random.default_rng([self.spec.seed, index]).integers(0, self.vocab, n)
         start = (index % self._windows) * self.seq_len
-        return np.asarray(self._tokens[start:start + n], dtype=np.int64)
+        window = np.asarray(self._tokens[start:start + n], dtype=np.int64)
+        if self.vocab is not None and window.max(initial=0) >= self.vocab:
+            self._refuse(start + int(np.argmax(window >= self.vocab)))
+        return window
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first .. first + count - 1 as (inputs, targets), each [count, seq_len] int64."""
         rows = torch.from_numpy(np.stack([self.sample(first + i) for i in range(count)]))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def scan(self, *, up_to: int | None = None) -> None:
+        """Check every token of the file (PtcError at the first id >= vocab); a file of more
+        than `up_to` tokens is left to the per-batch check."""
+        if self._tokens is None or self.vocab is None or (
+                up_to is not None and len(self._tokens) > up_to):
+            return
+        for start in range(0, len(self._tokens), SCAN_CHUNK):
+            chunk = self._tokens[start:start + SCAN_CHUNK]
+            if chunk.max(initial=0) >= self.vocab:
+                self._refuse(start + int(np.argmax(chunk >= self.vocab)))
+
+    def _refuse(self, position: int) -> None:
+        raise PtcError(f"train.data: token file {self.spec.path}: token {int(self._tokens[position])}"
+                       f" at position {position} is outside the vocabulary: model.vocab = "
+                       f"{self.vocab} takes ids 0 .. {self.vocab - 1}")
+
+
+def check_data(spec: DataSpec, *, vocab: int, seq_len: int) -> None:
+    """Open the plan's data and, for a token file of up to FULL_SCAN_TOKENS, check every id;
+    PtcError on the first problem (a missing or short file, an id outside the vocabulary)."""
+    TokenSource(spec, vocab=vocab, seq_len=seq_len).scan(up_to=FULL_SCAN_TOKENS)
 
 
 def microbatch_start(step: int, micro: int, *, dp_rank: int, dp: int, global_batch: int,

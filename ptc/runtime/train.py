@@ -26,6 +26,7 @@ from torch import nn
 from ptc.compiler.program import Program
 from ptc.errors import PtcError
 from ptc.plan import Plan
+from ptc.runtime.data import check_data
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
@@ -124,6 +125,7 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
         return train_worker(plan_or_program, compiler=compiler, steps=steps)
     # Workers get the plan, and the user's module when the Program came from one, and
     # compile again: compiling is deterministic, and a GraphModule may not pickle.
+    check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
     model = plan_or_program.model if isinstance(plan_or_program, Program) else None
     if model is not None:
         _check_sendable(model, world_size(plan))

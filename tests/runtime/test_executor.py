@@ -10,6 +10,7 @@ from runtime_helpers import reference, tiny_plan
 from ptc.lower.driver import compile_plan
 from ptc.errors import PtcError
 from ptc.plan import DataSpec, HardwareSpec, ParallelSpec, Plan
+from ptc.runtime.data import check_data
 from ptc.runtime.executor import RankError, Trainer
 from tests.tolerances import assert_losses_match, assert_params_match
 
@@ -41,17 +42,34 @@ def test_step_stats():
 
 
 @pytest.mark.parametrize("zero", [0, 3])
-def test_failure_names_rank_node_and_source_line(tmp_path, zero):
-    np.full(100, 200, dtype=np.uint16).tofile(tmp_path / "bad.bin")  # ids >= vocab 64
-    plan = tiny_plan("gpt", zero=zero, dp=1, accum=1,
-                     data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
+def test_failure_names_rank_node_and_source_line(monkeypatch, zero):
+    plan = tiny_plan("gpt", zero=zero, dp=1, accum=1)
     trainer = Trainer(compile_plan(plan), {})
+    # Data the data check lets through but the embedding table lacks: an op fails in the graph.
+    monkeypatch.setattr(trainer.data, "vocab", 10 * plan.model.vocab)
     with pytest.raises(RankError) as info:
         trainer.train_step(0)
     message = str(info.value)
     assert message.startswith("rank 0: IndexError")
     assert "while executing node embed:" in message
     assert "ptc/models/gpt.py:" in message
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16) % 64
+    tokens[37] = 200  # vocab is 64
+    tokens.tofile(tmp_path / "bad.bin")
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1,
+                     data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
+    message = (rf"train.data: token file .*bad.bin: token 200 at position 37 is outside the "
+               rf"vocabulary: model.vocab = 64 takes ids 0 .. 63")
+    with pytest.raises(PtcError, match=message):
+        check_data(plan.train.data, vocab=64, seq_len=plan.train.seq_len)
+    program = compile_plan(plan)
+    trainer = Trainer(program, {})
+    with pytest.raises(PtcError, match=message):  # the per-batch check, for files too big to scan
+        for step in range(4):
+            trainer.train_step(step)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
