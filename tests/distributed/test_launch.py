@@ -19,6 +19,7 @@ import torch
 import ptc
 from dist_helpers import ROOT, reference, tiny_plan
 
+from ptc.cli import main
 from ptc.lower.driver import compile_plan
 from ptc.dsl import dump_plan
 from ptc.models import build_model
@@ -64,9 +65,10 @@ def test_plan_file_with_token_data_and_state_dict_trains_like_eager(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_failing_rank_stops_the_job_and_names_rank_node_and_line(tmp_path, capsys):
-    # Rank 1 reads samples 2 and 3 (tokens 32..64): ids >= vocab there make its embedding
-    # fail while rank 0 waits in the gradient all-reduce; the launcher must stop both.
+def test_failing_rank_stops_the_job_and_names_rank_and_cause(tmp_path, capsys):
+    # Rank 1 reads samples 2 and 3 (tokens 32..64): ids >= vocab there make it refuse its
+    # batch while rank 0 waits in the gradient all-reduce; the launcher must stop both.
+    # (`launch` itself does not scan the file first, as `ptc run` does.)
     tokens = np.full(200, 5, dtype=np.uint16)
     tokens[33:65] = 500
     tokens.tofile(tmp_path / "bad.bin")
@@ -75,9 +77,19 @@ def test_failing_rank_stops_the_job_and_names_rank_node_and_line(tmp_path, capsy
     assert launch(write_plan(tmp_path, plan), nproc=2) == 1
     out = capsys.readouterr().err
     assert "rank 1 failed" in out
-    assert "rank 1: IndexError: index out of range" in out
-    assert "while executing node embed:" in out
-    assert "ptc/models/gpt.py:" in out
+    assert "token 500 at position 33 is outside the vocabulary" in out
+
+
+def test_ptc_run_scans_the_token_file_before_any_process_starts(tmp_path, capsys):
+    tokens = np.full(200, 5, dtype=np.uint16)
+    tokens[150] = 64
+    tokens.tofile(tmp_path / "bad.bin")
+    plan = tiny_plan("gpt", zero=0, dp=2, accum=1,
+                     data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
+    assert main(["run", write_plan(tmp_path, plan)]) != 0
+    err = capsys.readouterr().err
+    assert "token 64 at position 150 is outside the vocabulary" in err
+    assert "rank" not in err and "Traceback" not in err  # refused here, in one line
 
 
 @pytest.mark.timeout(120)
