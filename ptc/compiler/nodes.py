@@ -338,10 +338,21 @@ class AttentionParts:
 def _back(node, through: frozenset[str], hops: int = 8):
     """Follow first arguments back while the ops are in `through`."""
     for _ in range(hops):
-        if not isinstance(node, fx.Node) or op_name(node) not in through or not node.args:
+        if not isinstance(node, fx.Node) or _functional_name(node) not in through \
+                or not node.args:
             return node
         node = node.args[0]
     return node
+
+
+def _functional_name(node: fx.Node) -> str:
+    """op_name, except that a call to a dropout or softmax module (nn.Dropout, nn.Softmax,
+    as nanoGPT and GPT-2 write attention) is named as the functional op it stands for."""
+    if node.op == "call_module":
+        kind = module_kind(module_type(node))
+        if kind in ("dropout", "softmax"):
+            return kind
+    return op_name(node)
 
 
 def _matmul_operands(node: fx.Node):
@@ -371,7 +382,7 @@ def attention_parts(node: fx.Node) -> AttentionParts | None:
     if operands is None or param_source(operands[1]) is not None:
         return None
     probs = _back(operands[0], _PROBS_OPS)
-    if not isinstance(probs, fx.Node) or op_name(probs) not in SOFTMAX_OPS:
+    if not isinstance(probs, fx.Node) or _functional_name(probs) not in SOFTMAX_OPS:
         return None
     scores = _back(probs.args[0], _SCORE_OPS)
     if not isinstance(scores, fx.Node) or op_name(scores) not in MATMUL_OPS:

@@ -109,19 +109,21 @@ def test_loss_and_gradients_match_the_uncheckpointed_graph(family, policy):
                                 f"{family} {policy}", tokens.numel())
 
 
-def test_dropout_masks_match_on_recompute():
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_dropout_masks_match_on_recompute(policy):
     spec = dataclasses.replace(SPECS["gpt"], dropout=0.2)
-    p = plan("gpt", "full", spec=spec)
+    p = plan("gpt", policy, spec=spec)
     model = build_model(spec, device="cpu", seed=1)
     tokens, targets = torch.randint(0, spec.vocab, (2, B, S))
     torch.manual_seed(5)
     ref = loss_and_grads(with_weights(capture_plan(p), model), model, tokens, targets)
     gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
+    assert len(regions(gm)) == 3  # selective: attention's region found past nn.Dropout calls
     torch.manual_seed(5)
     got = loss_and_grads(gm, model, tokens, targets)
     torch.manual_seed(5)  # float64 draws the same masks
     assert_loss_and_grads_match(got, ref, exact_loss_and_grads(p, model, tokens, targets),
-                                "dropout 0.2", tokens.numel())
+                                f"{policy}, dropout 0.2", tokens.numel())
 
 
 @pytest.mark.parametrize("family", list(SPECS))
