@@ -102,8 +102,9 @@ def _policies(plan: Plan, layers: int, priced: Estimate | None) -> tuple[str, ..
         if isinstance(ckpt, str):
             return (ckpt,) * layers
         return tuple(ckpt[i] if i < len(ckpt) else "none" for i in range(layers))
-    if plan.model.family == "custom":  # no profile to price with: nothing is recomputed
-        return ("none",) * layers
+    if plan.model.family == "custom":
+        raise CompileError("checkpoint = auto chooses from the memory model, which a custom "
+                           "model does not have yet; name a policy: none, selective or full")
     if priced is None:
         raise CompileError("checkpoint = auto needs the cost model's estimate of the plan, "
                            "which failed (see the warning above); name a policy instead")

@@ -45,6 +45,7 @@ import torch.fx
 from ptc.compiler.activations import saved_storages
 from ptc.compiler.meta import get_info
 from ptc.compiler.nodes import is_linear
+from ptc.errors import PtcError
 from ptc.plan import ModelSpec
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
@@ -151,6 +152,11 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
     processes, keyed by the shape and by the source of everything that
     shapes a profile, so editing a model or the capture invalidates it.
     """
+    if spec.family == "custom":
+        raise PtcError(f"model \"{spec.factory}\": ptc does not yet predict memory or step time "
+                       "of a custom model (profiles are built from a built-in family's shape: "
+                       "layers, hidden, heads, vocab, max_seq); compile, inspect and run work "
+                       "without predictions")
     key = (_shape_key(spec), dtype)
     if key not in _CACHE:
         _CACHE[key] = _load_or_capture(spec, dtype, key)

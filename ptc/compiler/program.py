@@ -275,6 +275,14 @@ class Program:
     processes `ptc.run` starts compile it again."""
 
     @property
+    def vocab(self) -> int | None:
+        """Token ids the model takes (0 .. vocab - 1): the plan's `model.vocab`, else, for a
+        custom model, the width of the logits capture found."""
+        if self.plan.model.vocab is not None:
+            return self.plan.model.vocab
+        return graph_record(self.stages[0].graph).capture.vocab
+
+    @property
     def predicted_step_time(self) -> float | None:
         """The cost model's step time in seconds, when the plan was priced."""
         return self.decisions.predicted_step_time

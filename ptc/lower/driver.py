@@ -17,7 +17,7 @@ from typing import Any
 from torch import fx, nn
 
 from ptc.compiler.decisions import Decisions, resolve
-from ptc.compiler.meta import graph_record, update_graph_record
+from ptc.compiler.meta import graph_info, graph_record, update_graph_record
 from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, fix_stage_layout, param_layout,
                                   stage_layout)
 from ptc.compiler.schedule import schedule_for
@@ -68,6 +68,11 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
 
     `model`: the user's module `gm` was captured from (None: the plan's own model).
     """
+    captured = graph_info(gm).vocab  # a padded table (nanoGPT's 50304) may be wider
+    if None not in (plan.model.vocab, captured) and plan.model.vocab > captured:
+        raise CompileError(f"model.vocab = {plan.model.vocab}, but {graph_info(gm).model_class}'s "
+                           f"logits have only {captured} columns: ids up to "
+                           f"{plan.model.vocab - 1} would fall outside its vocabulary")
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
     whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
     decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)

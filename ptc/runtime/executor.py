@@ -282,7 +282,7 @@ class Trainer:
         self.partial = [] if tp is None else sequence_partial_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()
-        self.data = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
+        self.data = TokenSource(plan.train.data, vocab=program.vocab, seq_len=plan.train.seq_len)
         self.peak_in_flight = 0
         """Most stage micro-batches held between their F and B at once, over all steps."""
         self._handlers: dict[str, Callable[[Action, _StepState], None]] = {

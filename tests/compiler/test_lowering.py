@@ -8,11 +8,12 @@ import operator
 import pytest
 import torch
 
+import ptc
 import ptc.compiler.estimate as estimate_module
 from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.compiler.meta import graph_record
 from ptc.compiler.program import stage_layout
-from ptc.errors import CompileError
+from ptc.errors import CompileError, PtcError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
 from ptc.lower.verify import verify_graph
 from ptc.ops.collectives import gather_params
@@ -133,3 +134,33 @@ def test_an_unknown_pass_name_lists_the_passes(monkeypatch):
     with pytest.raises(CompileError, match="no pass named no_such_pass; the passes are "
                                            + ", ".join(PASSES.names())):
         compile_graph(capture_plan(p), dataclasses.replace(p))
+
+
+CUSTOM = ModelSpec(family="custom", factory="tests.user_models.nanogpt:nanogpt",
+                   kwargs={"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": 64,
+                           "block_size": 16}, vocab=64, max_seq=16)
+
+
+def test_a_custom_model_is_refused_by_predictions_not_silently_unpriced():
+    p = dataclasses.replace(plan(pp=1), model=CUSTOM)
+    with pytest.raises(PtcError, match=r'model "tests.user_models.nanogpt:nanogpt": ptc does not '
+                                       r"yet predict memory or step time of a custom model"):
+        ptc.estimate(p)
+    with pytest.raises(CompileError, match=r"checkpoint = auto chooses from the memory model, "
+                                           r"which a custom model does not have yet"):
+        compile_plan(p)  # plan() asks for checkpoint = auto
+    program = compile_plan(dataclasses.replace(p, parallel=dataclasses.replace(
+        p.parallel, checkpoint="full")))
+    assert program.predicted_step_time is None
+    assert program.decisions.unpriced == "no predicted step time for a custom model"
+
+
+def test_a_custom_model_takes_its_vocabulary_from_the_captured_logits():
+    no_vocab = dataclasses.replace(CUSTOM, vocab=None, max_seq=None)
+    p = dataclasses.replace(plan(pp=1, checkpoint="none"), model=no_vocab)
+    assert compile_plan(p).vocab == 64  # what synthetic data draws below, and files are checked by
+    assert compile_plan(dataclasses.replace(p, model=dataclasses.replace(
+        no_vocab, vocab=50))).vocab == 50  # a table wider than the ids used (padded): fine
+    with pytest.raises(CompileError, match=r"model.vocab = 100, but GPT's logits have only 64 "
+                                           r"columns: ids up to 99 would fall outside"):
+        compile_plan(dataclasses.replace(p, model=dataclasses.replace(no_vocab, vocab=100)))
