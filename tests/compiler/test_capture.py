@@ -208,8 +208,9 @@ class TestUserModels:
             model = hf_llama(**HF)
         gm = capture(model, micro_batch=B, seq_len=S)
         cap = graph_info(gm)
+        # Its loss would shift the (already shifted) targets again: ptc's own loss instead.
         assert (cap.front_door, cap.model_loss, cap.blocks_path, cap.num_layers) == \
-            ("export", True, "model.layers", 2)
+            ("export", False, "model.layers", 2)
         q = one([n for n in by_path(gm, "model.layers.1.self_attn.q_proj")
                  if n.op == "call_function"])
         assert (info(q).kind, info(q).layer, info(q).flops) == ("linear", 1, 2 * B * S * H * H)
@@ -217,8 +218,8 @@ class TestUserModels:
         torch.manual_seed(0)
         real = hf_llama(**HF)
         tokens, targets = tokens_and_targets()
-        torch.testing.assert_close(with_weights(gm, real)(tokens, targets),
-                                   real(tokens, labels=targets).loss)
+        torch.testing.assert_close(with_weights(gm, real)(tokens, targets), F.cross_entropy(
+            real(tokens).logits.flatten(0, 1), targets.flatten()))
 
     def test_leaf_module_keeps_untraceable_python(self):
         class Scale(nn.Module):

@@ -112,8 +112,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
             if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
                 out = model(tokens, **{rule.targets: targets}, **rule.concrete)
                 loss = out.loss if hasattr(out, "loss") else out[1]
-            else:
-                logits = model(tokens)
+            else:  # logits, or transformers' output with .logits (labels stay None)
+                out = model(tokens, **rule.concrete)
+                logits = out.logits if hasattr(out, "logits") else out
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             opt.zero_grad()
             loss.backward()

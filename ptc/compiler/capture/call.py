@@ -2,13 +2,17 @@
 
 Terms: the *tokens* parameter is forward's first parameter; it receives
 tokens[b, s] (int64). The *targets* parameter is the first later one named
-`targets`, `labels`, `target` or `y`; it receives the targets whenever the
-model has one — even without a loss — because models such as nanoGPT
-compute full-sequence logits only when given targets. Every other
+`targets`, `target` or `y`; it receives the targets (the next token of
+every position) whenever the model has one — even without a loss —
+because models such as nanoGPT compute full-sequence logits only when
+given targets. `labels` is not one: by transformers' convention a model
+shifts its labels itself (labels = input_ids), so the targets ptc passes
+would be shifted twice and train the token after next; it stays None, and
+ptc's own next-token loss is appended to the logits. Every other
 parameter is *concrete*: fixed to a value for the whole capture —
 `use_cache`, `output_attentions`, `output_hidden_states` to False, any
-other to its default (e.g. `attention_mask=None`, `past_key_values=None`).
-A parameter without default is an error.
+other to its default (e.g. `attention_mask=None`, `past_key_values=None`,
+`labels=None`). A parameter without default is an error.
 
 Job: read forward's signature into a `CallRule`; nothing here traces.
 """
@@ -22,7 +26,7 @@ from torch import nn
 
 from ptc.errors import CaptureError
 
-TARGET_NAMES = ("targets", "labels", "target", "y")
+TARGET_NAMES = ("targets", "target", "y")
 FLAG_OVERRIDES = {"use_cache": False, "output_attentions": False,
                   "output_hidden_states": False}
 
