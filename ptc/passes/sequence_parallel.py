@@ -78,8 +78,9 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
         raise CompileError(f"sequence parallelism: seq_len {capture.seq_len} is not divisible by "
                            f"tp = {tp}")
     counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0}
+    split = _split_activations(gm)
     for node in list(gm.graph.nodes):
-        if node.target is copy_to_tp and not _is_param(node.args[0]):
+        if node.target is copy_to_tp and node.args[0] in split:
             _swap(gm, node, all_gather_seq, capture)
             counts["all_gather_seq"] += 1
         elif node.target is reduce_from_tp:
@@ -106,6 +107,23 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
              "tp once per step", counts["all_gather_seq"], counts["reduce_scatter_seq"],
              counts["scatter_seq"], len(partial))
     return gm
+
+
+def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that will hold 1/tp of the sequence: those a reduce_from_tp (to become a
+    reduce-scatter) reaches without entering a tp region (a copy_to_tp).
+
+    A tp region entered from anything else (a replicated embedding's output, a
+    parameter) keeps its copy_to_tp: its input is whole on every rank, and the
+    sequence splits only where it meets split activations (`scatter_seq`).
+    """
+    split: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.target is reduce_from_tp:
+            split.add(node)
+        elif node.target is not copy_to_tp and any(a in split for a in node.all_input_nodes):
+            split.add(node)
+    return split
 
 
 def _is_param(node) -> bool:

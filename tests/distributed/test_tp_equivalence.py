@@ -1,7 +1,8 @@
 """Tensor (and sequence) parallelism on gloo processes trains exactly like single-process PyTorch.
 
-Layouts: tp = 2 and tp = 4, each with and without sequence parallelism, and
-tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3. Models: the built-in GPT (fused
+Layouts: tp = 2 and tp = 4, each with and without sequence parallelism,
+tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3, and tp = 2 with sequence parallelism
+after a replicated embedding (`shard "embed" replicate`). Models: the built-in GPT (fused
 qkv, tied embeddings, learned positions), Llama (grouped-query attention,
 RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads) and the
 nanoGPT user model (its own loss with ignore_index, sizes read off tensors).
@@ -49,7 +50,9 @@ pytestmark = pytest.mark.distributed
 FAMILIES = ("gpt", "llama", "nanogpt")
 
 LAUNCHES = {
-    "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)],
+    "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)]
+           # a replicated embedding: its output enters the split sequence through scatter_seq
+           + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))],
     "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)],
     "tp2dp2": [TPCase(f, 2, sp, dp=2, zero=z) for f in ("gpt", "llama") for z in (1, 3)
                for sp in (False, True)]
@@ -74,6 +77,8 @@ def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
     assert len(got["losses"]) == STEPS
     assert got["log"][0].startswith("shard_tensors_pass: inserted")
     assert any(m.startswith("shard_sequence_pass") for m in got["log"]) == case.sp
+    if case.shards:  # the replicated embedding's output is split once, at layer 0's residual add
+        assert any(" 1 scatter_seq" in m and "4 all_gather_seq" in m for m in got["log"])
     # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward).
     assert any("tp input-gradient reductions overlap weight gradients" in m for m in got["log"])
     assert_same_training(got, reference(tp_plan(case)), what=str(case))

@@ -11,7 +11,7 @@ import dataclasses
 
 from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan
 
-from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
 
 NANOGPT = "tests.user_models.nanogpt:nanogpt"
 
@@ -26,6 +26,8 @@ class TPCase:
     sp: bool = False
     dp: int = 1
     zero: int = 0
+    shards: tuple[tuple[str, str], ...] = ()
+    """(glob, style) shard rules, e.g. a replicated embedding."""
 
     @property
     def world(self) -> int:
@@ -34,7 +36,8 @@ class TPCase:
 
     def __str__(self) -> str:
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
-        return f"{self.family} tp{self.tp}{' sp' if self.sp else ''}{dp}"
+        rules = "".join(f" {glob}={style}" for glob, style in self.shards)
+        return f"{self.family} tp{self.tp}{' sp' if self.sp else ''}{dp}{rules}"
 
 
 def tp_model(family: str, tp: int) -> ModelSpec:
@@ -55,7 +58,9 @@ def tp_plan(case: TPCase, steps: int = STEPS) -> Plan:
         base, model=tp_model(case.family, case.tp),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, dp=case.dp, zero=case.zero,
-                              sequence_parallel=case.sp))
+                              sequence_parallel=case.sp,
+                              shards=tuple(ShardRule(pattern=glob, style=style)
+                                           for glob, style in case.shards)))
 
 
 def run_tp_cases(cases: list[TPCase]) -> dict:
