@@ -480,7 +480,8 @@ class Trainer:
     # --------------------------------------------------------------- reports
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full fp32 master weights by canonical name, on every rank (collective)."""
+        """The full fp32 master weights by every name the model knows them by, on every rank
+        (collective): a tied weight under each of its names, as `model.state_dict()` has it."""
         mine: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for unit in self.units:
@@ -491,15 +492,15 @@ class Trainer:
                         slot.offset:slot.offset + slot.numel].view(slot.shape).clone().cpu())
         if self.program.tensor_parallel is not None:
             mine = join_over_tp(mine, self.program.tensor_parallel, self.tp_group)
-        if self.pp == 1:
-            return mine
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp)]
-        dist.all_gather_object(parts, mine, group=self.pp_group)
-        out: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for name, value in part.items():
-                out.setdefault(name, value)
-        return out
+        if self.pp > 1:
+            parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.pp)]
+            dist.all_gather_object(parts, mine, group=self.pp_group)
+            mine = {}
+            for part in parts:
+                for name, value in part.items():
+                    mine.setdefault(name, value)
+        return {alias: mine[slot.name] for slot in self.program.layout.params.values()
+                if slot.name in mine for alias in slot.aliases}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""

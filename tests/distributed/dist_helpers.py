@@ -102,7 +102,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     model = model.to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
-    source = TokenSource(train.data, vocab=plan.model.vocab, seq_len=train.seq_len)
+    # A plan without model.vocab (a transformers model's): the vocabulary its config names.
+    vocab = plan.model.vocab if plan.model.vocab is not None else model.config.vocab_size
+    source = TokenSource(train.data, vocab=vocab, seq_len=train.seq_len)
     losses, steps = [], []
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # tensors the model creates (masks) in the run's dtype too

@@ -35,7 +35,7 @@ from ptc.compiler.capture.fx_door import fx_graph
 from ptc.compiler.capture.messages import (data_dependent_message, meta_failure_message,
                                            untraceable_message)
 from ptc.compiler.capture.normalise import normalise_io
-from ptc.compiler.capture.weights import meta_model, with_weights
+from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
 from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
 from ptc.errors import CaptureError
 
@@ -83,6 +83,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     except NodeFailed as failed:
         raise CaptureError(meta_failure_message(model, failed)) from failed.exc
     gm = fx.GraphModule(owner, graph, type(model).__name__)
+    keep_tied_names(gm, root)
     blocks, num_layers = find_blocks(root)
     set_graph_record(gm, GraphRecord(capture=CaptureInfo(
         front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,

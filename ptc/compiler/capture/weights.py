@@ -68,3 +68,30 @@ def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     bound.meta.update(gm.meta)
     bind_device(bound, next((t.device for t in model.parameters()), torch.device("cpu")))
     return bound
+
+
+def keep_tied_names(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Hold each tied parameter of `model` in `gm` under every one of its names.
+
+    A graph module keeps only the attributes its graph reads, and torch.export
+    reads a tied weight under one name (GPT-2's `lm_head.weight`, not
+    `transformer.wte.weight`); the layout's aliases come from the names the
+    graph module holds, and checkpoints and state dicts speak the model's.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    held = dict(gm.named_parameters(remove_duplicate=False))
+    for group in names.values():
+        present = next((n for n in group if n in held), None)
+        if present is None or len(group) == 1:
+            continue
+        for name in group:
+            if name not in held:
+                owner_path, _, leaf = name.rpartition(".")
+                owner = gm
+                for part in filter(None, owner_path.split(".")):
+                    if not hasattr(owner, part):
+                        owner.add_module(part, nn.Module())
+                    owner = getattr(owner, part)
+                owner.register_parameter(leaf, held[present])

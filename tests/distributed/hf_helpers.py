@@ -1,0 +1,86 @@
+"""Helpers of the Hugging Face model tests: plans, seeded modules, and the worker.
+
+Workers run inside processes started by `ptc.runtime.run_local` (spawn), so
+they live here, importable. Every rank builds the module from the same
+factory under the same seed, so all start from one set of weights, the ones
+the eager reference starts from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+from dist_helpers import SEQ, STEPS
+
+from ptc.plan import (DataSpec, HardwareSpec, LRScheduleSpec, ModelSpec, OptimizerSpec,
+                      ParallelSpec, Plan, TrainSpec)
+
+MODELS = "tests.user_models.transformers_models"
+SEED = 13
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCase:
+    """One layout of one tiny transformers model, on 2 processes."""
+
+    model: str
+    """A factory of tests/user_models/transformers_models ("llama", "gpt2")."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sp: bool = False
+    checkpoint: str = "none"
+
+    def __str__(self) -> str:
+        parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
+                                                       ("dp", self.dp)) if v > 1]
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["sp"] if self.sp else []
+        parts += [self.checkpoint] if self.checkpoint != "none" else []
+        return " ".join(parts)
+
+
+def hf_module(case: HFCase) -> torch.nn.Module:
+    """The case's module with the weights of its own init under SEED."""
+    torch.manual_seed(SEED)
+    return getattr(importlib.import_module(MODELS), case.model)()
+
+
+def hf_plan(case: HFCase) -> Plan:
+    """A plan around the module: one sample per micro-batch, 4 per step, fp32, AdamW."""
+    world = case.tp * case.pp * case.dp
+    return Plan(
+        model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}"),
+        hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
+        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
+                              sequence_parallel=case.sp, checkpoint=case.checkpoint),
+        train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=1, dtype="fp32", steps=STEPS,
+                        grad_clip=1.0,
+                        optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+                        lr_schedule=LRScheduleSpec(kind="cosine", warmup=2, min_lr=3e-4),
+                        data=DataSpec(kind="synthetic", seed=7)))
+
+
+def run_hf_cases(cases: list[HFCase]) -> dict:
+    """Worker: train every case; rank 0 returns each case's losses, full weights and pass log."""
+    import torch.distributed as dist
+
+    from ptc.lower.driver import compile_plan
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+
+    results = {}
+    for case in cases:
+        plan = hf_plan(case)
+        init_distributed(plan)
+        program = compile_plan(plan, model=hf_module(case))
+        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+        state = trainer.full_state_dict()
+        if dist.get_rank() == 0:
+            results[case] = {"losses": losses, "state": state, "log": program.pass_log}
+    dist.destroy_process_group()
+    return results
