@@ -61,8 +61,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
     tokens.tofile(tmp_path / "bad.bin")
     plan = tiny_plan("gpt", zero=0, dp=1, accum=1,
                      data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
-    message = (rf"train.data: token file .*bad.bin: token 200 at position 37 is outside the "
-               rf"vocabulary: model.vocab = 64 takes ids 0 .. 63")
+    message = (r"train.data: token file .*bad.bin: token 200 at position 37 is outside the "
+               r"vocabulary: model.vocab = 64 takes ids 0 \.\. 63")
     with pytest.raises(PtcError, match=message):
         check_data(plan.train.data, vocab=64, seq_len=plan.train.seq_len)
     program = compile_plan(plan)
