@@ -151,10 +151,12 @@ def reference(plan: Plan, module: torch.nn.Module | None = None) -> Reference:
     return _references[key]
 
 
-def run_cases(cases: list[tuple], dp: int) -> dict:
-    """Worker: train every (family, zero, accum[, overlap]) case; rank 0 returns the results.
+def train_cases(cases: list, plan_of, module_of=None) -> dict:
+    """Worker body: train every case in turn, each under its own plan's process groups.
 
-    Results per case: losses, full weights after training, held and predicted bytes, pass log.
+    `plan_of(case)` gives the plan, `module_of(case)` (optional) the user's module to
+    compile instead of the plan's model. Rank 0 returns, per case: losses, full
+    weights after training, held and predicted bytes, pass log.
     """
     import torch.distributed as dist
 
@@ -164,10 +166,9 @@ def run_cases(cases: list[tuple], dp: int) -> dict:
 
     results = {}
     for case in cases:
-        family, zero, accum, overlap = (*case, True)[:4]
-        plan = tiny_plan(family, zero=zero, dp=dp, accum=accum, overlap=overlap)
+        plan = plan_of(case)
         init_distributed(plan)
-        program = compile_plan(plan)
+        program = compile_plan(plan, model=module_of(case) if module_of else None)
         trainer = Trainer(program, axis_groups(build_mesh(plan)))
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
@@ -178,6 +179,15 @@ def run_cases(cases: list[tuple], dp: int) -> dict:
                 "predicted": program.state_bytes(), "log": program.pass_log}
     dist.destroy_process_group()
     return results
+
+
+def run_cases(cases: list[tuple], dp: int) -> dict:
+    """Worker: train every (family, zero, accum[, overlap]) case (`train_cases`)."""
+    def plan_of(case: tuple) -> Plan:
+        family, zero, accum, overlap = (*case, True)[:4]
+        return tiny_plan(family, zero=zero, dp=dp, accum=accum, overlap=overlap)
+
+    return train_cases(cases, plan_of)
 
 
 def assert_same_training(got: dict, ref: Reference, what: str) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 
 import torch
-from dist_helpers import SEQ, STEPS
+from dist_helpers import SEQ, STEPS, train_cases
 
 from ptc.plan import (DataSpec, HardwareSpec, LRScheduleSpec, ModelSpec, OptimizerSpec,
                       ParallelSpec, Plan, TrainSpec)
@@ -65,22 +65,5 @@ def hf_plan(case: HFCase) -> Plan:
 
 
 def run_hf_cases(cases: list[HFCase]) -> dict:
-    """Worker: train every case; rank 0 returns each case's losses, full weights and pass log."""
-    import torch.distributed as dist
-
-    from ptc.lower.driver import compile_plan
-    from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-
-    results = {}
-    for case in cases:
-        plan = hf_plan(case)
-        init_distributed(plan)
-        program = compile_plan(plan, model=hf_module(case))
-        trainer = Trainer(program, axis_groups(build_mesh(plan)))
-        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-        state = trainer.full_state_dict()
-        if dist.get_rank() == 0:
-            results[case] = {"losses": losses, "state": state, "log": program.pass_log}
-    dist.destroy_process_group()
-    return results
+    """Worker: train every case from its seeded module (`dist_helpers.train_cases`)."""
+    return train_cases(cases, hf_plan, hf_module)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan
+from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan, train_cases
 
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
 
@@ -64,25 +64,8 @@ def tp_plan(case: TPCase, steps: int = STEPS) -> Plan:
 
 
 def run_tp_cases(cases: list[TPCase]) -> dict:
-    """Worker: train every case; rank 0 returns each case's losses, full weights and pass log."""
-    import torch.distributed as dist
-
-    from ptc.lower.driver import compile_plan
-    from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-
-    results = {}
-    for case in cases:
-        plan = tp_plan(case)
-        init_distributed(plan)
-        program = compile_plan(plan)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)))
-        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-        state = trainer.full_state_dict()
-        if dist.get_rank() == 0:
-            results[case] = {"losses": losses, "state": state, "log": program.pass_log}
-    dist.destroy_process_group()
-    return results
+    """Worker: train every case (`dist_helpers.train_cases`)."""
+    return train_cases(cases, tp_plan)
 
 
 def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[list[int]]:
