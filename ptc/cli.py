@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def command(name: str, func: Callable[[argparse.Namespace], int], help_text: str):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # argparse %-formats a command's help line but prints its description as written.
+        p = sub.add_parser(name, help=help_text, description=help_text.replace("%%", "%"))
         p.set_defaults(func=func)
         return p
 
