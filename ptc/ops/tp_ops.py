@@ -367,7 +367,7 @@ def _vocab_range(rows: int, axis: str) -> int:
 
 class _VocabEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, axis):  # noqa: D102
+    def forward(ctx, tokens, weight, axis, padding_idx):  # noqa: D102
         start = _vocab_range(weight.shape[0], axis)
         outside = (tokens < start) | (tokens >= start + weight.shape[0])
         local = (tokens - start).masked_fill(outside, 0)
@@ -375,7 +375,7 @@ class _VocabEmbedding(torch.autograd.Function):
         # Only the token ids are kept (as torch's embedding keeps them); the
         # mask and local ids are cheap to recompute in backward.
         ctx.save_for_backward(tokens)
-        ctx.rows, ctx.axis, ctx.start = weight.shape[0], axis, start
+        ctx.rows, ctx.axis, ctx.start, ctx.padding_idx = weight.shape[0], axis, start, padding_idx
         return out
 
     @staticmethod
@@ -383,22 +383,24 @@ class _VocabEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         outside = (tokens < ctx.start) | (tokens >= ctx.start + ctx.rows)
         local = (tokens - ctx.start).masked_fill(outside, 0).reshape(-1)
-        rows = grad.masked_fill(outside.unsqueeze(-1), 0).reshape(-1, grad.shape[-1])
+        skip = outside if ctx.padding_idx is None else outside | (tokens == ctx.padding_idx)
+        rows = grad.masked_fill(skip.unsqueeze(-1), 0).reshape(-1, grad.shape[-1])
         gw = torch.zeros(ctx.rows, grad.shape[-1], dtype=grad.dtype, device=grad.device)
-        return None, gw.index_add_(0, local, rows), None
+        return None, gw.index_add_(0, local, rows), None, None
 
 
 def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor,
-                             axis: str = TP) -> torch.Tensor:
+                             axis: str = TP, padding_idx: int | None = None) -> torch.Tensor:
     """Look tokens up in this rank's slice of a vocabulary-sharded embedding table.
 
     Rows of `weight` are vocabulary ids [rank·V/t, (rank+1)·V/t); tokens
     outside that range give zero vectors, so summing over tp (the
     `reduce_from_tp` or `reduce_scatter_seq` the pass puts after it) yields
     the full lookup. Forward: no communication. Backward: the rank's rows'
-    gradient (zero for ids outside its slice), no communication.
+    gradient (zero for ids outside its slice and, as torch's embedding, for
+    the global id `padding_idx`), no communication.
     """
-    return _VocabEmbedding.apply(tokens, weight, axis)
+    return _VocabEmbedding.apply(tokens, weight, axis, padding_idx)
 
 
 class _VocabCrossEntropy(torch.autograd.Function):

@@ -227,15 +227,19 @@ class _Rewrite:
         node = functionalize(self.gm, node)
         aten = isinstance(node.target, torch._ops.OpOverload)
         weight, index = (node.args[0], node.args[1]) if aten else (node.args[1], node.args[0])
-        extras = node.args[2:]
-        defaults = (-1, False, False) if aten else (None, None, 2.0, False, False)
-        if tuple(extras) != tuple(defaults[:len(extras)]) or any(
-                v not in (None, False, 2.0, -1) for v in node.kwargs.values()):
-            raise CompileError(f"tensor parallelism: {where(node)} uses padding_idx, max_norm, "
-                               "scale_grad_by_freq or sparse, which the vocabulary-parallel "
-                               "embedding does not support; mark it replicate")
+        names = (("padding_idx", "scale_grad_by_freq", "sparse") if aten else
+                 ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"))
+        options = dict(zip(names, node.args[2:])) | dict(node.kwargs)
+        padding = options.pop("padding_idx", None)
+        padding = None if padding is None or (aten and padding == -1) else int(padding)
+        if any(v not in (None, False, 2.0) for v in options.values()) or (
+                padding is not None and padding < 0):
+            raise CompileError(f"tensor parallelism: {where(node)} uses max_norm, "
+                               "scale_grad_by_freq, sparse or a negative padding_idx, which the "
+                               "vocabulary-parallel embedding does not support; mark it replicate")
         with self.gm.graph.inserting_before(node):
-            lookup = self.gm.graph.call_function(vocab_parallel_embedding, (index, weight))
+            lookup = self.gm.graph.call_function(vocab_parallel_embedding, (index, weight),
+                                                 {"padding_idx": padding})
         copy_meta(node, lookup)
         reduced = self._collective(lookup, reduce_from_tp, (lookup,), before=False)
         node.replace_all_uses_with(reduced)

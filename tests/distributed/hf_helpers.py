@@ -33,6 +33,8 @@ class HFCase:
     zero: int = 0
     sp: bool = False
     checkpoint: str = "none"
+    config: tuple[tuple[str, object], ...] = ()
+    """Overrides of the factory's config, e.g. (("pad_token_id", 1),)."""
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
@@ -40,13 +42,14 @@ class HFCase:
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += ["sp"] if self.sp else []
         parts += [self.checkpoint] if self.checkpoint != "none" else []
+        parts += [f"{key}={value}" for key, value in self.config]
         return " ".join(parts)
 
 
 def hf_module(case: HFCase) -> torch.nn.Module:
     """The case's module with the weights of its own init under SEED."""
     torch.manual_seed(SEED)
-    return getattr(importlib.import_module(MODELS), case.model)()
+    return getattr(importlib.import_module(MODELS), case.model)(**dict(case.config))
 
 
 def hf_plan(case: HFCase) -> Plan:

@@ -4,7 +4,9 @@ Tiny configs built in-process (tests/user_models/transformers_models): a Llama
 (grouped-query attention, RoPE, SwiGLU, untied head; captured through the
 export door, whose graph creates its causal mask and positions with device
 literals) and GPT-2 (Conv1D projections, fused qkv, tied head, learned
-positions). The module given to `ptc.compile` is what trains: the loss of
+positions); one Llama has a pad token, whose embedding row gets no gradient,
+also when the table is vocabulary-parallel. The module given to
+`ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
 `tests/tolerances.py` derives from the same run in float64. Their `labels`
@@ -31,6 +33,8 @@ pytestmark = pytest.mark.distributed
 CASES = [
     HFCase("llama", dp=2, zero=1), HFCase("llama", dp=2, zero=3), HFCase("llama", tp=2),
     HFCase("llama", tp=2, sp=True, checkpoint="full"), HFCase("llama", pp=2),
+    # a padding row (no gradient) in a vocabulary-parallel embedding
+    HFCase("llama", tp=2, config=(("pad_token_id", 1),)),
     HFCase("gpt2", dp=2, zero=1), HFCase("gpt2", dp=2, zero=3), HFCase("gpt2", pp=2),
 ]
 _runs: dict = {}
