@@ -107,7 +107,8 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
         out = _run_one(fn, graph, decisions, dict((knobs or {}).get(name, {})), done, log)
         # A pass recompiles exactly the graphs it changes (DESIGN convention 1): the same
         # code object means an unchanged graph, whose shapes the last check found right.
-        verify_graph(out, plan, after=name, shapes=out is not graph or out.code is not code, calls=calls)
+        changed = out is not graph or out.code is not code
+        verify_graph(out, plan, after=name, shapes=changed, calls=calls)
         index += stage is None or stage == 0
         _dump(dump_dir, index, name if stage is None else f"{name}.stage{stage}", out)
         return out

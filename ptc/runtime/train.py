@@ -125,18 +125,27 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
         return train_worker(plan_or_program, compiler=compiler, steps=steps)
     # Workers get the plan, and the user's module when the Program came from one, and
     # compile again: compiling is deterministic, and a GraphModule may not pickle.
-    check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
-    model = plan_or_program.model if isinstance(plan_or_program, Program) else None
-    if model is not None:
-        _check_sendable(model, world_size(plan))
-    return run_local(train_worker, world_size(plan), plan, compiler=compiler, steps=steps,
-                     model=model)[0]
+    program = plan_or_program if isinstance(plan_or_program, Program) else None
+    vocab = program.vocab if program is not None else plan.model.vocab
+    check_data(plan.train.data, vocab=vocab, seq_len=plan.train.seq_len)
+    if program is None or program.model is None:
+        return run_local(train_worker, world_size(plan), plan, compiler=compiler,
+                         steps=steps)[0]
+    return run_local(_train_received, world_size(plan), plan,
+                     _pickled(program.model, world_size(plan)), compiler=compiler,
+                     steps=steps)[0]
 
 
-def _check_sendable(model: nn.Module, nproc: int) -> None:
-    """PtcError, before any process starts, when `model` cannot travel to spawned workers."""
+def _train_received(plan: Plan, pickled: bytes, **kwargs) -> RunResult:
+    """`train_worker` of the module `_pickled` sent (pickled once, in the parent)."""
+    return train_worker(plan, model=pickle.loads(pickled), **kwargs)
+
+
+def _pickled(model: nn.Module, nproc: int) -> bytes:
+    """`model` pickled for the spawned workers; PtcError, before any process starts, when
+    it cannot travel."""
     try:
-        pickle.dumps(model)
+        return pickle.dumps(model)
     except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError, ...
         raise PtcError(
             f"ptc.run: the module given to ptc.compile ({type(model).__qualname__}) cannot be "
