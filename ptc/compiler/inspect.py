@@ -70,8 +70,8 @@ def overlap_line(program: Program, stage: int = 0) -> str:
     if decided.tp_fused:
         parts.append(f"{decided.tp_fused} tp input-gradient reductions overlap weight gradients")
     tp = program.tensor_parallel
-    if tp is not None and tp.sequence_partial:
-        parts.append(f"{len(tp.sequence_partial)} sequence-parallel parameter gradients summed "
+    if tp is not None and tp.partial_grads:
+        parts.append(f"{len(tp.partial_grads)} replicated parameter gradients summed "
                      "over tp once per step")
     return "; ".join(parts)
 

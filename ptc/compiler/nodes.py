@@ -72,6 +72,9 @@ CREATION_OPS = frozenset({
     "new_full", "new_empty", "lift_fresh_copy", "rand", "randn", "rand_like", "randn_like",
     "empty_strided", "new_empty_strided", "finfo",
 })
+_CASTS = frozenset({"contiguous", "clone", "to", "type", "type_as", "float", "half", "bfloat16",
+                    "to_copy", "detach", "alias"})
+"""Ops that change how a tensor is stored or typed, never its dimensions."""
 TRANSPARENT_OPS = frozenset({
     "view", "reshape", "unsafe_view", "transpose", "t", "permute", "contiguous", "expand",
     "clone", "to", "type", "type_as", "float", "half", "bfloat16", "to_copy", "detach",
@@ -265,6 +268,33 @@ def linear_weight(node: fx.Node) -> str | None:
     return param_source(_weight_arg(node))
 
 
+def linear_out_dim(node: fx.Node) -> int | None:
+    """The dimension of a linear's stored weight that holds its output features.
+
+    0 for nn.Linear / F.linear's [out, in] weight, 1 for a weight a matrix
+    product multiplies by as stored ([in, out], GPT-2's Conv1D); each
+    transpose on the way from the parameter to the op flips it. None when
+    the way there reshapes the weight (its features are not one dimension).
+    """
+    if node.op == "call_module":
+        return 0 if linear_weight(node) else None
+    name = op_name(node)
+    dim = 0 if name == "linear" else 1
+    operand = _weight_arg(node)
+    for _ in range(6):
+        if not isinstance(operand, fx.Node):
+            return None
+        if operand.op == "get_attr":
+            return dim
+        step = op_name(operand)
+        if step in ("t", "transpose", "permute"):
+            dim = 1 - dim
+        elif step not in _CASTS:
+            return None
+        operand = operand.args[0]
+    return None
+
+
 def is_linear(node: fx.Node) -> str | None:
     """Module path of the Linear a node applies ("layers.3.attn.q"), or None.
 
@@ -281,7 +311,7 @@ def is_linear(node: fx.Node) -> str | None:
     path, cls = stack_entry(node)
     if cls and _is_a(cls, (nn.Linear,)):
         return path
-    return weight.rpartition(".")[0]
+    return weight.rpartition(".")[0] or weight  # a weight of the root module: its own name
 
 
 def is_embedding(node: fx.Node) -> str | None:

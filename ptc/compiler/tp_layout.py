@@ -66,10 +66,10 @@ class TensorParallelLayout:
     """The tp degree the graph was lowered for."""
     params: Mapping[str, ParamShard]
     """Parameter name (every alias) -> its split; parameters not listed are replicated."""
-    sequence_partial: tuple[str, ...] = ()
-    """Replicated parameters used on the sequence split by sequence parallelism (norm
-    weights, row-parallel biases): each tp rank's gradient covers its part of the sequence
-    only, and the runtime sums them over tp once per step."""
+    partial_grads: tuple[str, ...] = ()
+    """Replicated parameters whose gradient each tp rank computes only a part of: used on
+    the sequence split by sequence parallelism (norm weights, row-parallel biases) or on a
+    rank's own heads (per-head q/k norms). The runtime sums them over tp once per step."""
 
     def local_values(self, values: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         """Full values by name -> this rank's values (replicated ones passed through)."""

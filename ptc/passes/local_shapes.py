@@ -193,6 +193,8 @@ class _Propagator:
                 self._fix_reshape(node)
             elif name in _SPLITS:
                 self._fix_split(node)
+            elif name == "slice":
+                self._fix_slice(node)
             elif name == "expand":
                 self._fix_expand(node)
             elif name in POINTWISE_OPS:
@@ -301,6 +303,29 @@ class _Propagator:
             node.args = tuple(args)
         else:
             node.kwargs = {**node.kwargs, "split_size_or_sections": new}
+
+    def _fix_slice(self, node: fx.Node) -> None:
+        """A slice of the split dim (a fused projection's q, k or v piece) takes the same
+        piece of the local tensor: its bounds divided by k."""
+        x = self._tensor_arg(node)
+        if x is None:
+            return
+        bi, li = self._before_local(x)
+        if bi == li:
+            return
+        args = list(node.args) + [None] * (5 - len(node.args))
+        dim = (0 if args[1] is None else args[1]) % len(bi)
+        if _split_dim(bi, li, self.k) != dim or args[4] not in (None, 1):
+            return
+        for i in (2, 3):
+            bound = self._value(args[i])
+            if bound is None or not isinstance(bound, int):
+                continue
+            bound = min(max(bound + bi[dim] if bound < 0 else bound, 0), bi[dim])
+            if bound % self.k:
+                raise _Unfollowable(f"slice bound {bound} is not divisible by {self.k}")
+            args[i] = bound // self.k
+        node.args = tuple(args[:max(len(node.args), 4)])
 
     def _divided(self, node: fx.Node, entry):
         have = self._value(entry)

@@ -10,7 +10,7 @@ after a row-parallel one (and the vocabulary-parallel embedding) into
 (learned positions added to the token embedding) enters through
 `scatter_seq`. Parameters used on the split sequence (norm weights, the
 row-parallel biases) see only part of the tokens on each rank: the pass
-lists them in the tensor-parallel layout (`sequence_partial`) and the
+lists them in the tensor-parallel layout (`partial_grads`) and the
 runtime sums their gradients over tp once per step, in one collective
 (as Megatron-LM does), rather than once per use and micro-batch.
 
@@ -31,10 +31,10 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
 from ptc.compiler.nodes import module_of
 from ptc.errors import CompileError
+from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
+                            scatter_seq)
 from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
-from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
-                                scatter_seq)
 
 log = logging.getLogger("ptc.passes.sequence_parallel")
 
@@ -98,8 +98,8 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
                      rules=_rules(), on_mix=scatter, what="sequence parallelism")
     region = _region(gm, prop)
     partial = _sequence_params(gm, region)
-    update_graph_record(gm, tensor_parallel=dataclasses.replace(tp_layout,
-                                                                sequence_partial=partial))
+    partial = tuple(dict.fromkeys(tp_layout.partial_grads + partial))  # with the tp pass's
+    update_graph_record(gm, tensor_parallel=dataclasses.replace(tp_layout, partial_grads=partial))
     gm.graph.lint()
     gm.recompile()
     log.info("inserted %d all_gather_seq, %d reduce_scatter_seq, %d scatter_seq (replacing tp "

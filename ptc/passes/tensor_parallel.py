@@ -23,6 +23,7 @@ how each maps to the full tensor is left in the graph's record as a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -34,14 +35,16 @@ from torch import fx, nn
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
-from ptc.compiler.nodes import linear_weight, op_name, param_source
+from ptc.compiler.nodes import (TRANSPARENT_OPS, linear_out_dim, linear_weight, module_of, op_name,
+                                param_source)
 from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
+from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
+                            vocab_parallel_embedding)
 from ptc.passes.functional import functionalize
+from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
 from ptc.passes.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
-from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
-                                vocab_parallel_embedding)
 
 log = logging.getLogger("ptc.passes.tensor_parallel")
 
@@ -65,6 +68,7 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
         return gm
     if graph_record(gm).tensor_parallel is not None:
         raise CompileError("tensor_parallel: the graph is already split over tp")
+    to_linear_form(gm)
     sharding = find_sharding(gm, plan)
     for path, style in sharding.styles.items():
         log.debug("%s: %s (%s)", path, style, sharding.why[path])
@@ -72,7 +76,9 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
     propagation = propagate(gm, k=tp, prefer=sharding.heads)
-    _check_region(gm, rewrite, propagation)
+    region = _check_region(gm, rewrite, propagation)
+    partial = _partial_params(gm, region, layout)
+    layout = dataclasses.replace(layout, partial_grads=partial)
     update_graph_record(gm, tensor_parallel=layout)
     gm.graph.lint()
     gm.recompile()
@@ -129,16 +135,17 @@ class _Rewrite:
             specs[name] = spec
 
         for node in self.colwise + self.heads:
-            weight, bias = _linear_params(self.gm, node)
-            rows = self.gm.get_parameter(weight).shape[0]
+            weight, bias, out_dim = _linear_params(self.gm, node)
+            rows = self.gm.get_parameter(weight).shape[out_dim]
             segments = (rows,) if node in self.heads else \
                 _segments(node, rows, self.sharding.heads, self.tp)
             style = VOCAB if node in self.heads else COLWISE
-            add(weight, style, 0, segments)
+            add(weight, style, out_dim, segments)
             add(bias, style, 0, segments)
         for node in self.rowwise:
-            weight, _ = _linear_params(self.gm, node)
-            add(weight, ROWWISE, 1, (self.gm.get_parameter(weight).shape[1],))
+            weight, _, out_dim = _linear_params(self.gm, node)
+            in_dim = 1 - out_dim
+            add(weight, ROWWISE, in_dim, (self.gm.get_parameter(weight).shape[in_dim],))
         for node in self.embeddings:
             weight = _embedding_weight(self.gm, node)
             add(weight, VOCAB, 0, (self.gm.get_parameter(weight).shape[0],))
@@ -162,7 +169,7 @@ class _Rewrite:
                 readers = [node]
             elif node.op == "get_attr":
                 names = [str(node.target)]
-                readers = [u for u in node.users if u not in sharded and not is_shape_only(u)]
+                readers = _whole_readers(node, sharded)
             else:
                 continue
             for name in names:
@@ -296,17 +303,19 @@ def _loss_logits_source(loss: fx.Node, candidates: list[fx.Node]) -> fx.Node | N
     return None
 
 
-def _linear_params(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None]:
-    """(weight name, bias name or None) of a linear node."""
+def _linear_params(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None, int]:
+    """(weight name, bias name or None, the weight's output-features dim) of a linear node."""
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        return f"{node.target}.weight", (f"{node.target}.bias" if module.bias is not None else None)
-    if op_name(node) != "linear":
+        bias = f"{node.target}.bias" if module.bias is not None else None
+        return f"{node.target}.weight", bias, 0
+    out_dim = linear_out_dim(node)
+    if op_name(node) != "linear" or out_dim is None:
         raise CompileError(f"tensor parallelism: {where(node)} is a linear written as "
-                           f"{op_name(node)}, which the pass cannot split (use nn.Linear or "
-                           "F.linear, or mark it replicate)")
+                           f"{op_name(node)} of a reshaped weight, which the pass cannot split "
+                           "(use nn.Linear or F.linear, or mark it replicate)")
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return linear_weight(node), param_source(bias) if bias is not None else None
+    return linear_weight(node), param_source(bias) if bias is not None else None, out_dim
 
 
 def _linear_input(node: fx.Node) -> fx.Node:
@@ -328,6 +337,9 @@ def _segments(node: fx.Node, rows: int, heads: frozenset[int], tp: int) -> tuple
     as the dims outside the heads dim hold; anything else one piece.
     """
     shape = get_info(node).shapes[0]
+    sliced = _slice_segments(node, rows)
+    if sliced is not None:
+        return sliced
     for user in _decomposers(node):
         name = op_name(user)
         if name in ("split", "split_with_sizes", "chunk"):
@@ -353,6 +365,26 @@ def _segments(node: fx.Node, rows: int, heads: frozenset[int], tp: int) -> tuple
     return (rows,)
 
 
+def _slice_segments(node: fx.Node, rows: int) -> tuple[int, ...] | None:
+    """The pieces slices of the last dim cut a fused projection's output into (Phi-3's
+    qkv[..., :q], qkv[..., q:q + kv], ...), or None when it is not sliced."""
+    cuts = {0, rows}
+    for user in _decomposers(node):
+        if op_name(user) != "slice":
+            continue
+        args = list(user.args) + [None] * (5 - len(user.args))
+        ndim = len(get_info(node).shapes[0])
+        if (0 if args[1] is None else args[1]) % ndim != ndim - 1:
+            continue
+        for bound in args[2:4]:
+            if isinstance(bound, int):
+                cuts.add(min(max(bound + rows if bound < 0 else bound, 0), rows))
+    if len(cuts) == 2:
+        return None
+    ordered = sorted(cuts)
+    return tuple(b - a for a, b in zip(ordered, ordered[1:]))
+
+
 def _decomposers(node: fx.Node) -> list[fx.Node]:
     """Users of a linear's output, through dtype casts and copies, in graph order."""
     out, todo = [], list(node.users)
@@ -360,6 +392,19 @@ def _decomposers(node: fx.Node) -> list[fx.Node]:
         user = todo.pop(0)
         if op_name(user) in ("to", "float", "half", "bfloat16", "contiguous", "clone", "type_as"):
             todo.extend(user.users)
+        else:
+            out.append(user)
+    return out
+
+
+def _whole_readers(node: fx.Node, sharded: set[fx.Node]) -> list[fx.Node]:
+    """Nodes that read `node`'s value other than split linears, through views and casts of it."""
+    out = []
+    for user in node.users:
+        if user in sharded or is_shape_only(user):
+            continue
+        if op_name(user) in TRANSPARENT_OPS:
+            out += _whole_readers(user, sharded)
         else:
             out.append(user)
     return out
@@ -386,8 +431,9 @@ def _set_param(gm: fx.GraphModule, names: list[str], shape: tuple[int, ...]) -> 
 # ------------------------------------------------------------------ checks
 
 
-def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> None:
-    """Split tensors stay split until a row-parallel linear or the loss consumes them."""
+def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> set[fx.Node]:
+    """Split tensors stay split until a row-parallel linear or the loss consumes them;
+    returns the nodes between (the split region)."""
     region, todo = set(), list(rewrite.starts)
     while todo:
         node = todo.pop()
@@ -408,10 +454,46 @@ def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> N
                 f"tensor parallelism: {where(node)} turns a tensor split over tp into one "
                 f"that is not ({prop.before[node]} -> {prop.local[node]}): it reduces over or "
                 "indexes the split dimension; mark the linears around it replicate")
+    weights: set[fx.Node] = set()  # parameters and their views: split with the parameter
     for node in gm.graph.nodes:
-        if node not in region and node.op != "get_attr" and prop.is_split(node):
+        if node.op == "get_attr" or (node.all_input_nodes and
+                                     all(a in weights for a in node.all_input_nodes)):
+            weights.add(node)
+        elif node not in region and prop.is_split(node):
             raise CompileError(f"tensor parallelism: {where(node)} changed shape "
                                f"{prop.before[node]} -> {prop.local[node]} outside a split region")
+    return region
+
+
+def _partial_params(gm: fx.GraphModule, region: set[fx.Node],
+                    layout: TensorParallelLayout) -> tuple[str, ...]:
+    """Replicated parameters the split region reads (a per-head q/k norm's weight): each tp
+    rank's gradient of them covers its own heads only, so the runtime sums them over tp.
+
+    Raises CompileError for one also read outside the region, whose gradient would be
+    partly whole and partly split.
+    """
+    def read_by(node: fx.Node) -> list[str]:
+        if node.op == "call_module":
+            return [f"{node.target}.{name}" for name, _ in module_of(node).named_parameters()]
+        return [name for arg in node.all_input_nodes if (name := param_source(arg))]
+
+    inside: dict[str, fx.Node] = {}
+    outside: set[str] = set()
+    for node in gm.graph.nodes:
+        for name in read_by(node):
+            if name in layout.params:
+                continue
+            if node in region:
+                inside.setdefault(name, node)
+            else:
+                outside.add(name)
+    for name, node in inside.items():
+        if name in outside:
+            raise CompileError(f"tensor parallelism: parameter {name} is read both on tensors "
+                               f"split over tp ({where(node)}) and on whole ones; mark the "
+                               "linears around it replicate")
+    return tuple(inside)
 
 
 def _check_reduction(node: fx.Node, prop: Propagation) -> None:

@@ -48,7 +48,11 @@ CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
     "getitem", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "narrow",
     "neg", "mul", "add", "sub", "repeat_interleave", "repeat", "unflatten", "movedim",
-    "swapaxes", "view_as", "reshape_as", "slice", "select"}
+    "swapaxes", "view_as", "reshape_as", "slice", "select",
+    # a per-head q/k norm (Qwen3, Gemma 3): its arithmetic; its reductions pass `_per_head`
+    "pow", "rsqrt", "sqrt", "div", "truediv", "reciprocal"}
+# Normalisations a trace may pass when they reduce only within one head (`_per_head`).
+_HEAD_REDUCTIONS = frozenset({"mean", "var", "sum", "norm", "rms_norm", "layer_norm"})
 # Ops between an MLP's projections: elementwise only.
 _ELEMENTWISE_KINDS = frozenset({"activation", "pointwise", "dropout"})
 # Ops from an attention's output to its output projection: the heads merge.
@@ -93,6 +97,7 @@ class _Finder:
         self.data = _data_nodes(gm)
         self.order = _order(gm)  # the finder only reads the graph: one index for every sort
         self.failures: dict[str, str] = {}  # linear path -> why it could not be split
+        self.blocker: fx.Node | None = None  # the op the last failed trace stopped at
 
     def infer(self) -> Sharding:
         found = Sharding()
@@ -130,13 +135,18 @@ class _Finder:
             if parts is None:
                 continue
             sources = []
+            head_dim = (node_shape(parts.q) or (None,))[-1]
             for role, operand in (("q", parts.q), ("k", parts.k), ("v", parts.v)):
-                reached = self._trace_back(operand, _HEAD_OPS, stop=self.linears)
+                reached = self._trace_back(operand, _HEAD_OPS, stop=self.linears,
+                                           also=lambda n: _per_head(n, head_dim))
                 shape = node_shape(operand)
                 if shape is not None and len(shape) >= 3:
                     heads.add(shape[-3])
                 if len(reached) != 1:
-                    self._fail_all(reached, f"the attention's {role} does not come from one linear")
+                    why = self._why_not_heads(role, node, reached)
+                    whole = [lin for x in (parts.q, parts.k, parts.v) for lin in self._trace_back(
+                        x, frozenset(), stop=self.linears, also=lambda n: True)]
+                    self._fail_all(whole + [self._trace_forward(node, _MERGE_OPS)], why)
                     sources = None
                     break
                 sources.append(reached[0])
@@ -153,6 +163,13 @@ class _Finder:
             path = self.linears[out]
             found.styles[path], found.why[path] = ROWWISE, "attention output projection"
         found.heads = frozenset(heads)
+
+    def _why_not_heads(self, role: str, attention: fx.Node, reached: list[fx.Node]) -> str:
+        if reached:
+            return f"the attention's {role} ({_where(attention)}) does not come from one linear"
+        return (f"the attention's {role} ({_where(attention)}) comes from it through "
+                f"{op_name(self.blocker)} ({_where(self.blocker)}), which mixes the heads "
+                "(a norm over the whole projection, not one head)")
 
     def _uneven_heads(self, parts) -> str | None:
         """Why the attention's heads cannot be split evenly over tp, or None."""
@@ -197,7 +214,8 @@ class _Finder:
                 continue
             meta = get_info(n)
             kind = meta.kind if meta is not None else ""
-            if kind not in _ELEMENTWISE_KINDS and op_name(n) not in TRANSPARENT_OPS:
+            if kind not in _ELEMENTWISE_KINDS and op_name(n) not in TRANSPARENT_OPS \
+                    and not _splits_features(n):
                 return sources, n
             todo.extend(n.all_input_nodes)
         return sorted(sources, key=self.order), None
@@ -212,14 +230,17 @@ class _Finder:
                 return f"its output reaches {op_name(user)} ({_where(user)}), which is not elementwise"
         return "it is neither an attention's projection nor part of an MLP (linear -> elementwise -> linear)"
 
-    def _fail_all(self, nodes: Iterable[fx.Node], why: str) -> None:
+    def _fail_all(self, nodes: Iterable[fx.Node | None], why: str) -> None:
         for n in nodes:
-            self.failures.setdefault(self.linears[n], why)
+            if n is not None:
+                self.failures.setdefault(self.linears[n], why)
 
     # --------------------------------------------------------------- tracing
 
-    def _trace_back(self, start, through: frozenset[str], stop: dict) -> list[fx.Node]:
-        """Nodes of `stop` reached backwards from `start` through data nodes of `through` ops."""
+    def _trace_back(self, start, through: frozenset[str], stop: dict,
+                    also=lambda node: False) -> list[fx.Node]:
+        """Nodes of `stop` reached backwards from `start` through data nodes of `through` ops
+        (or that `also` accepts)."""
         reached, seen, todo = [], set(), [start]
         while todo:
             n = todo.pop()
@@ -228,9 +249,10 @@ class _Finder:
             seen.add(n)
             if n in stop:
                 reached.append(n)
-            elif _passes(n, through):
+            elif _passes(n, through) or also(n):
                 todo.extend(n.all_input_nodes)
             else:
+                self.blocker = n
                 return []
         return sorted(reached, key=self.order)
 
@@ -255,6 +277,34 @@ def _passes(node: fx.Node, through: frozenset[str]) -> bool:
     if meta is not None and meta.kind == "dropout":
         return True
     return node.op in ("call_function", "call_method") and op_name(node) in through
+
+
+def _splits_features(node: fx.Node) -> bool:
+    """Whether `node` takes pieces of the last dim (a fused gate_up projection's chunk) or
+    one of those pieces (getitem)."""
+    name = op_name(node)
+    if name == "getitem":
+        return True
+    if name not in ("chunk", "split", "split_with_sizes") or not node.args:
+        return False
+    shape = node_shape(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return shape is not None and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
+
+
+def _per_head(node: fx.Node, head_dim: int | None) -> bool:
+    """Whether `node` normalises or reduces over the last dim only, one head's features
+    (of size `head_dim`, behind a heads dim): a per-head norm, which splitting by heads keeps."""
+    name = op_name(node)
+    shape = node_shape(node.args[0]) if node.args else None
+    if name not in _HEAD_REDUCTIONS or shape is None or len(shape) < 3 or shape[-1] != head_dim:
+        return False
+    if name in ("rms_norm", "layer_norm"):
+        normalized = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+        return list(normalized or ()) == [head_dim]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    return len(dims) == 1 and dims[0] % len(shape) == len(shape) - 1
 
 
 def _data_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -321,6 +371,11 @@ def _where(node: fx.Node) -> str:
     return f"node {node.name}" + (f" in module {path!r}" if path else "")
 
 
+def _layer_order(path: str) -> tuple:
+    """Sort key putting layer 2 before layer 10."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
 def _glob(path: str) -> str:
     """The path with block indices as `*`: the rule that covers every layer."""
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
@@ -364,10 +419,14 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
                            f"modules are named like {sorted(paths)[:4]}")
     missing = {p: why for p, why in failures.items() if p not in found.styles}
     if missing:
-        lines = []
-        for path, why in sorted(missing.items()):
+        lines, by_rule = [], {}
+        for path in sorted(missing, key=_layer_order):
+            by_rule.setdefault(_glob(path), []).append(path)
+        for rule, paths in by_rule.items():
+            path = paths[0]
             node = next(n for n in gm.graph.nodes if is_linear(n) == path)
-            lines.append(f"  linear {path!r} (node {node.name}): {why}\n"
+            more = f" (and {len(paths) - 1} more like it)" if len(paths) > 1 else ""
+            lines.append(f"  linear {path!r} (node {node.name}){more}: {missing[path]}\n"
                          f"    to keep it whole add to the parallel section: "
-                         f"shard \"{_glob(path)}\" replicate   (or colwise / rowwise)")
+                         f"shard \"{rule}\" replicate   (or colwise / rowwise)")
         raise CompileError("tensor parallelism cannot infer how to split:\n" + "\n".join(lines))

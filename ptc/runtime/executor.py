@@ -59,8 +59,8 @@ from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo
 from ptc.errors import PtcError
-from ptc.ops.comm import all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds, \
-    group_rank, group_size
+from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
+                          group_rank, group_size)
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
 from ptc.runtime.data import TokenSource, microbatch_start
@@ -72,8 +72,8 @@ from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
-from ptc.runtime.tp_state import (join_over_tp, rank_values, replicated_ranges, seed_dropout,
-                                   sequence_partial_ranges, sum_sequence_partial_grads)
+from ptc.runtime.tp_state import (join_over_tp, partial_grad_ranges, rank_values, replicated_ranges,
+                                  seed_dropout, sum_partial_grads)
 
 
 class RankError(PtcError):
@@ -279,7 +279,7 @@ class Trainer:
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank))
-        self.partial = [] if tp is None else sequence_partial_ranges(
+        self.partial = [] if tp is None else partial_grad_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()
         self.data = TokenSource(plan.train.data, vocab=program.vocab, seq_len=plan.train.seq_len)
@@ -361,7 +361,7 @@ class Trainer:
                     chunk.reducer.finish()
             for tied in self.tied:
                 tied.sum_grads()
-            sum_sequence_partial_grads(self.units, self.partial, self.tp_group)
+            sum_partial_grads(self.units, self.partial, self.tp_group)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:

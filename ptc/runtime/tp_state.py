@@ -13,7 +13,7 @@ parameters (`ptc.compiler.tp_layout`). Three things need the tp axis:
 - sequence parallelism: a replicated parameter used on the split sequence
   gets from each rank the gradient of its part of the sequence only; those
   gradients are summed over tp once per step, with one collective
-  (`sequence_partial_ranges`, `sum_sequence_partial_grads`);
+  (`partial_grad_ranges`, `sum_partial_grads`);
 - full weights for checkpoints and tests: gathered over tp and joined
   (`join_over_tp`).
 """
@@ -29,8 +29,8 @@ from torch import nn
 
 from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
-from ptc.plan import Plan
 from ptc.ops.comm import all_reduce_bucket, group_size
+from ptc.plan import Plan
 from ptc.runtime.init import initial_params
 from ptc.runtime.params import UnitState
 
@@ -73,18 +73,18 @@ def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero:
                         rank=rank)
 
 
-def sequence_partial_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
+def partial_grad_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
                             rank: int) -> list[list[tuple[int, int]]]:
     """Per unit, the ranges of its gradient buffer (whole at ZeRO 0-1, dp shard `rank` from
-    ZeRO-2) that hold parameters of the split sequence (`tp.sequence_partial`)."""
-    partial = set(tp.sequence_partial)
+    ZeRO-2) that hold parameters with partial gradients per tp rank (`tp.partial_grads`)."""
+    partial = set(tp.partial_grads)
     return _slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases),
                         whole=zero < 2, rank=rank)
 
 
-def sum_sequence_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]],
-                               group: dist.ProcessGroup | None) -> None:
-    """Sum the gradients of the split sequence's parameters over tp, with one collective.
+def sum_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]],
+                      group: dist.ProcessGroup | None) -> None:
+    """Sum the partial gradients of replicated parameters over tp, with one collective.
 
     Call once per step, after the dp reduction (the two sums commute: tp
     ranks of one dp coordinate hold the same ranges), before clipping.

@@ -93,4 +93,4 @@ def test_header_states_the_overlap_decisions(program):
     assert "[" + " ".join(map(str, decided.buckets[0])) + "]" in line
     assert "gathers start 1 ahead, 2 gradient reductions in flight" in line
     # Norm weights and biases, attention-out and MLP-down biases, final norm: summed once.
-    assert line.endswith("8 sequence-parallel parameter gradients summed over tp once per step")
+    assert line.endswith("8 replicated parameter gradients summed over tp once per step")

@@ -15,7 +15,7 @@ import torch
 from dist_helpers import SEQ, STEPS, train_cases
 
 from ptc.plan import (DataSpec, HardwareSpec, LRScheduleSpec, ModelSpec, OptimizerSpec,
-                      ParallelSpec, Plan, TrainSpec)
+                      ParallelSpec, Plan, ShardRule, TrainSpec)
 
 MODELS = "tests.user_models.transformers_models"
 SEED = 13
@@ -35,6 +35,8 @@ class HFCase:
     checkpoint: str = "none"
     config: tuple[tuple[str, object], ...] = ()
     """Overrides of the factory's config, e.g. (("pad_token_id", 1),)."""
+    shards: tuple[tuple[str, str], ...] = ()
+    """The plan's shard rules: (glob, style) pairs."""
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
@@ -43,6 +45,7 @@ class HFCase:
         parts += ["sp"] if self.sp else []
         parts += [self.checkpoint] if self.checkpoint != "none" else []
         parts += [f"{key}={value}" for key, value in self.config]
+        parts += [f"shard {glob} {style}" for glob, style in self.shards]
         return " ".join(parts)
 
 
@@ -59,7 +62,9 @@ def hf_plan(case: HFCase) -> Plan:
         model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}"),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
-                              sequence_parallel=case.sp, checkpoint=case.checkpoint),
+                              sequence_parallel=case.sp, checkpoint=case.checkpoint,
+                              shards=tuple(ShardRule(pattern=glob, style=style)
+                                           for glob, style in case.shards)),
         train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=1, dtype="fp32", steps=STEPS,
                         grad_clip=1.0,
                         optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),

@@ -3,9 +3,12 @@
 Tiny configs built in-process (tests/user_models/transformers_models): a Llama
 (grouped-query attention, RoPE, SwiGLU, untied head; captured through the
 export door, whose graph creates its causal mask and positions with device
-literals) and GPT-2 (Conv1D projections, fused qkv, tied head, learned
-positions); one Llama has a pad token, whose embedding row gets no gradient,
-also when the table is vocabulary-parallel. The module given to
+literals), GPT-2 (Conv1D projections, fused qkv, tied head, learned
+positions), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, whose weights get
+their gradient summed over tp), Phi-3 (fused qkv sliced, fused gate_up
+chunked) and OLMo 2 (a q/k norm across the heads: its attention kept whole by
+shard rules, its MLP split); one Llama has a pad token, whose embedding row
+gets no gradient, also when the table is vocabulary-parallel. The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -14,8 +17,9 @@ argument is left None (the model would shift ptc's targets a second time);
 the next-token loss is ptc's. All cases run on 2 gloo processes, in one
 launch.
 
-GPT-2's Conv1D layers cannot be split by tensor parallelism yet: that is a
-CompileError naming each layer and the `shard` rule that keeps it whole.
+OLMo 2's attention cannot be split by heads without its rules: that is a
+CompileError naming the linears, the op that mixes the heads and the `shard`
+rule that keeps them whole.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ CASES = [
     # a padding row (no gradient) in a vocabulary-parallel embedding
     HFCase("llama", tp=2, config=(("pad_token_id", 1),)),
     HFCase("gpt2", dp=2, zero=1), HFCase("gpt2", dp=2, zero=3), HFCase("gpt2", pp=2),
+    HFCase("gpt2", tp=2), HFCase("gpt2", tp=2, sp=True), HFCase("qwen2", tp=2, sp=True),
+    HFCase("qwen3", tp=2), HFCase("phi3", tp=2),
+    HFCase("olmo2", tp=2, shards=(("model.layers.*.self_attn.*_proj", "replicate"),)),
 ]
 _runs: dict = {}
 
@@ -53,8 +60,10 @@ def test_trains_like_eager_pytorch(case: HFCase) -> None:
     assert_same_training(got, reference(hf_plan(case), hf_module(case)), what=str(case))
 
 
-def test_gpt2_conv1d_under_tp_is_refused_naming_the_layers_and_the_rule() -> None:
-    case = HFCase("gpt2", tp=2)
-    with pytest.raises(CompileError, match=r"linear 'transformer.h.0.mlp.c_fc' .*\n.*shard "
-                                           r"\"transformer.h.\*.mlp.c_fc\" replicate"):
+def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
+    case = HFCase("olmo2", tp=2)
+    with pytest.raises(CompileError, match=r"linear 'model.layers.0.self_attn.q_proj' \(node "
+                                           r"\w+\) \(and 1 more like it\): .* through mean .*"
+                                           r"'model.layers.0.self_attn.q_norm'.*\n.*shard "
+                                           r"\"model.layers.\*.self_attn.q_proj\" replicate"):
         compile_plan(hf_plan(case), model=hf_module(case))

@@ -83,7 +83,7 @@ class TestShardSequencePass:
 
     def test_parameters_on_the_split_sequence_are_listed_for_one_tp_sum_per_step(self):
         gm = lowered(plan(GPT))
-        assert sorted(graph_record(gm).tensor_parallel.sequence_partial) == sorted(
+        assert sorted(graph_record(gm).tensor_parallel.partial_grads) == sorted(
             [f"layers.{i}.{m}.{w}" for i in range(2) for m in ("attn_norm", "mlp_norm")
              for w in ("weight", "bias")]
             + [f"layers.{i}.{m}.bias" for i in range(2) for m in ("attn.o", "mlp.down")]
@@ -118,7 +118,7 @@ class TestShardSequencePass:
         assert len(calls(gm, all_gather_seq)) == 5
         assert len(calls(gm, reduce_scatter_seq)) == 5
         assert not calls(gm, scatter_seq)
-        assert sorted(graph_record(gm).tensor_parallel.sequence_partial) == sorted(
+        assert sorted(graph_record(gm).tensor_parallel.partial_grads) == sorted(
             [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn_norm", "mlp_norm")]
             + ["norm.weight"])
         assert node(gm, "layers_0_attn_norm").target is torch.nn.functional.rms_norm

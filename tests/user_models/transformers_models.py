@@ -1,21 +1,43 @@
 """Tiny configs of real Hugging Face `transformers` models, built in-process (no hub).
 
 Factories for `family = custom` (`tests.user_models.transformers_models:llama`):
-module-level, so spawned workers can import them.
+module-level, so spawned workers can import them. Each family is here for a
+structure the compiler must find in the graph: grouped-query attention and
+RoPE (Llama), Conv1D projections with a fused qkv (GPT-2), q/k/v biases
+(Qwen2), per-head q/k norms (Qwen3), fused qkv and gate_up projections cut
+by slices and chunks (Phi-3).
 """
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
+_DECODER = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": SEQ, "bos_token_id": 0, "eos_token_id": 0}
+"""A 2-layer decoder with grouped-query attention: 4 query over 2 key/value heads."""
+
 
 def llama(**overrides) -> LlamaForCausalLM:
-    """A 2-layer Llama with grouped-query attention (4 query over 2 key/value heads), untied."""
-    config = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": SEQ, "bos_token_id": 0, "eos_token_id": 0,
-              **overrides}
-    return LlamaForCausalLM(LlamaConfig(**config))
+    """Llama: grouped-query attention, RoPE, SwiGLU, untied head."""
+    return LlamaForCausalLM(LlamaConfig(**_DECODER | overrides))
+
+
+def qwen2(**overrides) -> Qwen2ForCausalLM:
+    """Qwen2: Llama's layout with biases on the q, k and v projections."""
+    return Qwen2ForCausalLM(Qwen2Config(**_DECODER | overrides))
+
+
+def qwen3(**overrides) -> Qwen3ForCausalLM:
+    """Qwen3: an RMSNorm over each query and key head before RoPE."""
+    return Qwen3ForCausalLM(Qwen3Config(**_DECODER | {"head_dim": 8} | overrides))
+
+
+def phi3(**overrides) -> Phi3ForCausalLM:
+    """Phi-3: one fused qkv projection sliced into q, k, v; one gate_up projection chunked."""
+    return Phi3ForCausalLM(Phi3Config(**_DECODER | {"pad_token_id": None} | overrides))
 
 
 def gpt2(**overrides) -> GPT2LMHeadModel:
@@ -24,3 +46,8 @@ def gpt2(**overrides) -> GPT2LMHeadModel:
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0,
               "eos_token_id": 0, **overrides}
     return GPT2LMHeadModel(GPT2Config(**config))
+
+
+def olmo2(**overrides) -> Olmo2ForCausalLM:
+    """OLMo 2: an RMSNorm over the whole q and k projections, across the heads."""
+    return Olmo2ForCausalLM(Olmo2Config(**_DECODER | overrides))
