@@ -38,6 +38,7 @@ _LAZY = {
     "run": ("ptc.api", "run"),
     "estimate": ("ptc.api", "estimate"),
     "search": ("ptc.api", "search"),
+    "export": ("ptc.api", "export"),
 }
 
 __all__ = [

@@ -49,6 +49,24 @@ def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None) -
                 steps=steps)
 
 
+def export(checkpoint: str | os.PathLike, *, hf: str | os.PathLike | None = None,
+           torch: str | os.PathLike | None = None, model: nn.Module | None = None) -> None:
+    """Write a checkpoint's trained weights as a Hugging Face directory (`hf=`) or a torch
+    state dict (`torch=`) under the module's own names.
+
+    `model`: the module that trained, when the checkpoint cannot rebuild it (one given to
+    `ptc.compile` without a factory in the plan).
+    """
+    from ptc.runtime.export import export_hf, export_torch  # noqa: PLC0415
+
+    if (hf is None) == (torch is None):
+        raise ValueError("ptc.export: give exactly one of hf= and torch=")
+    if hf is not None:
+        export_hf(checkpoint, hf, model=model)
+    else:
+        export_torch(checkpoint, torch, model=model)
+
+
 def estimate(plan: Plan | str | os.PathLike) -> Estimate:
     """Predict step time, throughput, MFU and per-stage peak memory of a resolved plan."""
     from ptc.compiler.estimate import estimate as _estimate  # noqa: PLC0415

@@ -124,8 +124,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return main([args.plan])
     from ptc.runtime.data import check_data  # noqa: PLC0415
+    from ptc.runtime.init import check_init  # noqa: PLC0415
 
     check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
+    check_init(plan)
     return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra)
 
 
@@ -142,6 +144,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from ptc.compiler.report import render_explain  # noqa: PLC0415
 
     _out.print(render_explain(_load(args.plan)))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint's trained weights as a torch state dict or a Hugging Face directory."""
+    from ptc.runtime.export import export_hf, export_torch  # noqa: PLC0415
+
+    if args.hf:
+        written = export_hf(args.checkpoint, args.hf)
+    else:
+        written = export_torch(args.checkpoint, args.torch)
+    _out.print(f"wrote {written}", markup=False)
     return EXIT_OK
 
 
@@ -208,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("explain", cmd_explain, "Explain a plan: memory per stage against HBM with "
                 "the symbolic formula, step-time breakdown, bubble and warnings.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
+    p = command("export", cmd_export, "Write the trained weights of a checkpoint under the "
+                "model's own names: a torch state dict, or a Hugging Face save_pretrained "
+                "directory that from_pretrained loads.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint step directory, or a checkpoint_dir (its latest)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", metavar="DIR", help="write a save_pretrained directory")
+    out.add_argument("--torch", metavar="FILE", help="write a torch.save state dict")
     return parser
 
 

@@ -37,7 +37,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
-INIT_KINDS = ("random", "state_dict")
+INIT_KINDS = ("random", "state_dict", "hf")
 BACKENDS = ("auto", "nccl", "gloo")
 NAN_POLICIES = ("stop", "skip", "rollback")
 
@@ -498,15 +498,16 @@ class DataSpec(_Section):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InitSpec(_Section):
-    """Initial weights: random from a seed, or a full (unsharded) state-dict file."""
+    """Initial weights: random from a seed, a full (unsharded) state-dict file, or a Hugging
+    Face `save_pretrained` directory (safetensors)."""
 
     _path = "train.init"
     kind: str = "random"
-    """"random" or "state_dict"."""
+    """"random", "state_dict" or "hf"."""
     seed: int = 0
     """Seed of random initialisation."""
     path: str | None = None
-    """State-dict file for kind "state_dict"."""
+    """The state-dict file (kind "state_dict") or the save_pretrained directory ("hf")."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
@@ -516,6 +517,9 @@ class InitSpec(_Section):
         self._int(sink, "seed", minimum=0)
         if self.kind == "state_dict" and not self.path:
             self._bad(sink, "path", "state_dict init needs a file, e.g. init = state_dict(\"w.pt\")")
+        if self.kind == "hf" and not self.path:
+            self._bad(sink, "path", "hf init needs a save_pretrained directory, e.g. "
+                                    "init = hf(\"llama-1b\")")
         sink.raise_if_errors()
 
 

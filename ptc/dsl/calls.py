@@ -188,8 +188,10 @@ init = call_converter(InitSpec, "kind", {
     "random": Form({"seed": integer}, example="random(seed = 0)"),
     "state_dict": Form({"path": string}, positional=("path",), required=("path",),
                        example='state_dict("weights.pt")'),
+    "hf": Form({"path": string}, positional=("path",), required=("path",),
+               example='hf("llama-1b")'),
 }, "init")
-"""init = random(seed = N) | state_dict("path")."""
+"""init = random(seed = N) | state_dict("path") | hf("save_pretrained directory")."""
 
 
 # --------------------------------------------------------------- hardware

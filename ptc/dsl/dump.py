@@ -213,8 +213,8 @@ def _data(data: DataSpec) -> str:
 
 
 def _init(init: InitSpec) -> str:
-    if init.kind == "state_dict":
-        return _call("state_dict", [quote(init.path or "")])
+    if init.kind in ("state_dict", "hf"):
+        return _call(init.kind, [quote(init.path or "")])
     return _call(init.kind, [f"seed = {literal(init.seed)}"])
 
 

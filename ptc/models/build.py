@@ -8,6 +8,8 @@ filled by `init_weights`, so the values never depend on torch's global RNG.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 from torch import nn
@@ -46,8 +48,14 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta", seed: int 
 
 
 def resolve_factory(factory: str):
-    """Import "package.module:callable" and return the callable (PtcError if it fails)."""
+    """Import "package.module:callable" and return the callable (PtcError if it fails).
+
+    The module is looked up as `python -m` would, the working directory first, so a plan's
+    factory imports the same from the `ptc` command as from the workers it starts.
+    """
     module_name, _, attr = factory.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised by the module itself

@@ -6,6 +6,8 @@
 - random(seed), custom family: the user's factory run under the seed on CPU.
 - state_dict(path): a full (unsharded) `torch.save`d state dict, by parameter
   name; a tied weight may appear under any of its names.
+- hf(dir): a Hugging Face `save_pretrained` directory, read lazily
+  (`ptc.runtime.hf_weights`), by the same names.
 
 Buffers the graph reads (RoPE tables) come from the state dict when it has
 them, else are recomputed by their module's `reset_buffers()`.
@@ -14,6 +16,7 @@ them, else are recomputed by their module's `reset_buffers()`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch import fx, nn
@@ -21,6 +24,17 @@ from torch import fx, nn
 from ptc.compiler.program import ParamLayout
 from ptc.errors import PtcError
 from ptc.plan import Plan
+from ptc.runtime.hf_weights import SafetensorsState
+
+
+def check_init(plan: Plan) -> None:
+    """Refuse, in one line naming `train.init`, weights that cannot be read (run before any
+    process starts)."""
+    init = plan.train.init
+    if init.kind == "hf":
+        SafetensorsState(init.path)
+    elif init.kind == "state_dict" and not Path(init.path).is_file():
+        raise PtcError(f"train.init: state_dict(\"{init.path}\"): no such file")
 
 
 def reference_model(plan: Plan) -> nn.Module:
@@ -35,9 +49,8 @@ def initial_params(plan: Plan, layout: ParamLayout,
                    model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 CPU value of every parameter of `layout`, by canonical name."""
     init = plan.train.init
-    if init.kind == "state_dict":
-        state = torch.load(init.path, map_location="cpu", weights_only=True)
-        return params_from_state_dict(state, layout, source=init.path)
+    if init.kind in ("state_dict", "hf"):
+        return params_from_state_dict(_saved_state(plan), layout, source=init.path)
     model = model if model is not None else reference_model(plan)
     if any(p.is_meta for p in model.parameters()):
         from ptc.models import initial_value  # noqa: PLC0415
@@ -74,9 +87,7 @@ def initial_buffers(gm: fx.GraphModule, plan: Plan,
     names = [name for name, _ in gm.named_buffers()]
     if not names:
         return {}
-    state = {}
-    if plan.train.init.kind == "state_dict":
-        state = torch.load(plan.train.init.path, map_location="cpu", weights_only=True)
+    state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
     model = model if model is not None else reference_model(plan)
     values = {}
     for name in names:
@@ -96,3 +107,11 @@ def initial_buffers(gm: fx.GraphModule, plan: Plan,
             buffer = getattr(owner, leaf)
         values[name] = buffer
     return values
+
+
+def _saved_state(plan: Plan) -> Mapping[str, torch.Tensor]:
+    """The full state dict a state_dict or hf init names."""
+    init = plan.train.init
+    if init.kind == "hf":
+        return SafetensorsState(init.path)
+    return torch.load(init.path, map_location="cpu", weights_only=True)

@@ -45,6 +45,7 @@ from ptc.runtime import faults
 from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
 from ptc.runtime.checkpoint_store import CheckpointStore, step_name
 from ptc.runtime.executor import RankError, StepStats
+from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
@@ -200,10 +201,21 @@ class TrainLoop:
                 "next_lr": learning_rate(self.step, train.optimizer.lr, train.lr_schedule,
                                          train.steps),
                 "global_batch": train.global_batch,
-                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                # what `ptc export` needs to write the weights under the module's names
+                "model": self._model_record(),
+                "names": {slot.name: list(slot.aliases)
+                          for slot in self.trainer.program.layout.params.values()}}
         if self.checkpointer.save(self.step, self.position, info):
             self._last_saved = self.step
         self._last_save_time = time.monotonic()
+
+    def _model_record(self) -> dict | None:
+        """The plan's model section, unless a module given to ptc.compile trained instead."""
+        program = self.trainer.program
+        if program.model is not None and self.plan.model.family != "custom":
+            return None
+        return model_record(self.plan.model)
 
     def _schedule(self) -> dict:
         """The learning-rate schedule as the manifest records it (total steps included)."""

@@ -30,6 +30,7 @@ from ptc.runtime.data import check_data
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
+from ptc.runtime.init import check_init
 from ptc.runtime.launcher import in_worker, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
@@ -128,6 +129,7 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     program = plan_or_program if isinstance(plan_or_program, Program) else None
     vocab = program.vocab if program is not None else plan.model.vocab
     check_data(plan.train.data, vocab=vocab, seq_len=plan.train.seq_len)
+    check_init(plan)
     if program is None or program.model is None:
         return run_local(train_worker, world_size(plan), plan, compiler=compiler,
                          steps=steps)[0]

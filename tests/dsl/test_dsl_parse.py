@@ -31,7 +31,7 @@ def test_example_parses_and_checks_clean(path: Path) -> None:
 
 
 def test_example_count() -> None:
-    assert len(EXAMPLES) == 6
+    assert len(EXAMPLES) == 7
 
 
 def test_example_values_are_in_base_units() -> None:
