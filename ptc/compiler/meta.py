@@ -21,7 +21,8 @@ pipeline, its parameter layout, its overlap decisions), replaced whole with
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,6 +105,10 @@ class CaptureInfo:
     """Number of repeated blocks."""
     vocab: int | None
     """Last dimension of the logits."""
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors the model's forward creates from Python values (`torch.tensor([-2])`), which
+    the export door lifts into the graph as buffers, by buffer name: their real values
+    (every other buffer comes from the model)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

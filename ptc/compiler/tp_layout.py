@@ -35,17 +35,24 @@ class ParamShard:
     """Sizes of the consecutive pieces of `dim` in the full tensor; each is split t ways."""
     full_shape: tuple[int, ...]
     """Shape of the whole parameter."""
+    pad: int = 0
+    """Zero rows appended to `dim` before splitting, so that a vocabulary not divisible by
+    tp splits evenly (one segment, V + pad rows); they hold no token and get no gradient."""
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one rank's part."""
         shape = list(self.full_shape)
-        shape[self.dim] //= tp
+        shape[self.dim] = (shape[self.dim] + self.pad) // tp
         return tuple(shape)
 
     def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         """Rank `rank`'s part of the full tensor (a new contiguous tensor)."""
         if tuple(full.shape) != self.full_shape:
             raise ValueError(f"expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        if self.pad:
+            zeros = list(full.shape)
+            zeros[self.dim] = self.pad
+            full = torch.cat([full, full.new_zeros(zeros)], self.dim)
         pieces = [seg.chunk(tp, self.dim)[rank] for seg in full.split(self.segments, self.dim)]
         return torch.cat(pieces, self.dim).contiguous()
 
@@ -54,8 +61,9 @@ class ParamShard:
         tp = len(parts)
         local_segments = [s // tp for s in self.segments]
         per_rank = [p.split(local_segments, self.dim) for p in parts]
-        return torch.cat([torch.cat([pieces[i] for pieces in per_rank], self.dim)
-                          for i in range(len(self.segments))], self.dim)
+        whole = torch.cat([torch.cat([pieces[i] for pieces in per_rank], self.dim)
+                           for i in range(len(self.segments))], self.dim)
+        return whole.narrow(self.dim, 0, self.full_shape[self.dim]) if self.pad else whole
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,6 +31,8 @@ the runtime.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -405,14 +407,17 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor,
 
 class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction, axis):  # noqa: D102
+    def forward(ctx, logits, targets, ignore_index, reduction, axis, vocab_size):  # noqa: D102
         group = axis_group(axis)
         rows = logits.shape[-1]
         x = logits.reshape(-1, rows).float()
         t = targets.reshape(-1)
+        start = _vocab_range(rows, axis)
+        if vocab_size is not None and start + rows > vocab_size:  # padding rows: no token
+            padding = torch.arange(max(vocab_size - start, 0), rows, device=x.device)
+            x = x.index_fill(1, padding, -math.inf)  # not in place: x may be the logits
         peak = _all_reduce(x.detach().amax(dim=-1), group, dist.ReduceOp.MAX)
         x = x - peak.unsqueeze(-1)
-        start = _vocab_range(rows, axis)
         mine = (t >= start) & (t < start + rows)
         local = (t - start).masked_fill(~mine, 0)
         target_logit = x.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
@@ -451,13 +456,14 @@ class _VocabCrossEntropy(torch.autograd.Function):
             scale = scale * grad.float()
         else:
             scale = scale * grad.float().reshape(-1)
-        return (g * scale.unsqueeze(-1)).to(softmax.dtype).view(shape), None, None, None, None
+        return (g * scale.unsqueeze(-1)).to(softmax.dtype).view(shape), None, None, None, None, \
+            None
 
 
 @_collective("all-reduce (max, sums)", "local")
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 axis: str = TP) -> torch.Tensor:
+                                 axis: str = TP, vocab_size: int | None = None) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits[..., V/t] against full targets[...].
 
     Each rank holds logits for its vocabulary slice; the full logits are never
@@ -466,8 +472,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     the result equals `F.cross_entropy` on the full logits (`ignore_index`,
     `reduction` "mean" / "sum" / "none" as there). Backward: local, no
     communication: softmax minus the one-hot target on the rank's slice.
+    `vocab_size`: the true vocabulary when the table is padded to a multiple
+    of t; the logits of rows from there on are left out (no gradient).
     """
-    return _VocabCrossEntropy.apply(logits, targets, ignore_index, reduction, axis)
+    return _VocabCrossEntropy.apply(logits, targets, ignore_index, reduction, axis, vocab_size)
 
 
 TP_OPS = (copy_to_tp, reduce_from_tp, all_gather_seq, reduce_scatter_seq, scatter_seq,

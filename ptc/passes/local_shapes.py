@@ -84,10 +84,13 @@ def where(node: fx.Node) -> str:
 
 def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(),
               pick_last: bool = False, rules: Mapping[Callable, ShapeRule] | None = None,
-              on_mix: MixFix | None = None, what: str = "tensor parallelism") -> Propagation:
+              on_mix: MixFix | None = None, what: str = "tensor parallelism",
+              padded: Mapping[int, int] | None = None) -> Propagation:
     """Run `gm` on meta with its current (local) parameters; fix shape arguments; update meta.
 
-    `k`: the degree a split dim is divided by. `prefer`, `pick_last`: which
+    `k`: the degree a split dim is divided by. `padded`: sizes that become a
+    given local size instead (a vocabulary padded to a multiple of k:
+    {V: ceil(V / k)}). `prefer`, `pick_last`: which
     output dim of a reshape block takes the split (module docstring).
     `rules`: meta stand-ins for ops that do not compute shapes themselves on
     one process (sequence collectives). `on_mix`: called when an elementwise
@@ -96,7 +99,8 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
     Raises CompileError naming the node, its module and source line when an
     op cannot run on the local shapes.
     """
-    return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what).run()
+    return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what,
+                       dict(padded or {})).run()
 
 
 class _Unfollowable(Exception):
@@ -104,9 +108,9 @@ class _Unfollowable(Exception):
 
 
 class _Propagator:
-    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what):
+    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what, padded):
         self.gm, self.k, self.prefer, self.pick_last = gm, k, prefer, pick_last
-        self.rules, self.on_mix, self.what = rules, on_mix, what
+        self.rules, self.on_mix, self.what, self.padded = rules, on_mix, what, padded
         self.interp = fx.Interpreter(gm, garbage_collect_values=False)
         self.env = self.interp.env
         self.result = Propagation()
@@ -161,7 +165,8 @@ class _Propagator:
         before = self.result.before.setdefault(node, shapes)
         for b, s in zip(before, shapes):
             diff = [d for d in range(len(b)) if len(b) != len(s) or b[d] != s[d]]
-            if len(b) != len(s) or len(diff) > 1 or (diff and b[diff[0]] != s[diff[0]] * self.k):
+            if len(b) != len(s) or len(diff) > 1 or (
+                    diff and self._local_size(b[diff[0]]) != s[diff[0]]):
                 raise CompileError(f"{self.what}: {where(node)} has local shape {s}, which is "
                                    f"not its shape {b} with one dimension divided by {self.k}")
         meta = get_info(node)
@@ -176,6 +181,19 @@ class _Propagator:
                            if params and meta.dtypes else 0)
         if any(getattr(meta, name) != new for name, new in changes.items()):  # else keep it:
             update_info(node, **changes)  # records are frozen, an equal one says the same
+
+    def _local_size(self, size: int) -> int | None:
+        """What a split dim of `size` holds on one rank (None: it cannot be split)."""
+        if size in self.padded:
+            return self.padded[size]
+        return size // self.k if size % self.k == 0 else None
+
+    def _split_dim(self, before: tuple[int, ...], local: tuple[int, ...]) -> int:
+        diff = [d for d in range(len(before)) if before[d] != local[d]]
+        if len(before) != len(local) or len(diff) != 1 or \
+                self._local_size(before[diff[0]]) != local[diff[0]]:
+            raise _Unfollowable(f"{local} is not {before} with one dim divided by {self.k}")
+        return diff[0]
 
     def _flops(self, node: fx.Node, meta, value, args: tuple, kwargs: dict) -> int:
         if flops_mod.needs_running(node, meta.kind):
@@ -224,7 +242,7 @@ class _Propagator:
     def _reshape_expected(self, bi, li, bo) -> tuple[int, ...]:
         if bi == li:
             return bo
-        d = _split_dim(bi, li, self.k)
+        d = self._split_dim(bi, li)
         cut_in, cut_out = _cuts(bi), _cuts(bo)
         common = sorted(set(cut_in) & set(cut_out))
         lo = max(c for c in common if c <= cut_in[d])
@@ -234,14 +252,14 @@ class _Propagator:
         if block_in and block_in[0] != d and len(block) > 1:
             raise _Unfollowable(f"the split dim {d} of {bi} is not the outermost of the dims "
                                 f"{[bi[j] for j in block_in]} it is reshaped with")
-        candidates = [j for j in block if bo[j] % self.k == 0]
+        candidates = [j for j in block if self._local_size(bo[j]) is not None]
         preferred = [j for j in candidates if bo[j] in self.prefer]
         pick = preferred or candidates
         if not pick:
             raise _Unfollowable(f"no dim of {[bo[j] for j in block]} in {bo} is divisible by {self.k}")
         j = pick[-1] if self.pick_last else pick[0]
         out = list(bo)
-        out[j] //= self.k
+        out[j] = self._local_size(out[j])
         return tuple(out)
 
     def _write_sizes(self, node: fx.Node, slot, expected: tuple[int, ...]) -> None:
@@ -290,7 +308,7 @@ class _Propagator:
             return
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         dim = dim % len(bi)
-        if _split_dim(bi, li, self.k) != dim:
+        if self._split_dim(bi, li) != dim:
             return
         sizes = node.args[1] if len(node.args) > 1 else node.kwargs["split_size_or_sections"]
         if isinstance(sizes, (list, tuple)):
@@ -315,7 +333,7 @@ class _Propagator:
             return
         args = list(node.args) + [None] * (5 - len(node.args))
         dim = (0 if args[1] is None else args[1]) % len(bi)
-        if _split_dim(bi, li, self.k) != dim or args[4] not in (None, 1):
+        if self._split_dim(bi, li) != dim or args[4] not in (None, 1):
             return
         for i in (2, 3):
             bound = self._value(args[i])
@@ -358,7 +376,7 @@ class _Propagator:
         for a in inputs:
             bi, li = self._before_local(a)
             if bi != li:
-                split_dims.add(rank - len(bi) + _split_dim(bi, li, self.k))
+                split_dims.add(rank - len(bi) + self._split_dim(bi, li))
         if len(split_dims) != 1:
             return
         (dim,) = split_dims
@@ -381,13 +399,6 @@ class _Propagator:
 def _shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...]:
     meta = get_info(node)
     return meta.shapes if meta is not None else ()
-
-
-def _split_dim(before: tuple[int, ...], local: tuple[int, ...], k: int) -> int:
-    diff = [d for d in range(len(before)) if before[d] != local[d]]
-    if len(before) != len(local) or len(diff) != 1 or before[diff[0]] != local[diff[0]] * k:
-        raise _Unfollowable(f"{local} is not {before} with one dim divided by {k}")
-    return diff[0]
 
 
 def _cuts(shape: tuple[int, ...]) -> list[int]:

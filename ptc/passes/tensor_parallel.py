@@ -75,7 +75,7 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     rewrite = _Rewrite(gm, sharding, tp)
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
-    propagation = propagate(gm, k=tp, prefer=sharding.heads)
+    propagation = propagate(gm, k=tp, prefer=sharding.heads, padded=rewrite.padded)
     region = _check_region(gm, rewrite, propagation)
     partial = _partial_params(gm, region, layout)
     layout = dataclasses.replace(layout, partial_grads=partial)
@@ -104,6 +104,7 @@ class _Rewrite:
         self.heads = [n for n in vocab if n in heads]
         self.embeddings = [n for n in vocab if n not in heads]
         self.counts = {"copy_to_tp": 0, "reduce_from_tp": 0}
+        self.padded: dict[int, int] = {}  # a padded vocabulary's size -> its rows per rank
         self.starts: list[fx.Node] = []  # nodes whose output is split
         self.stops: set[fx.Node] = set()  # nodes that consume split inputs
         for node in vocab:
@@ -122,7 +123,12 @@ class _Rewrite:
             if name is None:
                 return
             shape = tuple(self.gm.get_parameter(name).shape)
-            spec = ParamShard(style=style, dim=dim, segments=segments, full_shape=shape)
+            # A vocabulary not divisible by tp is padded with rows no token reaches, as
+            # Megatron-LM does; the loss masks their logits (`vocab_size`).
+            pad = -segments[0] % self.tp if style == VOCAB else 0
+            segments = (segments[0] + pad,) if pad else segments
+            spec = ParamShard(style=style, dim=dim, segments=segments, full_shape=shape,
+                              pad=pad)
             if specs.get(name, spec) != spec:
                 raise CompileError(f"tensor parallelism: parameter {name} would be split two "
                                    f"ways ({specs[name]} and {spec}); make the modules that share "
@@ -149,6 +155,8 @@ class _Rewrite:
         for node in self.embeddings:
             weight = _embedding_weight(self.gm, node)
             add(weight, VOCAB, 0, (self.gm.get_parameter(weight).shape[0],))
+        self.padded = {spec.full_shape[spec.dim]: spec.local_shape(self.tp)[spec.dim]
+                       for spec in specs.values() if spec.pad}
         aliases = _aliases(self.gm)
         self._check_whole_uses({a for name in specs for a in aliases[name]})
         out = {}
@@ -271,9 +279,11 @@ class _Rewrite:
                                "smoothing, which the vocabulary-parallel cross-entropy does not "
                                "support; mark the LM head replicate")
         with self.gm.graph.inserting_before(loss):
+            options = {"ignore_index": args.get("ignore_index", -100), "reduction": reduction}
+            if self.padded:  # the logits of padding rows are left out of the softmax
+                options["vocab_size"] = next(iter(self.padded))
             new = self.gm.graph.call_function(vocab_parallel_cross_entropy, (
-                args["input"], args["target"]), {"ignore_index": args.get("ignore_index", -100),
-                                                 "reduction": reduction})
+                args["input"], args["target"]), options)
         copy_meta(loss, new)
         loss.replace_all_uses_with(new)
         name = loss.name

@@ -157,11 +157,12 @@ def tp_chunks(chunks: FlatChunks, split: ParamShard, rank: int, tp: int) -> Flat
     width = [size // tp for size in split.segments]  # each segment's share per rank
     local_starts = [sum(width[:j]) for j in range(len(width))]
     full_starts = [sum(split.segments[:j]) + rank * width[j] for j in range(len(width))]
+    rows = split.full_shape[dim]  # padding rows (`ParamShard.pad`) are not saved
     pieces = []
     for offsets, tensor in chunks.pieces.items():
         lo, hi = offsets[dim], offsets[dim] + tensor.shape[dim]
         for local, full, n in zip(local_starts, full_starts, width):
-            a, b = max(lo, local), min(hi, local + n)
+            a, b = max(lo, local), min(hi, local + n, local + rows - full)
             if a < b:
                 moved = list(offsets)
                 moved[dim] = full + a - local

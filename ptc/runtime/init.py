@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
+from ptc.compiler.meta import graph_info
 from ptc.compiler.program import ParamLayout
 from ptc.errors import PtcError
 from ptc.plan import Plan
@@ -88,9 +89,13 @@ def initial_buffers(gm: fx.GraphModule, plan: Plan,
     if not names:
         return {}
     state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
+    constants = graph_info(gm).constants
     model = model if model is not None else reference_model(plan)
     values = {}
     for name in names:
+        if name in constants:
+            values[name] = constants[name]
+            continue
         if name in state:
             values[name] = state[name]
             continue

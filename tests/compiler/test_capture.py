@@ -270,6 +270,22 @@ class TestErrors:
         assert "hf_llama.py" in text and "finfo" in text
         assert "leaf_modules" in text
 
+    def test_a_tensor_built_from_an_index_list_is_refused_with_the_fix(self):
+        class Pick(nn.Module):  # Falcon's qkv[..., [-2]]: the index becomes a meta constant
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(32, 16)
+
+            def forward(self, tokens):
+                x = self.embed(tokens)
+                torch.finfo(x.dtype)  # python the fx door cannot trace: the export door opens
+                return x[..., [-2]] * x
+
+        with pytest.raises(CaptureError, match=r"module 'Pick' builds a tensor from Python "
+                                               r"values at .*test_capture.py:\d+ .*x\[\.\.\., "
+                                               r"-2:-1\]"):
+            capture(Pick(), micro_batch=B, seq_len=S, with_loss=False)
+
     def test_forward_argument_without_default(self):
         class Two(nn.Module):
             def forward(self, tokens, mask):

@@ -37,6 +37,8 @@ class HFCase:
     """Overrides of the factory's config, e.g. (("pad_token_id", 1),)."""
     shards: tuple[tuple[str, str], ...] = ()
     """The plan's shard rules: (glob, style) pairs."""
+    dtype: str = "fp32"
+    """The plan's compute dtype."""
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
@@ -46,6 +48,7 @@ class HFCase:
         parts += [self.checkpoint] if self.checkpoint != "none" else []
         parts += [f"{key}={value}" for key, value in self.config]
         parts += [f"shard {glob} {style}" for glob, style in self.shards]
+        parts += [self.dtype] if self.dtype != "fp32" else []
         return " ".join(parts)
 
 
@@ -59,13 +62,13 @@ def hf_plan(case: HFCase) -> Plan:
     """A plan around the module: one sample per micro-batch, 4 per step, fp32, AdamW."""
     world = case.tp * case.pp * case.dp
     return Plan(
-        model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}"),
+        model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}", kwargs=dict(case.config)),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
                               sequence_parallel=case.sp, checkpoint=case.checkpoint,
                               shards=tuple(ShardRule(pattern=glob, style=style)
                                            for glob, style in case.shards)),
-        train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=1, dtype="fp32", steps=STEPS,
+        train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=1, dtype=case.dtype, steps=STEPS,
                         grad_clip=1.0,
                         optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
                         lr_schedule=LRScheduleSpec(kind="cosine", warmup=2, min_lr=3e-4),

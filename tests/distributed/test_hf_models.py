@@ -8,7 +8,9 @@ positions), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, whose weights get
 their gradient summed over tp), Phi-3 (fused qkv sliced, fused gate_up
 chunked) and OLMo 2 (a q/k norm across the heads: its attention kept whole by
 shard rules, its MLP split); one Llama has a pad token, whose embedding row
-gets no gradient, also when the table is vocabulary-parallel. The module given to
+gets no gradient, also when the table is vocabulary-parallel; a vocabulary of
+63 tokens is padded to 64 rows under tp2, the padding row's logit left out of
+the loss. The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -42,6 +44,9 @@ CASES = [
     HFCase("gpt2", dp=2, zero=1), HFCase("gpt2", dp=2, zero=3), HFCase("gpt2", pp=2),
     HFCase("gpt2", tp=2), HFCase("gpt2", tp=2, sp=True), HFCase("qwen2", tp=2, sp=True),
     HFCase("qwen3", tp=2), HFCase("phi3", tp=2),
+    # a vocabulary not divisible by tp: padded with a row no token reaches (untied, tied + sp)
+    HFCase("llama", tp=2, config=(("vocab_size", 63),)),
+    HFCase("gpt2", tp=2, sp=True, config=(("vocab_size", 63),)),
     HFCase("olmo2", tp=2, shards=(("model.layers.*.self_attn.*_proj", "replicate"),)),
 ]
 _runs: dict = {}

@@ -130,6 +130,21 @@ class TestShardTensorsPass:
         parts = [shard.local(full, r, 2) for r in range(2)]
         assert torch.equal(shard.join(parts), full)
 
+    def test_a_vocabulary_not_divisible_by_tp_is_padded_with_rows_no_token_reaches(self):
+        odd = dataclasses.replace(GPT, vocab=63)
+        gm = lowered(plan(odd))
+        shard = graph_record(gm).tensor_parallel.params["embed.weight"]
+        assert (shard.segments, shard.pad, shard.full_shape) == ((64,), 1, (63, 32))
+        assert tuple(gm.embed.weight.shape) == (32, 32)
+        full = torch.arange(63.0).unsqueeze(1).expand(63, 32)
+        parts = [shard.local(full, r, 2) for r in range(2)]
+        assert parts[1][-1].eq(0).all() and parts[1][-2, 0] == 62  # the padding row is zero
+        assert torch.equal(shard.join(parts), full)
+        (loss,) = calls(gm, vocab_parallel_cross_entropy)
+        assert loss.kwargs["vocab_size"] == 63  # the padding logit is left out of the loss
+        (flat,) = node(gm, "head").users
+        assert flat.args == (node(gm, "head"), -1, 32)  # logits [b·s, ceil(V / tp)]
+
     def test_head_counts_and_split_sizes_are_rewritten(self):
         gm = lowered(plan(GPT))
         split = node(gm, "split")

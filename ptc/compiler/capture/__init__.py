@@ -32,8 +32,8 @@ from ptc.compiler.capture.call import call_rule
 from ptc.compiler.capture.evaluate import DataDependent, NodeFailed
 from ptc.compiler.capture.export_door import export_graph
 from ptc.compiler.capture.fx_door import fx_graph
-from ptc.compiler.capture.messages import (data_dependent_message, meta_failure_message,
-                                           untraceable_message)
+from ptc.compiler.capture.messages import (data_dependent_message, lost_constant_message,
+                                           meta_failure_message, untraceable_message)
 from ptc.compiler.capture.normalise import normalise_io
 from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
 from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
@@ -73,8 +73,8 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     inputs = {call.tokens: torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")}
     if call.targets:
         inputs[call.targets] = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    door, graph, evaluator, owner, out_spec = _open_a_door(model, root, call, inputs,
-                                                           leaf_modules, front_door)
+    door, graph, evaluator, owner, out_spec, constants = _open_a_door(
+        model, root, call, inputs, leaf_modules, front_door)
     graph.owning_module = owner  # DCE's purity check looks modules up (GraphModule resets it)
     try:
         vocab, model_loss = normalise_io(graph, call, evaluator, out_spec, micro_batch,
@@ -82,23 +82,27 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
                                          model_name=type(model).__name__)
     except NodeFailed as failed:
         raise CaptureError(meta_failure_message(model, failed)) from failed.exc
+    lost = [name for name, value in constants.items() if value.is_meta]
+    if lost:
+        raise CaptureError(lost_constant_message(model, graph, lost))
     gm = fx.GraphModule(owner, graph, type(model).__name__)
     keep_tied_names(gm, root)
     blocks, num_layers = find_blocks(root)
     set_graph_record(gm, GraphRecord(capture=CaptureInfo(
         front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
-        blocks_path=blocks, num_layers=num_layers, vocab=vocab)))
+        blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants)))
     annotate_graph(gm, root, evaluator, blocks, dtype)
     return gm
 
 
 def _open_a_door(model, root, call, inputs, leaf_modules, front_door):
-    """(door, graph, evaluator, owner, out_spec) from fx, else export; CaptureError if neither."""
+    """(door, graph, evaluator, owner, out_spec, lifted constants) from fx, else export;
+    CaptureError if neither."""
     fx_exc = None
     if front_door != "export":
         try:
-            return ("fx", *fx_graph(root, call, inputs, leaf_modules))
+            return ("fx", *fx_graph(root, call, inputs, leaf_modules), {})
         except DataDependent as dd:  # no door can capture this: say so at once
             raise CaptureError(data_dependent_message(model, dd)) from None
         except Exception as exc:  # anything symbolic tracing cannot do: try the other door

@@ -25,11 +25,14 @@ from ptc.compiler.capture.evaluate import Evaluator
 
 
 def export_graph(root: nn.Module, call: CallRule, inputs: dict):
-    """(graph, evaluator, module owning the graph's targets, output pytree spec) by torch.export.
+    """(graph, evaluator, module owning the graph's targets, output pytree spec, lifted
+    constants) by torch.export.
 
     The second door: it captures Python that symbolic tracing cannot. Its
     fake values are dropped, since they are in the model's dtype and capture
-    recomputes every value on meta tensors.
+    recomputes every value on meta tensors. Tensors forward makes from Python
+    values are lifted as constants, returned by name (made on the meta device,
+    as when they come from indexing a meta tensor, their values are lost).
     """
     kwargs = {k: v for k, v in call.concrete.items() if k in FLAG_OVERRIDES}
     if call.targets:
@@ -43,7 +46,10 @@ def export_graph(root: nn.Module, call: CallRule, inputs: dict):
     graph._codegen = fx.graph.CodeGen()
     for node in list(graph.nodes):
         node.meta.pop("val", None)  # fake tensors in the model's dtype; recomputed on meta
-    return graph, Evaluator(unlifted, inputs), unlifted, out_spec
+    own = {name for name, _ in root.named_buffers()}
+    constants = {name: value.detach().clone() for name, value in program.constants.items()
+                 if isinstance(value, torch.Tensor) and name not in own}
+    return graph, Evaluator(unlifted, inputs), unlifted, out_spec, constants
 
 
 _EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export")

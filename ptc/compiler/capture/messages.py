@@ -132,3 +132,15 @@ def no_logits_message(model_name: str, leaves, evaluator: Evaluator, b: int,
             f"floating tensor of shape [{b}, {s}, vocab] (or an output named 'logits'); "
             f"found {', '.join(found) or 'nothing'}")
 
+
+
+def lost_constant_message(model: nn.Module, graph: torch.fx.Graph, names: list[str]) -> str:
+    """Why a tensor constant that forward builds on the fly cannot be captured, and the fix."""
+    node = next(n for n in graph.nodes if n.op == "get_attr" and str(n.target) == names[0])
+    user = next(iter(node.users), node)
+    where = source_line(user) or "its forward"
+    module = str(node.target).rpartition(".")[0] or type(model).__name__
+    return (f"{type(model).__name__}: module {module!r} builds a tensor from Python values "
+            f"at {where} (such as an index list, x[..., [-2]]; {len(names)} in all); capture "
+            "runs on the meta device, where its values are lost; write it as a slice "
+            "(x[..., -2:-1]) or a registered buffer")
