@@ -126,9 +126,11 @@ class _SavedRecorder(torch.fx.Interpreter):
 
 
 def _flash_applies(args: Sequence, kwargs: dict) -> bool:
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    """Whether a fused kernel that keeps no s x s scores runs it: flash without a mask, the
+    memory-efficient kernel with one (it reads the mask, a tensor of its own); not with
+    dropout."""
     dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-    return mask is None and not dropout
+    return not dropout
 
 
 def _dropout_active(args: Sequence, kwargs: dict) -> bool:

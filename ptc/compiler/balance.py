@@ -41,7 +41,7 @@ from ptc.compiler.activations import saved_storages
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import used_params
-from ptc.errors import CompileError
+from ptc.errors import CompileError, PtcError
 from ptc.plan import Plan
 
 log = logging.getLogger("ptc.compiler.balance")
@@ -119,16 +119,18 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
 def _kept_share(plan: Plan) -> Callable[[str], float]:
     """Policy -> share of a layer's saved bytes that stays saved (1 for "none").
 
-    From the memory model's per-layer activations at the plan's shape. A
-    custom model has no profile: its layers are charged all their bytes (an
-    upper bound).
+    From the memory model's per-layer activations at the plan's shape (a
+    custom model's profile is read off its own graph). A model that cannot be
+    profiled has its layers charged all their bytes (an upper bound).
     """
-    if plan.model.family == "custom":
-        return lambda policy: 1.0
     from ptc.compiler.memory import layer_activation_bytes  # noqa: PLC0415 - sympy (slow)
-    from ptc.compiler.profile import model_profile  # noqa: PLC0415
+    from ptc.compiler.profile import model_profile, with_model_shape  # noqa: PLC0415
 
-    profile = model_profile(plan.model, plan.train.dtype)
+    try:
+        plan = with_model_shape(plan)
+        profile = model_profile(plan.model, plan.train.dtype)
+    except (PtcError, ValueError):
+        return lambda policy: 1.0
     shape = dict(micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
                  tp=plan.parallel.tp, sp=plan.parallel.sequence_parallel)
     bytes_of = {p: layer_activation_bytes(profile, p, **shape) for p in ("none", "selective", "full")}

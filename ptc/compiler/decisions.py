@@ -82,15 +82,11 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
         raise CompileError("compiling needs a resolved plan: tp, pp and dp must not be auto")
     layers = graph_info(gm).num_layers
     priced, unpriced = None, None
-    if plan.model.family == "custom":  # profiles are built from a family's shape fields
-        unpriced = "no predicted step time for a custom model"
-        log.info(unpriced)
-    else:
-        try:
-            priced = estimate(plan)
-        except (PtcError, ValueError) as exc:
-            unpriced = f"no predicted step time: {exc}"
-            log.warning(unpriced)
+    try:
+        priced = estimate(plan)
+    except (PtcError, ValueError) as exc:
+        unpriced = f"no predicted step time: {exc}"
+        log.warning(unpriced)
     return Decisions(plan=plan, checkpoint=_policies(plan, layers, priced), estimate=priced,
                      unpriced=unpriced)
 
@@ -102,9 +98,6 @@ def _policies(plan: Plan, layers: int, priced: Estimate | None) -> tuple[str, ..
         if isinstance(ckpt, str):
             return (ckpt,) * layers
         return tuple(ckpt[i] if i < len(ckpt) else "none" for i in range(layers))
-    if plan.model.family == "custom":
-        raise CompileError("checkpoint = auto chooses from the memory model, which a custom "
-                           "model does not have yet; name a policy: none, selective or full")
     if priced is None:
         raise CompileError("checkpoint = auto needs the cost model's estimate of the plan, "
                            "which failed (see the warning above); name a policy instead")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from ptc.compiler.cost import StepCost, step_cost
 from ptc.compiler.layout import Layout, layout_of
 from ptc.compiler.memory import Precision, peak, precision, stage_memory, stage_memory_terms
-from ptc.compiler.profile import ModelProfile, model_profile
+from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
 from ptc.plan import Plan
 
 
@@ -78,6 +78,7 @@ def estimate(plan: Plan) -> Estimate:
     """Predict step time, throughput and memory of a resolved plan (no "auto" axis)."""
     if not plan.is_resolved:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
+    plan = with_model_shape(plan)
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)
     ckpt = plan.parallel.checkpoint

@@ -43,23 +43,16 @@ import torch
 import torch.fx
 
 from ptc.compiler.activations import saved_storages
-from ptc.compiler.meta import get_info
-from ptc.compiler.nodes import is_linear
+from ptc.compiler.meta import get_info, graph_info
+from ptc.compiler.nodes import attention_parts, is_embedding, is_linear, node_shape
+from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
 from ptc.errors import PtcError
-from ptc.plan import ModelSpec
+from ptc.plan import ModelSpec, Plan
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
 """Micro-batch and sequence length symbols of every profile polynomial."""
 
 _MONOMIALS = (sympy.Integer(1), s, s**2, b, b * s, b * s**2)
-COLWISE = frozenset({"qkv", "q", "k", "v", "up", "gate"})
-"""Linear module names split by output features under tensor parallelism."""
-ROWWISE = frozenset({"o", "down"})
-"""Linear module names split by input features (their output is all-reduced)."""
-VOCAB = frozenset({"embed", "head"})
-"""Modules split along the vocabulary."""
-PROJECTIONS = frozenset({"qkv", "q", "k", "v"})
-"""The attention's input projections; the core starts at their outputs."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -133,6 +126,9 @@ class ModelProfile:
     """Elements of the tied weight (0 when untied)."""
     boundary_elements: sympy.Expr
     """Elements of the tensor passed between layers (b·s·h): pipeline and TP traffic."""
+    shape: ModelSpec | None = None
+    """For a custom model: its plan's model section with the shape its graph shows
+    (`graph_shape`); None for a built-in family, whose plan names its shape."""
     fn: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
     """The polynomials above as fast functions of (b, s), by dotted name ("layer.tp",
     "out.seq", "flops.post", "core_flops", "boundary"); they accept sympy symbols too."""
@@ -141,6 +137,8 @@ class ModelProfile:
 
 
 def _shape_key(spec: ModelSpec) -> tuple:
+    if spec.family == "custom":  # the factory and its arguments make the shape
+        return spec.family, spec.factory, repr(sorted(spec.kwargs.items())), spec.max_seq
     return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec)
                  if f.name not in ("layers", "spans", "kwargs"))
 
@@ -152,15 +150,28 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
     processes, keyed by the shape and by the source of everything that
     shapes a profile, so editing a model or the capture invalidates it.
     """
-    if spec.family == "custom":
-        raise PtcError(f"model \"{spec.factory}\": ptc does not yet predict memory or step time "
-                       "of a custom model (profiles are built from a built-in family's shape: "
-                       "layers, hidden, heads, vocab, max_seq); compile, inspect and run work "
-                       "without predictions")
     key = (_shape_key(spec), dtype)
     if key not in _CACHE:
         _CACHE[key] = _load_or_capture(spec, dtype, key)
-    return dataclasses.replace(_CACHE[key], layers=spec.layers)
+    profile = _CACHE[key]
+    layers = profile.shape.layers if profile.shape is not None else spec.layers
+    return dataclasses.replace(profile, layers=layers)
+
+
+def with_model_shape(plan: Plan) -> Plan:
+    """`plan` with its model section's shape numbers filled in (`resolved_model`): what the
+    memory and cost models read. A built-in family's plan comes back as it is."""
+    if plan.model.family != "custom" or plan.model.hidden is not None:
+        return plan
+    return dataclasses.replace(plan, model=resolved_model(plan.model, plan.train.dtype))
+
+
+def resolved_model(spec: ModelSpec, dtype: str) -> ModelSpec:
+    """The model section with its shape numbers: as written for a built-in family, read off
+    the captured graph for a custom model (so the memory and cost models can use them)."""
+    if spec.family != "custom":
+        return spec
+    return model_profile(spec, dtype).shape
 
 
 _CACHE: dict[tuple, ModelProfile] = {}
@@ -193,28 +204,77 @@ def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile:
 
 
 def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
+    """Capture the model at seven (b, s) points and fit every term; a built-in family with
+    one layer, a custom model whole (its first layer stands for the others)."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     from ptc.models import build_model  # noqa: PLC0415
 
-    model = build_model(dataclasses.replace(spec, layers=1), device="meta")
-    points = _points(spec.max_seq)
-    samples = [_measure(capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype]))
-               for pb, ps in points]
+    custom = spec.family == "custom"
+    model = build_model(spec if custom else dataclasses.replace(spec, layers=1), device="meta")
+    config = getattr(model, "config", None)  # a transformers model says how long it may be
+    points = _points(spec.max_seq or getattr(config, "max_position_embeddings", None) or 64)
+    samples, first = [], None
+    for pb, ps in points:  # each graph measured before the next capture
+        gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype])
+        samples.append(_measure(gm))
+        first = first or gm
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
     for name, poly in fit.items():  # the seventh point checks the polynomial form
         if poly.subs({b: pb, s: ps}) != samples[6][name]:
+            if custom:
+                raise PtcError(f"model \"{spec.factory}\": its saved activations ({name}) are "
+                               "not the polynomial in micro-batch and sequence length that "
+                               "ptc's memory model fits, so ptc cannot predict its memory or "
+                               "step time; compile, inspect and run work without predictions")
             raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
-    params, tied_elements = _param_groups(model)
+    params, tied_elements = _param_groups(first)
     saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
+    shape = graph_shape(first, spec) if custom else spec
     profile = ModelProfile(
-        layers=1, hidden=spec.hidden, heads=spec.heads, vocab=spec.vocab,
+        layers=1, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
         dtype_bytes=DTYPES[dtype].itemsize,
         saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], params=params, tied=tied_elements > 0,
-        tied_elements=tied_elements, boundary_elements=b * s * spec.hidden)
+        tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
+        shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))
+
+
+def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec) -> ModelSpec:
+    """`spec` with the shape numbers a captured graph shows: layers, hidden size, heads and
+    key/value heads of the first attention, MLP inner size, vocabulary (a custom model's
+    plan names none of them)."""
+    info = graph_info(gm)
+    sharding = infer_sharding(gm)
+    attention = next((p for n in gm.graph.nodes if (p := attention_parts(n)) is not None), None)
+    q = node_shape(attention.q) if attention is not None else None
+    k = node_shape(attention.k) if attention is not None else None
+    hidden = ffn = None
+    projections = []  # the first attention's q/k/v linears: output features each
+    for n in gm.graph.nodes:
+        path = is_linear(n) or is_embedding(n)
+        style, why = sharding.styles.get(path), sharding.why.get(path, "")
+        if hidden is None and style == VOCAB and is_embedding(n):
+            hidden = node_shape(n)[-1]
+        if ffn is None and why == "MLP output projection":
+            ffn = node_shape(n.args[0])[-1]
+        if why.startswith("attention q/k/v") and get_info(n).layer == 0:
+            projections.append(node_shape(n)[-1])
+    if hidden is None or q is None:
+        raise PtcError(f"model \"{spec.factory}\": no token embedding or attention found in its "
+                       "graph, so ptc cannot predict its memory or step time; compile, inspect "
+                       "and run work without predictions")
+    heads, head_dim = q[-3], q[-1]
+    # Key/value heads from the projections (the attention may see them repeated): k's
+    # features, or what a fused qkv holds besides q's.
+    kv_features = projections[1] if len(projections) == 3 else \
+        (projections[0] - heads * head_dim) // 2 if len(projections) == 1 else None
+    kv_heads = kv_features // head_dim if kv_features else (k[-3] if k is not None else None)
+    return dataclasses.replace(spec, layers=info.num_layers, hidden=hidden, heads=heads,
+                               kv_heads=kv_heads, ffn=ffn,
+                               vocab=info.vocab, max_seq=spec.max_seq or info.seq_len)
 
 
 def _functions(profile: ModelProfile) -> dict[str, Callable]:
@@ -252,49 +312,56 @@ def _fit(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
     return sympy.expand(sum(c * m for c, m in zip(coeffs, _MONOMIALS)))
 
 
-def _leaf(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
-
-
 def _regions(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """Node name -> "pre" / "layer" / "post" (layer 0 of a one-layer capture)."""
+    """Node name -> "pre" / "layer" (layer 0) / "later" (layers after it) / "post"."""
     region, seen_layer = {}, False
     for n in gm.graph.nodes:
         info = get_info(n)
+        if n.op == "get_attr":  # where its readers are (the export door puts them first)
+            continue
         if info is not None and info.layer is not None:
-            region[n.name], seen_layer = "layer", True
+            region[n.name], seen_layer = "layer" if info.layer == 0 else "later", True
         else:
             region[n.name] = "post" if seen_layer else "pre"
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            users = [region[u.name] for u in n.users if u.name in region]
+            region[n.name] = users[0] if users else "pre"
     return region
 
 
-def _linear_leaf(n: torch.fx.Node) -> str:
-    path = is_linear(n)
-    return _leaf(path) if path else ""
+def _styles(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, str]:
+    """Node name -> tensor-parallel style of the linear or embedding it applies."""
+    return {n.name: sharding.styles[path] for n in gm.graph.nodes
+            if (path := is_linear(n) or is_embedding(n)) and path in sharding.styles}
 
 
-def _tp_sharded(gm: torch.fx.GraphModule) -> set[str]:
-    """Nodes whose output each tp rank holds 1/t of (between col- and row-parallel linears)."""
+def _tp_sharded(gm: torch.fx.GraphModule, sharding: Sharding) -> set[str]:
+    """Nodes whose output each tp rank holds 1/t of: from a column-parallel linear (or the
+    vocabulary-parallel head) to the row-parallel linear that closes the block."""
+    styles = _styles(gm, sharding)
     sharded: set[str] = set()
     for n in gm.graph.nodes:
-        leaf = _linear_leaf(n)
-        if leaf in COLWISE or leaf == "head":
+        style = styles.get(n.name)
+        if style == COLWISE or (style == VOCAB and is_linear(n)):
             sharded.add(n.name)
-        elif leaf not in ROWWISE and any(a.name in sharded for a in n.all_input_nodes):
+        elif style != ROWWISE and any(a.name in sharded for a in n.all_input_nodes):
             sharded.add(n.name)
     return sharded
 
 
-def _attention_core(gm: torch.fx.GraphModule) -> set[str]:
-    """Nodes downstream of a q/k/v projection and upstream of the o projection."""
-    projections = {n.name for n in gm.graph.nodes if _linear_leaf(n) in PROJECTIONS}
+def _attention_core(gm: torch.fx.GraphModule, sharding: Sharding) -> set[str]:
+    """Nodes downstream of an attention's q/k/v projections and upstream of its output one."""
+    why = {n.name: sharding.why.get(path, "") for n in gm.graph.nodes if (path := is_linear(n))}
+    projections = {name for name, w in why.items() if w.startswith("attention q/k/v")}
+    outputs = {name for name, w in why.items() if w == "attention output projection"}
     down: set[str] = set()
     for n in gm.graph.nodes:
         if n.name in projections or any(a.name in down for a in n.all_input_nodes):
             down.add(n.name)
     up: set[str] = set()
     for n in reversed(gm.graph.nodes):
-        if any(u.name in up or _linear_leaf(u) == "o" for u in n.users):
+        if any(u.name in up or u.name in outputs for u in n.users):
             up.add(n.name)
     return (down & up) - projections
 
@@ -310,7 +377,8 @@ def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
 
 def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Saved bytes by region and class, and FLOPs by region, of one capture."""
-    region, sharded, core = _regions(gm), _tp_sharded(gm), _attention_core(gm)
+    sharding = infer_sharding(gm)
+    region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
     out = {f"{r}.{c}": 0 for r in ("pre", "layer", "post", "out")
            for c in ("tp", "seq", "core_tp", "core_seq")}
     storages = saved_storages(gm, _inputs(gm))
@@ -318,6 +386,8 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
         cls = "tp" if st.producer in sharded else "seq"
         # A graph input (targets) belongs where it is used.
         r = region[st.savers[0] if st.producer in _placeholders(gm) else st.producer]
+        if r == "later":  # layers after the first are alike: layer 0 stands for them
+            continue
         # Kept by a node after the layer: the next layer's input.
         leaves = r == "layer" and any(region[x] != "layer" for x in st.savers)
         dropped = st.producer in core and all(x in core for x in st.savers)
@@ -328,7 +398,8 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
     # Selective recompute keeps the core's inputs, whether or not backward saved them.
     saved_outputs = {st.producer for st in storages if not st.internal}
     for n in gm.graph.nodes:
-        if n.name in core or n.op in ("get_attr", "placeholder") or n.name in saved_outputs:
+        if n.name in core or n.op in ("get_attr", "placeholder") or n.name in saved_outputs \
+                or region[n.name] == "later":
             continue
         if any(u.name in core for u in n.users):
             cls = "tp" if n.name in sharded else "seq"
@@ -336,9 +407,9 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core")})
     for n in gm.graph.nodes:
         info = get_info(n)
-        if info is not None and info.flops:
+        if info is not None and info.flops and region[n.name] != "later":
             out[f"{region[n.name]}.flops"] += info.flops
-            if n.name in core:
+            if n.name in core and region[n.name] == "layer":
                 out["core.flops"] += info.flops
     return out
 
@@ -347,21 +418,37 @@ def _placeholders(gm: torch.fx.GraphModule) -> set[str]:
     return {n.name for n in gm.graph.nodes if n.op == "placeholder"}
 
 
-def _param_groups(model: torch.nn.Module) -> tuple[dict[str, ParamGroups], int]:
+def _param_groups(gm: torch.fx.GraphModule) -> tuple[dict[str, ParamGroups], int]:
+    """Parameter elements per region ("layer": layer 0's), split or replicated as tensor
+    parallelism splits them, and the elements of a head tied to the embedding."""
+    sharding, region = infer_sharding(gm), _regions(gm)
+    readers: dict[str, list[str]] = {}  # parameter name -> regions of the nodes reading it
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            readers.setdefault(str(n.target), []).extend(region[u.name] for u in n.users)
+        elif n.op == "call_module":
+            for leaf, _ in gm.get_submodule(str(n.target)).named_parameters():
+                readers.setdefault(f"{n.target}.{leaf}", []).append(region[n.name])
+    by_id: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    order = ("pre", "layer", "later", "post")
     groups = {r: [0, 0, 0] for r in ("pre", "layer", "post")}
-    seen: dict[int, str] = {}
     tied_elements = 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        module, _, kind = name.rpartition(".")
-        leaf = _leaf(module)
-        region = "layer" if module.startswith("layers.") else (
-            "pre" if leaf in ("embed", "pos_embed") else "post")
-        if id(p) in seen:  # a tied head: the embedding's weight, counted there
-            tied_elements = p.numel()
+    for names in by_id.values():
+        found = [r for name in names for r in readers.get(name, [])]
+        if not found:
             continue
-        seen[id(p)] = name
-        split = leaf in COLWISE or leaf in VOCAB or (leaf in ROWWISE and kind == "weight")
-        g = groups[region]
-        g[0 if split else 1] += p.numel()
+        where = min(found, key=order.index)
+        if where == "later":
+            continue
+        numel = gm.get_parameter(names[0]).numel()
+        if len(names) > 1 and len({r for r in found}) > 1:
+            tied_elements = numel  # a head tied to the embedding: counted with the embedding
+        styles = {sharding.styles.get(name.rpartition(".")[0]) for name in names}
+        split = bool(styles & {COLWISE, VOCAB}) or (
+            ROWWISE in styles and names[0].endswith("weight"))
+        g = groups[where]
+        g[0 if split else 1] += numel
         g[2] += 1
     return {r: ParamGroups(*g) for r, g in groups.items()}, tied_elements

@@ -21,7 +21,7 @@ from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import TERMS, stage_memory_expr
 from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_buckets
-from ptc.compiler.profile import model_profile
+from ptc.compiler.profile import model_profile, with_model_shape
 from ptc.compiler.search import search_all
 from ptc.plan import Plan
 from ptc.units import format_bytes, format_seconds
@@ -171,6 +171,7 @@ def _fit_hints(plan: Plan) -> Text:
 
 def render_explain(plan: Plan) -> Group:
     """The full explanation of one resolved plan, as a rich renderable."""
+    plan = with_model_shape(plan)
     est = estimate(plan)
     parts = [_summary(est), _breakdown(est), _memory(est)]
     if plan.parallel.checkpoint != "none":

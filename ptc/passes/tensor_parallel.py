@@ -1,6 +1,6 @@
 """The tensor_parallel pass: keep 1/tp of every split weight and insert Megatron's collectives.
 
-Given the split `ptc.passes.tp_structure` finds (or the plan's rules say),
+Given the split `ptc.compiler.tp_structure` finds (or the plan's rules say),
 the pass rewrites the captured graph into the graph every tp rank runs:
 
 - a column-parallel linear (q/k/v, MLP up/gate, the vocabulary-parallel LM
@@ -44,7 +44,7 @@ from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_ent
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
-from ptc.passes.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
+from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
 
 log = logging.getLogger("ptc.passes.tensor_parallel")
 

@@ -33,7 +33,7 @@ from ptc.models.llama import LlamaAttention  # noqa: E402
 from ptc.compiler.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_tensors_pass  # noqa: E402
-from ptc.passes.tp_structure import find_sharding  # noqa: E402
+from ptc.compiler.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
 from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,  # noqa: E402

@@ -81,6 +81,12 @@ def _module(node: fx.Node) -> str | None:
     return is_linear(node) or is_embedding(node)
 
 
+def infer_sharding(gm: fx.GraphModule) -> Sharding:
+    """The split the graph's structure implies, without rules; linears it cannot place are
+    left out (the memory and cost profiles read it: `ptc.compiler.profile`)."""
+    return _Finder(gm, 1).infer()
+
+
 def find_sharding(gm: fx.GraphModule, plan: Plan) -> Sharding:
     """Infer the split of every linear and embedding of `gm`, then apply the plan's rules."""
     finder = _Finder(gm, plan.parallel.tp)
