@@ -34,6 +34,8 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from ptc.ops.dropout import site_dropout
+
 
 @dataclass(frozen=True, slots=True)
 class SavedStorage:
@@ -81,7 +83,7 @@ class _FusedDropout(torch.autograd.Function):
         raise NotImplementedError("meta stand-in: backward is not executed")
 
 
-_DROPOUT_TARGETS = (F.dropout, torch.dropout, torch.ops.aten.dropout.default)
+_DROPOUT_TARGETS = (F.dropout, torch.dropout, torch.ops.aten.dropout.default, site_dropout)
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 
 

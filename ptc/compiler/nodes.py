@@ -37,12 +37,13 @@ ATTENTION_OPS = frozenset({"scaled_dot_product_attention",
                            "scaled_dot_product_flash_attention",
                            "scaled_dot_product_flash_attention_for_cpu",
                            "scaled_dot_product_efficient_attention",
-                           "scaled_dot_product_cudnn_attention"})
+                           "scaled_dot_product_cudnn_attention", "site_attention"})
 EMBEDDING_OPS = frozenset({"embedding"})
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm",
                       "group_norm", "native_group_norm", "batch_norm", "native_batch_norm"})
 SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "safe_softmax"})
-DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "dropout_"})
+DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "dropout_",
+                         "site_dropout"})
 ACTIVATION_OPS = frozenset({"gelu", "relu", "silu", "sigmoid", "tanh", "mish", "leaky_relu",
                             "elu", "softplus", "gelu_", "relu_", "silu_"})
 LOSS_OPS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward",

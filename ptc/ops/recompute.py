@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ptc.ops.dropout import current_samples, dropout_samples
+
 
 def checkpoint_region(region: torch.nn.Module, *inputs: Any) -> Any:
     """Run `region(*inputs)` keeping only its inputs; backward recomputes the region's forward.
@@ -19,13 +21,20 @@ def checkpoint_region(region: torch.nn.Module, *inputs: Any) -> Any:
     Forward runs the region without saving its intermediate activations
     (torch.utils.checkpoint, use_reentrant=False); the backward pass reruns
     the region's forward to rebuild them, then differentiates through it.
-    RNG state is saved and restored by torch's checkpoint, so dropout masks
-    of the recomputation match those of the forward. Outside autograd
-    (no tensor input needs grad, or grad mode off) the region just runs.
+    The recomputation draws the forward's dropout masks: the samples they are
+    keyed by (`ptc.ops.dropout`) are kept for it, and torch's checkpoint
+    restores the RNG state for any other random op. Outside autograd (no
+    tensor input needs grad, or grad mode off) the region just runs.
     """
     if not torch.is_grad_enabled():
         return region(*inputs)
-    return checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True)
+    samples = current_samples()
+
+    def run(*args: Any) -> Any:
+        with dropout_samples(samples):
+            return region(*args)
+
+    return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True)
 
 
 def invoke_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

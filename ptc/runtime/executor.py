@@ -61,6 +61,7 @@ from ptc.compiler.stages import StageInfo
 from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
+from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
 from ptc.runtime.data import TokenSource, microbatch_start
@@ -410,14 +411,18 @@ class Trainer:
     def _batch(self, mb: int, state: _StepState) -> dict[str, torch.Tensor]:
         """The micro-batch's tokens and targets (read once per step, by every stage needing them)."""
         if mb not in state.batches:
-            train = self.plan.train
-            first = state.skipped + microbatch_start(state.step, mb, dp_rank=self.dp_rank,
-                                                     dp=self.dp, global_batch=train.global_batch,
-                                                     micro_batch=train.micro_batch)
-            tokens, targets = self.data.batch(first, train.micro_batch)
+            tokens, targets = self.data.batch(self._first_sample(mb, state),
+                                              self.plan.train.micro_batch)
             state.batches[mb] = {"tokens": tokens.to(self.device),
                                  "targets": targets.to(self.device)}
         return state.batches[mb]
+
+    def _first_sample(self, mb: int, state: _StepState) -> int:
+        """Global index of micro-batch `mb`'s first sample on this rank."""
+        train = self.plan.train
+        return state.skipped + microbatch_start(state.step, mb, dp_rank=self.dp_rank, dp=self.dp,
+                                                global_batch=train.global_batch,
+                                                micro_batch=train.micro_batch)
 
     def _forward(self, action: Action, state: _StepState) -> None:
         s, mb = action.stage, action.microbatch
@@ -436,8 +441,11 @@ class Trainer:
         if self.zero == 3:
             session = ParamSession(prefetch=chunk.overlap.prefetch > 0,
                                    in_flight=chunk.overlap.in_flight)
+        # Dropout masks follow the samples, whatever the layout (ptc.ops.dropout).
+        samples = Samples(seed=self.plan.runtime.seed, first=self._first_sample(mb, state))
         with session or contextlib.nullcontext(), forward_context(
-                regather, session.saved_tensor_hooks() if session is not None else None):
+                regather, session.saved_tensor_hooks() if session is not None else None), \
+                dropout_samples(samples):
             outputs = chunk.runner.run(*args)
         for tensor, spec in zip(outputs if not info.is_last else (), info.outputs):
             if tuple(tensor.shape) != spec.shape:

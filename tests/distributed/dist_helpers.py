@@ -8,7 +8,9 @@ shared 2-core machine) is paid once per process count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -83,7 +85,8 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     called as capture calls it (`ptc.compiler.capture.call`).
 
     torch.optim.AdamW on the eager model, the same initial weights and samples,
-    `clip_grad_norm_`, the same learning-rate schedule: the ground truth. In
+    `clip_grad_norm_`, the same learning-rate schedule, the same dropout masks
+    (`keyed_dropout`: each sample's, whatever the layout): the ground truth. In
     float64 the weights are the fp32 ones converted (exactly): the same
     computation, rounded 2^29 times finer. Each step's learning rate and
     clipped gradients are kept, and `nudge` displaces the weights after each
@@ -111,13 +114,14 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     try:
         for step in range(train.steps):
             tokens, targets = source.batch(step * train.global_batch, train.global_batch)
-            if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
-                out = model(tokens, **{rule.targets: targets}, **rule.concrete)
-                loss = out.loss if hasattr(out, "loss") else out[1]
-            else:  # logits, or transformers' output with .logits (labels stay None)
-                out = model(tokens, **rule.concrete)
-                logits = out.logits if hasattr(out, "logits") else out
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            with keyed_dropout(plan.runtime.seed, step * train.global_batch):
+                if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
+                    out = model(tokens, **{rule.targets: targets}, **rule.concrete)
+                    loss = out.loss if hasattr(out, "loss") else out[1]
+                else:  # logits, or transformers' output with .logits (labels stay None)
+                    out = model(tokens, **rule.concrete)
+                    logits = out.logits if hasattr(out, "logits") else out
+                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
@@ -134,6 +138,35 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     finally:
         torch.set_default_dtype(default)
     return Run(losses, {n: p.detach().clone() for n, p in model.named_parameters()}, steps)
+
+
+@contextlib.contextmanager
+def keyed_dropout(seed: int, first: int):
+    """Eager dropout with ptc's masks: every F.dropout and dropout inside
+    scaled_dot_product_attention is a numbered site keyed by sample
+    (`ptc.ops.dropout`), numbered in call order as capture numbers the graph's."""
+    from ptc.ops.dropout import Samples, dropout_samples, site_attention, site_dropout
+
+    sites = itertools.count()
+    plain_dropout, plain_sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        return site_dropout(input, p, training, next(sites))
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if not dropout_p:
+            return plain_sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+        return site_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa, site=next(sites))
+
+    F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+    try:
+        with dropout_samples(Samples(seed=seed, first=first)):
+            yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = plain_dropout, plain_sdpa
 
 
 _references: dict[tuple[str, str, int], Reference] = {}

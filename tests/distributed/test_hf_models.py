@@ -10,7 +10,8 @@ chunked) and OLMo 2 (a q/k norm across the heads: its attention kept whole by
 shard rules, its MLP split); one Llama has a pad token, whose embedding row
 gets no gradient, also when the table is vocabulary-parallel; a vocabulary of
 63 tokens is padded to 64 rows under tp2, the padding row's logit left out of
-the loss. The module given to
+the loss. GPT-2 also trains with dropout on: each sample's masks are the
+same under every layout as in the eager run (`ptc.ops.dropout`). The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -36,6 +37,7 @@ from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
 
+_DROPOUT = (("embd_pdrop", 0.1), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1))
 CASES = [
     HFCase("llama", dp=2, zero=1), HFCase("llama", dp=2, zero=3), HFCase("llama", tp=2),
     HFCase("llama", tp=2, sp=True, checkpoint="full"), HFCase("llama", pp=2),
@@ -48,6 +50,9 @@ CASES = [
     HFCase("llama", tp=2, config=(("vocab_size", 63),)),
     HFCase("gpt2", tp=2, sp=True, config=(("vocab_size", 63),)),
     HFCase("olmo2", tp=2, shards=(("model.layers.*.self_attn.*_proj", "replicate"),)),
+    # dropout on (embedding, residual, and inside scaled_dot_product_attention)
+    HFCase("gpt2", dp=2, zero=3, config=_DROPOUT), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT),
+    HFCase("gpt2", pp=2, checkpoint="full", config=_DROPOUT),
 ]
 _runs: dict = {}
 

@@ -5,7 +5,11 @@ tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3, and tp = 2 with sequence parallelism
 after a replicated embedding (`shard "embed" replicate`). Models: the built-in GPT (fused
 qkv, tied embeddings, learned positions), Llama (grouped-query attention,
 RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads) and the
-nanoGPT user model (its own loss with ignore_index, sizes read off tensors).
+nanoGPT user model (its own loss with ignore_index, sizes read off tensors),
+GPT and nanoGPT also with dropout 0.1 (attention probabilities, split by
+heads; residual and embedding, split by sequence with SP): every sample's
+masks are its own whatever the layout (`ptc.ops.dropout`), and the eager run
+draws them the same way (`dist_helpers.keyed_dropout`).
 The programs are the full pass list's: each tp entry collective is fused
 with its column-parallel linears by comm_overlap, so their input-gradient
 all-reduce (reduce-scatter with SP) runs while the weight gradients are
@@ -52,11 +56,15 @@ FAMILIES = ("gpt", "llama", "nanogpt")
 LAUNCHES = {
     "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)]
            # a replicated embedding: its output enters the split sequence through scatter_seq
-           + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))],
-    "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)],
+           + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))]
+           # dropout on: each sample's masks, sliced to the rank's heads or sequence chunk
+           + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)],
+    "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)]
+           + [TPCase("gpt+dropout", 4, False)],
     "tp2dp2": [TPCase(f, 2, sp, dp=2, zero=z) for f in ("gpt", "llama") for z in (1, 3)
                for sp in (False, True)]
-              + [TPCase("nanogpt", 2, True, dp=2, zero=1), TPCase("nanogpt", 2, False, dp=2, zero=3)],
+              + [TPCase("nanogpt", 2, True, dp=2, zero=1), TPCase("nanogpt", 2, False, dp=2, zero=3),
+                 TPCase("gpt+dropout", 2, True, dp=2, zero=3)],
 }
 CASES = [(launch, case) for launch, cases in LAUNCHES.items() for case in cases]
 

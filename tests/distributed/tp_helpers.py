@@ -21,7 +21,8 @@ class TPCase:
     """One tensor-parallel layout of one tiny model."""
 
     family: str
-    """"gpt", "llama" or "nanogpt" (the user model of tests/user_models)."""
+    """"gpt", "llama" or "nanogpt" (the user model of tests/user_models); "+dropout" adds
+    dropout 0.1 (attention probabilities, residual, embedding)."""
     tp: int
     sp: bool = False
     dp: int = 1
@@ -42,10 +43,13 @@ class TPCase:
 
 def tp_model(family: str, tp: int) -> ModelSpec:
     """The tiny model of `family`, with head counts tp divides (Llama keeps grouped-query attention)."""
+    family, dropout = family.removesuffix("+dropout"), 0.1 if family.endswith("+dropout") else 0.0
     if family == "nanogpt":
         return ModelSpec(family="custom", factory=NANOGPT, vocab=64, max_seq=SEQ,
                          kwargs=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64,
-                                     block_size=SEQ, dropout=0.0, bias=True))
+                                     block_size=SEQ, dropout=dropout, bias=True))
+    if dropout:
+        return dataclasses.replace(tiny_model(family), dropout=dropout)
     if family == "llama" and tp > 2:  # 2 kv heads cannot be split 4 ways: 8 q over 4 kv heads
         return dataclasses.replace(tiny_model("llama"), heads=8, kv_heads=4)
     return tiny_model(family)

@@ -30,6 +30,7 @@ from torch import fx, nn
 from ptc.compiler.capture.annotate import annotate_graph, find_blocks
 from ptc.compiler.capture.call import call_rule
 from ptc.compiler.capture.evaluate import DataDependent, NodeFailed
+from ptc.compiler.capture.dropout_sites import number_dropout_sites
 from ptc.compiler.capture.export_door import export_graph
 from ptc.compiler.capture.fx_door import fx_graph
 from ptc.compiler.capture.messages import (data_dependent_message, lost_constant_message,
@@ -93,6 +94,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
         blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants)))
     annotate_graph(gm, root, evaluator, blocks, dtype)
+    number_dropout_sites(gm, micro_batch)
     return gm
 
 
