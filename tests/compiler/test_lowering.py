@@ -13,7 +13,7 @@ import ptc.compiler.estimate as estimate_module
 from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.compiler.meta import graph_record
 from ptc.compiler.program import stage_layout
-from ptc.errors import CompileError, PtcError
+from ptc.errors import CompileError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
 from ptc.lower.verify import verify_graph
 from ptc.ops.collectives import gather_params
