@@ -23,10 +23,11 @@ _out = Console(highlight=False, soft_wrap=True)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _load(path: str):
+def _load(path: str, overrides: dict[str, str]):
+    """The plan file with the command line's `--section.key value` overrides."""
     from ptc.dsl import load_plan  # noqa: PLC0415 - keep `ptc --help` fast
 
-    plan = load_plan(path)
+    plan = load_plan(path, overrides=overrides)
     for warning in plan.warnings:
         _err.print(warning.render(), markup=False)
     return plan
@@ -37,7 +38,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.plans:
         try:
-            plan = _load(path)
+            plan = _load(path, args.overrides)
         except PlanError as exc:
             _err.print(str(exc), markup=False)
             n = len(exc.diagnostics)
@@ -59,7 +60,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from ptc.lower.driver import compile_graph, capture_plan  # noqa: PLC0415
     from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
 
-    plan = _load(args.plan)
+    plan = _load(args.plan, args.overrides)
     gm = capture_plan(plan)
     _out.print(render_summary(summarize(gm)))
     program = compile_graph(gm, plan)
@@ -74,7 +75,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.compiler.schedule import render_schedule  # noqa: PLC0415
 
-    plan = _load(args.plan)
+    plan = _load(args.plan, args.overrides)
     if args.schedule:  # the schedule follows from the plan alone: no need to compile
         _out.print(render_schedule(plan), markup=False)
         return EXIT_OK
@@ -94,7 +95,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
     """Measure collective bandwidth on each mesh axis against the plan's hardware figures."""
     from ptc.runtime.bench_comm import bench_comm, parse_size, render_comm  # noqa: PLC0415
 
-    plan = _load(args.plan)
+    plan = _load(args.plan, args.overrides)
     try:
         sizes = parse_size(args.min_size), parse_size(args.max_size)
     except ValueError as exc:
@@ -118,24 +119,38 @@ def cmd_run(args: argparse.Namespace) -> int:
               ("rdzv_endpoint", args.rdzv_endpoint), ("rdzv_backend", args.rdzv_backend),
               ("rdzv_id", args.rdzv_id), ("max_restarts", args.max_restarts))
              if value is not None]
-    plan = _load(args.plan)  # report plan errors before any process starts
+    plan = _load(args.plan, args.overrides)  # report plan errors before any process starts
     if in_worker():
         from ptc.worker import main  # noqa: PLC0415
 
-        return main([args.plan])
+        return main([args.plan, *_flags(args.overrides)])
     from ptc.runtime.data import check_data  # noqa: PLC0415
     from ptc.runtime.init import check_init  # noqa: PLC0415
 
     check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
     check_init(plan)
-    return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra)
+    return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra,
+                  worker_args=_flags(args.overrides))
+
+
+def _flags(overrides: dict[str, str]) -> list[str]:
+    """The overrides as command-line flags again, for the launched workers."""
+    return [f"--{name}={value}" for name, value in overrides.items()]
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    """Print the plan as the language writes it, overrides applied."""
+    from ptc.dsl import dump_plan  # noqa: PLC0415
+
+    _out.print(dump_plan(_load(args.plan, args.overrides)), markup=False, end="")
+    return EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the layouts of a plan and print the best ones and why others failed."""
     from ptc.compiler.report import render_search  # noqa: PLC0415
 
-    _out.print(render_search(_load(args.plan), top=args.top))
+    _out.print(render_search(_load(args.plan, args.overrides), top=args.top))
     return EXIT_OK
 
 
@@ -143,7 +158,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     """Print the plan's memory per stage (with its formula) and its time breakdown."""
     from ptc.compiler.report import render_explain  # noqa: PLC0415
 
-    _out.print(render_explain(_load(args.plan)))
+    _out.print(render_explain(_load(args.plan, args.overrides)))
     return EXIT_OK
 
 
@@ -162,7 +177,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every `ptc` command."""
     parser = argparse.ArgumentParser(
-        prog="ptc", description="Compile and run parallel training plans.")
+        prog="ptc", description="Compile and run parallel training plans.",
+        epilog="Every command that reads a PLAN takes overrides of its fields: "
+               "--section.key value (e.g. --parallel.tp 4 --train.steps 100), checked "
+               "like a line of the file.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -223,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "the symbolic formula, step-time breakdown, bubble and warnings.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
 
+    p = command("dump", cmd_dump, "Print the plan as text, with the command line's "
+                "--section.key value overrides applied.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
     p = command("export", cmd_export, "Write the trained weights of a checkpoint under the "
                 "model's own names: a torch state dict, or a Hugging Face save_pretrained "
                 "directory that from_pretrained loads.")
@@ -236,11 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ptc` console script; returns the exit code."""
+    from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
+
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(rest)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    except PlanError as exc:
+        _err.print(str(exc), markup=False)
+        return EXIT_USAGE
+    args.overrides = overrides
     try:
         return args.func(args)
     except PlanError as exc:

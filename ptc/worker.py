@@ -1,4 +1,4 @@
-"""`python -m ptc.worker PLAN`: what each process started by `ptc run` runs.
+"""`python -m ptc.worker PLAN [--section.key=value ...]`: what each process `ptc run` starts runs.
 
 It sits above the runtime: it compiles the plan (`ptc.lower.driver`) and
 hands the Program to the runtime, which never imports the compiler passes.
@@ -24,10 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.runtime.train import train_worker  # noqa: PLC0415
 
+    from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(prog="ptc.worker")
     parser.add_argument("plan", help="plan file (.ptc)")
-    args = parser.parse_args(argv)
-    train_worker(load_plan(args.plan), compiler=compile_plan)
+    rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(rest)
+    train_worker(load_plan(args.plan, overrides=overrides), compiler=compile_plan)
     return 0
 
 

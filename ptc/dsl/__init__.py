@@ -12,9 +12,11 @@ Public API: `parse(text, file)`, `load_plan(path)`, `dump_plan(plan)`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from ptc.dsl.dump import dump_plan
+from ptc.dsl.overrides import apply_overrides, relabel
 from ptc.dsl.semantic import build_plan
 from ptc.dsl.source import Source
 from ptc.dsl.syntax import parse_syntax
@@ -27,12 +29,15 @@ MAX_PLAN_CHARS = 4 * 2**20
 """Plans are a few kilobytes; refuse anything absurdly large before parsing it."""
 
 
-def parse(text: str, file: str = "<string>") -> Plan:
+def parse(text: str, file: str = "<string>",
+          overrides: Mapping[str, object] | None = None) -> Plan:
     """Parse plan text into a checked `Plan`.
 
-    `file` names the text in diagnostics and becomes `Plan.source`. Raises
-    `PlanError` listing every problem found (sorted by position); nothing
-    but a `PtcError` escapes, whatever the input.
+    `file` names the text in diagnostics and becomes `Plan.source`.
+    `overrides`: {"parallel.tp": 4, "runtime.checkpoint_dir": "ckpt"} set
+    those keys as if written in the file (`ptc.dsl.overrides`). Raises
+    `PlanError` listing every problem found (sorted by position; an
+    override's under its `--section.key`); nothing but a `PtcError` escapes.
     """
     if not isinstance(text, str):
         raise PtcError(f"plan text must be a str, got {type(text).__name__}")
@@ -44,6 +49,12 @@ def parse(text: str, file: str = "<string>") -> Plan:
         tree = parse_syntax(source)
         source.sink.raise_if_errors()
         assert tree is not None
+        if overrides:
+            tree = apply_overrides(tree, overrides)
+            try:
+                return build_plan(tree, source)
+            except PlanError as exc:
+                raise relabel(exc, overrides) from None
         return build_plan(tree, source)
     except PtcError:
         raise
@@ -55,8 +66,9 @@ def parse(text: str, file: str = "<string>") -> Plan:
         raise PlanError(source.sink.errors) from exc
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read and parse the plan file at `path` (UTF-8); `Plan.source` is the path.
+def load_plan(path: str | Path, overrides: Mapping[str, object] | None = None) -> Plan:
+    """Read and parse the plan file at `path` (UTF-8), with `overrides` of its fields
+    (see `parse`); `Plan.source` is the path.
 
     A missing, unreadable or non-UTF-8 file raises `PtcError`; an invalid
     plan raises `PlanError`.
@@ -72,4 +84,4 @@ def load_plan(path: str | Path) -> Plan:
     except UnicodeDecodeError as exc:
         raise PtcError(f"plan file {name} is not UTF-8 text (byte {exc.start} is "
                        f"0x{data[exc.start]:02x})") from None
-    return parse(text, file=name)
+    return parse(text, file=name, overrides=overrides)

@@ -16,6 +16,10 @@ MAX_SHOWN_LINE = 200
 """Longer source lines are cut in diagnostics so a minified file stays readable."""
 
 
+NOWHERE = Pos(10**9, 1, 10**9, 2)
+"""The position of text that is not in the file (a command-line override): no span."""
+
+
 @dataclass(slots=True)
 class Source:
     """One plan file being parsed: its name, its lines, its diagnostics."""
@@ -32,7 +36,7 @@ class Source:
 
     def span(self, pos: Pos | None) -> Span | None:
         """The `Span` of `pos` (None stays None)."""
-        if pos is None:
+        if pos is None or pos.line >= NOWHERE.line:
             return None
         line = min(max(pos.line, 1), len(self.lines))
         text = self.lines[line - 1]

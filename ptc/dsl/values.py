@@ -181,6 +181,7 @@ def optional(conv: Converter) -> Converter:
             return None
         return conv(r, node, key)
 
+    convert.inner = conv  # what it reads besides none (overrides ask: a string?)
     return convert
 
 

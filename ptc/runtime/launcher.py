@@ -33,18 +33,20 @@ def in_worker() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
-def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line (without "torchrun") that runs `plan_path` on nproc processes."""
+def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = (),
+                  worker_args: Sequence[str] = ()) -> list[str]:
+    """The torchrun command line (without "torchrun") that runs `plan_path` on nproc processes
+    (`worker_args`: the plan's overrides, for every worker)."""
     args = [f"--nproc-per-node={nproc}"]
     if not any(a.split("=")[0] in _RENDEZVOUS_FLAGS for a in extra):
         args.append("--standalone")
     if not any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in extra):
         args.append("--max-restarts=0")  # a training failure is not fixed by restarting it
-    return [*args, *extra, "-m", WORKER_MODULE, plan_path]
+    return [*args, *extra, "-m", WORKER_MODULE, plan_path, *worker_args]
 
 
 def launch(plan_path: str, nproc: int | None = None,
-           extra_launcher_args: Sequence[str] = ()) -> int:
+           extra_launcher_args: Sequence[str] = (), worker_args: Sequence[str] = ()) -> int:
     """Run the plan file on nproc local processes (per node); return the exit code.
 
     nproc defaults to tp * pp * dp divided by the plan's nodes. When a rank fails, the others
@@ -55,10 +57,11 @@ def launch(plan_path: str, nproc: int | None = None,
     (`ptc.runtime.elastic`).
     """
     from ptc.dsl import load_plan  # noqa: PLC0415
+    from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
 
     if nproc is None:
-        plan = load_plan(plan_path)
+        plan = load_plan(plan_path, overrides=split_overrides(worker_args)[1])
         nproc = max(1, world_size(plan) // plan.hardware.nodes)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.run import parse_args, run  # noqa: PLC0415
@@ -76,7 +79,7 @@ def launch(plan_path: str, nproc: int | None = None,
     saved = {name: os.environ.get(name) for name in env}
     _set_environment(env)
     try:
-        run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args)))
+        run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args, worker_args)))
     except ChildFailedError as exc:
         print(_failure_text(exc), file=sys.stderr)
         return 1
