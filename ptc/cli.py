@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
@@ -49,10 +50,27 @@ def cmd_check(args: argparse.Namespace) -> int:
             _err.print(f"{path}: error: {exc}", markup=False)
             status = EXIT_FAILED
             continue
+        for missing in _missing_files(plan):
+            _err.print(f"{path}: warning: {missing} (ptc run will refuse it)", markup=False)
         p = plan.parallel
         _out.print(f"{path}: ok — {plan.model.family} on {plan.num_gpus} x {plan.hardware.gpu}, "
                    f"tp={p.tp} pp={p.pp} dp={p.dp} zero={p.zero}", markup=False)
     return status
+
+
+def _missing_files(plan) -> list[str]:
+    """The plan's input files that are not there now (token data, initial weights), one line
+    each naming the field; a check of the file system, which may change before a run."""
+    data, init = plan.train.data, plan.train.init
+    out = []
+    if data.kind == "tokens" and not Path(data.path).is_file():
+        out.append(f"train.data: tokens(\"{data.path}\"): no such file")
+    if init.kind == "state_dict" and not Path(init.path).is_file():
+        out.append(f"train.init: state_dict(\"{init.path}\"): no such file")
+    if init.kind == "hf" and not (Path(init.path, "model.safetensors").is_file() or
+                                  Path(init.path, "model.safetensors.index.json").is_file()):
+        out.append(f"train.init: hf(\"{init.path}\"): no save_pretrained weights there")
+    return out
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
