@@ -228,9 +228,10 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
                                "ptc's memory model fits, so ptc cannot predict its memory or "
                                "step time; compile, inspect and run work without predictions")
             raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
-    params, tied_elements = _param_groups(first)
+    sharding = infer_sharding(first)
+    params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
-    shape = graph_shape(first, spec) if custom else spec
+    shape = graph_shape(first, spec, sharding) if custom else spec
     profile = ModelProfile(
         layers=1, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
         dtype_bytes=DTYPES[dtype].itemsize,
@@ -242,12 +243,11 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     return dataclasses.replace(profile, fn=_functions(profile))
 
 
-def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec) -> ModelSpec:
+def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec, sharding: Sharding) -> ModelSpec:
     """`spec` with the shape numbers a captured graph shows: layers, hidden size, heads and
     key/value heads of the first attention, MLP inner size, vocabulary (a custom model's
-    plan names none of them)."""
+    plan names none of them); `sharding`: the split the graph implies (`infer_sharding`)."""
     info = graph_info(gm)
-    sharding = infer_sharding(gm)
     attention = next((p for n in gm.graph.nodes if (p := attention_parts(n)) is not None), None)
     q = node_shape(attention.q) if attention is not None else None
     k = node_shape(attention.k) if attention is not None else None
@@ -418,10 +418,11 @@ def _placeholders(gm: torch.fx.GraphModule) -> set[str]:
     return {n.name for n in gm.graph.nodes if n.op == "placeholder"}
 
 
-def _param_groups(gm: torch.fx.GraphModule) -> tuple[dict[str, ParamGroups], int]:
+def _param_groups(gm: torch.fx.GraphModule,
+                  sharding: Sharding) -> tuple[dict[str, ParamGroups], int]:
     """Parameter elements per region ("layer": layer 0's), split or replicated as tensor
     parallelism splits them, and the elements of a head tied to the embedding."""
-    sharding, region = infer_sharding(gm), _regions(gm)
+    region = _regions(gm)
     readers: dict[str, list[str]] = {}  # parameter name -> regions of the nodes reading it
     for n in gm.graph.nodes:
         if n.op == "get_attr":

@@ -299,16 +299,21 @@ class _Propagator:
         self._evaluate(new)
         return new
 
-    def _fix_split(self, node: fx.Node) -> None:
+    def _split_of(self, node: fx.Node) -> tuple[tuple[int, ...], int] | None:
+        """(before shape, split dim) of the node's tensor input when it is split, else None."""
         x = self._tensor_arg(node)
         if x is None:
-            return
+            return None
         bi, li = self._before_local(x)
-        if bi == li:
+        return None if bi == li else (bi, self._split_dim(bi, li))
+
+    def _fix_split(self, node: fx.Node) -> None:
+        split = self._split_of(node)
+        if split is None:
             return
+        bi, split_dim = split
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        dim = dim % len(bi)
-        if self._split_dim(bi, li) != dim:
+        if dim % len(bi) != split_dim:
             return
         sizes = node.args[1] if len(node.args) > 1 else node.kwargs["split_size_or_sections"]
         if isinstance(sizes, (list, tuple)):
@@ -325,15 +330,13 @@ class _Propagator:
     def _fix_slice(self, node: fx.Node) -> None:
         """A slice of the split dim (a fused projection's q, k or v piece) takes the same
         piece of the local tensor: its bounds divided by k."""
-        x = self._tensor_arg(node)
-        if x is None:
+        split = self._split_of(node)
+        if split is None:
             return
-        bi, li = self._before_local(x)
-        if bi == li:
-            return
+        bi, split_dim = split
         args = list(node.args) + [None] * (5 - len(node.args))
         dim = (0 if args[1] is None else args[1]) % len(bi)
-        if self._split_dim(bi, li) != dim or args[4] not in (None, 1):
+        if split_dim != dim or args[4] not in (None, 1):
             return
         for i in (2, 3):
             bound = self._value(args[i])
