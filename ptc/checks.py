@@ -77,9 +77,11 @@ def _check_model_split(plan: Plan, sink: DiagnosticSink) -> None:
             sink.error(f"heads({model.heads}) is not divisible by tp({tp})",
                        field="parallel.tp", span=_span(par, "tp"),
                        choices=tuple(str(d) for d in _divisors(model.heads)))
-        if kv % tp and tp % kv:
-            sink.error(f"kv_heads({kv}) and tp({tp}): neither divides the other, so kv heads "
-                       f"can be neither split nor replicated evenly", field="parallel.tp",
+        if not model.kv_heads_fit(tp):
+            why = "neither divides the other, so kv heads can be neither split nor replicated " \
+                "evenly" if kv % tp and tp % kv else "gpt's fused qkv projection cannot " \
+                "replicate kv heads over more ranks than it has"
+            sink.error(f"kv_heads({kv}) and tp({tp}): {why}", field="parallel.tp",
                        span=_span(par, "tp"), choices=tuple(str(d) for d in _divisors(kv)))
         if model.ffn_size % tp:
             sink.error(f"ffn({model.ffn_size}) is not divisible by tp({tp})",

@@ -181,6 +181,12 @@ class ModelSpec(_Section):
         """kv_heads, defaulting to heads."""
         return self.kv_heads if self.kv_heads is not None else self.heads
 
+    def kv_heads_fit(self, tp: int) -> bool:
+        """Whether tensor parallelism of degree `tp` can share the key/value heads: split
+        them (tp divides them) or replicate them (they divide tp; gpt's fused qkv cannot)."""
+        kv = self.num_kv_heads
+        return kv % tp == 0 or (tp % kv == 0 and self.family != "gpt")
+
     @property
     def ffn_size(self) -> int | None:
         """ffn, defaulting to 4·hidden."""

@@ -12,6 +12,8 @@ recompute, and the communication it cannot hide).
   a reduce-scatter plus an all-gather of the same size. They sit on the
   critical path, except that with sequence parallelism and overlap they run
   under the layer's GEMMs (Megatron's tp-comm-overlap): only the excess shows.
+  Key/value heads fewer than t are replicated: their projections' FLOPs are
+  not divided by t, and their gradients are all-reduced over tp once a step.
 - pipeline: one boundary activation forward and one gradient backward per
   micro-batch per chunk, 1/t of it per rank (scatter/gather, or SP). With
   overlap only the fill and drain hops are exposed; without, every one is.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ptc.compiler import comm
 from ptc.compiler.layout import Layout
-from ptc.compiler.memory import Precision, stage_params
+from ptc.compiler.memory import Precision, layer_params, stage_params
 from ptc.compiler.profile import ModelProfile
 from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec
@@ -101,10 +103,11 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
                                          hw.gpus_per_node))
     algos: dict[str, str] = {}
 
+    kv_div = profile.kv_divisor(tp)  # 1: fewer key/value heads than tp, computed whole
     layer_f, core_f, boundary, pre_f, post_f = _cached(memo, ("flops", bb, ss, tp), lambda: (
-        f["flops.layer"](bb, ss) / tp, f["core_flops"](bb, ss) / tp,
-        prec.weight * f["boundary"](bb, ss), f["flops.pre"](bb, ss) / tp,
-        f["flops.post"](bb, ss) / tp))
+        (f["flops.layer"](bb, ss) - f["kv_flops"](bb, ss)) / tp + f["kv_flops"](bb, ss) / kv_div,
+        f["core_flops"](bb, ss) / tp, prec.weight * f["boundary"](bb, ss),
+        f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp))
 
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
@@ -112,8 +115,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     tp_layer = {"none": 4 * tp_unit, "selective": 4 * tp_unit, "full": 6 * tp_unit}
     z3 = {}
     if layout.zero >= 3:
-        layer_params = profile.params["layer"]
-        layer_bytes = prec.weight * (layer_params.split / tp + layer_params.replicated)
+        split, whole = layer_params(profile, tp)
+        layer_bytes = prec.weight * (split / tp + whole)
         ag, rs = _cached(memo, ("z3", tp, groups["dp"]), lambda: (
             comm.all_gather(layer_bytes, groups["dp"], hw),
             comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["dp"], hw)))
@@ -162,23 +165,27 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         if layout.zero < 3 else 0.0
     opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
     optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
+    # Replicated key/value projections: their partial gradients summed over tp once a step.
+    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * (layout.layers // p),
+                              groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
 
     breakdown = {
         "compute": mb * slowest.compute,
         "recompute": mb * slowest.recompute,
-        "tp_comm": mb * slowest.tp,
+        "tp_comm": mb * slowest.tp + kv_sync,
         "pp_comm": mb * slowest.pp + fill,
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
         "optimizer": optimizer,
     }
-    per_micro = 3 * tp * (profile.layers * layer_f + pre_f + post_f)
+    per_micro = 3 * (profile.layers * f["flops.layer"](bb, ss) + tp * (pre_f + post_f))
+    executed = 3 * tp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
     per_policy = {"none": 0.0, "selective": tp * core_f, "full": tp * layer_f}
     recomputed = sum(per_policy[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
                     model_flops=per_micro * micro_total,
-                    hw_flops=(per_micro + recomputed) * micro_total, algorithms=algos)
+                    hw_flops=(executed + recomputed) * micro_total, algorithms=algos)
 
 
 def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,

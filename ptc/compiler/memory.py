@@ -83,9 +83,11 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
 
 
 def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int, int, int]:
-    """(tp-split elements, replicated elements, tensors) of the parameters `stage` holds."""
+    """(tp-split elements, replicated elements, tensors) of the parameters `stage` holds;
+    key/value projections count as replicated when tp exceeds their heads."""
     pr, layers = profile.params, layout.layers // layout.pp
-    split, whole = pr["layer"].split * layers, pr["layer"].replicated * layers
+    split, whole = layer_params(profile, layout.tp)
+    split, whole = split * layers, whole * layers
     tensors = pr["layer"].tensors * layers
     if stage == 0:
         split, whole, tensors = split + pr["pre"].split, whole + pr["pre"].replicated, \
@@ -98,6 +100,13 @@ def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int
     return split, whole, tensors
 
 
+def layer_params(profile: ModelProfile, tp: int) -> tuple[int, int]:
+    """(tp-split, replicated) parameter elements of one layer at tensor parallelism `tp`."""
+    layer = profile.params["layer"]
+    moved = layer.kv if profile.kv_divisor(tp) == 1 else 0
+    return layer.split - moved, layer.replicated + moved
+
+
 def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: Precision,
                        *, bb, ss, tt, dd, mn: Callable = min) -> dict[str, object]:
     """The memory terms of pipeline `stage` (see module docstring).
@@ -108,15 +117,17 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     same parts thousands of times.
     """
     lay, zero = layout, layout.zero
+    kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
-        profile, ("state", lay.pp, lay.layers, stage, prec, tt, dd, zero),
+        profile, ("state", lay.pp, lay.layers, stage, prec, tt, dd, zero, kv_whole),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
         profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, mb, stage,
-                  lay.stage_policies(stage), bb, ss, tt, lay.sp),
+                  lay.stage_policies(stage), bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
-    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt),
+    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt,
+                              kv_whole),
                     lambda: _buffers(profile, lay, prec, bb, ss, tt))
     return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
                 recompute=recompute, buffers=buffers)
@@ -147,8 +158,10 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     p, f = layout.pp, profile.fn
     seq_div = tt if layout.sp else 1
 
+    kv_div = tt if profile.kv_divisor(layout.tp) == layout.tp else 1
+
     def act(region: str, policy: str) -> object:
-        return _activation(f, region, policy, bb, ss, tt, seq_div)
+        return _activation(f, region, policy, bb, ss, tt, seq_div, kv_div)
 
     units, per_unit = in_flight(layout, stage, mb, mn)
     pairs = layout.stage_policies(stage)
@@ -179,20 +192,27 @@ def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt)
     if layout.dp > 1:
         buffers += 2 * GRAD_BUCKET_ELEMENTS * prec.grad
     if layout.zero >= 3:
-        layer = profile.params["layer"]
-        buffers += 2 * prec.weight * (layer.split / tt + layer.replicated)
+        split, whole = layer_params(profile, layout.tp)
+        buffers += 2 * prec.weight * (split / tt + whole)
     return buffers
 
 
-def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, seq_div) -> object:
-    """Saved bytes of one region for one micro-batch on one rank, under a recompute policy."""
+def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, seq_div,
+                kv_div=None) -> object:
+    """Saved bytes of one region for one micro-batch on one rank, under a recompute policy;
+    `kv_div` divides the key/value path's part of the tp class (tt unless replicated)."""
     if policy == "full":
         region = "out"
-    full = f[f"{region}.tp"](bb, ss) / tt + f[f"{region}.seq"](bb, ss) / seq_div \
-        + f[f"{region}.const"](bb, ss)
+    kv_div = tt if kv_div is None else kv_div
+
+    def split(tp: str, kv: str) -> object:
+        kv_bytes = f[f"{region}.{kv}"](bb, ss)
+        return (f[f"{region}.{tp}"](bb, ss) - kv_bytes) / tt + kv_bytes / kv_div
+
+    full = split("tp", "kv") + f[f"{region}.seq"](bb, ss) / seq_div + f[f"{region}.const"](bb, ss)
     if policy != "selective":
         return full
-    return full - (f[f"{region}.core_tp"](bb, ss) / tt + f[f"{region}.core_seq"](bb, ss) / seq_div
+    return full - (split("core_tp", "core_kv") + f[f"{region}.core_seq"](bb, ss) / seq_div
                    + f[f"{region}.core_const"](bb, ss))
 
 
@@ -220,7 +240,7 @@ def layer_activation_bytes(profile: ModelProfile, policy: str, *, micro_batch: i
                            tp: int, sp: bool) -> float:
     """Saved bytes of one layer for one micro-batch on one tp rank under `policy`, a number."""
     return float(_activation(profile.fn, "layer", policy, micro_batch, seq_len, tp,
-                             tp if sp else 1))
+                             tp if sp else 1, profile.kv_divisor(tp)))
 
 
 def peak(terms: dict[str, float]) -> float:

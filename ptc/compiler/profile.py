@@ -72,6 +72,11 @@ class SavedClasses:
     """Part of `seq` that selective recompute drops."""
     core_const: sympy.Expr
     """Part of `const` that selective recompute drops."""
+    kv: sympy.Expr = sympy.Integer(0)
+    """Part of `tp` made from the key/value projections alone, before k and v meet the
+    queries: whole on every rank when tp exceeds the key/value heads (`kv_divisor`)."""
+    core_kv: sympy.Expr = sympy.Integer(0)
+    """Part of `kv` that selective recompute drops."""
 
     @property
     def total(self) -> sympy.Expr:
@@ -89,6 +94,9 @@ class ParamGroups:
     """Elements every tp rank holds whole (norms, row-parallel biases, positions)."""
     tensors: int
     """Parameter tensors (an optimizer keeps a step counter per tensor)."""
+    kv: int = 0
+    """Part of `split`: the key/value projections, whole on every rank when tp exceeds the
+    key/value heads (`ModelProfile.kv_divisor`)."""
 
     @property
     def total(self) -> int:
@@ -106,6 +114,8 @@ class ModelProfile:
     """Hidden size h."""
     heads: int
     """Attention heads a."""
+    kv_heads: int
+    """Key/value heads of the attention (= heads without grouped-query attention)."""
     vocab: int
     """Vocabulary V."""
     dtype_bytes: int
@@ -118,6 +128,9 @@ class ModelProfile:
     """Forward FLOPs per region, per micro-batch."""
     core_flops: sympy.Expr
     """Forward FLOPs of one layer's attention core (what selective recompute reruns)."""
+    kv_flops: sympy.Expr
+    """Forward FLOPs of one layer's key/value path (its projections, RoPE on k): divided
+    by `kv_divisor` rather than tp."""
     params: dict[str, ParamGroups]
     """Parameters per region; "post" excludes a head tied to the embedding."""
     tied: bool
@@ -134,6 +147,11 @@ class ModelProfile:
     "out.seq", "flops.post", "core_flops", "boundary"); they accept sympy symbols too."""
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """Cache of derived per-layer values, shared by copies that differ only in `layers`."""
+
+    def kv_divisor(self, tp: int) -> int:
+        """How many ways tensor parallelism of degree `tp` splits the key/value path: tp
+        when tp divides the key/value heads, else 1 (fewer heads than ranks: replicated)."""
+        return tp if self.kv_heads % tp == 0 else 1
 
 
 def _shape_key(spec: ModelSpec) -> tuple:
@@ -233,11 +251,12 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
     shape = graph_shape(first, spec, sharding) if custom else spec
     profile = ModelProfile(
-        layers=1, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+        layers=1, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.num_kv_heads,
+        vocab=shape.vocab,
         dtype_bytes=DTYPES[dtype].itemsize,
         saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
-        core_flops=fit["core.flops"], params=params, tied=tied_elements > 0,
+        core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))
@@ -283,7 +302,8 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
     polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in regions.items()
              for c in dataclasses.fields(SavedClasses)}
     polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
-    polys.update(core_flops=profile.core_flops, boundary=profile.boundary_elements)
+    polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
+                 boundary=profile.boundary_elements)
     return {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
 
 
@@ -296,8 +316,9 @@ def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
 
     (tp, tp0), (seq, seq0) = split("tp"), split("seq")
     (ctp, ctp0), (cseq, cseq0) = split("core_tp"), split("core_seq")
+    (kv, _), (ckv, _) = split("kv"), split("core_kv")  # their batch-free part is in `const`
     return SavedClasses(tp=tp, seq=seq, const=tp0 + seq0,
-                        core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0)
+                        core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0, kv=kv, core_kv=ckv)
 
 
 def _points(max_seq: int) -> list[tuple[int, int]]:
@@ -350,6 +371,20 @@ def _tp_sharded(gm: torch.fx.GraphModule, sharding: Sharding) -> set[str]:
     return sharded
 
 
+def _kv_path(gm: torch.fx.GraphModule, sharding: Sharding, sharded: set[str]) -> set[str]:
+    """Nodes of the tp-sharded set computed from key/value projections alone: the linears
+    and what works on k or v before the attention pairs them with the queries."""
+    kv: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.name not in sharded:
+            continue
+        inputs = {a.name for a in n.all_input_nodes if a.name in sharded}
+        if is_linear(n) in sharding.kv_projections or (
+                inputs and not is_linear(n) and inputs <= kv):
+            kv.add(n.name)
+    return kv
+
+
 def _attention_core(gm: torch.fx.GraphModule, sharding: Sharding) -> set[str]:
     """Nodes downstream of an attention's q/k/v projections and upstream of its output one."""
     why = {n.name: sharding.why.get(path, "") for n in gm.graph.nodes if (path := is_linear(n))}
@@ -379,8 +414,9 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Saved bytes by region and class, and FLOPs by region, of one capture."""
     sharding = infer_sharding(gm)
     region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
+    kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in ("pre", "layer", "post", "out")
-           for c in ("tp", "seq", "core_tp", "core_seq")}
+           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv")}
     storages = saved_storages(gm, _inputs(gm))
     for st in storages:
         cls = "tp" if st.producer in sharded else "seq"
@@ -392,9 +428,10 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
         leaves = r == "layer" and any(region[x] != "layer" for x in st.savers)
         dropped = st.producer in core and all(x in core for x in st.savers)
         for target in (r, "out") if leaves else (r,):
-            out[f"{target}.{cls}"] += st.nbytes
-            if dropped:
-                out[f"{target}.core_{cls}"] += st.nbytes
+            for c in (cls, "kv") if st.producer in kv_path else (cls,):
+                out[f"{target}.{c}"] += st.nbytes
+                if dropped:
+                    out[f"{target}.core_{c}"] += st.nbytes
     # Selective recompute keeps the core's inputs, whether or not backward saved them.
     saved_outputs = {st.producer for st in storages if not st.internal}
     for n in gm.graph.nodes:
@@ -403,14 +440,17 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
             continue
         if any(u.name in core for u in n.users):
             cls = "tp" if n.name in sharded else "seq"
-            out[f"{region[n.name]}.core_{cls}"] -= get_info(n).out_bytes
-    out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core")})
+            for c in (cls, "kv") if n.name in kv_path else (cls,):
+                out[f"{region[n.name]}.core_{c}"] -= get_info(n).out_bytes
+    out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv")})
     for n in gm.graph.nodes:
         info = get_info(n)
         if info is not None and info.flops and region[n.name] != "later":
             out[f"{region[n.name]}.flops"] += info.flops
             if n.name in core and region[n.name] == "layer":
                 out["core.flops"] += info.flops
+            if n.name in kv_path and region[n.name] == "layer":
+                out["kv.flops"] += info.flops
     return out
 
 
@@ -434,7 +474,7 @@ def _param_groups(gm: torch.fx.GraphModule,
     for name, p in gm.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     order = ("pre", "layer", "later", "post")
-    groups = {r: [0, 0, 0] for r in ("pre", "layer", "post")}
+    groups = {r: [0, 0, 0, 0] for r in ("pre", "layer", "post")}
     tied_elements = 0
     for names in by_id.values():
         found = [r for name in names for r in readers.get(name, [])]
@@ -452,4 +492,6 @@ def _param_groups(gm: torch.fx.GraphModule,
         g = groups[where]
         g[0 if split else 1] += numel
         g[2] += 1
+        if any(name.rpartition(".")[0] in sharding.kv_projections for name in names):
+            g[3] += numel
     return {r: ParamGroups(*g) for r, g in groups.items()}, tied_elements

@@ -67,10 +67,9 @@ def _divisors(n: int) -> list[int]:
 def axis_choices(plan: Plan) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) triples the model and GPU count allow, honouring fixed axes."""
     par, model, gpus = plan.parallel, plan.model, plan.num_gpus
-    kv = model.num_kv_heads
     out = []
     for tp in ([par.tp] if par.tp != AUTO else _divisors(gpus)):
-        if model.heads % tp or model.ffn_size % tp or (kv % tp and tp % kv):
+        if model.heads % tp or model.ffn_size % tp or not model.kv_heads_fit(tp):
             continue
         for pp in ([par.pp] if par.pp != AUTO else _divisors(gpus // tp)):
             if model.layers % pp or gpus % (tp * pp):

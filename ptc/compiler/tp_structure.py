@@ -7,7 +7,9 @@ No per-model tables: the structure is read off the dataflow.
   and v come from — through head reshapes, transposes, splits of a fused
   projection and RoPE's elementwise arithmetic — are column-parallel, split
   by heads; the linear its output reaches through a heads merge is
-  row-parallel.
+  row-parallel. Key/value heads fewer than tp (tp a multiple of them) are
+  replicated: their projections stay whole, and each rank keeps the heads
+  its own query heads read where k and v meet them (`Sharding.kv_replicated`).
 - **MLP.** A linear whose input is computed only elementwise (activations,
   products, dropout, casts) from other linears' outputs is row-parallel and
   those linears are column-parallel (both gate and up of a SwiGLU).
@@ -69,6 +71,11 @@ class Sharding:
     """Module path -> what decided its style ("attention heads", "rule 'layers.*.mlp.up'")."""
     heads: frozenset[int] = frozenset()
     """Heads counts of the attentions (query and key/value): reshapes split these dims."""
+    kv_projections: set[str] = field(default_factory=set)
+    """The attentions' key/value projections (those not fused with the queries')."""
+    kv_replicated: set[str] = field(default_factory=set)
+    """Key/value projections kept whole because tp exceeds their heads: each rank computes
+    them all and keeps the heads its queries read where they meet (`ops.tp_ops.tp_part`)."""
     losses: list[fx.Node] = field(default_factory=list)
     """Cross-entropy nodes whose logits come from a vocabulary-parallel head."""
 
@@ -159,13 +166,23 @@ class _Finder:
             out = self._trace_forward(node, _MERGE_OPS)
             if sources is None or out is None:
                 continue
-            uneven = self._uneven_heads(parts)
+            kv_heads = self._kv_heads(parts, sources)
+            uneven = self._uneven_heads(parts, sources, kv_heads)
             if uneven:
                 self._fail_all([*sources, out], uneven)
                 continue
-            for src in sources:
+            for role, src in zip("qkv", sources):
                 path = self.linears[src]
-                found.styles[path], found.why[path] = COLWISE, "attention q/k/v (split by heads)"
+                if role != "q" and src is not sources[0]:
+                    found.kv_projections.add(path)
+                if role != "q" and kv_heads % self.tp:  # fewer kv heads than ranks: whole
+                    found.styles[path] = REPLICATE
+                    found.why[path] = (f"attention {role} ({kv_heads} key/value heads, fewer "
+                                       f"than tp = {self.tp}: replicated)")
+                    found.kv_replicated.add(path)
+                elif path not in found.kv_replicated:
+                    found.styles[path] = COLWISE
+                    found.why[path] = "attention q/k/v (split by heads)"
             path = self.linears[out]
             found.styles[path], found.why[path] = ROWWISE, "attention output projection"
         found.heads = frozenset(heads)
@@ -177,14 +194,34 @@ class _Finder:
                 f"{op_name(self.blocker)} ({_where(self.blocker)}), which mixes the heads "
                 "(a norm over the whole projection, not one head)")
 
-    def _uneven_heads(self, parts) -> str | None:
-        """Why the attention's heads cannot be split evenly over tp, or None."""
-        for role, operand in (("query", parts.q), ("key/value", parts.k)):
-            shape = node_shape(operand)
-            if shape is not None and len(shape) >= 3 and shape[-3] % self.tp:
-                return (f"its attention has {shape[-3]} {role} heads, not divisible by "
-                        f"tp = {self.tp} (replicating key/value heads over tp ranks is not "
-                        "supported; choose a tp that divides the head counts)")
+    def _kv_heads(self, parts, sources: list[fx.Node]) -> int:
+        """Key/value heads of an attention, from its k projection's features (the attention
+        may see them repeated to the query heads); a fused qkv holds them besides q's."""
+        q, k = node_shape(parts.q), node_shape(parts.k)
+        heads, head_dim = q[-3], q[-1]
+        features = node_shape(sources[1])[-1]
+        if sources[1] is sources[0]:
+            features = (features - heads * head_dim) // 2
+        return features // head_dim if features % head_dim == 0 and features else k[-3]
+
+    def _uneven_heads(self, parts, sources: list[fx.Node], kv_heads: int) -> str | None:
+        """Why the attention's heads cannot be split over tp, or None. Key/value heads that
+        tp does not divide are replicated when they divide tp (separate k/v projections)."""
+        heads = node_shape(parts.q)[-3]
+        if heads % self.tp:
+            return (f"its attention has {heads} query heads, not divisible by tp = {self.tp} "
+                    "(choose a tp that divides the head count)")
+        if kv_heads % self.tp == 0:
+            return None
+        if self.tp % kv_heads:
+            return (f"its attention has {kv_heads} key/value heads and tp = {self.tp}: "
+                    "neither divides the other, so the heads can be neither split nor "
+                    "replicated evenly")
+        if sources[1] is sources[0]:
+            return (f"its attention has {kv_heads} key/value heads, fewer than tp = "
+                    f"{self.tp}, in a projection fused with the queries; key/value heads are "
+                    "replicated only from their own projections (choose a tp that divides "
+                    f"{kv_heads})")
         return None
 
     # ------------------------------------------------------------------- mlp
@@ -418,6 +455,7 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
         # A column-parallel LM head is the vocabulary-parallel one (its loss follows it).
         style = VOCAB if path in heads and rule.style == COLWISE else rule.style
         found.styles[path], found.why[path] = style, f"rule \"{rule.pattern}\" {rule.style}"
+        found.kv_replicated.discard(path)
         failures.pop(path, None)
     unused = [r.pattern for r in rules if r.pattern not in used]
     if unused:

@@ -7,6 +7,8 @@ docstring says what backward does):
 | op                    | forward                        | backward                      |
 |-----------------------|--------------------------------|-------------------------------|
 | `copy_to_tp`          | identity                       | all-reduce (sum) over tp      |
+| `tp_part`             | keep this rank's part          | zeros outside the part        |
+| `enter_tp_part`       | keep this rank's part          | zero-pad, all-reduce over tp  |
 | `reduce_from_tp`      | all-reduce (sum) over tp       | identity                      |
 | `all_gather_seq`      | all-gather along the sequence  | reduce-scatter along it       |
 | `reduce_scatter_seq`  | reduce-scatter along sequence  | all-gather along it           |
@@ -168,6 +170,52 @@ def reduce_from_tp(x: torch.Tensor, axis: str = TP) -> torch.Tensor:
     output's gradient is every rank's partial output's gradient).
     """
     return _ReduceFromTP.apply(x, axis)
+
+
+class _TPPart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, parts, tp, axis):  # noqa: D102
+        group = axis_group(axis)
+        if group is not None and group_size(group) != tp:
+            raise ValueError(f"tp_part: lowered for tp = {tp}, run on {group_size(group)} ranks")
+        ctx.dim, ctx.parts, ctx.shape, ctx.axis = dim, parts, tuple(x.shape), axis
+        ctx.index = group_rank(group) * parts // tp
+        return x.chunk(parts, dim)[ctx.index].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        whole = grad.new_zeros(ctx.shape)
+        whole.chunk(ctx.parts, ctx.dim)[ctx.index].copy_(grad)
+        return whole, None, None, None, None
+
+
+class _EnterTPPart(_TPPart):
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        whole, *rest = _TPPart.backward(ctx, grad)
+        return _all_reduce(whole, axis_group(ctx.axis)), *rest
+
+
+def tp_part(x: torch.Tensor, dim: int, parts: int, tp: int, axis: str = TP) -> torch.Tensor:
+    """This tp rank's part of a tensor every rank holds whole, where it meets a split one.
+
+    x is cut into `parts` equal pieces along `dim`; rank r of the `tp` ranks
+    keeps piece r·parts/tp: its own 1/tp when parts = tp (a key/value tensor
+    whose heads were repeated to the query heads), or, when fewer key/value
+    heads than ranks are replicated (parts < tp), the one head its query
+    heads read. Forward: no communication. Backward: the gradient in the
+    rank's piece, zeros elsewhere; what produced x sums it over tp (its
+    input's `copy_to_tp`, its weights as partial gradients).
+    """
+    return _TPPart.apply(x, dim, parts, tp, axis)
+
+
+@_collective("split", "all-reduce")
+def enter_tp_part(x: torch.Tensor, dim: int, parts: int, tp: int, axis: str = TP) -> torch.Tensor:
+    """`tp_part` of a tensor computed whole outside any tensor-parallel region (a replicated
+    projection, a bias table): forward the same; backward the zero-padded gradient summed
+    over tp, so the replicated producer sees the whole gradient on every rank."""
+    return _EnterTPPart.apply(x, dim, parts, tp, axis)
 
 
 # ---------------------------------------------------------- sequence parallel

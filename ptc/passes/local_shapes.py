@@ -40,11 +40,13 @@ from torch.utils._pytree import tree_leaves
 from ptc.compiler import flops as flops_mod
 from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import copy_meta, get_info, update_info
-from ptc.compiler.nodes import CREATION_OPS, POINTWISE_OPS, op_name
+from ptc.compiler.nodes import ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, op_name
 from ptc.errors import CompileError
 
 _RESHAPES = frozenset({"view", "reshape", "unsafe_view"})
 _SPLITS = frozenset({"split", "split_with_sizes"})
+_BATCHED_OPS = ATTENTION_OPS | {"matmul", "bmm"}
+"""Ops that pair their operands' leading (batch, heads) dims, as elementwise ops pair all."""
 _SHAPE_ONLY = frozenset({"size", "dim", "getattr"}) | {c for c in CREATION_OPS if c.endswith("_like")}
 """Ops whose output depends only on their input's shape/dtype/device, never on its values."""
 
@@ -215,7 +217,7 @@ class _Propagator:
                 self._fix_slice(node)
             elif name == "expand":
                 self._fix_expand(node)
-            elif name in POINTWISE_OPS:
+            elif name in POINTWISE_OPS or name in _BATCHED_OPS:
                 self._fix_mix(node)
         except _Unfollowable as exc:
             raise CompileError(f"{self.what}: {where(node)} reshapes a split tensor in a way "
@@ -370,23 +372,29 @@ class _Propagator:
         self._write_sizes(node, slot, tuple(expected))
 
     def _fix_mix(self, node: fx.Node) -> None:
-        """Split a whole operand of an elementwise op whose other operand is split."""
+        """Split a whole operand of an op whose other operand is split on a dim they pair:
+        any dim of an elementwise op, a leading dim of a matmul or an attention (heads)."""
         inputs = [a for a in node.all_input_nodes if isinstance(self.env.get(a), torch.Tensor)]
         if len(inputs) < 2 or not self.result.before[node]:
             return
         rank = len(self.result.before[node][0])
+        paired = (lambda a, d: d < len(self.env[a].shape) - 2) if op_name(node) in _BATCHED_OPS \
+            else (lambda a, d: True)
         split_dims = set()
         for a in inputs:
             bi, li = self._before_local(a)
             if bi != li:
-                split_dims.add(rank - len(bi) + self._split_dim(bi, li))
+                d = self._split_dim(bi, li)
+                if not paired(a, d):
+                    return
+                split_dims.add(rank - len(bi) + d)
         if len(split_dims) != 1:
             return
         (dim,) = split_dims
         for a in inputs:
             bi, li = self._before_local(a)
             own = dim - (rank - len(bi))
-            if bi != li or own < 0 or li[own] == 1:
+            if bi != li or own < 0 or li[own] == 1 or not paired(a, own):
                 continue
             if self.on_mix is None:
                 raise CompileError(
@@ -394,7 +402,11 @@ class _Propagator:
                     f"{a.name} {li}, which is not split; annotate the module that makes it "
                     "(shard \"...\" replicate) or shard its producer")
             part = self.on_mix(node, a, own)
-            self.result.before[part] = self.result.before[a]
+            # Its before shape: as if the whole tensor had k times the part (which is the
+            # whole one unless fewer key/value heads than ranks are replicated).
+            args, kwargs = self.interp.fetch_args_kwargs_from_env(part)
+            size = self._run(part, args, kwargs).shape[own]
+            self.result.before[part] = (li[:own] + (size * self.k,) + li[own + 1:],)
             self._evaluate(part)
             node.replace_input_with(a, part)
 

@@ -35,12 +35,12 @@ from torch import fx, nn
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
-from ptc.compiler.nodes import (TRANSPARENT_OPS, linear_out_dim, linear_weight, module_of, op_name,
-                                param_source)
+from ptc.compiler.nodes import (TRANSPARENT_OPS, is_linear, linear_out_dim, linear_weight,
+                                module_of, op_name, param_source)
 from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
-from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,
-                            vocab_parallel_embedding)
+from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
+                            vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
@@ -75,9 +75,10 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     rewrite = _Rewrite(gm, sharding, tp)
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
-    propagation = propagate(gm, k=tp, prefer=sharding.heads, padded=rewrite.padded)
+    propagation = propagate(gm, k=tp, prefer=sharding.heads, padded=rewrite.padded,
+                            on_mix=rewrite.take_part)
     region = _check_region(gm, rewrite, propagation)
-    partial = _partial_params(gm, region, layout)
+    partial = _partial_params(gm, region | _whole_in_region(gm, region, rewrite.parts), layout)
     layout = dataclasses.replace(layout, partial_grads=partial)
     update_graph_record(gm, tensor_parallel=layout)
     gm.graph.lint()
@@ -96,7 +97,12 @@ class _Rewrite:
 
     def __init__(self, gm: fx.GraphModule, sharding: Sharding, tp: int):
         self.gm, self.sharding, self.tp = gm, sharding, tp
+        self.order = list(gm.graph.nodes)
         self.colwise = sharding.nodes_of(gm, COLWISE)
+        # Key/value projections kept whole (fewer kv heads than tp): inside the tp region,
+        # their heads taken where they meet the split queries (`take_part`).
+        self.kv_whole = [n for n in gm.graph.nodes if is_linear(n) in sharding.kv_replicated]
+        self.parts: list[fx.Node] = []  # the tp_part nodes `take_part` made
         self.rowwise = sharding.nodes_of(gm, ROWWISE)
         vocab = sharding.nodes_of(gm, VOCAB)
         self.losses = [loss for loss in sharding.losses if _loss_logits_source(loss, vocab)]
@@ -194,16 +200,45 @@ class _Rewrite:
         for node in self.embeddings:
             self._embedding(node)
         copies: dict[fx.Node, fx.Node] = {}
-        for node in self.colwise + self.heads:
+        for node in sorted(self.colwise + self.heads + self.kv_whole, key=self.order.index):
             x = _linear_input(node)
             if x not in copies:
                 copies[x] = self._collective(node, copy_to_tp, (x,), before=True)
             node.replace_input_with(x, copies[x])
-            self.starts.append(node)
+            if node not in self.kv_whole:
+                self.starts.append(node)
         self.rowwise = [self._rowwise(node) for node in self.rowwise]
         self.stops.update(self.rowwise)
         for loss in self.losses:
             self.stops.add(self._cross_entropy(loss))
+
+    def take_part(self, user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
+        """This rank's part of `whole` along `dim`, where `user` pairs it with a split tensor
+        (`local_shapes.propagate`'s on_mix): the key/value heads its query heads read.
+
+        A tensor computed inside the tp region (after a `copy_to_tp`) or from parameters
+        alone becomes `tp_part`, whose zero-padded gradient that copy (or the partial
+        gradients of those parameters) sums; one computed from whole activations becomes
+        `enter_tp_part`, which sums its gradient itself.
+        """
+        size = get_info(whole).shapes[0][dim]
+        parts = self.tp if size % self.tp == 0 else size if self.tp % size == 0 else None
+        entered = _entered_through(whole)
+        if parts is None or len(entered) > 1:
+            why = (f"its {size} pieces along dim {dim} cannot be shared evenly by tp = {self.tp}"
+                   if parts is None else "it is computed both from inside a tp region and "
+                   "from whole activations")
+            raise CompileError(f"tensor parallelism: {where(user)} pairs a tensor split over tp "
+                               f"with the whole tensor {whole.name}, and {why}; mark the linears "
+                               "that make them replicate")
+        op = enter_tp_part if entered == {"whole"} else tp_part
+        with self.gm.graph.inserting_before(user):
+            node = self.gm.graph.call_function(op, (whole, dim, parts, self.tp))
+        copy_meta(whole, node, kind="other", **_FREE)
+        self.starts.append(node)
+        if op is tp_part:
+            self.parts.append(node)
+        return node
 
     def _collective(self, src: fx.Node, op, args: tuple, *, before: bool) -> fx.Node:
         where_ = self.gm.graph.inserting_before(src) if before else self.gm.graph.inserting_after(src)
@@ -473,6 +508,56 @@ def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> s
             raise CompileError(f"tensor parallelism: {where(node)} changed shape "
                                f"{prop.before[node]} -> {prop.local[node]} outside a split region")
     return region
+
+
+def _entered_through(node: fx.Node) -> set[str]:
+    """How the activations `node` is computed from reach it: {"tp"} through copy_to_tp
+    only, {"whole"} around it (from the inputs, or a region's reduce_from_tp), both, or
+    neither (parameters and buffers alone)."""
+    ways, seen, todo = set(), set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or is_shape_only(n):  # a size read off an activation carries no data
+            continue
+        seen.add(n)
+        if n.target is copy_to_tp:
+            ways.add("tp")
+        elif n.op == "placeholder" or n.target is reduce_from_tp:  # a region's sum is whole
+            ways.add("whole")
+        else:
+            todo.extend(n.all_input_nodes)
+    return ways
+
+
+def _whole_in_region(gm: fx.GraphModule, region: set[fx.Node],
+                     parts: list[fx.Node]) -> set[fx.Node]:
+    """Whole tensors whose gradient each tp rank has only its part of: what a tp region
+    computes before it splits (its copy_to_tp, key/value projections kept whole, RoPE on
+    them), and what a `tp_part` takes from parameters alone (a bias table).
+
+    Raises CompileError when one also reaches a node outside the region, whose gradient
+    would be whole: summing it over tp would count that part tp times.
+    """
+    whole: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node not in region and not is_shape_only(node) and (
+                node.target is copy_to_tp or any(a in whole for a in node.all_input_nodes)):
+            whole.add(node)
+    for node in whole:
+        for user in node.users:
+            if user not in region and user not in whole and not is_shape_only(user):
+                raise CompileError(f"tensor parallelism: {where(node)} is computed whole in a "
+                                   f"tp region and read outside it by {where(user)}; mark the "
+                                   "linears around it replicate")
+    todo = [p.args[0] for p in parts]
+    while todo:  # parameters alone: no copy_to_tp or graph input behind them
+        n = todo.pop()
+        if n in whole or n.target is copy_to_tp or n.op == "placeholder" or is_shape_only(n) \
+                or _entered_through(n):
+            continue
+        whole.add(n)
+        todo.extend(n.all_input_nodes)
+    return whole
 
 
 def _partial_params(gm: fx.GraphModule, region: set[fx.Node],

@@ -11,7 +11,9 @@ shard rules, its MLP split); one Llama has a pad token, whose embedding row
 gets no gradient, also when the table is vocabulary-parallel; a vocabulary of
 63 tokens is padded to 64 rows under tp2, the padding row's logit left out of
 the loss. GPT-2 also trains with dropout on: each sample's masks are the
-same under every layout as in the eager run (`ptc.ops.dropout`). The module given to
+same under every layout as in the eager run (`ptc.ops.dropout`). With one key/value
+head, fewer than tp, the heads are replicated (in SDPA's grouped-query form and in
+the eager attention's repeated heads). The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -37,6 +39,7 @@ from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
 
+_MQA, _EAGER = (("num_key_value_heads", 1),), (("attn_implementation", "eager"),)
 _DROPOUT = (("embd_pdrop", 0.1), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1))
 CASES = [
     HFCase("llama", dp=2, zero=1), HFCase("llama", dp=2, zero=3), HFCase("llama", tp=2),
@@ -53,6 +56,13 @@ CASES = [
     # dropout on (embedding, residual, and inside scaled_dot_product_attention)
     HFCase("gpt2", dp=2, zero=3, config=_DROPOUT), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT),
     HFCase("gpt2", pp=2, checkpoint="full", config=_DROPOUT),
+    # one key/value head for two ranks: replicated (SDPA's grouped-query form; the eager
+    # attention's repeated heads; q/k/v biases; a per-head k norm on the replicated path)
+    HFCase("llama", tp=2, config=_MQA), HFCase("llama", tp=2, sp=True, config=_MQA + _EAGER),
+    HFCase("qwen2", tp=2, sp=True, config=_MQA), HFCase("qwen3", tp=2, config=_MQA),
+    # kept whole by rules: each rank's heads taken where they meet, the gradient summed there
+    HFCase("llama", tp=2, config=_MQA, shards=(("model.layers.*.self_attn.[kv]_proj",
+                                                "replicate"),)),
 ]
 _runs: dict = {}
 

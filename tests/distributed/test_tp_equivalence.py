@@ -4,7 +4,10 @@ Layouts: tp = 2 and tp = 4, each with and without sequence parallelism,
 tp = 2 × dp = 2 with ZeRO-1 and ZeRO-3, and tp = 2 with sequence parallelism
 after a replicated embedding (`shard "embed" replicate`). Models: the built-in GPT (fused
 qkv, tied embeddings, learned positions), Llama (grouped-query attention,
-RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads) and the
+RoPE, SwiGLU; at tp = 4 with 8 query over 4 key/value heads; with fewer
+key/value heads than tp — 1 at tp 2, 2 at tp 4 — replicated: each rank
+keeps the heads its queries read, their projections' gradients summed over
+tp) and the
 nanoGPT user model (its own loss with ignore_index, sizes read off tensors),
 GPT and nanoGPT also with dropout 0.1 (attention probabilities, split by
 heads; residual and embedding, split by sequence with SP): every sample's
@@ -58,13 +61,18 @@ LAUNCHES = {
            # a replicated embedding: its output enters the split sequence through scatter_seq
            + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))]
            # dropout on: each sample's masks, sliced to the rank's heads or sequence chunk
-           + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)],
+           + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)]
+           # one key/value head for two ranks: replicated, each rank takes it where q meets it
+           + [TPCase("llama+kv1", 2, True)],
     "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)]
-           + [TPCase("gpt+dropout", 4, False)],
+           + [TPCase("gpt+dropout", 4, False)]
+           # 2 key/value heads over 4 ranks: each head shared by two ranks' query heads
+           + [TPCase("llama+kv2", 4, sp) for sp in (False, True)],
     "tp2dp2": [TPCase(f, 2, sp, dp=2, zero=z) for f in ("gpt", "llama") for z in (1, 3)
                for sp in (False, True)]
               + [TPCase("nanogpt", 2, True, dp=2, zero=1), TPCase("nanogpt", 2, False, dp=2, zero=3),
-                 TPCase("gpt+dropout", 2, True, dp=2, zero=3)],
+                 TPCase("gpt+dropout", 2, True, dp=2, zero=3),
+                 TPCase("llama+kv1", 2, False, dp=2, zero=3)],
 }
 CASES = [(launch, case) for launch, cases in LAUNCHES.items() for case in cases]
 
@@ -96,6 +104,9 @@ MEMORY_SPECS = (
     ModelSpec(family="gpt", layers=2, hidden=64, heads=4, vocab=128, max_seq=16),
     ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128,
               max_seq=16),
+    # one key/value head: its path is whole on both ranks (the model's `kv` class)
+    ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=1, ffn=128, vocab=128,
+              max_seq=16),
 )
 MEMORY_CASES = [(spec, sp) for spec in MEMORY_SPECS for sp in (False, True)]
 _measured: list = []
@@ -110,7 +121,8 @@ def _predicted(spec: ModelSpec, sp: bool, tp: int) -> float:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("index", range(len(MEMORY_CASES)),
-                         ids=[f"{s.family}{'-sp' if sp else ''}" for s, sp in MEMORY_CASES])
+                         ids=[f"{s.family}-kv{s.num_kv_heads}{'-sp' if sp else ''}"
+                              for s, sp in MEMORY_CASES])
 def test_saved_activations_match_the_memory_model(index: int) -> None:
     """Per rank, within 2 % of the prediction (observed: 0.002 % without SP, 0.16 % with).
 

@@ -22,7 +22,8 @@ class TPCase:
 
     family: str
     """"gpt", "llama" or "nanogpt" (the user model of tests/user_models); "+dropout" adds
-    dropout 0.1 (attention probabilities, residual, embedding)."""
+    dropout 0.1 (attention probabilities, residual, embedding); "llama+kvN" has N key/value
+    heads (8 query heads at tp 4), fewer than tp: replicated."""
     tp: int
     sp: bool = False
     dp: int = 1
@@ -44,6 +45,10 @@ class TPCase:
 def tp_model(family: str, tp: int) -> ModelSpec:
     """The tiny model of `family`, with head counts tp divides (Llama keeps grouped-query attention)."""
     family, dropout = family.removesuffix("+dropout"), 0.1 if family.endswith("+dropout") else 0.0
+    if family.startswith("llama+kv"):  # fewer key/value heads than tp: replicated
+        heads = 4 if tp <= 2 else 8
+        return dataclasses.replace(tiny_model("llama"), heads=heads,
+                                   kv_heads=int(family.removeprefix("llama+kv")))
     if family == "nanogpt":
         return ModelSpec(family="custom", factory=NANOGPT, vocab=64, max_seq=SEQ,
                          kwargs=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64,

@@ -73,3 +73,21 @@ def test_tensor_parallel_keeps_norms_whole():
     layer = profile.params["layer"]
     # Two LayerNorms (weight + bias) and the two row-parallel biases stay whole.
     assert layer.replicated == 4 * GPT.hidden + 2 * GPT.hidden
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_rank_weights_equal_the_lowered_graph(tp):
+    """Per tp rank, the predicted weights are the lowered graph's parameters: with 2
+    key/value heads, split at tp 2 and replicated whole on every rank at tp 4."""
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415 - the whole compiler
+    from ptc.plan import HardwareSpec, ParallelSpec, Plan, TrainSpec  # noqa: PLC0415
+
+    spec = dataclasses.replace(LLAMA, heads=8)
+    plan = Plan(model=spec, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
+                parallel=ParallelSpec(tp=tp), train=TrainSpec(seq_len=16, global_batch=2,
+                                                              micro_batch=2, dtype="fp32"))
+    program = compile_plan(plan)
+    held = 4 * program.layout.numel  # fp32, one stage
+    terms = stage_memory(model_profile(spec, "fp32"), _layout(spec.layers, tp=tp),
+                         precision(4, "adamw"), 16)[0]
+    assert terms["weights"] == held

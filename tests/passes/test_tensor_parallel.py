@@ -36,8 +36,8 @@ from ptc.passes import shard_tensors_pass  # noqa: E402
 from ptc.compiler.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
-from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy,  # noqa: E402
-                                vocab_parallel_embedding)
+from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, tp_part,  # noqa: E402
+                            vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from tests.tolerances import assert_loss_within_rounding, assert_within_rounding  # noqa: E402
 from tests.user_models.nanogpt import nanogpt  # noqa: E402
 
@@ -308,16 +308,46 @@ class TestUnshardable:
         with pytest.raises(CompileError, match="node mid .*cannot run on the rank-local shapes"):
             lowered(plan(GPT, shards=rules), NormInMLP())
 
-    def test_kv_heads_not_divisible_by_tp(self):
+    def test_kv_heads_that_tp_neither_splits_nor_replicates(self):
+        spec = ModelSpec(family="llama", layers=1, hidden=48, heads=6, ffn=96, vocab=66,
+                         max_seq=16)  # the plan checks would refuse kv_heads = 2 with tp = 3
+        model = build_model(spec, device="meta")
+        with torch.device("meta"):
+            model.layers[0].attn = LlamaAttention(dataclasses.replace(spec, kv_heads=2), False)
+        with pytest.raises(CompileError, match=r"2 key/value heads and tp = 3: neither divides"):
+            lowered(plan(spec, tp=3), model)
+        rules = (ShardRule(pattern="layers.*.attn.*", style="replicate"),)
+        gm = lowered(plan(spec, tp=3, shards=rules), model)
+        assert tuple(gm.get_parameter("layers.0.attn.k.weight").shape) == (16, 48)
+        assert tuple(gm.get_parameter("layers.0.mlp.up.weight").shape) == (32, 48)
+
+    def test_fewer_kv_heads_than_tp_are_replicated(self):
+        """2 key/value heads over tp = 4: k and v stay whole, each rank takes the one head its
+        two query heads read where they meet, and their weights' gradients are partial."""
         odd = ModelSpec(family="llama", layers=1, hidden=32, heads=4, kv_heads=2, ffn=64,
                         vocab=64, max_seq=16)
         p = plan(odd, tp=4)
-        with pytest.raises(CompileError, match=r"2 key/value heads, not divisible by tp = 4"):
-            apply_pass(shard_tensors_pass, capture_plan(p), p)
-        rules = (ShardRule(pattern="layers.*.attn.*", style="replicate"),)
-        gm = apply_pass(shard_tensors_pass, capture_plan(p), plan(odd, tp=4, shards=rules))
+        gm = apply_pass(shard_tensors_pass, capture_plan(p), p)
+        assert tuple(gm.get_parameter("layers.0.attn.q.weight").shape) == (8, 32)
         assert tuple(gm.get_parameter("layers.0.attn.k.weight").shape) == (16, 32)
-        assert tuple(gm.get_parameter("layers.0.mlp.up.weight").shape) == (16, 32)
+        parts = calls(gm, tp_part)
+        assert [n.args[1:] for n in parts] == [(1, 2, 4), (1, 2, 4)]
+        sdpa = next(n for n in gm.graph.nodes if get_info(n).kind == "attention")
+        assert sdpa.args[1:3] == tuple(parts)
+        assert get_info(parts[0]).shapes == ((2, 1, 16, 8),)
+        q, k, v = (node(gm, f"layers_0_attn_{x}") for x in "qkv")
+        assert q.args[0] is k.args[0] is v.args[0]  # one copy_to_tp: dL/dx summed once
+        layout = graph_record(gm).tensor_parallel
+        assert set(layout.partial_grads) == {"layers.0.attn.k.weight", "layers.0.attn.v.weight"}
+        assert "layers.0.attn.k.weight" not in layout.params
+
+    def test_tp_part_keeps_the_heads_of_the_rank(self):
+        """Rank r of 4 over 2 pieces keeps piece r // 2; its gradient is zero elsewhere."""
+        x = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3).requires_grad_()
+        out = tp_part(x, 1, 2, 4)  # one process: rank 0
+        assert torch.equal(out, x[:, :1])
+        out.sum().backward()
+        assert torch.equal(x.grad, torch.stack([torch.ones(2, 3), torch.zeros(2, 3)], 1))
 
 
 class TestOpsInOneProcess:
