@@ -6,12 +6,20 @@ masks, rotary tables), and the passes keep those literals. Whatever runs a
 graph on real tensors (the runtime, `with_weights`) first makes them name
 its own device, or the created tensors stay on meta and the first op mixing
 them with real ones fails.
+
+A model may also pick ops by device while it is captured: transformers' MoE
+counts tokens per expert with `histc` of integer ids off the CPU, of floats
+on it (integer histc has no CPU kernel). Captured on meta, the graph holds
+the first form; on a CPU the ids are cast to float (exact below 2**24).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx
+
+from ptc.compiler.meta import copy_meta, get_info
+from ptc.compiler.nodes import op_name
 
 META = torch.device("meta")
 
@@ -39,5 +47,19 @@ def bind_device(gm: fx.GraphModule, device: torch.device | str) -> None:
             kwargs = fx.node.map_aggregate(node.kwargs, retarget)
             if found:
                 node.args, node.kwargs, changed = args, kwargs, True
+            if device.type in ("cpu", "mps") and _integer_histc(node):
+                with module.graph.inserting_before(node):
+                    ids = module.graph.call_method("float", (node.args[0],))
+                copy_meta(node, ids, kind="pointwise", flops=0, params=0, param_bytes=0)
+                node.replace_input_with(node.args[0], ids)
+                changed = True
         if changed:
             module.recompile()
+
+
+def _integer_histc(node: fx.Node) -> bool:
+    """Whether `node` is a histc of an integer tensor (which CPUs cannot count)."""
+    if op_name(node) != "histc" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    info = get_info(node.args[0])
+    return info is not None and bool(info.dtypes) and not info.dtypes[0].is_floating_point

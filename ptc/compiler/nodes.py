@@ -32,6 +32,9 @@ ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, n
                       nn.ELU, nn.Softplus)
 
 LINEAR_OPS = frozenset({"linear"})
+GROUPED_MM_OPS = frozenset({"grouped_mm", "grouped_mm_fallback"})
+"""Products of token groups with a stack of per-expert weights [experts, in, out] (MoE
+experts: torch's grouped_mm, transformers' fallback op)."""
 MATMUL_OPS = frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"})
 ATTENTION_OPS = frozenset({"scaled_dot_product_attention",
                            "scaled_dot_product_flash_attention",
@@ -251,6 +254,8 @@ def _weight_arg(node: fx.Node):
     name = op_name(node)
     if name == "linear":
         return _arg(node, 1, "weight")
+    if name in GROUPED_MM_OPS:
+        return _arg(node, 1, "weight")
     if name == "addmm":
         return _arg(node, 2, "mat2")
     if name in ("mm", "matmul"):
@@ -280,7 +285,9 @@ def linear_out_dim(node: fx.Node) -> int | None:
     if node.op == "call_module":
         return 0 if linear_weight(node) else None
     name = op_name(node)
-    dim = 0 if name == "linear" else 1
+    # In the operand the op reads: [out, in] for linear, [in, out] for a matrix product,
+    # [experts, in, out] for a grouped one.
+    dim = 0 if name == "linear" else 2 if name in GROUPED_MM_OPS else 1
     operand = _weight_arg(node)
     for _ in range(6):
         if not isinstance(operand, fx.Node):
@@ -288,12 +295,28 @@ def linear_out_dim(node: fx.Node) -> int | None:
         if operand.op == "get_attr":
             return dim
         step = op_name(operand)
-        if step in ("t", "transpose", "permute"):
+        if step == "t":
             dim = 1 - dim
+        elif step == "transpose":
+            ndim = len(node_shape(operand.args[0]) or ())
+            a, b = (d % ndim for d in operand.args[1:3]) if ndim else operand.args[1:3]
+            dim = b if dim == a else a if dim == b else dim
+        elif step == "permute":
+            dim = list(operand.args[1])[dim] % len(operand.args[1])
         elif step not in _CASTS:
             return None
         operand = operand.args[0]
     return None
+
+
+def linear_in_dim(node: fx.Node) -> int | None:
+    """The dimension of a linear's stored weight that holds its input features: the other
+    one of its last two ([out, in], [in, out], or an expert stack's [experts, ., .])."""
+    out = linear_out_dim(node)
+    if out is None:
+        return None
+    ndim = 2 if node.op == "call_module" else len(node_shape(_weight_arg(node)) or (0, 0))
+    return (2 * ndim - 3) - out
 
 
 def is_linear(node: fx.Node) -> str | None:
@@ -302,13 +325,17 @@ def is_linear(node: fx.Node) -> str | None:
     A call_module Linear (fx), or aten.linear / F.linear / addmm / mm / matmul
     whose weight operand is a parameter (export, or hand-written linears).
     The path is that of the calling nn.Linear when there is one, so a head
-    whose weight is tied to the embedding is still "head".
+    whose weight is tied to the embedding is still "head"; for a grouped
+    product with an expert stack (`GROUPED_MM_OPS`), the stack's own name
+    ("layers.0.mlp.experts.down_proj").
     """
     weight = linear_weight(node)
     if weight is None:
         return None
     if node.op == "call_module":
         return str(node.target)
+    if op_name(node) in GROUPED_MM_OPS:  # an expert stack: one module may hold several
+        return weight
     path, cls = stack_entry(node)
     if cls and _is_a(cls, (nn.Linear,)):
         return path
@@ -510,7 +537,7 @@ def classify(node: fx.Node) -> str:
     name = op_name(node)
     if is_attention(node):
         return "attention"
-    if name in LINEAR_OPS or (name in MATMUL_OPS and linear_weight(node)):
+    if name in LINEAR_OPS or (name in MATMUL_OPS | GROUPED_MM_OPS and linear_weight(node)):
         return "linear"
     for kind, names in _NAME_KINDS:
         if name in names:

@@ -230,7 +230,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     custom = spec.family == "custom"
     model = build_model(spec if custom else dataclasses.replace(spec, layers=1), device="meta")
     config = getattr(model, "config", None)  # a transformers model says how long it may be
-    points = _points(spec.max_seq or getattr(config, "max_position_embeddings", None) or 64)
+    max_seq = spec.max_seq or getattr(config, "max_position_embeddings", None)
+    points = _points(max_seq or 64)
     samples, first = [], None
     for pb, ps in points:  # each graph measured before the next capture
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype])
@@ -249,7 +250,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
-    shape = graph_shape(first, spec, sharding) if custom else spec
+    shape = graph_shape(first, dataclasses.replace(spec, max_seq=max_seq), sharding) \
+        if custom else spec
     profile = ModelProfile(
         layers=1, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.num_kv_heads,
         vocab=shape.vocab,
@@ -486,7 +488,9 @@ def _param_groups(gm: torch.fx.GraphModule,
         numel = gm.get_parameter(names[0]).numel()
         if len(names) > 1 and len({r for r in found}) > 1:
             tied_elements = numel  # a head tied to the embedding: counted with the embedding
-        styles = {sharding.styles.get(name.rpartition(".")[0]) for name in names}
+        # by module path, or by the parameter's own name (a stack of expert weights)
+        styles = {sharding.styles.get(name, sharding.styles.get(name.rpartition(".")[0]))
+                  for name in names}
         split = bool(styles & {COLWISE, VOCAB}) or (
             ROWWISE in styles and names[0].endswith("weight"))
         g = groups[where]

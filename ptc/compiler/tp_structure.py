@@ -17,6 +17,11 @@ No per-model tables: the structure is read off the dataflow.
   the logits have columns, is vocabulary-parallel; so is the linear whose
   output reaches the cross-entropy (the LM head), and the cross-entropy
   becomes vocabulary-parallel. A tied head and embedding share one shard.
+- **Mixture of experts.** A stack of expert weights applied by a grouped
+  product (`nodes.GROUPED_MM_OPS`) is a linear like any other: the experts'
+  gate/up stack column-parallel, their down stack row-parallel, each
+  expert's MLP split as an MLP. A linear whose scores reach a top-k (the
+  router) is replicated.
 - Everything else — norms, position embeddings — is replicated.
 
 `parallel.shard` rules (fnmatch globs over module paths, the last matching
@@ -57,6 +62,8 @@ _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
 _HEAD_REDUCTIONS = frozenset({"mean", "var", "sum", "norm", "rms_norm", "layer_norm"})
 # Ops between an MLP's projections: elementwise only.
 _ELEMENTWISE_KINDS = frozenset({"activation", "pointwise", "dropout"})
+# Ops from a router's logits to its top-k choice of experts.
+_ROUTER_SCORES = frozenset({"softmax", "sigmoid", "log_softmax"})
 # Ops from an attention's output to its output projection: the heads merge.
 _MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
 
@@ -241,8 +248,27 @@ class _Finder:
                 found.styles[p], found.why[p] = COLWISE, f"MLP input projection of {path}"
             found.styles[path], found.why[path] = ROWWISE, "MLP output projection"
         for node, path in self.linears.items():
-            if path not in found.styles:
+            if path not in found.styles and self._routes(node):
+                found.styles[path], found.why[path] = REPLICATE, "MoE router (its scores pick experts)"
+            elif path not in found.styles:
                 self.failures.setdefault(path, self._why_not(node))
+
+    def _routes(self, node: fx.Node) -> bool:
+        """Whether a linear's output reaches a top-k through casts and a softmax or
+        sigmoid: a mixture-of-experts router, which stays whole."""
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for user in n.users:
+                name = op_name(user)
+                if name == "topk":
+                    return True
+                if name in TRANSPARENT_OPS or name in _ROUTER_SCORES:
+                    todo.append(user)
+        return False
 
     def _elementwise_sources(self, x) -> tuple[list[fx.Node], fx.Node | None]:
         """Linears that `x` is computed from elementwise, and the first non-elementwise op."""

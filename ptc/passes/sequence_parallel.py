@@ -138,8 +138,10 @@ def _swap(gm: fx.GraphModule, node: fx.Node, op, capture) -> None:
     shape = get_info(x).shapes[0]
     if len(shape) < 2 or shape[:2] != (capture.micro_batch, capture.seq_len):
         raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "
-                           f"not [b={capture.micro_batch}, s={capture.seq_len}, ...]; the "
-                           "sequence dim cannot be found")
+                           f"not [b={capture.micro_batch}, s={capture.seq_len}, ...], so the "
+                           "sequence dim cannot be found (a mixture-of-experts block routes "
+                           "flattened tokens); turn sequence_parallel off or shard \"...\" "
+                           "replicate the linears there")
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, (x, SEQ_DIM))
     copy_meta(node, new)

@@ -35,8 +35,8 @@ from torch import fx, nn
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
-from ptc.compiler.nodes import (TRANSPARENT_OPS, is_linear, linear_out_dim, linear_weight,
-                                module_of, op_name, param_source)
+from ptc.compiler.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
+                                linear_out_dim, linear_weight, module_of, op_name, param_source)
 from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
@@ -155,8 +155,8 @@ class _Rewrite:
             add(weight, style, out_dim, segments)
             add(bias, style, 0, segments)
         for node in self.rowwise:
-            weight, _, out_dim = _linear_params(self.gm, node)
-            in_dim = 1 - out_dim
+            weight, _, _ = _linear_params(self.gm, node)
+            in_dim = 1 if node.op == "call_module" else linear_in_dim(node)
             add(weight, ROWWISE, in_dim, (self.gm.get_parameter(weight).shape[in_dim],))
         for node in self.embeddings:
             weight = _embedding_weight(self.gm, node)
@@ -253,6 +253,16 @@ class _Rewrite:
     def _rowwise(self, node: fx.Node) -> fx.Node:
         """Linear without bias -> reduce_from_tp -> + bias; returns the linear."""
         node = functionalize(self.gm, node)
+        if op_name(node) in GROUPED_MM_OPS:  # the experts' down stack
+            if (node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")) is not None:
+                raise CompileError(f"tensor parallelism: {where(node)} adds a bias inside a "
+                                   "row-parallel grouped product, which would be summed tp "
+                                   "times; mark it replicate")
+            users = list(node.users)
+            reduced = self._collective(node, reduce_from_tp, (node,), before=False)
+            for user in users:
+                user.replace_input_with(node, reduced)
+            return node
         if op_name(node) != "linear":
             raise CompileError(f"tensor parallelism: {where(node)} is a row-parallel linear "
                                "written as a matmul the pass cannot split (use nn.Linear or "
@@ -355,6 +365,8 @@ def _linear_params(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None, 
         bias = f"{node.target}.bias" if module.bias is not None else None
         return f"{node.target}.weight", bias, 0
     out_dim = linear_out_dim(node)
+    if op_name(node) in GROUPED_MM_OPS and out_dim is not None:
+        return linear_weight(node), None, out_dim
     if op_name(node) != "linear" or out_dim is None:
         raise CompileError(f"tensor parallelism: {where(node)} is a linear written as "
                            f"{op_name(node)} of a reshaped weight, which the pass cannot split "

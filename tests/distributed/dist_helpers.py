@@ -103,6 +103,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     if train.init.kind == "state_dict":
         model.load_state_dict(torch.load(train.init.path, weights_only=True))
     model = model.to(dtype)
+    config = getattr(model, "config", None)
+    if dtype == torch.float64 and getattr(config, "_experts_implementation", "eager") != "eager":
+        config._experts_implementation = "eager"  # grouped_mm has no float64 kernel: the loop
     opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
     # A plan without model.vocab (a transformers model's): the vocabulary its config names.

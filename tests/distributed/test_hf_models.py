@@ -13,7 +13,9 @@ gets no gradient, also when the table is vocabulary-parallel; a vocabulary of
 the loss. GPT-2 also trains with dropout on: each sample's masks are the
 same under every layout as in the eager run (`ptc.ops.dropout`). With one key/value
 head, fewer than tp, the heads are replicated (in SDPA's grouped-query form and in
-the eager attention's repeated heads). The module given to
+the eager attention's repeated heads). Mixtral's experts (stacked weights
+applied by a grouped product) are split as MLPs under tp, their top-2 router
+kept whole. The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -63,6 +65,9 @@ CASES = [
     # kept whole by rules: each rank's heads taken where they meet, the gradient summed there
     HFCase("llama", tp=2, config=_MQA, shards=(("model.layers.*.self_attn.[kv]_proj",
                                                 "replicate"),)),
+    # a mixture of experts: router replicated, each expert's MLP split as an MLP
+    HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
+    HFCase("mixtral", pp=2, checkpoint="full"),
 ]
 _runs: dict = {}
 
@@ -86,4 +91,12 @@ def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
                                            r"\w+\) \(and 1 more like it\): .* through mean .*"
                                            r"'model.layers.0.self_attn.q_norm'.*\n.*shard "
                                            r"\"model.layers.\*.self_attn.q_proj\" replicate"):
+        compile_plan(hf_plan(case), model=hf_module(case))
+
+
+def test_sequence_parallel_mixture_of_experts_is_refused_in_one_line() -> None:
+    """The experts route flattened tokens: no sequence dim to split there."""
+    case = HFCase("mixtral", tp=2, sp=True)
+    with pytest.raises(CompileError, match=r"mixture-of-experts block routes flattened tokens\); "
+                                           r"turn sequence_parallel off"):
         compile_plan(hf_plan(case), model=hf_module(case))

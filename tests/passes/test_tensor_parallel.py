@@ -33,6 +33,7 @@ from ptc.models.llama import LlamaAttention  # noqa: E402
 from ptc.compiler.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_tensors_pass  # noqa: E402
+from ptc.compiler.nodes import is_linear  # noqa: E402
 from ptc.compiler.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
@@ -225,6 +226,33 @@ class TestShardTensorsPass:
         assert program.layout.params["layers.0.attn.q.weight"].shape == (16, 32)
         assert [m.split(":")[0] for m in program.pass_log] == [
             "shard_tensors_pass", "shard_params_pass", "overlap_collectives_pass"]
+
+
+class TestMixtureOfExperts:
+    """Mixtral's experts: stacks of weights [experts, out, in] applied by a grouped product."""
+
+    def test_experts_split_as_mlps_and_the_router_stays_whole(self):
+        from tests.user_models.transformers_models import mixtral  # noqa: PLC0415
+
+        torch.manual_seed(0)
+        model = mixtral()
+        p = plan(ModelSpec(family="custom", factory="tests.user_models.transformers_models:"
+                           "mixtral", vocab=64, max_seq=16))
+        gm = capture(model, micro_batch=2, seq_len=16)
+        found = find_sharding(gm, p)
+        experts = "model.layers.0.mlp.experts"
+        assert found.styles[f"{experts}.gate_up_proj"] == "colwise"
+        assert found.styles[f"{experts}.down_proj"] == "rowwise"
+        assert found.why["model.layers.0.mlp.gate"].startswith("MoE router")
+        gm = apply_pass(shard_tensors_pass, gm, p)
+        shard = graph_record(gm).tensor_parallel.params[f"{experts}.gate_up_proj"]
+        # each rank: its half of every expert's gate rows and of its up rows
+        assert (shard.dim, shard.segments) == (1, (64, 64))
+        assert tuple(gm.get_parameter(f"{experts}.gate_up_proj").shape) == (4, 64, 32)
+        assert tuple(gm.get_parameter(f"{experts}.down_proj").shape) == (4, 32, 32)
+        assert tuple(gm.get_parameter("model.layers.0.mlp.gate.weight").shape) == (4, 32)
+        down = next(n for n in gm.graph.nodes if is_linear(n) == f"{experts}.down_proj")
+        assert [u.target for u in down.users] == [reduce_from_tp]
 
 
 class TestShardRules:

@@ -5,12 +5,13 @@ module-level, so spawned workers can import them. Each family is here for a
 structure the compiler must find in the graph: grouped-query attention and
 RoPE (Llama), Conv1D projections with a fused qkv (GPT-2), q/k/v biases
 (Qwen2), per-head q/k norms (Qwen3), fused qkv and gate_up projections cut
-by slices and chunks (Phi-3).
+by slices and chunks (Phi-3), a mixture of experts with a top-2 router (Mixtral).
 """
 
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Olmo2Config,
-                          Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
@@ -51,3 +52,10 @@ def gpt2(**overrides) -> GPT2LMHeadModel:
 def olmo2(**overrides) -> Olmo2ForCausalLM:
     """OLMo 2: an RMSNorm over the whole q and k projections, across the heads."""
     return Olmo2ForCausalLM(Olmo2Config(**_DECODER | overrides))
+
+
+def mixtral(**overrides) -> MixtralForCausalLM:
+    """Mixtral: each layer's MLP is 4 experts (stacked gate_up and down weights, applied by
+    a grouped product) behind a top-2 router."""
+    return MixtralForCausalLM(MixtralConfig(**_DECODER | {"num_local_experts": 4,
+                                                          "num_experts_per_tok": 2} | overrides))
