@@ -88,7 +88,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     `clip_grad_norm_`, the same learning-rate schedule, the same dropout masks
     (`keyed_dropout`: each sample's, whatever the layout): the ground truth. In
     float64 the weights are the fp32 ones converted (exactly): the same
-    computation, rounded 2^29 times finer. Each step's learning rate and
+    computation, rounded 2^29 times finer. In bfloat16, ptc's bf16 recipe: the
+    model computes in bf16 and AdamW updates fp32 masters of its weights, which
+    the run returns. Each step's learning rate and
     clipped gradients are kept, and `nudge` displaces the weights after each
     step, for the tolerances (`tests/tolerances.py`).
     """
@@ -102,11 +104,15 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     rule = call_rule(model)
     if train.init.kind == "state_dict":
         model.load_state_dict(torch.load(train.init.path, weights_only=True))
+    # ptc's bf16 recipe: the model computes in bf16, AdamW updates fp32 masters of it.
+    masters = {n: torch.nn.Parameter(p.detach().float().clone())
+               for n, p in model.named_parameters()} if dtype == torch.bfloat16 else None
     model = model.to(dtype)
+    trained = masters if masters is not None else dict(model.named_parameters())
     config = getattr(model, "config", None)
     if dtype == torch.float64 and getattr(config, "_experts_implementation", "eager") != "eager":
         config._experts_implementation = "eager"  # grouped_mm has no float64 kernel: the loop
-    opt = torch.optim.AdamW(model.parameters(), lr=train.optimizer.lr, betas=train.optimizer.betas,
+    opt = torch.optim.AdamW(trained.values(), lr=train.optimizer.lr, betas=train.optimizer.betas,
                             eps=train.optimizer.eps, weight_decay=train.optimizer.weight_decay)
     # A plan without model.vocab (a transformers model's): the vocabulary its config names.
     vocab = plan.model.vocab if plan.model.vocab is not None else model.config.vocab_size
@@ -126,21 +132,28 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
                     logits = out.logits if hasattr(out, "logits") else out
                     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             opt.zero_grad()
+            model.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            if masters is not None:  # the bf16 gradients into the fp32 masters
+                for name, p in model.named_parameters():
+                    masters[name].grad = p.grad.float()
+            torch.nn.utils.clip_grad_norm_(trained.values(), train.grad_clip)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            steps.append(Step(lr, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            steps.append(Step(lr, {n: p.grad.clone() for n, p in trained.items()}))
             opt.step()
-            if nudge is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if nudge is not None:
                     for name, delta in nudge(step).items():
-                        model.get_parameter(name).add_(delta)
+                        trained[name].add_(delta)
+                if masters is not None:  # the updated masters, rounded, are the next weights
+                    for name, p in model.named_parameters():
+                        p.copy_(masters[name])
             losses.append(loss.item())
     finally:
         torch.set_default_dtype(default)
-    return Run(losses, {n: p.detach().clone() for n, p in model.named_parameters()}, steps)
+    return Run(losses, {n: p.detach().clone() for n, p in trained.items()}, steps)
 
 
 @contextlib.contextmanager
@@ -183,7 +196,8 @@ def reference(plan: Plan, module: torch.nn.Module | None = None) -> Reference:
         optimizer = plan.train.optimizer
         _references[key] = Reference(
             lambda dtype, nudge: reference_run(plan, dtype, nudge, module), betas=optimizer.betas,
-            adam_eps=optimizer.eps, tokens=plan.train.global_batch * plan.train.seq_len)
+            adam_eps=optimizer.eps, tokens=plan.train.global_batch * plan.train.seq_len,
+            dtype=torch.bfloat16 if plan.train.dtype == "bf16" else torch.float32)
     return _references[key]
 
 

@@ -15,7 +15,9 @@ same under every layout as in the eager run (`ptc.ops.dropout`). With one key/va
 head, fewer than tp, the heads are replicated (in SDPA's grouped-query form and in
 the eager attention's repeated heads). Mixtral's experts (stacked weights
 applied by a grouped product) are split as MLPs under tp, their top-2 router
-kept whole. The module given to
+kept whole. bf16 plans are compared with eager training by ptc's bf16 recipe
+(bf16 compute, AdamW on fp32 masters), within bounds derived from that run's
+own distance to fp64 (`tests/tolerances.py`). The module given to
 `ptc.compile` is what trains: the loss of
 every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
@@ -68,6 +70,10 @@ CASES = [
     # a mixture of experts: router replicated, each expert's MLP split as an MLP
     HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
     HFCase("mixtral", pp=2, checkpoint="full"),
+    # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
+    HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),
+    HFCase("gpt2", pp=2, dtype="bf16"), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT, dtype="bf16"),
+    HFCase("mixtral", tp=2, dtype="bf16"),
 ]
 _runs: dict = {}
 
