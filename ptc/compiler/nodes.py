@@ -86,7 +86,8 @@ TRANSPARENT_OPS = frozenset({
 })
 # Ops between the score matmul and the softmax of written-out attention:
 # scaling, masking, dtype casts.
-_SCORE_OPS = TRANSPARENT_OPS | {"mul", "div", "truediv", "add", "sub", "masked_fill", "where"}
+_SCORE_OPS = TRANSPARENT_OPS | {"mul", "div", "truediv", "add", "sub", "masked_fill", "where",
+                                 "tanh"}  # tanh: Gemma 2's soft-capping of the scores
 _PROBS_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
 
 
@@ -242,6 +243,20 @@ def param_source(node) -> str | None:
             return None
         node = node.args[0]
     return None
+
+
+def params_behind(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
+    """For every node computed from parameters and buffers alone (a parameter, a cast or
+    view of it, Gemma's 1 + w), the names of the parameters it reads; nodes that depend
+    on a graph input (or a module call) are left out. One pass in graph order."""
+    out: dict[fx.Node, tuple[str, ...]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            name = param_source(n)
+            out[n] = (name,) if name is not None else ()
+        elif n.op in ("call_function", "call_method") and all(a in out for a in n.all_input_nodes):
+            out[n] = tuple(dict.fromkeys(x for a in n.all_input_nodes for x in out[a]))
+    return out
 
 
 def _arg(node: fx.Node, index: int, name: str):

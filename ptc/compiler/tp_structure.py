@@ -140,11 +140,20 @@ class _Finder:
         for node in self.gm.graph.nodes:
             if op_name(node) not in CROSS_ENTROPY_OPS:
                 continue
-            head = self._trace_back(node.args[0], _MERGE_OPS, stop=self.linears)
+            head = self._trace_back(node.args[0], _MERGE_OPS, stop=self.linears,
+                                    also=self._per_logit)
             if len(head) == 1:
                 path = self.linears[head[0]]
                 found.styles[path], found.why[path] = VOCAB, "LM head (its logits reach the loss)"
                 found.losses.append(node)
+
+    def _per_logit(self, node: fx.Node) -> bool:
+        """Whether `node` transforms each logit by itself: an elementwise op whose other
+        operands are constants (Gemma 2's soft-capping: logits / c, tanh, * c)."""
+        meta = get_info(node)
+        return meta is not None and meta.kind in ("pointwise", "activation") and \
+            sum(a in self.data for a in node.all_input_nodes) == 1 and \
+            all(a not in self.data and not node_shape(a) for a in node.all_input_nodes[1:])
 
     # ------------------------------------------------------------- attention
 
@@ -250,6 +259,8 @@ class _Finder:
         for node, path in self.linears.items():
             if path not in found.styles and self._routes(node):
                 found.styles[path], found.why[path] = REPLICATE, "MoE router (its scores pick experts)"
+            elif path not in found.styles and (node_shape(node) or (0,))[-1] == 1:
+                found.styles[path], found.why[path] = REPLICATE, "a scalar gate (one output feature)"
             elif path not in found.styles:
                 self.failures.setdefault(path, self._why_not(node))
 

@@ -29,7 +29,7 @@ from torch import fx
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
-from ptc.compiler.nodes import module_of
+from ptc.compiler.nodes import module_of, params_behind
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
                             scatter_seq)
@@ -126,25 +126,28 @@ def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
     return split
 
 
-def _is_param(node) -> bool:
-    meta = get_info(node) if isinstance(node, fx.Node) else None
-    return isinstance(node, fx.Node) and node.op == "get_attr" and meta is not None \
-        and meta.kind == "param"
-
-
 def _swap(gm: fx.GraphModule, node: fx.Node, op, capture) -> None:
-    """Replace a tp collective node by the sequence op `op` along the sequence dim."""
+    """Replace a tp collective node by the sequence op `op` along the sequence dim; a
+    tensor of flattened token rows [b·s, ...] (OPT's MLP) moves as [b, s, ...]."""
     x = node.args[0]
     shape = get_info(x).shapes[0]
-    if len(shape) < 2 or shape[:2] != (capture.micro_batch, capture.seq_len):
+    b, s = capture.micro_batch, capture.seq_len
+    rows = len(shape) >= 1 and shape[0] == b * s and s > 1
+    if not rows and (len(shape) < 2 or shape[:2] != (b, s)):
         raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "
-                           f"not [b={capture.micro_batch}, s={capture.seq_len}, ...], so the "
-                           "sequence dim cannot be found (a mixture-of-experts block routes "
-                           "flattened tokens); turn sequence_parallel off or shard \"...\" "
+                           f"not [b={b}, s={s}, ...] or [b·s, ...], so the sequence dim cannot "
+                           "be found (a mixture-of-experts block routes its tokens "
+                           "reordered); turn sequence_parallel off or shard \"...\" "
                            "replicate the linears there")
     with gm.graph.inserting_before(node):
+        if rows:
+            x = gm.graph.call_method("view", (x, b, s, *shape[1:]))
+            copy_meta(node, x, kind="view", shapes=((b, s, *shape[1:]),), **_FREE)
         new = gm.graph.call_function(op, (x, SEQ_DIM))
-    copy_meta(node, new)
+        copy_meta(node, new, shapes=get_info(x).shapes)
+        if rows:
+            new = gm.graph.call_method("view", (new, *shape))
+            copy_meta(node, new, kind="view", shapes=(shape,), **_FREE)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
@@ -176,14 +179,15 @@ def _sequence_params(gm: fx.GraphModule, region: set[fx.Node]) -> tuple[str, ...
     Modules with parameters there become functional calls reading get_attr
     nodes, so every such parameter is a named input the runtime can find.
     """
-    names: dict[str, None] = {}  # ordered set
     for node in list(gm.graph.nodes):
-        if node not in region:
-            continue
-        if node.op == "call_module" and any(True for _ in module_of(node).parameters()):
+        if node in region and node.op == "call_module" and \
+                any(True for _ in module_of(node).parameters()):
             region.discard(node)
-            node = functionalize(gm, node)
-            region.add(node)
-        names.update(dict.fromkeys(str(arg.target) for arg in node.all_input_nodes
-                                   if _is_param(arg)))
+            region.add(functionalize(gm, node))
+    names: dict[str, None] = {}  # ordered set
+    behind = params_behind(gm)  # through what is computed from them alone (Gemma's 1 + w)
+    for node in gm.graph.nodes:
+        if node in region:
+            names.update(dict.fromkeys(name for arg in node.all_input_nodes
+                                       for name in behind.get(arg, ())))
     return tuple(names)

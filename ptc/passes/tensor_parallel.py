@@ -36,7 +36,8 @@ from torch import fx, nn
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
 from ptc.compiler.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
-                                linear_out_dim, linear_weight, module_of, op_name, param_source)
+                                linear_out_dim, linear_weight, module_of, op_name, param_source,
+                                params_behind)
 from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
@@ -580,14 +581,18 @@ def _partial_params(gm: fx.GraphModule, region: set[fx.Node],
     Raises CompileError for one also read outside the region, whose gradient would be
     partly whole and partly split.
     """
+    behind = params_behind(gm)
+
     def read_by(node: fx.Node) -> list[str]:
         if node.op == "call_module":
             return [f"{node.target}.{name}" for name, _ in module_of(node).named_parameters()]
-        return [name for arg in node.all_input_nodes if (name := param_source(arg))]
+        return [name for arg in node.all_input_nodes for name in behind.get(arg, ())]
 
     inside: dict[str, fx.Node] = {}
     outside: set[str] = set()
     for node in gm.graph.nodes:
+        if node in behind:  # computed from weights alone (1 + w): not a use on activations
+            continue
         for name in read_by(node):
             if name in layout.params:
                 continue

@@ -123,7 +123,8 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     try:
         for step in range(train.steps):
             tokens, targets = source.batch(step * train.global_batch, train.global_batch)
-            with keyed_dropout(plan.runtime.seed, step * train.global_batch):
+            with keyed_dropout(plan.runtime.seed, step * train.global_batch,
+                               (train.global_batch, train.seq_len)):
                 if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
                     out = model(tokens, **{rule.targets: targets}, **rule.concrete)
                     loss = out.loss if hasattr(out, "loss") else out[1]
@@ -157,16 +158,21 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
 
 
 @contextlib.contextmanager
-def keyed_dropout(seed: int, first: int):
+def keyed_dropout(seed: int, first: int, tokens: tuple[int, int] = (0, 0)):
     """Eager dropout with ptc's masks: every F.dropout and dropout inside
     scaled_dot_product_attention is a numbered site keyed by sample
-    (`ptc.ops.dropout`), numbered in call order as capture numbers the graph's."""
+    (`ptc.ops.dropout`), numbered in call order as capture numbers the graph's;
+    flattened token rows [batch·seq, ...] (`tokens` = (batch, seq)) as [batch, seq, ...]."""
     from ptc.ops.dropout import Samples, dropout_samples, site_attention, site_dropout
 
     sites = itertools.count()
     plain_dropout, plain_sdpa = F.dropout, F.scaled_dot_product_attention
 
     def dropout(input, p=0.5, training=True, inplace=False):
+        batch, seq = tokens
+        if seq > 1 and input.shape[0] == batch * seq:
+            rows = input.view(batch, seq, *input.shape[1:])
+            return site_dropout(rows, p, training, next(sites)).view(input.shape)
         return site_dropout(input, p, training, next(sites))
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -70,6 +70,11 @@ CASES = [
     # a mixture of experts: router replicated, each expert's MLP split as an MLP
     HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
     HFCase("mixtral", pp=2, checkpoint="full"),
+    # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
+    # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
+    # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi)
+    HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
+    HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2),
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),
     HFCase("gpt2", pp=2, dtype="bf16"), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT, dtype="bf16"),
@@ -101,8 +106,8 @@ def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
 
 
 def test_sequence_parallel_mixture_of_experts_is_refused_in_one_line() -> None:
-    """The experts route flattened tokens: no sequence dim to split there."""
+    """The experts see the tokens reordered by expert: no sequence dim to split there."""
     case = HFCase("mixtral", tp=2, sp=True)
-    with pytest.raises(CompileError, match=r"mixture-of-experts block routes flattened tokens\); "
-                                           r"turn sequence_parallel off"):
+    with pytest.raises(CompileError, match=r"mixture-of-experts block routes its tokens "
+                                           r"reordered\); turn sequence_parallel off"):
         compile_plan(hf_plan(case), model=hf_module(case))

@@ -5,13 +5,19 @@ module-level, so spawned workers can import them. Each family is here for a
 structure the compiler must find in the graph: grouped-query attention and
 RoPE (Llama), Conv1D projections with a fused qkv (GPT-2), q/k/v biases
 (Qwen2), per-head q/k norms (Qwen3), fused qkv and gate_up projections cut
-by slices and chunks (Phi-3), a mixture of experts with a top-2 router (Mixtral).
+by slices and chunks (Phi-3), a mixture of experts with a top-2 router (Mixtral),
+plus shared experts behind a scalar gate (Qwen2-MoE), soft-capped attention scores
+and logits (Gemma 2), a fused qkv interleaved per head and a parallel attention/MLP
+block (GPT-NeoX), learned positions with an offset and a padding row (OPT), partial
+rotary and one norm for attention and MLP (Phi).
 """
 
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
+                          PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
@@ -59,3 +65,33 @@ def mixtral(**overrides) -> MixtralForCausalLM:
     a grouped product) behind a top-2 router."""
     return MixtralForCausalLM(MixtralConfig(**_DECODER | {"num_local_experts": 4,
                                                           "num_experts_per_tok": 2} | overrides))
+
+
+def qwen2_moe(**overrides) -> Qwen2MoeForCausalLM:
+    """Qwen2-MoE: 4 routed experts (top-2) and a shared expert scaled by a sigmoid gate."""
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**_DECODER | {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64} | overrides))
+
+
+def gemma2(**overrides) -> Gemma2ForCausalLM:
+    """Gemma 2: soft-capped attention scores and logits, embeddings scaled by sqrt(h),
+    norms around both sublayers, a tied head."""
+    return Gemma2ForCausalLM(Gemma2Config(**_DECODER | {"head_dim": 8} | overrides))
+
+
+def gpt_neox(**overrides) -> GPTNeoXForCausalLM:
+    """GPT-NeoX: a fused qkv whose output is [heads, 3, head_dim], attention and MLP in
+    parallel from the same residual."""
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**_DECODER | overrides))
+
+
+def opt(**overrides) -> OPTForCausalLM:
+    """OPT: learned positions offset by 2, a padding row in the token embedding."""
+    return OPTForCausalLM(OPTConfig(**_DECODER | {"ffn_dim": 64, "word_embed_proj_dim": 32,
+                                                  "pad_token_id": 1} | overrides))
+
+
+def phi(**overrides) -> PhiForCausalLM:
+    """Phi-2: partial rotary, attention and MLP in parallel after one LayerNorm, biases."""
+    return PhiForCausalLM(PhiConfig(**_DECODER | overrides))

@@ -94,7 +94,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
         blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants)))
     annotate_graph(gm, root, evaluator, blocks, dtype)
-    number_dropout_sites(gm, micro_batch)
+    number_dropout_sites(gm, micro_batch, seq_len)
     return gm
 
 

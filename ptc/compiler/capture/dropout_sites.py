@@ -8,8 +8,9 @@ the masks depend on the sample and the site alone (`ptc.ops.dropout`):
 the same under every parallel layout as in eager training that numbers its
 dropout calls the same way.
 
-A dropout whose tensor does not lead with the micro-batch (applied to
-flattened [b·s, h] rows) keeps torch's dropout: it still trains, with masks
+A dropout of flattened token rows [b·s, ...] (OPT's MLP) is applied to the
+rows viewed as [b, s, ...], so its masks are the samples' too. One whose
+tensor leads with neither keeps torch's dropout: it still trains, with masks
 that depend on the layout.
 """
 
@@ -18,11 +19,11 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import ATTENTION_OPS, module_of, op_name
+from ptc.compiler.nodes import module_of, op_name
 from ptc.ops.dropout import site_attention, site_dropout
 
 
-def number_dropout_sites(gm: fx.GraphModule, micro_batch: int) -> int:
+def number_dropout_sites(gm: fx.GraphModule, micro_batch: int, seq_len: int) -> int:
     """Replace every dropout of `gm` by its numbered site; returns how many sites it has."""
     site = 0
     for node in list(gm.graph.nodes):
@@ -32,6 +33,13 @@ def number_dropout_sites(gm: fx.GraphModule, micro_batch: int) -> int:
             shape = get_info(node).shapes[0] if get_info(node) else ()
             if shape and shape[0] == micro_batch:
                 _replace(gm, node, site_dropout, (x, p, train, site, tuple(shape[1:])))
+            elif shape and shape[0] == micro_batch * seq_len and seq_len > 1:
+                rows = _view(gm, node, x, (micro_batch, seq_len, *shape[1:]))
+                new = _replace(gm, node, site_dropout, (rows, p, train, site,
+                                                        (seq_len, *shape[1:])),
+                               shapes=get_info(rows).shapes)
+                flat = _view(gm, new, new, tuple(shape), after=True)
+                new.replace_all_uses_with(flat, delete_user_cb=lambda user: user is not flat)
             site += 1
         elif _sdpa_dropout(node):
             q, k = node.args[0], node.args[1]
@@ -70,11 +78,27 @@ def _sdpa_dropout(node: fx.Node) -> bool:
     return bool(p)
 
 
-def _replace(gm: fx.GraphModule, node: fx.Node, fn, args: tuple, kwargs: dict | None = None):
+def _replace(gm: fx.GraphModule, node: fx.Node, fn, args: tuple, kwargs: dict | None = None,
+             shapes: tuple | None = None) -> fx.Node:
+    """`fn(*args, **kwargs)` in place of `node`, with its metadata (and `shapes`, when the
+    new node's value has other shapes than `node`'s)."""
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(fn, args, kwargs or {})
-    copy_meta(node, new, same_value=True)
+    if shapes is None:
+        copy_meta(node, new, same_value=True)
+    else:
+        copy_meta(node, new, shapes=shapes)
     node.replace_all_uses_with(new)
     name = node.name
     gm.graph.erase_node(node)
     new.name = name
+    return new
+
+
+def _view(gm: fx.GraphModule, near: fx.Node, x: fx.Node, shape: tuple[int, ...], *,
+          after: bool = False) -> fx.Node:
+    """`x.view(*shape)`, placed before `near` (after it with `after`), with its metadata."""
+    with gm.graph.inserting_after(near) if after else gm.graph.inserting_before(near):
+        view = gm.graph.call_method("view", (x, *shape))
+    copy_meta(near, view, kind="view", shapes=(shape,), flops=0, params=0, param_bytes=0)
+    return view
