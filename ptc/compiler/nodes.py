@@ -246,15 +246,19 @@ def param_source(node) -> str | None:
 
 
 def params_behind(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
-    """For every node computed from parameters and buffers alone (a parameter, a cast or
-    view of it, Gemma's 1 + w), the names of the parameters it reads; nodes that depend
-    on a graph input (or a module call) are left out. One pass in graph order."""
+    """For every node that is a weight seen through views, casts and elementwise
+    arithmetic on weights alone (a parameter, its transpose, Gemma's 1 + w), the names of
+    the parameters it reads: a gradient arriving there reaches them unchanged in kind.
+    Lookups, collectives and whatever depends on a graph input are left out. One pass in
+    graph order."""
     out: dict[fx.Node, tuple[str, ...]] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             name = param_source(n)
             out[n] = (name,) if name is not None else ()
-        elif n.op in ("call_function", "call_method") and all(a in out for a in n.all_input_nodes):
+        elif n.op in ("call_function", "call_method") and n.all_input_nodes and \
+                op_name(n) in TRANSPARENT_OPS | POINTWISE_OPS and \
+                all(a in out for a in n.all_input_nodes):
             out[n] = tuple(dict.fromkeys(x for a in n.all_input_nodes for x in out[a]))
     return out
 

@@ -23,8 +23,8 @@ every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
 `tests/tolerances.py` derives from the same run in float64. Their `labels`
 argument is left None (the model would shift ptc's targets a second time);
-the next-token loss is ptc's. All cases run on 2 gloo processes, in one
-launch.
+the next-token loss is ptc's. All cases run on 2 gloo processes, in four
+launches (each within its test's time limit).
 
 OLMo 2's attention cannot be split by heads without its rules: that is a
 CompileError naming the linears, the op that mixes the heads and the `shard`
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.distributed
 
 _MQA, _EAGER = (("num_key_value_heads", 1),), (("attn_implementation", "eager"),)
 _DROPOUT = (("embd_pdrop", 0.1), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1))
-CASES = [
+LAUNCHES = {"layouts": [
     HFCase("llama", dp=2, zero=1), HFCase("llama", dp=2, zero=3), HFCase("llama", tp=2),
     HFCase("llama", tp=2, sp=True, checkpoint="full"), HFCase("llama", pp=2),
     # a padding row (no gradient) in a vocabulary-parallel embedding
@@ -60,6 +60,7 @@ CASES = [
     # dropout on (embedding, residual, and inside scaled_dot_product_attention)
     HFCase("gpt2", dp=2, zero=3, config=_DROPOUT), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT),
     HFCase("gpt2", pp=2, checkpoint="full", config=_DROPOUT),
+], "structures": [
     # one key/value head for two ranks: replicated (SDPA's grouped-query form; the eager
     # attention's repeated heads; q/k/v biases; a per-head k norm on the replicated path)
     HFCase("llama", tp=2, config=_MQA), HFCase("llama", tp=2, sp=True, config=_MQA + _EAGER),
@@ -70,29 +71,32 @@ CASES = [
     # a mixture of experts: router replicated, each expert's MLP split as an MLP
     HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
     HFCase("mixtral", pp=2, checkpoint="full"),
+], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
     # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi)
     HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
     HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2),
+], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),
     HFCase("gpt2", pp=2, dtype="bf16"), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT, dtype="bf16"),
     HFCase("mixtral", tp=2, dtype="bf16"),
-]
+]}
+CASES = [(launch, case) for launch, cases in LAUNCHES.items() for case in cases]
 _runs: dict = {}
 
 
-def _results() -> dict:
-    if not _runs:
-        _runs.update(run_local(run_hf_cases, 2, CASES)[0])
-    return _runs
+def _results(launch: str) -> dict:
+    if launch not in _runs:
+        _runs[launch] = run_local(run_hf_cases, 2, LAUNCHES[launch])[0]
+    return _runs[launch]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_trains_like_eager_pytorch(case: HFCase) -> None:
-    got = _results()[case]
+@pytest.mark.parametrize("launch,case", CASES, ids=[str(case) for _, case in CASES])
+def test_trains_like_eager_pytorch(launch: str, case: HFCase) -> None:
+    got = _results(launch)[case]
     assert_same_training(got, reference(hf_plan(case), hf_module(case)), what=str(case))
 
 
