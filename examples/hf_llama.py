@@ -1,8 +1,8 @@
 """A tiny Hugging Face Llama for examples/hf_llama_tp2_pp2_dp2.ptc, and its starting weights.
 
-    python examples/hf_llama.py save weights/tiny-llama   # save_pretrained of the seeded model
-    ptc run examples/hf_llama_tp2_pp2_dp2.ptc             # trains it from those weights
-    ptc export ckpt/hf-llama --hf weights/tiny-llama-trained
+    python examples/hf_llama.py save examples/weights/tiny-llama  # the seeded model
+    ptc run examples/hf_llama_tp2_pp2_dp2.ptc    # trains it from those weights
+    ptc export examples/ckpt/hf-llama --hf weights/tiny-llama-trained
     python examples/hf_llama.py show weights/tiny-llama-trained
 
 The plan names `tiny_llama` as its factory (`model "examples.hf_llama:tiny_llama"`),

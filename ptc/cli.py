@@ -94,8 +94,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ptc.compiler.schedule import render_schedule  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
+    if (args.steps or args.ranks) and not args.schedule:
+        _err.print("error: --steps and --ranks select rows and columns of --schedule",
+                   markup=False)
+        return EXIT_USAGE
     if args.schedule:  # the schedule follows from the plan alone: no need to compile
-        _out.print(render_schedule(plan), markup=False)
+        try:
+            _out.print(render_schedule(plan, args.steps, args.ranks), markup=False, end="")
+        except ValueError as exc:
+            _err.print(f"error: {exc}", markup=False)
+            return EXIT_USAGE
         return EXIT_OK
     program = compile_plan(plan)
     if args.dot:
@@ -224,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", metavar="FILE", help="write the stage graph as Graphviz to FILE")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule as a step x rank grid")
+    p.add_argument("--steps", default=None, metavar="A:B",
+                   help="with --schedule: only steps A to B-1 (or N, or A,B,C)")
+    p.add_argument("--ranks", default=None, metavar="A:B",
+                   help="with --schedule: only these pipeline ranks (A:B, N or A,B,C)")
 
     p = command("run", cmd_run, "Train a plan: one process per rank (gloo on CPUs, NCCL on "
                 "GPUs) through torch's elastic launcher; rank 0 prints each step.")

@@ -35,7 +35,7 @@ AXES = ("tp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "tokens")
+DATA_KINDS = ("synthetic", "uniform", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 INIT_KINDS = ("random", "state_dict", "hf")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -478,13 +478,13 @@ class LRScheduleSpec(_Section):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataSpec(_Section):
-    """Where tokens come from: synthetic from a seed, or a token file."""
+    """Where tokens come from: a toy language or uniform noise from a seed, or a token file."""
 
     _path = "train.data"
     kind: str = "synthetic"
-    """"synthetic" or "tokens"."""
+    """"synthetic" (a learnable toy language), "uniform" (noise) or "tokens"."""
     seed: int = 0
-    """Seed of synthetic data."""
+    """Seed of synthetic or uniform data."""
     path: str | None = None
     """Token file (.bin raw or .npy) for kind "tokens"."""
     dtype: str = "uint16"
@@ -590,6 +590,8 @@ class RuntimeSpec(_Section):
     """On a non-finite loss or gradient: "stop", "skip" the step, or "rollback"."""
     metrics: str | None = None
     """JSONL file of per-step metrics."""
+    tensorboard: str | None = None
+    """Directory of TensorBoard event files of the same metrics."""
     seed: int = 0
     """Seed of everything random at run time (dropout)."""
     log_every: int = 1

@@ -13,12 +13,13 @@ import io
 import math
 
 from rich.console import Console
-from rich.table import Table
+
 from torch import fx
 
 from ptc.compiler.meta import get_info
 from ptc.compiler.nodes import op_name
 from ptc.compiler.program import Program
+from ptc.compiler.views import FitTable
 from ptc.units import format_bytes
 
 FORMATS = ("code", "table")
@@ -110,10 +111,10 @@ def _annotated_code(gm: fx.GraphModule) -> str:
     return "\n".join(lines).strip("\n") + "\n"
 
 
-def _table(gm: fx.GraphModule) -> Table:
-    table = Table(show_lines=False, header_style="bold")
+def _table(gm: fx.GraphModule) -> FitTable:
+    table = FitTable()
     for column in ("#", "node", "op", "module", "kind", "shape", "FLOPs", "collective"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, number=column in ("#", "FLOPs"))
     for index, node in enumerate(gm.graph.nodes):
         meta = get_info(node)
         comm = collective(node)

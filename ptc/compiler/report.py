@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import sympy
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
@@ -23,6 +22,7 @@ from ptc.compiler.memory import TERMS, stage_memory_expr
 from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_buckets
 from ptc.compiler.profile import model_profile, with_model_shape
 from ptc.compiler.search import search_all
+from ptc.compiler.views import FitTable
 from ptc.plan import Plan
 from ptc.units import format_bytes, format_seconds
 
@@ -44,10 +44,10 @@ def describe_layout(layout: Layout) -> str:
     return " ".join(parts)
 
 
-def _summary(est: Estimate) -> Table:
-    table = Table(title="Step", show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
+def _summary(est: Estimate) -> FitTable:
+    table = FitTable(title="Step", plain=True)
+    table.add_column()
+    table.add_column(justify="right", number=False)
     rows = [("layout", describe_layout(est.layout)),
             ("step time", format_seconds(est.step_time_s)),
             ("tokens/s", f"{est.tokens_per_s:,.0f}"),
@@ -63,8 +63,8 @@ def _summary(est: Estimate) -> Table:
     return table
 
 
-def _breakdown(est: Estimate) -> Table:
-    table = Table(title="Where the step time goes")
+def _breakdown(est: Estimate) -> FitTable:
+    table = FitTable(title="Where the step time goes")
     table.add_column("part")
     table.add_column("time", justify="right")
     table.add_column("share", justify="right")
@@ -74,8 +74,8 @@ def _breakdown(est: Estimate) -> Table:
     return table
 
 
-def _memory(est: Estimate) -> Table:
-    table = Table(title="Memory per pipeline stage (most loaded rank)")
+def _memory(est: Estimate) -> FitTable:
+    table = FitTable(title="Memory per pipeline stage (most loaded rank)")
     table.add_column("stage", justify="right")
     for term in TERMS:
         table.add_column(term, justify="right")
@@ -86,7 +86,7 @@ def _memory(est: Estimate) -> Table:
     return table
 
 
-def _checkpointing(plan: Plan, est: Estimate) -> Table:
+def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
     """Per stage: each layer's policy, memory without and with it, against the budget; recompute.
 
     The budget is stated with its parts (HBM less the plan's memory_margin):
@@ -102,7 +102,7 @@ def _checkpointing(plan: Plan, est: Estimate) -> Table:
     ckpt = plan.parallel.checkpoint
     how = {"auto": "auto: per stage, the least recompute that fits"}.get(ckpt, ckpt) \
         if isinstance(ckpt, str) else "per layer"
-    table = Table(title=f"Activation checkpointing (checkpoint = {how}; budget "
+    table = FitTable(title=f"Activation checkpointing (checkpoint = {how}; budget "
                         f"{format_bytes(est.budget_bytes)} per GPU = HBM "
                         f"{format_bytes(est.hbm_bytes)} less margin "
                         f"{format_bytes(est.margin_bytes)})")
@@ -183,7 +183,7 @@ def render_explain(plan: Plan) -> Group:
 def render_search(plan: Plan, top: int = 5) -> Group:
     """The `top` fastest layouts of `plan` that fit, and the nearest misses."""
     result = search_all(plan, top)
-    table = Table(title=f"Fastest layouts ({result.fitting} of {result.candidates} fit)")
+    table = FitTable(title=f"Fastest layouts ({result.fitting} of {result.candidates} fit)")
     for name in ("#", "layout", "step", "tokens/s", "MFU", "peak mem", *PARTS):
         table.add_column(name, justify="left" if name == "layout" else "right")
     for rank, (_, est) in enumerate(result.ranked, 1):
@@ -191,7 +191,7 @@ def render_search(plan: Plan, top: int = 5) -> Group:
                       f"{est.tokens_per_s:,.0f}", f"{est.mfu:.1%}",
                       format_bytes(est.peak_memory_bytes),
                       *(format_seconds(est.breakdown[p]) for p in PARTS))
-    misses = Table(title=f"Nearest layouts that do not fit ({len(result.rejected)} rejected)")
+    misses = FitTable(title=f"Nearest layouts that do not fit ({len(result.rejected)} rejected)")
     misses.add_column("layout")
     misses.add_column("peak", justify="right")
     misses.add_column("over by", justify="right")
@@ -201,7 +201,7 @@ def render_search(plan: Plan, top: int = 5) -> Group:
     return Group(table, misses)
 
 
-def _overlap(plan: Plan, est: Estimate) -> Table:
+def _overlap(plan: Plan, est: Estimate) -> FitTable:
     """The dp communication buckets of the first (and last) pipeline stage, and what overlaps.
 
     Runs of buckets that carry one layer each collapse into one row.
@@ -216,7 +216,7 @@ def _overlap(plan: Plan, est: Estimate) -> Table:
         if par.bucket_size == "auto" else "set in the plan"
     collective = {3: "2 gathers + reduce-scatter", 2: "reduce-scatter"}.get(
         par.zero, "all-reduce (once per step)")
-    table = Table(title=f"Communication buckets over dp: bucket_size {format_bytes(size)} "
+    table = FitTable(title=f"Communication buckets over dp: bucket_size {format_bytes(size)} "
                         f"({how}; dp link {format_bytes(link.bandwidth)}/s, "
                         f"{format_seconds(link.latency)}). {_overlap_summary(plan)}")
     for name in ("stage", "buckets", "carries", "fp32 grad each", f"{collective} each"):

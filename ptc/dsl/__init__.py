@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ptc.dsl.dump import dump_plan
 from ptc.dsl.overrides import apply_overrides, relabel
+from ptc.dsl.paths import resolve_paths
 from ptc.dsl.semantic import build_plan
 from ptc.dsl.source import Source
 from ptc.dsl.syntax import parse_syntax
@@ -68,7 +69,8 @@ def parse(text: str, file: str = "<string>",
 
 def load_plan(path: str | Path, overrides: Mapping[str, object] | None = None) -> Plan:
     """Read and parse the plan file at `path` (UTF-8), with `overrides` of its fields
-    (see `parse`); `Plan.source` is the path.
+    (see `parse`); `Plan.source` is the path. Relative file paths written in the plan
+    resolve against its folder (`ptc.dsl.paths`).
 
     A missing, unreadable or non-UTF-8 file raises `PtcError`; an invalid
     plan raises `PlanError`.
@@ -84,4 +86,4 @@ def load_plan(path: str | Path, overrides: Mapping[str, object] | None = None) -
     except UnicodeDecodeError as exc:
         raise PtcError(f"plan file {name} is not UTF-8 text (byte {exc.start} is "
                        f"0x{data[exc.start]:02x})") from None
-    return parse(text, file=name, overrides=overrides)
+    return resolve_paths(parse(text, file=name, overrides=overrides), Path(path).parent)

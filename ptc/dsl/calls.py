@@ -179,10 +179,11 @@ lr_schedule = call_converter(LRScheduleSpec, "kind", {
 
 data = call_converter(DataSpec, "kind", {
     "synthetic": Form({"seed": integer}, example="synthetic(seed = 0)"),
+    "uniform": Form({"seed": integer}, example="uniform(seed = 0)"),
     "tokens": Form({"path": string, "dtype": word(TOKEN_DTYPES)}, positional=("path",),
                    required=("path",), example='tokens("train.bin", dtype = uint16)'),
 }, "data")
-"""data = synthetic(seed = N) | tokens("path", dtype = uint16|uint32)."""
+"""data = synthetic(seed = N) | uniform(seed = N) | tokens("path", dtype = uint16|uint32)."""
 
 init = call_converter(InitSpec, "kind", {
     "random": Form({"seed": integer}, example="random(seed = 0)"),

@@ -143,6 +143,7 @@ RUNTIME_KEYS: dict[str, Key] = {
     "async_save": Key("async_save", boolean),
     "nan_policy": Key("nan_policy", word(NAN_POLICIES)),
     "metrics": Key("metrics", optional(string)),
+    "tensorboard": Key("tensorboard", optional(string)),
     "seed": Key("seed", integer),
     "log_every": Key("log_every", integer),
 }

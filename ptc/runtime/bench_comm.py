@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from rich.console import Group
-from rich.table import Table
 
 from ptc.compiler import comm as cost
 from ptc.compiler.topology import AxisGroup
 from ptc.compiler.topology import axis_groups as placement
+from ptc.compiler.views import FitTable
 from ptc.plan import Plan
 from ptc.ops.comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from ptc.units import UNITS, format_bytes, format_seconds
@@ -227,7 +227,7 @@ def render_comm(report: CommReport) -> Group:
     tables = []
     for axis in dict.fromkeys(r.axis for r in report.results):
         rows = [r for r in report.results if r.axis == axis]
-        table = Table(title=f"axis {axis}: {rows[0].ranks} ranks on {report.device}")
+        table = FitTable(title=f"axis {axis}: {rows[0].ranks} ranks on {report.device}")
         for name in ("op", "size", "time", "algbw GB/s", "busbw GB/s", "expected busbw",
                      "of expected", "model algorithm"):
             table.add_column(name, justify="left" if name in ("op", "model algorithm")

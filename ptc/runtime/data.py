@@ -4,8 +4,11 @@ A *sample* is seq_len + 1 consecutive tokens: inputs are its first seq_len,
 targets its last seq_len. Samples are numbered globally; sample g depends
 only on g and the data source, never on the parallel layout:
 
-- synthetic(seed): sample g is `numpy.random.default_rng([seed, g])`'s
-  seq_len + 1 integers in [0, vocab).
+- synthetic(seed): sample g is drawn by `numpy.random.default_rng([seed, g])`
+  from a toy language of the seed (`ptc.runtime.synthetic`): frequent and
+  rare words, a successor rule, copied spans; a model visibly learns it.
+- uniform(seed): sample g is that generator's seq_len + 1 integers in
+  [0, vocab): noise, nothing to learn.
 - tokens(path): a flat token file read by memory map (`.npy`, or raw `.bin`
   of the plan's uint16/uint32). Sample g is the window starting at token
   (g mod W)·seq_len, where W = (N - 1) // seq_len windows fit in N tokens:
@@ -32,6 +35,7 @@ import torch
 
 from ptc.errors import PtcError
 from ptc.plan import DataSpec
+from ptc.runtime.synthetic import ToyLanguage, uniform_sample
 
 
 FULL_SCAN_TOKENS = 1 << 28
@@ -47,6 +51,7 @@ class TokenSource:
     def __init__(self, spec: DataSpec, *, vocab: int, seq_len: int):
         self.spec, self.vocab, self.seq_len = spec, vocab, seq_len
         self._tokens = _open_tokens(spec) if spec.kind == "tokens" else None
+        self._language = ToyLanguage(spec.seed, vocab) if spec.kind == "synthetic" else None
         if self._tokens is not None:
             self._windows = (len(self._tokens) - 1) // seq_len
             if self._windows < 1:
@@ -56,8 +61,10 @@ class TokenSource:
     def sample(self, index: int) -> np.ndarray:
         """Sample `index`: seq_len + 1 token ids (int64)."""
         n = self.seq_len + 1
+        if self._language is not None:
+            return self._language.sample(index, n)
         if self._tokens is None:
-            return np.random.default_rng([self.spec.seed, index]).integers(0, self.vocab, n)
+            return uniform_sample(self.spec.seed, index, n, self.vocab)
         start = (index % self._windows) * self.seq_len
         window = np.asarray(self._tokens[start:start + n], dtype=np.int64)
         if self.vocab is not None and window.max(initial=0) >= self.vocab:

@@ -47,7 +47,7 @@ from ptc.runtime.checkpoint_store import CheckpointStore, step_name
 from ptc.runtime.executor import RankError, StepStats
 from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
-from ptc.runtime.lr import learning_rate
+from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
 
 MAX_ROLLBACKS = 3
@@ -109,10 +109,10 @@ class TrainLoop:
         change = "" if saved == now else f" (resharded from {_fmt(saved)} to {_fmt(now)})"
         self.log(f"resumed from {step_name(manifest.step)}: step {manifest.step}, "
                  f"next sample {manifest.position}{change}")
-        if manifest.info.get("lr_schedule", self._schedule()) != self._schedule():
-            self.log(f"the learning-rate schedule differs from the checkpoint's "
-                     f"({manifest.info['lr_schedule']}): continuing with the plan's "
-                     f"({self._schedule()})")
+        change = schedule_change(manifest.info.get("lr_schedule", self._schedule()),
+                                 self._schedule(), self.step)
+        if change:
+            self.log(f"{change}; continuing with the plan's")
 
     # ------------------------------------------------------------------ running
 
@@ -220,9 +220,7 @@ class TrainLoop:
     def _schedule(self) -> dict:
         """The learning-rate schedule as the manifest records it (total steps included)."""
         train = self.plan.train
-        s = train.lr_schedule
-        return {"kind": s.kind, "peak": train.optimizer.lr, "warmup": s.warmup,
-                "min_lr": s.min_lr, "decay_steps": s.decay_steps, "total_steps": train.steps}
+        return schedule_record(train.optimizer.lr, train.lr_schedule, train.steps)
 
     def _layout(self) -> dict[str, int]:
         p = self.plan.parallel

@@ -29,3 +29,37 @@ def learning_rate(step: int, peak: float, schedule: LRScheduleSpec, total_steps:
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return schedule.min_lr + (peak - schedule.min_lr) * cosine
     return peak + (schedule.min_lr - peak) * progress
+
+
+
+def schedule_record(peak: float, schedule: LRScheduleSpec, total_steps: int) -> dict:
+    """The schedule as a checkpoint's manifest records it."""
+    return {"kind": schedule.kind, "peak": peak, "warmup": schedule.warmup,
+            "min_lr": schedule.min_lr, "decay_steps": schedule.decay_steps,
+            "total_steps": total_steps}
+
+
+def schedule_change(saved: dict, now: dict, next_step: int) -> str | None:
+    """What changes for a run resumed at update `next_step` (0-based) whose schedule record
+    was `saved` and is `now`: None when every learning rate from there on is the same, else
+    one line naming the plan fields that differ and the next rate under each."""
+    def rate(record: dict, step: int) -> float:
+        spec = LRScheduleSpec(kind=record["kind"], warmup=record["warmup"],
+                              min_lr=record["min_lr"], decay_steps=record["decay_steps"])
+        return learning_rate(step, record["peak"], spec, record["total_steps"])
+
+    end = max(now["total_steps"], saved["total_steps"])
+    first = next((t for t in range(next_step, end) if rate(saved, t) != rate(now, t)), None)
+    if first is None:
+        return None
+    changed = ", ".join(f"{_FIELD[key]} {saved[key]} -> {value}" for key, value in now.items()
+                        if saved[key] != value)
+    return (f"the learning-rate schedule differs from the checkpoint's ({changed}): from step "
+            f"{first + 1} the rate is {rate(now, first):.3g} where the checkpoint's schedule "
+            f"gives {rate(saved, first):.3g}")
+
+
+_FIELD = {"kind": "train.lr_schedule", "peak": "train.optimizer.lr",
+          "warmup": "lr_schedule.warmup", "min_lr": "lr_schedule.min_lr",
+          "decay_steps": "lr_schedule.decay_steps", "total_steps": "train.steps"}
+"""Where each key of a schedule record is set in a plan."""

@@ -13,7 +13,11 @@ computation did not hide), rank 0's
 `peak_memory_bytes` (CUDA's peak allocation, or the process's peak RSS on
 CPUs), `nonfinite` (ranks that saw a NaN or Inf; the step then updated
 nothing, and non-finite values are written as null) and `restart` (the
-elastic launcher's restart count). A resumed run appends to the file.
+elastic launcher's restart count). A resumed run appends to the file; a
+fresh run keeps an earlier run's file as `NAME.1` (then `.2`, ...) and says
+so, so no record is ever lost. With `runtime.tensorboard` set, the same
+numbers are TensorBoard scalars (tag = key, x = step) in event files under
+that directory, read by TensorBoard's own loader.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import Program
+from ptc.errors import PtcError
 from ptc.plan import Plan
 from ptc.runtime.executor import StepStats
 
@@ -53,6 +58,34 @@ def peak_memory_bytes() -> int:
 
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN
+
+
+SCALARS = ("loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu", "peak_memory_bytes",
+           "exposed_comm_s", "predicted_step_time")
+"""The record's keys that TensorBoard plots, each a scalar tag."""
+
+
+def keep_earlier(path: Path) -> Path | None:
+    """Move a non-empty file at `path` to the first free `path.N`; return where it went."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    kept = path.with_name(f"{path.name}.{n}")
+    path.rename(kept)
+    return kept
+
+
+def tensorboard_writer(log_dir: str):
+    """A TensorBoard `SummaryWriter` on `log_dir`; PtcError naming the plan field when the
+    tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
+    except ImportError as exc:
+        raise PtcError(f"runtime.tensorboard = \"{log_dir}\" needs the tensorboard package "
+                       f"({exc}); pip install tensorboard, or remove the field") from None
+    return SummaryWriter(log_dir=log_dir)
 
 
 def format_step(stats: StepStats, steps: int, predicted: float | None) -> str:
@@ -81,6 +114,7 @@ class StepReporter(AbstractContextManager):
         self._progress: Progress | None = None
         self._task = None
         self._file: IO[str] | None = None
+        self._board = None
 
     def __enter__(self) -> StepReporter:
         if not self.enabled:
@@ -88,7 +122,13 @@ class StepReporter(AbstractContextManager):
         if self.plan.runtime.metrics:
             path = Path(self.plan.runtime.metrics)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a" if self.append else "w")
+            kept = None if self.append else keep_earlier(path)
+            if kept is not None:
+                self.console.print(f"metrics: {path} holds an earlier run's steps; kept as "
+                                   f"{kept}", markup=False)
+            self._file = path.open("a")
+        if self.plan.runtime.tensorboard:
+            self._board = tensorboard_writer(self.plan.runtime.tensorboard)
         if self.console.is_terminal:
             self._progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), console=self.console)
@@ -105,21 +145,35 @@ class StepReporter(AbstractContextManager):
             console.print(format_step(stats, self.steps, self.predicted), markup=False)
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step)
+        if self._file is not None or self._board is not None:
+            self._record(self._metrics(stats), stats.step)
+
+    def _metrics(self, stats: StepStats) -> dict:
+        """The step's record: the module docstring's keys."""
+        mfu = self.flops / stats.step_time / self._peak if self.flops and stats.step_time \
+            else None
+        return {"step": stats.step, "loss": _finite(stats.loss), "lr": stats.lr,
+                "grad_norm": _finite(stats.grad_norm), "step_time": stats.step_time,
+                "exposed_comm_s": stats.comm_wait, "tokens_per_s": stats.tokens_per_s,
+                "predicted_step_time": self.predicted, "mfu": mfu,
+                "peak_memory_bytes": peak_memory_bytes(), "nonfinite": list(stats.nonfinite),
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+
+    def _record(self, record: dict, step: int) -> None:
+        """Append the record to the JSONL file and plot its numbers in TensorBoard."""
         if self._file is not None:
-            mfu = self.flops / stats.step_time / self._peak if self.flops and stats.step_time \
-                else None
-            record = {"step": stats.step, "loss": _finite(stats.loss), "lr": stats.lr,
-                      "grad_norm": _finite(stats.grad_norm), "step_time": stats.step_time,
-                      "exposed_comm_s": stats.comm_wait,
-                      "tokens_per_s": stats.tokens_per_s, "predicted_step_time": self.predicted,
-                      "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(),
-                      "nonfinite": list(stats.nonfinite),
-                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._board is not None:
+            for key in SCALARS:
+                if record[key] is not None:
+                    self._board.add_scalar(key, record[key], global_step=step)
+            self._board.flush()
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()
         if self._file is not None:
             self._file.close()
+        if self._board is not None:
+            self._board.close()

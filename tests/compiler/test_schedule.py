@@ -202,5 +202,22 @@ class TestGrid:
         assert text.splitlines()[0] == "1f1b schedule: pp=2 v=1 m=4, 2 stages on 2 ranks"
         assert text.splitlines()[-1] == "10 steps, bubble 20%, peak in flight per rank: 2 1"
 
+    def test_steps_and_ranks_narrow_the_grid_but_not_its_summary(self) -> None:
+        whole = render_schedule(plan("1f1b", 2, 4, 1)).splitlines()
+        part = render_schedule(plan("1f1b", 2, 4, 1), steps="3:5", ranks="1").splitlines()
+        assert part[0] == whole[0] and part[-1] == whole[-1]
+        assert part[1] == "step  rank 1"
+        rank1 = [line[6:].split()[1] for line in whole[5:7]]  # steps 3 and 4, rank 1's column
+        assert [line.split()[1] for line in part[2:-1]] == rank1
+        assert [int(line.split()[0]) for line in part[2:-1]] == [3, 4]
+
+    @pytest.mark.parametrize("steps,ranks,message", [
+        ("20:", None, r"--steps '20:': give N, A:B or A,B,C with numbers 0 \.\. 9"),
+        (None, "2", r"--ranks '2': give N, A:B or A,B,C with numbers 0 \.\. 1"),
+        ("a", None, r"--steps 'a'")])
+    def test_a_selection_outside_the_grid_is_refused(self, steps, ranks, message) -> None:
+        with pytest.raises(ValueError, match=message):
+            render_schedule(plan("1f1b", 2, 4, 1), steps=steps, ranks=ranks)
+
     def test_render_schedule_without_pipeline(self) -> None:
         assert render_schedule(plan("1f1b", 1, 4, 1)).startswith("pp = 1: no pipeline schedule")

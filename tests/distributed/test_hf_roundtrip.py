@@ -72,7 +72,8 @@ def test_the_example_trains_a_saved_llama_under_tp_pp_dp_and_exports_it(tmp_path
 
     example(["save", str(tmp_path / "in")])
     base = ptc.load_plan(root / "examples" / "hf_llama_tp2_pp2_dp2.ptc")
-    assert base.train.init == InitSpec(kind="hf", path="weights/tiny-llama")
+    assert base.train.init == InitSpec(  # the plan's relative path, from the plan's folder
+        kind="hf", path=str(root / "examples" / "weights" / "tiny-llama"))
     plan = dataclasses.replace(
         base, train=dataclasses.replace(base.train, steps=2, init=InitSpec(
             kind="hf", path=str(tmp_path / "in"))),

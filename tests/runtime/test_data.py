@@ -10,18 +10,46 @@ from runtime_helpers import tiny_plan  # noqa: F401 - puts the repo root on sys.
 from ptc.errors import PtcError
 from ptc.plan import DataSpec
 from ptc.runtime.data import TokenSource, microbatch_start
+from ptc.runtime.synthetic import ToyLanguage
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_synthetic_samples_depend_only_on_seed_and_index():
-    a = TokenSource(DataSpec(seed=5), vocab=50, seq_len=8)
-    b = TokenSource(DataSpec(seed=5), vocab=50, seq_len=8)
+@pytest.mark.parametrize("kind", ["synthetic", "uniform"])
+def test_synthetic_samples_depend_only_on_seed_and_index(kind):
+    a = TokenSource(DataSpec(kind=kind, seed=5), vocab=50, seq_len=40)
+    b = TokenSource(DataSpec(kind=kind, seed=5), vocab=50, seq_len=40)
     assert np.array_equal(a.sample(17), b.sample(17))
     assert not np.array_equal(a.sample(17), a.sample(18))
-    assert not np.array_equal(a.sample(17), TokenSource(DataSpec(seed=6), vocab=50,
-                                                         seq_len=8).sample(17))
-    assert a.sample(3).shape == (9,) and a.sample(3).max() < 50
+    assert not np.array_equal(a.sample(17), TokenSource(DataSpec(kind=kind, seed=6), vocab=50,
+                                                         seq_len=40).sample(17))
+    sample = a.sample(3)
+    assert sample.shape == (41,) and sample.dtype == np.int64
+    assert sample.min() >= 0 and sample.max() < 50
+
+
+def _stream(kind: str, vocab: int = 512) -> np.ndarray:
+    source = TokenSource(DataSpec(kind=kind, seed=1), vocab=vocab, seq_len=256)
+    return np.stack([source.sample(g) for g in range(200)])
+
+
+def test_the_toy_language_has_frequent_words_a_successor_rule_and_copied_spans():
+    rows = _stream("synthetic")
+    language = ToyLanguage(1, 512)
+    counts = np.bincount(rows.ravel(), minlength=512) / rows.size
+    entropy = -(counts[counts > 0] * np.log(counts[counts > 0])).sum()
+    assert entropy < 0.75 * np.log(512)  # uniform noise would be ln(512)
+    # the successor rule: half the tokens by construction, about 1/512 by chance
+    follows = (rows[:, 1:] == language.successor[rows[:, :-1]]).mean()
+    assert 0.35 < follows < 0.75
+    # copied spans: 8 tokens that also stand 8 or more positions earlier in the sample
+    seen = 0
+    for row in rows[:20]:
+        grams = [tuple(row[i:i + 8]) for i in range(len(row) - 7)]
+        seen += sum(g in set(grams[:max(i - 7, 0)]) for i, g in enumerate(grams))
+    assert seen > 20 * 10
+    noise = _stream("uniform")
+    assert (noise[:, 1:] == language.successor[noise[:, :-1]]).mean() < 0.01
 
 
 def test_inputs_and_targets_are_the_sample_shifted_by_one():

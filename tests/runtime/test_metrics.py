@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -12,7 +13,7 @@ from runtime_helpers import tiny_plan
 from ptc.compiler.decisions import resolve
 from ptc.lower.driver import capture_plan, compile_plan
 from ptc.runtime.executor import StepStats
-from ptc.runtime.metrics import StepReporter, format_step
+from ptc.runtime.metrics import SCALARS, StepReporter, format_step
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,3 +102,42 @@ def test_model_flops_are_three_forwards_of_the_global_batch():
                   if get_info(n) is not None)
     assert forward > 0
     assert model_flops_per_step(program) == 3 * forward * 2
+
+
+def test_a_fresh_run_keeps_an_earlier_runs_file_and_says_where(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1, metrics=str(path))
+    path.write_text('{"step": 1, "loss": 9.0}\n')
+    (tmp_path / "metrics.jsonl.1").write_text('{"step": 1, "loss": 8.0}\n')
+    out = io.StringIO()
+    with StepReporter(plan, steps=1, enabled=True,
+                      console=Console(file=out, width=500)) as reporter:
+        reporter.report(stats(1))
+    assert (tmp_path / "metrics.jsonl.2").read_text() == '{"step": 1, "loss": 9.0}\n'
+    assert (tmp_path / "metrics.jsonl.1").read_text() == '{"step": 1, "loss": 8.0}\n'
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [4.25]
+    assert f"metrics: {path} holds an earlier run's steps; kept as {path}.2" in out.getvalue()
+
+
+def test_tensorboard_scalars_read_back_with_tensorboards_own_loader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    plan = dataclasses.replace(plan, runtime=dataclasses.replace(
+        plan.runtime, tensorboard=str(tmp_path / "tb")))
+    peak = plan.hardware.peak_flops[plan.train.dtype]
+    with StepReporter(plan, steps=2, enabled=True, console=Console(file=io.StringIO()),
+                      predicted_step_time=0.15, flops_per_step=0.2 * peak) as reporter:
+        reporter.report(stats(1))
+        reporter.report(dataclasses.replace(stats(2), loss=3.5))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(SCALARS)
+    read = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in SCALARS}
+    assert read["loss"] == [(1, 4.25), (2, 3.5)]
+    assert read["step_time"] == [(1, pytest.approx(0.2)), (2, pytest.approx(0.2))]
+    assert read["tokens_per_s"][0] == (1, 20480.0)
+    assert read["mfu"][0] == (1, pytest.approx(1.0))
+    assert read["exposed_comm_s"][0] == (1, pytest.approx(0.05))
+    assert read["predicted_step_time"][0] == (1, pytest.approx(0.15))
+    assert read["peak_memory_bytes"][0][1] > 0

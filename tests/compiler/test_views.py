@@ -1,0 +1,64 @@
+"""Every table ptc prints is readable at 80 columns: cells whole, never cut to "optimi…"."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from ptc.compiler.inspect import render_graph
+from ptc.compiler.report import render_explain, render_search
+from ptc.compiler.views import FitTable
+from ptc.dsl import load_plan
+from ptc.lower.driver import compile_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _text(renderable, width: int) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def _table(rows: int, cols: int) -> FitTable:
+    table = FitTable("numbers")
+    table.add_column("stage", justify="right")
+    for c in range(cols):
+        table.add_column(f"term {c}", justify="right")
+    for r in range(rows):
+        table.add_row(str(r), *(f"{r}{c}.5 GiB" for c in range(cols)))
+    return table
+
+
+def test_a_table_that_fits_prints_as_a_table():
+    text = _text(_table(3, 4), 80)
+    assert "┃ stage ┃   term 0 ┃" in text and "│     2 │ 20.5 GiB │" in text
+
+
+def test_a_wide_table_turns_and_then_stacks_keeping_every_cell_whole():
+    wide = _table(3, 12)  # 12 number columns of 9 characters: more than 80
+    turned = _text(wide, 80)
+    assert "┃ stage   ┃" in turned and "│ term 11 │ 011.5 GiB │" in turned
+    stacked = _text(_table(12, 12), 80)  # turned it would be as wide
+    assert "┃" not in stacked
+    assert "stage 11\n  term 0   110.5 GiB\n" in stacked
+    for text in (turned, stacked):
+        assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+
+
+@pytest.mark.parametrize("render", ["explain", "plan", "inspect"])
+def test_ptcs_views_cut_nothing_at_80_columns(render):
+    plan = load_plan(EXAMPLES / ("tiny_gpt_cpu.ptc" if render == "inspect"
+                                 else "llama70b_h100x64_tp8_pp4_dp2.ptc"))
+    if render == "inspect":
+        text = render_graph(compile_plan(plan), 0, "table", width=80)
+        assert "placeholder" in text and "layers.0.attn.qkv" in text
+    else:
+        view = render_explain(plan) if render == "explain" else render_search(plan, top=3)
+        text = _text(view, 80)
+        assert ("optimizer" in text and "activations" in text) if render == "explain" \
+            else "tokens/s" in text
+    assert "…" not in text
