@@ -39,14 +39,18 @@ def compile(model: nn.Module | None, plan: Plan | str | os.PathLike) -> Program:
     return compile_plan(_as_plan(plan), model=model)
 
 
-def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None) -> RunResult:
-    """Train a plan (or a compiled Program) on local processes and return the losses."""
+def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None,
+        allow_oom: bool = False) -> RunResult:
+    """Train a plan (or a compiled Program) on local processes and return the losses.
+
+    Before any process starts, what the run needs is checked (`ptc.runtime.preflight`: files,
+    folders, memory); `allow_oom` runs a plan predicted not to fit anyway."""
     from ptc.compiler.program import Program  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.runtime.train import run as _run  # noqa: PLC0415
 
     return _run(plan if isinstance(plan, Program) else _as_plan(plan), compiler=compile_plan,
-                steps=steps)
+                steps=steps, allow_oom=allow_oom)
 
 
 def export(checkpoint: str | os.PathLike, *, hf: str | os.PathLike | None = None,

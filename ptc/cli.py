@@ -35,11 +35,14 @@ def _load(path: str, overrides: dict[str, str]):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Validate plan files; print every error of each, with line and caret."""
+    """Validate plan files and what a run of each would need (`ptc.runtime.preflight`); print
+    every problem of each, with line and caret."""
     status = EXIT_OK
     for path in args.plans:
         try:
             plan = _load(path, args.overrides)
+            if not args.plan_only:
+                _preflight(plan, args)
         except PlanError as exc:
             _err.print(str(exc), markup=False)
             n = len(exc.diagnostics)
@@ -50,27 +53,23 @@ def cmd_check(args: argparse.Namespace) -> int:
             _err.print(f"{path}: error: {exc}", markup=False)
             status = EXIT_FAILED
             continue
-        for missing in _missing_files(plan):
-            _err.print(f"{path}: warning: {missing} (ptc run will refuse it)", markup=False)
         p = plan.parallel
         _out.print(f"{path}: ok — {plan.model.family} on {plan.num_gpus} x {plan.hardware.gpu}, "
                    f"tp={p.tp} pp={p.pp} dp={p.dp} zero={p.zero}", markup=False)
     return status
 
 
-def _missing_files(plan) -> list[str]:
-    """The plan's input files that are not there now (token data, initial weights), one line
-    each naming the field; a check of the file system, which may change before a run."""
-    data, init = plan.train.data, plan.train.init
-    out = []
-    if data.kind == "tokens" and not Path(data.path).is_file():
-        out.append(f"train.data: tokens(\"{data.path}\"): no such file")
-    if init.kind == "state_dict" and not Path(init.path).is_file():
-        out.append(f"train.init: state_dict(\"{init.path}\"): no such file")
-    if init.kind == "hf" and not (Path(init.path, "model.safetensors").is_file() or
-                                  Path(init.path, "model.safetensors.index.json").is_file()):
-        out.append(f"train.init: hf(\"{init.path}\"): no save_pretrained weights there")
-    return out
+def _preflight(plan, args: argparse.Namespace) -> None:
+    """Raise PlanError with what a run of `plan` would meet (files, folders, factory, memory);
+    print the warnings."""
+    from ptc.runtime.preflight import preflight  # noqa: PLC0415 - reads files, imports torch
+
+    found = preflight(plan, overrides=args.overrides, allow_oom=getattr(args, "allow_oom", False))
+    for warning in (d for d in found if d.severity == "warning"):
+        _err.print(warning.render(), markup=False)
+    errors = [d for d in found if d.severity == "error"]
+    if errors:
+        raise PlanError(errors)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -150,13 +149,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ptc.worker import main  # noqa: PLC0415
 
         return main([args.plan, *_flags(args.overrides)])
-    from ptc.runtime.data import check_data  # noqa: PLC0415
-    from ptc.runtime.init import check_init  # noqa: PLC0415
-
-    check_data(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
-    check_init(plan)
+    _preflight(plan, args)
     return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra,
-                  worker_args=_flags(args.overrides))
+                  worker_args=_flags(args.overrides), log_dir=args.log_dir)
 
 
 def _flags(overrides: dict[str, str]) -> list[str]:
@@ -183,8 +178,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Print the plan's memory per stage (with its formula) and its time breakdown."""
     from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.runtime.preflight import memory_problems  # noqa: PLC0415
 
-    _out.print(render_explain(_load(args.plan, args.overrides)))
+    plan = _load(args.plan, args.overrides)
+    _out.print(render_explain(plan))
+    problems = memory_problems(plan, overrides=args.overrides)
+    if problems:
+        raise PlanError(problems)  # printed after the explanation: exit 1
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write one self-contained HTML page: schedule, memory, step time, passes, graphs."""
+    from ptc.compiler.html_report import render_report  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
+
+    page = render_report(compile_plan(_load(args.plan, args.overrides)))
+    Path(args.output).write_text(page, encoding="utf-8")
+    _out.print(f"wrote {args.output}", markup=False)
     return EXIT_OK
 
 
@@ -216,8 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = command("check", cmd_check, "Check plan files; exit 0 when valid, 1 when not.")
+    p = command("check", cmd_check, "Check plan files and what a run of each needs here (files, "
+                "folders, factory, memory); exit 0 when valid, 1 when not.")
     p.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (.ptc)")
+    p.add_argument("--plan-only", dest="plan_only", action="store_true",
+                   help="check the plans themselves, not this machine's files and folders "
+                        "nor memory (a plan written for another cluster)")
 
     p = command("compile", cmd_compile,
                 "Capture the plan's model and summarise parameters, FLOPs and layers.")
@@ -249,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-backend", dest="rdzv_backend", default=None,
                    help="rendezvous backend (default c10d)")
     p.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all nodes")
+    p.add_argument("--allow-oom", dest="allow_oom", action="store_true",
+                   help="run a plan whose predicted memory exceeds the budget (a warning)")
+    p.add_argument("--log-dir", dest="log_dir", default=None,
+                   help="every rank's stdout and stderr go to files here (default: "
+                        "checkpoint_dir/logs, else a new temporary folder)")
     p.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
                    help="restart the whole group up to N times after a rank fails")
 
@@ -270,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("explain", cmd_explain, "Explain a plan: memory per stage against HBM with "
                 "the symbolic formula, step-time breakdown, bubble and warnings.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+
+    p = command("report", cmd_report, "Write an HTML page of the compiled plan: the pipeline "
+                "schedule as a Gantt chart, memory per stage against the budget, the step-time "
+                "breakdown, the pass log and each stage's lowered graph.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("-o", "--output", default="report.html", help="the page (report.html)")
 
     p = command("dump", cmd_dump, "Print the plan as text, with the command line's "
                 "--section.key value overrides applied.")

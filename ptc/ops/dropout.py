@@ -58,11 +58,14 @@ def current_samples() -> Samples | None:
 
 def keep_mask(shape: tuple[int, ...], p: float, *, seed: int, site: int, sample: int,
               device: torch.device | str = "cpu") -> torch.Tensor:
-    """The keep mask (True: kept) of one sample's whole tensor at one dropout site."""
+    """The keep mask (True: kept) of one sample's whole tensor at one dropout site.
+
+    Drawn in float32 whatever torch's default dtype: a float64 default would draw other
+    numbers from the same generator, and so another mask."""
     digest = hashlib.blake2b(f"{seed}/{site}/{sample}".encode(), digest_size=8).digest()
     generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-    return torch.rand(shape, generator=generator, device=device) >= p
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32) >= p
 
 
 def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,

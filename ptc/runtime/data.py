@@ -51,7 +51,7 @@ class TokenSource:
     def __init__(self, spec: DataSpec, *, vocab: int, seq_len: int):
         self.spec, self.vocab, self.seq_len = spec, vocab, seq_len
         self._tokens = _open_tokens(spec) if spec.kind == "tokens" else None
-        self._language = ToyLanguage(spec.seed, vocab) if spec.kind == "synthetic" else None
+        self._language: ToyLanguage | None = None
         if self._tokens is not None:
             self._windows = (len(self._tokens) - 1) // seq_len
             if self._windows < 1:
@@ -61,7 +61,9 @@ class TokenSource:
     def sample(self, index: int) -> np.ndarray:
         """Sample `index`: seq_len + 1 token ids (int64)."""
         n = self.seq_len + 1
-        if self._language is not None:
+        if self.spec.kind == "synthetic":
+            if self._language is None:  # drawn once, when the vocabulary is known
+                self._language = ToyLanguage(self.spec.seed, self.vocab)
             return self._language.sample(index, n)
         if self._tokens is None:
             return uniform_sample(self.spec.seed, index, n, self.vocab)

@@ -103,6 +103,23 @@ def source_line(gm: fx.GraphModule, node: fx.Node) -> str | None:
     return None
 
 
+_DOING = {"F": "forward of", "B": "backward of", "RECV_F": "receiving the input of",
+          "SEND_F": "sending the output of", "RECV_B": "receiving the output gradient of",
+          "SEND_B": "sending the input gradient of"}
+"""What a rank is doing in each kind of schedule action, for messages."""
+
+
+def located(exc: Exception, rank: int, step: int, action) -> RankError:
+    """`exc`, raised by `action` of step `step` (0-based), as a RankError whose second line says
+    where in the step: `at step 3, micro-batch 1, forward of stage 0`."""
+    kind = "" if isinstance(exc, PtcError) else f"{type(exc).__name__}: "  # ptc's say enough
+    text = str(exc) if isinstance(exc, RankError) else f"rank {rank}: {kind}{exc}"
+    first, _, rest = text.partition("\n")
+    where = (f"  at step {step + 1}, micro-batch {action.microbatch}, "
+             f"{_DOING.get(action.kind, action.kind)} stage {action.stage}")
+    return RankError("\n".join(filter(None, (first, where, rest))))
+
+
 class GraphRunner:
     """Runs a lowered graph and turns any failure into a RankError naming the node.
 
@@ -353,7 +370,10 @@ class Trainer:
                            loss_sum=torch.zeros((), device=self.device))
         with bind_axes(self.groups):
             for action in self.actions:
-                self._handlers[action.kind](action, state)
+                try:
+                    self._handlers[action.kind](action, state)
+                except Exception as exc:
+                    raise located(exc, self.rank, step, action) from exc
                 state.sends = [t for t in state.sends if not t.done()]
             for transfer in state.sends:
                 transfer.wait()

@@ -57,6 +57,11 @@ class SafetensorsState(Mapping):
         with safe_open(self._files[name], framework="pt") as f:
             return f.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, read from the file's header (no data is loaded)."""
+        with safe_open(self._files[name], framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 

@@ -29,13 +29,58 @@ from ptc.runtime.hf_weights import SafetensorsState
 
 
 def check_init(plan: Plan) -> None:
-    """Refuse, in one line naming `train.init`, weights that cannot be read (run before any
-    process starts)."""
+    """Refuse, in one line naming `train.init`, weights that cannot be read or that do not
+    hold the model's parameters (names and shapes; checked for the built-in families, whose
+    meta model costs nothing) — run before any process starts."""
     init = plan.train.init
-    if init.kind == "hf":
-        SafetensorsState(init.path)
-    elif init.kind == "state_dict" and not Path(init.path).is_file():
+    if init.kind == "random":
+        return
+    if init.kind == "state_dict" and not Path(init.path).is_file():
         raise PtcError(f"train.init: state_dict(\"{init.path}\"): no such file")
+    if init.kind == "hf":
+        state = SafetensorsState(init.path)
+        shape_of = state.shape
+    else:
+        try:
+            state = torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - a pickle, zip or format error of the file
+            raise PtcError(f"train.init: state_dict(\"{init.path}\"): cannot be read as a "
+                           f"torch.save state dict ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(state, Mapping):
+            raise PtcError(f"train.init: state_dict(\"{init.path}\") holds a "
+                           f"{type(state).__name__}, not a state dict")
+        def shape_of(name: str) -> tuple[int, ...]:
+            return tuple(state[name].shape)
+    if plan.model.family == "custom":
+        return  # its names are known once its factory runs, in the workers
+    _check_names_and_shapes(reference_model(plan), state, shape_of, init.path)
+
+
+def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: str) -> None:
+    """Every parameter of `model` under one of its names (tied ones have several) in `state`,
+    with the model's shape."""
+    names: dict[int, list[str]] = {}
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    missing = []
+    for key, aliases in names.items():
+        found = next((a for a in aliases if a in state), None)
+        if found is None:
+            missing.append(aliases[0])
+            continue
+        want = tuple(params[key].shape)
+        if shape_of(found) != want:
+            raise PtcError(f"train.init: {source}: {found} has shape {shape_of(found)}, the "
+                           f"model needs {want}")
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                          else "")
+        raise PtcError(f"train.init: {source}: no weights for {shown} (of {len(names)} "
+                       f"parameters); the file holds {len(state)} tensors, e.g. "
+                       f"{', '.join(list(state)[:3])}")
 
 
 def reference_model(plan: Plan) -> nn.Module:

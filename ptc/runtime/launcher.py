@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -46,13 +48,18 @@ def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = (),
 
 
 def launch(plan_path: str, nproc: int | None = None,
-           extra_launcher_args: Sequence[str] = (), worker_args: Sequence[str] = ()) -> int:
+           extra_launcher_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+           log_dir: str | None = None) -> int:
     """Run the plan file on nproc local processes (per node); return the exit code.
 
-    nproc defaults to tp * pp * dp divided by the plan's nodes. When a rank fails, the others
-    are stopped and its error (rank, graph node, source line) goes to stderr;
-    with `--max-restarts=N` the agent restarts the group instead, up to N
-    times, and the workers resume from the latest checkpoint. With
+    nproc defaults to tp * pp * dp divided by the plan's nodes. Every
+    worker's output goes to files under `log_dir` (default: the plan's
+    checkpoint_dir/logs, else a new temporary folder) and rank 0's stdout
+    to the terminal too (`ptc.runtime.launch_log`). When a rank fails, the
+    others are stopped and one summary names it, its error (step, graph
+    node, source line) and the log folder; with `--max-restarts=N` the
+    agent restarts the group instead, up to N times, saying which rank
+    failed, and the workers resume from the latest checkpoint. With
     `--nnodes=MIN:MAX` the workers adapt dp to the processes that joined
     (`ptc.runtime.elastic`).
     """
@@ -60,30 +67,41 @@ def launch(plan_path: str, nproc: int | None = None,
     from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
 
+    plan = load_plan(plan_path, overrides=split_overrides(worker_args)[1])
     if nproc is None:
-        plan = load_plan(plan_path, overrides=split_overrides(worker_args)[1])
         nproc = max(1, world_size(plan) // plan.hardware.nodes)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.run import parse_args, run  # noqa: PLC0415
 
+    from ptc.runtime import launch_log  # noqa: PLC0415
     from ptc.runtime.elastic import ENV, is_elastic_range  # noqa: PLC0415
 
-    nnodes = next((a.split("=", 1)[1] for a in extra_launcher_args
-                   if a.startswith("--nnodes=")), None)
+    flags = {name.replace("_", "-"): value for name, value in
+             (a.split("=", 1) for a in extra_launcher_args if "=" in a)}
+    logs = Path(flags.get("--log-dir") or log_dir or (
+        Path(plan.runtime.checkpoint_dir, "logs") if plan.runtime.checkpoint_dir
+        else tempfile.mkdtemp(prefix="ptc-logs-")))
+    extra = [*extra_launcher_args, *launch_log.log_launcher_args(logs, list(extra_launcher_args),
+                                                                   nproc)]
     # The agent and the workers read these. Sharing the rendezvous store with the workers
     # leaves the previous attempt's addresses in it, so a restarted group can connect to
     # dead peers (pytorch/pytorch#135712): each attempt gets its own store instead.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE":
            os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
-           ENV: "1" if is_elastic_range(nnodes) else None}
+           ENV: "1" if is_elastic_range(flags.get("--nnodes")) else None,
+           # torchrun's own default for several workers, without its warning banner
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     saved = {name: os.environ.get(name) for name in env}
     _set_environment(env)
+    narrator, loggers = launch_log.narrate(logs, int(flags.get("--node-rank", 0)), nproc)
     try:
-        run(parse_args(launcher_args(plan_path, nproc, extra_launcher_args, worker_args)))
+        run(parse_args(launcher_args(plan_path, nproc, extra, worker_args)))
     except ChildFailedError as exc:
-        print(_failure_text(exc), file=sys.stderr)
+        print(launch_log.failure_summary(exc, logs, int(flags.get("--max-restarts", 0))),
+              file=sys.stderr)
         return 1
     finally:
+        launch_log.restore(narrator, loggers)
         _set_environment(saved)
     return 0
 

@@ -39,6 +39,7 @@ from ptc.compiler.program import Program
 from ptc.errors import PtcError
 from ptc.plan import Plan
 from ptc.runtime.executor import StepStats
+from ptc.units import format_bytes, format_seconds
 
 
 def model_flops_per_step(program: Program) -> float | None:
@@ -88,6 +89,37 @@ def tensorboard_writer(log_dir: str):
     return SummaryWriter(log_dir=log_dir)
 
 
+def run_banner(program: Program) -> str:
+    """The run's first line: the model, the layout, and what the cost model predicts."""
+    plan = program.plan
+    spec, p = plan.model, plan.parallel
+    if program.model is not None:
+        model = type(program.model).__name__
+    elif spec.family == "custom":
+        model = spec.factory
+    else:
+        model = f"{spec.family} {spec.layers} layers, hidden {spec.hidden}"
+    layout = f"tp{p.tp} pp{p.pp} dp{p.dp} zero{p.zero}" + (" sp" if p.sequence_parallel else "")
+    est = program.decisions.estimate
+    predicted = (f"predicted {format_bytes(est.peak_memory_bytes)} peak of "
+                 f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} per step"
+                 if est is not None else program.decisions.unpriced or "no prediction")
+    return (f"ptc run: {model} on {plan.num_gpus} x {plan.hardware.gpu}, {layout}, "
+            f"{plan.train.dtype}; {predicted}")
+
+
+def run_summary(steps: list[StepStats], predicted: float | None) -> str:
+    """The run's last line: steps, loss from first to last, median step time, peak memory."""
+    if not steps:
+        return "ptc run: no step ran"
+    times = sorted(s.step_time for s in steps)
+    median = times[len(times) // 2]
+    against = f" (predicted {format_seconds(predicted)})" if predicted is not None else ""
+    return (f"ptc run: {len(steps)} steps, loss from {steps[0].loss:.4f} to "
+            f"{steps[-1].loss:.4f}, median step {format_seconds(median)}{against}, rank 0 peak memory "
+            f"{format_bytes(peak_memory_bytes())}")
+
+
 def format_step(stats: StepStats, steps: int, predicted: float | None) -> str:
     """The one-line report of a step."""
     line = (f"step {stats.step}/{steps}  loss {stats.loss:.4f}  lr {stats.lr:.3g}  "
@@ -103,8 +135,11 @@ class StepReporter(AbstractContextManager):
 
     def __init__(self, plan: Plan, *, steps: int, enabled: bool,
                  predicted_step_time: float | None = None, console: Console | None = None,
-                 flops_per_step: float | None = None, append: bool = False):
-        """`flops_per_step`: model FLOPs of a step (for MFU); `append`: continue the JSONL file."""
+                 flops_per_step: float | None = None, append: bool = False,
+                 banner: str | None = None):
+        """`flops_per_step`: model FLOPs of a step (for MFU); `append`: continue the JSONL file;
+        `banner`: the first line to print (`run_banner`); a summary (`run_summary`) closes a
+        run that ends without an error."""
         self.plan, self.steps, self.enabled = plan, steps, enabled
         self.predicted = predicted_step_time
         self.flops, self.append = flops_per_step, append
@@ -115,10 +150,14 @@ class StepReporter(AbstractContextManager):
         self._task = None
         self._file: IO[str] | None = None
         self._board = None
+        self.banner = banner
+        self._steps: list[StepStats] = []
 
     def __enter__(self) -> StepReporter:
         if not self.enabled:
             return self
+        if self.banner:
+            self.console.print(self.banner, markup=False)
         if self.plan.runtime.metrics:
             path = Path(self.plan.runtime.metrics)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +179,7 @@ class StepReporter(AbstractContextManager):
         """Report one finished step."""
         if not self.enabled:
             return
+        self._steps.append(stats)
         if stats.step % self.plan.runtime.log_every == 0 or stats.step == self.steps:
             console = self._progress.console if self._progress else self.console
             console.print(format_step(stats, self.steps, self.predicted), markup=False)
@@ -170,9 +210,11 @@ class StepReporter(AbstractContextManager):
                     self._board.add_scalar(key, record[key], global_step=step)
             self._board.flush()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()
+        if self.enabled and kind is None:
+            self.console.print(run_summary(self._steps, self.predicted), markup=False)
         if self._file is not None:
             self._file.close()
         if self._board is not None:

@@ -24,13 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ptc.compiler.program import Program
-from ptc.errors import PtcError
+from ptc.errors import PlanError, PtcError
 from ptc.plan import Plan
-from ptc.runtime.data import check_data
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
-from ptc.runtime.init import check_init
 from ptc.runtime.launcher import in_worker, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
@@ -41,7 +39,8 @@ from ptc.runtime.mesh import (
     init_distributed,
     world_size,
 )
-from ptc.runtime.metrics import StepReporter, model_flops_per_step
+from ptc.runtime.metrics import StepReporter, model_flops_per_step, run_banner
+from ptc.runtime.preflight import preflight
 
 
 @dataclass
@@ -99,7 +98,8 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
         with StepReporter(plan, steps=steps, enabled=dist.get_rank() == 0,
                           predicted_step_time=program.predicted_step_time,
                           flops_per_step=model_flops_per_step(program),
-                          append=loop.resumed_from is not None) as reporter:
+                          append=loop.resumed_from is not None,
+                          banner=run_banner(program)) as reporter:
             def report(stats: StepStats) -> None:
                 reporter.report(stats)
                 result.steps.append(stats)
@@ -113,7 +113,7 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
 
 
 def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
-        steps: int | None = None) -> RunResult:
+        steps: int | None = None, allow_oom: bool = False) -> RunResult:
     """Train a plan (compiling it) or a compiled Program; return rank 0's RunResult.
 
     From a plain Python process, a plan for several processes is run on
@@ -128,8 +128,11 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     # compile again: compiling is deterministic, and a GraphModule may not pickle.
     program = plan_or_program if isinstance(plan_or_program, Program) else None
     vocab = program.vocab if program is not None else plan.model.vocab
-    check_data(plan.train.data, vocab=vocab, seq_len=plan.train.seq_len)
-    check_init(plan)
+    found = [d for d in preflight(plan, allow_oom=allow_oom, vocab=vocab,
+                                  factory=program is None or program.model is None)
+             if d.severity == "error"]
+    if found:
+        raise PlanError(found)
     if program is None or program.model is None:
         return run_local(train_worker, world_size(plan), plan, compiler=compiler,
                          steps=steps)[0]

@@ -74,7 +74,11 @@ def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
     assert [r["step"] for r in after] == list(range(resumed + 1, 7))
     for record in records:  # bit-identical, before and after the restart
         assert record["loss"] == reference[record["step"] - 1], record
-    assert f"resumed from step_{resumed:08d}" in capfd.readouterr().out
+    said = capfd.readouterr()
+    assert f"resumed from step_{resumed:08d}" in said.out
+    assert "ptc run: rank 1 was killed by SIGKILL; restarting the group: restart 1 of 1, " \
+           "resuming from the latest checkpoint" in said.err
+    assert "Traceback" not in said.err and "torch/distributed" not in said.err
 
 
 @pytest.mark.timeout(240)
@@ -130,8 +134,8 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path, monkeypatch, 
     plan = ckpt_plan(dp=2, zero=0, steps=3)
     assert launch(write_plan(tmp_path, plan), nproc=2) == 1
     err = capsys.readouterr().err
-    assert "rank 0 failed" in err
-    assert "step 2: a collective timed out after 10 s; rank(s) 1 did not answer" in err
+    assert "ptc run: rank 0 stopped the job: step 2: a collective timed out after 10 s; " \
+           "rank(s) 1 did not answer" in err
 
 
 @pytest.mark.timeout(240)

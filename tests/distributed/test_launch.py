@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,10 +75,14 @@ def test_failing_rank_stops_the_job_and_names_rank_and_cause(tmp_path, capsys):
     tokens.tofile(tmp_path / "bad.bin")
     plan = tiny_plan("gpt", zero=0, dp=2, accum=1,
                      data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
-    assert launch(write_plan(tmp_path, plan), nproc=2) == 1
-    out = capsys.readouterr().err
-    assert "rank 1 failed" in out
-    assert "token 500 at position 33 is outside the vocabulary" in out
+    assert launch(write_plan(tmp_path, plan), nproc=2, log_dir=str(tmp_path / "logs")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"ptc run: rank 1 stopped the job: train.data: token file "
+                             f"{tmp_path / 'bad.bin'}: token 500 at position 33 is outside the "
+                             f"vocabulary")
+    trace = err[0].split("[traceback: ")[1].rstrip("]")
+    assert trace.startswith(str(tmp_path / "logs")) and "Traceback" in Path(trace).read_text()
+    assert err[1:] == ["  at step 1, micro-batch 0, forward of stage 0"]  # one summary
 
 
 def test_ptc_run_scans_the_token_file_before_any_process_starts(tmp_path, capsys):

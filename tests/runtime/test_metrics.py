@@ -141,3 +141,32 @@ def test_tensorboard_scalars_read_back_with_tensorboards_own_loader(tmp_path):
     assert read["exposed_comm_s"][0] == (1, pytest.approx(0.05))
     assert read["predicted_step_time"][0] == (1, pytest.approx(0.15))
     assert read["peak_memory_bytes"][0][1] > 0
+
+
+def test_a_run_opens_with_its_banner_and_closes_with_a_summary():
+    from ptc.runtime.metrics import run_banner
+    from ptc.units import format_bytes, format_seconds
+
+    plan = tiny_plan("gpt", zero=1, dp=1, accum=1)
+    program = compile_plan(plan)
+    est = program.decisions.estimate
+    banner = run_banner(program)
+    assert banner == (f"ptc run: gpt {plan.model.layers} layers, hidden {plan.model.hidden} on 1 "
+                      f"x cpu, tp1 pp1 dp1 zero1, fp32; predicted "
+                      f"{format_bytes(est.peak_memory_bytes)} peak of "
+                      f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} "
+                      f"per step")
+    out = io.StringIO()
+    with StepReporter(plan, steps=3, enabled=True, console=Console(file=out, width=300),
+                      predicted_step_time=0.15, banner=banner) as reporter:
+        for k, loss in ((1, 5.0), (2, 4.0), (3, 3.0)):
+            reporter.report(dataclasses.replace(stats(k), loss=loss,
+                                                step_time=(0.3, 0.1, 0.2)[k - 1]))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == banner
+    assert lines[-1].startswith("ptc run: 3 steps, loss from 5.0000 to 3.0000, median step "
+                                "200.00 ms (predicted 150.00 ms), rank 0 peak memory ")
+    with pytest.raises(RuntimeError), StepReporter(
+            plan, steps=3, enabled=True, console=Console(file=(failed := io.StringIO()))):
+        raise RuntimeError("a failed run gets no summary")
+    assert "ptc run:" not in failed.getvalue()

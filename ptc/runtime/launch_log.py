@@ -1,0 +1,157 @@
+"""What `ptc run` says while torch's elastic agent runs the workers: one story, no walls.
+
+Every worker's stdout and stderr go to files under the run's log directory
+(torchrun's `--log-dir`, `--redirects`) but local rank 0's stdout — its step
+lines and events — which stays on the terminal. The agent's own
+log records go to `agent.log` there instead of the terminal; a restart of
+the group is told in one ptc line: which rank failed (its exit code or
+signal, its error) and which restart of how many this is. When
+the job ends in failure, `failure_summary` gives the first failed rank's
+error — step, micro-batch, graph node and source line when the runtime knew
+them — and where every rank's full output is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
+                 "torch.distributed.launcher")
+"""The loggers of torch's launcher and elastic agent (torchrun's W/E lines)."""
+_PTC_ERRORS = ("RankError: ", "PtcError: ", "PlanError: ", "CompileError: ")
+"""Type prefixes of ptc's own errors: their messages already say what happened."""
+
+
+def log_launcher_args(log_dir: Path, extra: list[str], nproc: int) -> list[str]:
+    """torchrun flags that put every worker's output in files under `log_dir` but local rank
+    0's stdout, left on the terminal; none when the user set the output flags themselves."""
+    given = {a.split("=")[0].replace("_", "-") for a in extra}
+    if given & {"--redirects", "-r", "--tee", "-t"}:
+        return []
+    files = ",".join(["0:2", *(f"{rank}:3" for rank in range(1, nproc))])  # 2 err, 3 both
+    return ([] if "--log-dir" in given else [f"--log-dir={log_dir}"]) + [f"--redirects={files}"]
+
+
+def error_text(message: object) -> str:
+    """A failed worker's error as its error file holds it, without a ptc error's type name."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    text = str(message).strip()
+    for prefix in _PTC_ERRORS:
+        text = text.removeprefix(prefix)
+    return text
+
+
+def how_it_ended(exitcode: int) -> str:
+    """`exited with code 1`, or `was killed by SIGKILL` for a negative (signal) code."""
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class AgentNarrator(logging.Handler):
+    """Keeps the agent's records in `agent.log` and tells failures and restarts as ptc lines."""
+
+    def __init__(self, log_dir: Path, node_rank: int, nproc: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.log_dir, self.node_rank, self.nproc = log_dir, node_rank, nproc
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._file = logging.FileHandler(log_dir / "agent.log")
+        self._file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                                  "%(message)s"))
+        self._attempt = 0
+        self._failed = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._file.emit(record)
+        text = str(record.msg)
+        if text.startswith("failed (exitcode") and len(record.args or ()) >= 2:
+            exitcode, local_rank = int(record.args[0]), int(record.args[1])
+            rank = self.node_rank * self.nproc + local_rank
+            error = self._error(local_rank)
+            self._failed = f"rank {rank} {how_it_ended(exitcode)}" + (f" ({error})" if error
+                                                                      else "")
+        elif "attempts left" in text and len(record.args or ()) >= 4:
+            remaining, most = int(record.args[2]), int(record.args[3])
+            self._attempt += 1
+            self._say(f"{self._failed or 'a worker failed'}; restarting the group: restart "
+                      f"{most - remaining + 1} of {most}, resuming from the latest checkpoint")
+            self._failed = ""
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+    def _error(self, local_rank: int) -> str:
+        """The first line of the rank's error file in this attempt, if it wrote one."""
+        for path in self.log_dir.glob(f"*/attempt_{self._attempt}/{local_rank}/error.json"):
+            try:
+                message = json.loads(path.read_text()).get("message", "")
+            except (OSError, ValueError):
+                continue
+            return error_text(message).splitlines()[0] if error_text(message) else ""
+        return ""
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(f"ptc run: {line}", file=sys.stderr, flush=True)
+
+
+def narrate(log_dir: Path, node_rank: int, nproc: int) -> tuple[AgentNarrator, dict]:
+    """Route the agent's loggers to an `AgentNarrator`; returns it and what to restore.
+
+    Their own levels (torch sets WARNING on some) are lifted to inherit INFO from here, or
+    the restart record would never be made."""
+    narrator = AgentNarrator(log_dir, node_rank, nproc)
+    saved = {}
+    names = [name for name in list(logging.root.manager.loggerDict)
+             if any(name == top or name.startswith(top + ".") for top in AGENT_LOGGERS)]
+    for name in dict.fromkeys([*AGENT_LOGGERS, *names]):
+        logger = logging.getLogger(name)
+        saved[name] = (logger.propagate, list(logger.handlers), logger.level)
+        if name in AGENT_LOGGERS:
+            logger.handlers, logger.propagate = [narrator], False
+            logger.setLevel(logging.INFO)
+        else:
+            logger.handlers, logger.propagate = [], True
+            logger.setLevel(logging.NOTSET)
+    return narrator, saved
+
+
+def restore(narrator: AgentNarrator, saved: dict) -> None:
+    """Undo `narrate`."""
+    for name, (propagate, handlers, level) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
+    narrator.close()
+
+
+def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
+    """The job's end: the first failed rank and its error (its first line, then the node and
+    source lines the runtime added), after how many restarts, and where that rank's
+    traceback and every rank's output are."""
+    get_first = getattr(exc, "get_first_failure", None)
+    if get_first is None:
+        return f"ptc run: the job failed: {exc} (every rank's output: {log_dir})"
+    rank, failure = get_first()
+    error = error_text(failure.message) if failure.message else ""
+    if not error or error.startswith("Signal "):
+        error = how_it_ended(failure.exitcode)
+    else:
+        error = error.removeprefix(f"rank {rank}: ")
+    after = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" \
+        if max_restarts else ""
+    trace = Path(failure.error_file).with_name("stderr.log") if failure.error_file else None
+    where = f"traceback: {trace}" if trace is not None and trace.is_file() else \
+        f"every rank's output: {log_dir}"
+    first, _, rest = error.partition("\n")
+    return f"ptc run: rank {rank} stopped the job{after}: {first} [{where}]" + (
+        f"\n{rest}" if rest else "")

@@ -1,0 +1,148 @@
+"""Before any process starts: everything a run needs that can be checked from here.
+
+`ptc check` and `ptc run` (and `ptc.run`) ask the same questions, each
+answered in one diagnostic that points at the plan field it concerns
+(`plan.ptc:40:20: error: ... [runtime.checkpoint_dir]`, or `--runtime.
+checkpoint_dir` when the value came from the command line):
+
+- the token file exists and every id is below the vocabulary (`check_data`);
+- the initial weights exist and hold the model's names and shapes (`check_init`);
+- checkpoint_dir, and the folders of metrics and tensorboard, can be
+  created and written (side-effect free: the nearest existing folder is
+  asked, nothing is made);
+- a custom model's factory imports;
+- the plan fits memory: the predicted peak of every pipeline stage is
+  within the budget (built-in families, whose prediction is analytic),
+  else an error naming the stage, the bytes over and what would fit
+  (`allow_oom` turns it into a warning).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+from ptc.errors import Diagnostic, PtcError, Span
+from ptc.models.build import resolve_factory
+from ptc.plan import Plan
+from ptc.runtime.data import check_data
+from ptc.runtime.init import check_init
+from ptc.units import format_bytes
+
+
+def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
+              vocab: int | None = None, factory: bool = True) -> list[Diagnostic]:
+    """Every problem the run would meet that can be seen now (the module docstring).
+
+    `overrides`: the "section.key" fields set on the command line, named by flag;
+    `vocab`: the vocabulary token ids must stay below (default: the plan's model);
+    `factory`: whether the workers build the model from its factory (not when they are
+    sent the user's module).
+    """
+    where = _Where(plan, overrides)
+    found = []
+    try:
+        check_data(plan.train.data, vocab=vocab or plan.model.vocab, seq_len=plan.train.seq_len)
+    except PtcError as exc:
+        found.append(where.error("train", "data", str(exc)))
+    try:
+        check_init(plan)
+    except PtcError as exc:
+        found.append(where.error("train", "init", str(exc)))
+    runtime = plan.runtime
+    for name, folder in (("checkpoint_dir", runtime.checkpoint_dir),
+                         ("tensorboard", runtime.tensorboard),
+                         ("metrics", Path(runtime.metrics).parent if runtime.metrics else None)):
+        problem = _unwritable(folder) if folder is not None else None
+        if name == "metrics" and problem is None and runtime.metrics and \
+                Path(runtime.metrics).is_dir():
+            problem = f"{runtime.metrics} is a directory; metrics names a file"
+        if problem:
+            found.append(where.error("runtime", name, problem))
+    if plan.model.family == "custom":
+        problem = _factory_problem(plan.model.factory) if factory else None
+        if problem:
+            found.append(where.error("model", "factory", problem))
+    elif plan.is_resolved:
+        found += _memory(plan, where, allow_oom)
+    return found
+
+
+def memory_problems(plan: Plan, *, overrides: Collection[str] = ()) -> list[Diagnostic]:
+    """The memory check alone (`ptc explain`): a diagnostic per stage over the budget."""
+    if plan.model.family == "custom" or not plan.is_resolved:
+        return []
+    return _memory(plan, _Where(plan, overrides), allow_oom=False)
+
+
+class _Where:
+    """The place to report a field at: its span in the file, or its command-line flag."""
+
+    def __init__(self, plan: Plan, overrides: Collection[str]):
+        self.plan, self.overrides = plan, set(overrides)
+
+    def error(self, section: str, key: str, message: str, severity: str = "error",
+              label: str | None = None) -> Diagnostic:
+        """A diagnostic at `section.key` (`label`: the field to name, default that one)."""
+        field = f"{section}.{key}"
+        message = message.removeprefix(f"{field}: ")
+        if field in self.overrides:
+            return Diagnostic(message=message, field=f"--{field}", severity=severity)
+        spans = getattr(getattr(self.plan, section), "spans", {})
+        span: Span | None = spans.get(key) if key in spans else next(iter(spans.values()), None)
+        return Diagnostic(message=message, field=label or field, span=span, severity=severity)
+
+
+def _unwritable(folder: str | Path) -> str | None:
+    """Why `folder` cannot be used to write into, or None; asks the nearest existing folder."""
+    path = Path(folder)
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be created: {parent} is not writable"
+    return None
+
+
+def _factory_problem(factory: str) -> str | None:
+    """Why a custom model's "package.module:function" cannot be found, or None."""
+    try:
+        resolve_factory(factory)
+    except PtcError as exc:
+        return f"{exc}; run from the folder that holds it, or put it on PYTHONPATH"
+    return None
+
+
+def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
+    """One diagnostic per pipeline stage whose predicted peak exceeds the budget."""
+    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - only for built-in families
+    from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel  # noqa: PLC0415
+
+    est = estimate(plan)
+    if est.fits:
+        return []
+    over = [(stage, peak) for stage, peak in enumerate(est.stage_memory_bytes)
+            if peak > est.budget_bytes]
+    hints = []
+    micro_batch = largest_micro_batch(plan)
+    if micro_batch:
+        hints.append(f"micro_batch = {micro_batch}")
+    model_parallel = smallest_model_parallel(plan)
+    if model_parallel:
+        hints.append(f"tp = {model_parallel[0]}, pp = {model_parallel[1]}")
+    would = f"it would fit with {' or '.join(hints)}; " if hints else ""
+    severity = "warning" if allow_oom else "error"
+    going = "going on (--allow-oom)" if allow_oom else "--allow-oom runs it anyway"
+    return [where.error(
+        "parallel", "tp",
+        f"stage {stage} needs {format_bytes(peak)} per GPU, {format_bytes(peak - est.budget_bytes)}"
+        f" over the {format_bytes(est.budget_bytes)} budget (HBM less memory_margin); {would}"
+        f"`ptc plan` ranks the layouts that fit; {going}", severity, label="parallel")
+        for stage, peak in over]

@@ -1,0 +1,76 @@
+"""`ptc report`: one self-contained HTML page, checked as text and as a browser shows it.
+
+The page is rendered for a two-stage pipeline; its text must carry the
+estimate's numbers and the pass log, and it must fetch nothing. Then headless
+Chromium opens it and takes a screenshot, and the picture must show the
+schedule: forward and backward cells in their colours, as many of one as of
+the other (every micro-batch is forwarded and backwarded once on each rank),
+and the memory budget's line. Without a Chromium on the machine that test is
+skipped with the reason (CI installs one).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ptc.cli import main
+from ptc.compiler.html_report import BACKWARD, BUDGET, FORWARD, render_report
+from ptc.dsl import load_plan
+from ptc.lower.driver import compile_plan
+from ptc.units import format_bytes, format_seconds
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt_cpu.ptc"
+PIPELINE = {"parallel.pp": 2, "parallel.dp": 4}
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",
+                                                 "google-chrome"))), None)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    assert main(["report", str(TINY), "--parallel.pp", "2", "--parallel.dp", "4",
+                 "-o", str(path)]) == 0
+    return path
+
+
+def test_the_page_carries_the_estimate_and_the_passes_and_fetches_nothing(page):
+    text = page.read_text()
+    program = compile_plan(load_plan(TINY, overrides=PIPELINE))
+    est = program.decisions.estimate
+    assert f"<td>{format_seconds(est.step_time_s)}</td>" in text
+    assert f"{format_bytes(est.peak_memory_bytes)} of a {format_bytes(est.budget_bytes)}" in text
+    assert all(line.replace("<", "&lt;") in text for line in program.pass_log)
+    assert [m for m in ("schedule", "memory", "time", "stage0", "stage1")
+            if f'id="{m}"' not in text] == []
+    assert text.count("<svg") == 5
+    assert not re.search(r'(src|href)="(https?:)?//', text)  # self-contained
+    assert render_report(program) == text  # the command writes what the library renders
+
+
+def _pixels(image: np.ndarray, colour: str) -> int:
+    want = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+    return int((np.abs(image[..., :3] - want).max(axis=-1) < 0.02).sum())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine to open the page in "
+                                              "(CI installs one with apt-get)")
+def test_headless_chromium_shows_the_schedule_and_the_budget(page, tmp_path):
+    from matplotlib.image import imread
+
+    shot = tmp_path / "report.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1200,1300", page.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    image = imread(shot)
+    forward, backward = _pixels(image, FORWARD), _pixels(image, BACKWARD)
+    assert forward > 2000 and backward > 2000, (forward, backward)
+    assert abs(forward - backward) < 0.1 * forward  # 8 forward and 8 backward cells
+    assert _pixels(image, BUDGET) > 500  # the budget's dashed line

@@ -1,0 +1,160 @@
+"""Bad input is refused before any process starts, by `ptc check` and `ptc run` alike.
+
+Each problem is one diagnostic at the plan field it concerns (`plan.ptc:LINE:COL: error:
+... [train.data]`, with the line and a caret), exit 1, no traceback, and nothing launched:
+a missing or out-of-vocabulary token file, missing or mismatched initial weights, a
+checkpoint_dir or metrics path that cannot be written, a factory that does not import, a
+layout that does not fit memory (`--allow-oom` goes on with a warning).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ptc.cli import main
+from ptc.compiler.estimate import estimate
+from ptc.dsl import load_plan
+from ptc.models import build_model
+from ptc.units import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny_gpt_cpu.ptc"
+BIG = ROOT / "examples" / "llama70b_h100x64_tp8_pp4_dp2.ptc"
+
+
+def _plan(tmp_path: Path, **lines: str) -> Path:
+    """The tiny plan with `section__key = value` lines replaced, written next to its files."""
+    text = TINY.read_text()
+    for name, value in lines.items():
+        section, key = name.split("__")
+        start = text.index(f"{section} {{")
+        at = text.index(f"  {key} = ", start) if f"  {key} = " in text[start:] else None
+        if at is None:
+            end = text.index("}", start)
+            text = text[:end] + f"  {key} = {value}\n" + text[end:]
+        else:
+            text = text[:at] + f"  {key} = {value}" + text[text.index("\n", at):]
+    path = tmp_path / "plan.ptc"
+    path.write_text(text)
+    return path
+
+
+def _refused(command: str, plan: Path, capsys, *flags: str) -> list[str]:
+    """Run the command; it must exit 1 within seconds, with no traceback and no launch."""
+    start = time.perf_counter()
+    assert main([command, str(plan), *flags]) == 1
+    assert time.perf_counter() - start < 20
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "step 1/" not in captured.out
+    return captured.err.splitlines()
+
+
+def _line_of(plan: Path, needle: str) -> int:
+    return next(i for i, line in enumerate(plan.read_text().splitlines(), 1) if needle in line)
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_a_missing_token_file_is_named_at_its_line(tmp_path, capsys, command):
+    plan = _plan(tmp_path, train__data='tokens("data/train.bin")')
+    err = _refused(command, plan, capsys)
+    line = _line_of(plan, "tokens(")
+    assert err[0] == (f"{plan}:{line}:10: error: token file {tmp_path / 'data' / 'train.bin'} "
+                      f"does not exist [train.data]")
+    assert err[1].strip() == 'data = tokens("data/train.bin")'
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path, capsys):
+    tokens = np.full(5000, 7, dtype=np.uint16)
+    tokens[4321] = 512
+    tokens.tofile(tmp_path / "t.bin")
+    err = _refused("run", _plan(tmp_path, train__data='tokens("t.bin")'), capsys)
+    assert "token 512 at position 4321 is outside the vocabulary: model.vocab = 512 takes " \
+           "ids 0 .. 511 [train.data]" in err[0]
+
+
+def test_missing_and_mismatched_initial_weights(tmp_path, capsys):
+    err = _refused("check", _plan(tmp_path, train__init='state_dict("w.pt")'), capsys)
+    assert err[0].endswith(f'error: state_dict("{tmp_path / "w.pt"}"): no such file [train.init]')
+    plan = load_plan(TINY)
+    state = build_model(plan.model, device="cpu").state_dict()
+    state.pop("layers.1.mlp.up.weight")
+    torch.save(state, tmp_path / "w.pt")
+    err = _refused("check", _plan(tmp_path, train__init='state_dict("w.pt")'), capsys)
+    assert f"error: {tmp_path / 'w.pt'}: no weights for layers.1.mlp.up.weight (of " in err[0]
+    state = build_model(plan.model, device="cpu").state_dict()
+    state["embed.weight"] = torch.zeros(500, 64)
+    torch.save(state, tmp_path / "w.pt")
+    err = _refused("run", _plan(tmp_path, train__init='state_dict("w.pt")'), capsys)
+    assert "embed.weight has shape (500, 64), the model needs (512, 64) [train.init]" in err[0]
+
+
+def test_a_checkpoint_dir_or_metrics_path_that_cannot_be_written(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    err = _refused("run", _plan(tmp_path, runtime__checkpoint_dir='"file/ckpt"'), capsys)
+    assert err[0].endswith(f"error: {tmp_path / 'file' / 'ckpt'} cannot be created: "
+                           f"{tmp_path / 'file'} is a file [runtime.checkpoint_dir]")
+    err = _refused("check", _plan(tmp_path, runtime__checkpoint_dir='"file"'), capsys)
+    assert err[0].endswith(f"{tmp_path / 'file'} exists and is not a directory "
+                           f"[runtime.checkpoint_dir]")
+    (tmp_path / "m").mkdir()
+    err = _refused("check", _plan(tmp_path, runtime__metrics='"m"'), capsys)
+    assert err[0].endswith("is a directory; metrics names a file [runtime.metrics]")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
+def test_an_unwritable_checkpoint_dir(tmp_path, capsys):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    err = _refused("check", _plan(tmp_path, runtime__checkpoint_dir='"ro/ckpt"'), capsys)
+    assert err[0].endswith(f"{tmp_path / 'ro'} is not writable [runtime.checkpoint_dir]")
+
+
+def test_a_factory_that_does_not_import(tmp_path, capsys):
+    text = 'model "no_such_package.models:build" { }\n' + \
+        TINY.read_text()[TINY.read_text().index("hardware {"):]
+    (tmp_path / "plan.ptc").write_text(text)
+    err = _refused("check", tmp_path / "plan.ptc", capsys)
+    assert err[0] == (f"{tmp_path / 'plan.ptc'}:1:7: error: model factory "
+                      f"'no_such_package.models:build': cannot import 'no_such_package.models': "
+                      f"ModuleNotFoundError: No module named 'no_such_package'; run from the "
+                      f"folder that holds it, or put it on PYTHONPATH [model.factory]")
+
+
+def test_a_plan_that_does_not_fit_memory_is_refused_unless_allowed(tmp_path, capsys):
+    flags = ("--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp", "64")
+    est = estimate(load_plan(BIG, overrides={"parallel.tp": 1, "parallel.pp": 1,
+                                             "parallel.dp": 64}))
+    peak, budget = est.stage_memory_bytes[0], est.budget_bytes
+    assert peak > budget
+    want = (f"--parallel.tp: error: stage 0 needs {format_bytes(peak)} per GPU, "
+            f"{format_bytes(peak - budget)} over the {format_bytes(budget)} budget (HBM less "
+            f"memory_margin); it would fit with tp = 8, pp = 1; `ptc plan` ranks the layouts "
+            f"that fit; --allow-oom runs it anyway")
+    err = _refused("check", BIG, capsys, *flags)
+    assert [line for line in err if ": error: " in line] == [want]
+    err = _refused("explain", BIG, capsys, *flags)  # the explanation, then the error
+    assert [line for line in err if ": error: " in line] == [want]
+    assert main(["check", str(BIG)]) == 0  # the plan as written fits
+
+
+def test_allow_oom_goes_on_with_a_warning(tmp_path, capsys, monkeypatch):
+    import ptc.cli
+
+    launched = []
+    monkeypatch.setattr("ptc.runtime.launcher.launch", lambda *a, **k: launched.append(a) or 0)
+    assert ptc.cli.main(["run", str(BIG), "--parallel.tp", "1", "--parallel.pp", "1",
+                         "--parallel.dp", "64", "--allow-oom"]) == 0
+    assert launched
+    assert "--parallel.tp: warning: stage 0 needs " in capsys.readouterr().err
+
+
+def test_plan_only_checks_a_plan_written_for_another_cluster(capsys):
+    plan = ROOT / "examples" / "llama7b_h100x8.ptc"  # its token file is on that cluster
+    assert main(["check", str(plan)]) == 1
+    assert main(["check", "--plan-only", str(plan)]) == 0
+    assert "ok — llama on 8 x H100-SXM" in capsys.readouterr().out
