@@ -10,6 +10,8 @@ layout that does not fit memory (`--allow-oom` goes on with a warning).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -158,3 +160,15 @@ def test_plan_only_checks_a_plan_written_for_another_cluster(capsys):
     assert main(["check", str(plan)]) == 1
     assert main(["check", "--plan-only", str(plan)]) == 0
     assert "ok — llama on 8 x H100-SXM" in capsys.readouterr().out
+
+
+def test_a_missing_file_is_answered_without_importing_torch(tmp_path):
+    """The file and folder checks come first and need no torch: a second, not five."""
+    plan = _plan(tmp_path, train__data='tokens("none.bin")')
+    probe = ("import sys\nfrom ptc.cli import main\n"
+             f"assert main(['run', {str(plan)!r}]) == 1\n"
+             "assert 'torch' not in sys.modules and 'sympy' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "token file" in done.stderr and "does not exist [train.data]" in done.stderr

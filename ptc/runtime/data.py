@@ -30,12 +30,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from ptc.errors import PtcError
 from ptc.plan import DataSpec
 from ptc.runtime.synthetic import ToyLanguage, uniform_sample
+
+if TYPE_CHECKING:  # loaded by `batch`: checking a token file needs no torch
+    import torch
 
 
 FULL_SCAN_TOKENS = 1 << 28
@@ -75,6 +79,8 @@ class TokenSource:
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first .. first + count - 1 as (inputs, targets), each [count, seq_len] int64."""
+        import torch  # noqa: PLC0415 - see the imports
+
         rows = torch.from_numpy(np.stack([self.sample(first + i) for i in range(count)]))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 

@@ -14,10 +14,14 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
+
 from safetensors import safe_open
 
 from ptc.errors import PtcError
+
+if TYPE_CHECKING:  # torch loads with the first tensor read: `ptc check` stays light
+    import torch
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

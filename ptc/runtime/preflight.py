@@ -15,6 +15,9 @@ checkpoint_dir` when the value came from the command line):
   within the budget (built-in families, whose prediction is analytic),
   else an error naming the stage, the bytes over and what would fit
   (`allow_oom` turns it into a warning).
+
+The file and folder checks come first and need neither torch nor sympy: when
+one fails, the answer comes before torch would have finished importing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ptc.errors import Diagnostic, PtcError, Span
-from ptc.models.build import resolve_factory
 from ptc.plan import Plan
 from ptc.runtime.data import check_data
-from ptc.runtime.init import check_init
+from ptc.runtime.hf_weights import check_hf_dir
 from ptc.units import format_bytes
 
 
@@ -41,13 +43,37 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
     sent the user's module).
     """
     where = _Where(plan, overrides)
+    found = _files_and_folders(plan, where, vocab)
+    if found:
+        return found  # answered before torch is imported: a second, not five
+    from ptc.runtime.init import check_init  # noqa: PLC0415 - the checks that need torch
+
+    try:
+        check_init(plan)
+    except PtcError as exc:
+        found.append(where.error("train", "init", str(exc)))
+    if plan.model.family == "custom":
+        problem = _factory_problem(plan.model.factory) if factory else None
+        if problem:
+            found.append(where.error("model", "factory", problem))
+    elif plan.is_resolved:
+        found += _memory(plan, where, allow_oom)
+    return found
+
+
+def _files_and_folders(plan: Plan, where: _Where, vocab: int | None) -> list[Diagnostic]:
+    """The checks that need only the file system and numpy: data, weights' presence, folders."""
     found = []
     try:
         check_data(plan.train.data, vocab=vocab or plan.model.vocab, seq_len=plan.train.seq_len)
     except PtcError as exc:
         found.append(where.error("train", "data", str(exc)))
+    init = plan.train.init
     try:
-        check_init(plan)
+        if init.kind == "hf":
+            check_hf_dir(init.path)
+        elif init.kind == "state_dict" and not Path(init.path).is_file():
+            raise PtcError(f"state_dict(\"{init.path}\"): no such file")
     except PtcError as exc:
         found.append(where.error("train", "init", str(exc)))
     runtime = plan.runtime
@@ -60,12 +86,6 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
             problem = f"{runtime.metrics} is a directory; metrics names a file"
         if problem:
             found.append(where.error("runtime", name, problem))
-    if plan.model.family == "custom":
-        problem = _factory_problem(plan.model.factory) if factory else None
-        if problem:
-            found.append(where.error("model", "factory", problem))
-    elif plan.is_resolved:
-        found += _memory(plan, where, allow_oom)
     return found
 
 
@@ -113,6 +133,8 @@ def _unwritable(folder: str | Path) -> str | None:
 
 def _factory_problem(factory: str) -> str | None:
     """Why a custom model's "package.module:function" cannot be found, or None."""
+    from ptc.models.build import resolve_factory  # noqa: PLC0415 - imports torch
+
     try:
         resolve_factory(factory)
     except PtcError as exc:
