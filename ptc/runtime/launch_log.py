@@ -90,13 +90,16 @@ class AgentNarrator(logging.Handler):
         super().close()
 
     def _error(self, local_rank: int) -> str:
-        """The first line of the rank's error file in this attempt, if it wrote one."""
-        for path in self.log_dir.glob(f"*/attempt_{self._attempt}/{local_rank}/error.json"):
+        """The first line of the rank's error file in this attempt of the newest run in the
+        folder (an earlier run may have left its own), if it wrote one."""
+        paths = sorted(self.log_dir.glob(f"*/attempt_{self._attempt}/{local_rank}/error.json"),
+                       key=lambda path: path.stat().st_mtime, reverse=True)
+        for path in paths[:1]:
             try:
-                message = json.loads(path.read_text()).get("message", "")
+                text = error_text(json.loads(path.read_text()).get("message", ""))
             except (OSError, ValueError):
-                continue
-            return error_text(message).splitlines()[0] if error_text(message) else ""
+                return ""
+            return text.splitlines()[0] if text else ""
         return ""
 
     @staticmethod
