@@ -27,11 +27,10 @@ from torch import fx
 from ptc.compiler.inspect import collective, stage_graph
 from ptc.compiler.memory import TERMS
 from ptc.compiler.program import Program
+from ptc.compiler.report import PARTS
 from ptc.compiler.schedule import schedule_for, simulate
 from ptc.units import format_bytes, format_seconds
 
-PARTS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
-"""Step-time parts, in the order `ptc explain` shows them."""
 FORWARD, BACKWARD = "#2a9d8f", "#e76f51"
 """Colours of forward and backward actions in the schedule chart."""
 PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
