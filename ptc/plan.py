@@ -592,10 +592,16 @@ class RuntimeSpec(_Section):
     """JSONL file of per-step metrics."""
     tensorboard: str | None = None
     """Directory of TensorBoard event files of the same metrics."""
+    wandb: str | None = None
+    """Weights & Biases project of a run that logs the same metrics; None: no W&B run.
+    W&B's own environment (WANDB_MODE, WANDB_DIR, WANDB_API_KEY, ...) says where it goes."""
     seed: int = 0
     """Seed of everything random at run time (dropout)."""
     log_every: int = 1
     """Print a step line every N steps."""
+    compile: bool = False
+    """Run each lowered stage graph through `torch.compile` (inductor): fused kernels, faster
+    steps on GPUs, and other rounding (fused ops sum in another order), so opt-in."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
@@ -609,6 +615,7 @@ class RuntimeSpec(_Section):
         self._choice(sink, "nan_policy", NAN_POLICIES)
         self._int(sink, "seed", minimum=0)
         self._int(sink, "log_every")
+        self._bool(sink, "compile")
         if self.nan_policy == "rollback" and not self.checkpoint_dir:
             self._bad(sink, "nan_policy",
                       "nan_policy = rollback needs checkpoint_dir to roll back to",

@@ -3,12 +3,14 @@
 Each problem is one diagnostic at the plan field it concerns (`plan.ptc:LINE:COL: error:
 ... [train.data]`, with the line and a caret), exit 1, no traceback, and nothing launched:
 a missing or out-of-vocabulary token file, missing or mismatched initial weights, a
-checkpoint_dir or metrics path that cannot be written, a factory that does not import, a
-layout that does not fit memory (`--allow-oom` goes on with a warning).
+checkpoint_dir or metrics path that cannot be written, a W&B project without the wandb
+package, a factory that does not import, a layout that does not fit memory (`--allow-oom`
+goes on with a warning).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -117,6 +119,18 @@ def test_an_unwritable_checkpoint_dir(tmp_path, capsys, monkeypatch):
                             if Path(path) == tmp_path / "ro" else real(path, mode))
     err = _refused("check", _plan(tmp_path, runtime__checkpoint_dir='"ro/ckpt"'), capsys)
     assert err[0].endswith(f"{tmp_path / 'ro'} is not writable [runtime.checkpoint_dir]")
+
+
+def test_a_wandb_project_without_the_wandb_package(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "wandb" else real(name, *args))
+    plan = _plan(tmp_path, runtime__wandb='"proj"')
+    err = _refused("run", plan, capsys)
+    assert err[0] == (f'{plan}:{_line_of(plan, "wandb = ")}:11: error: runtime.wandb = "proj" '
+                      f'needs the wandb package; pip install wandb, or remove the field '
+                      f'[runtime.wandb]')
+    assert err[1].strip() == 'wandb = "proj"'
 
 
 def test_a_factory_that_does_not_import(tmp_path, capsys):

@@ -144,8 +144,10 @@ RUNTIME_KEYS: dict[str, Key] = {
     "nan_policy": Key("nan_policy", word(NAN_POLICIES)),
     "metrics": Key("metrics", optional(string)),
     "tensorboard": Key("tensorboard", optional(string)),
+    "wandb": Key("wandb", optional(string)),
     "seed": Key("seed", integer),
     "log_every": Key("log_every", integer),
+    "compile": Key("compile", boolean),
 }
 """runtime { ... }."""
 

@@ -9,6 +9,7 @@ Layout of `runtime.checkpoint_dir` (on a filesystem every node sees):
     step_00000160.partial/    a save in progress, or one a crash interrupted
     step_00000080.damaged/    failed verification on resume; kept for inspection
     latest                    the name of the newest published checkpoint
+    wandb_run_id              with runtime.wandb: the W&B run a resumed run continues
 
 Publishing is write, verify, then point: DCP writes into `.partial`, the
 manifest records every file's size and CRC-32, the directory is renamed to

@@ -130,22 +130,27 @@ class GraphRunner:
     would give.
     """
 
-    def __init__(self, gm: fx.GraphModule, rank: int):
-        self.gm, self.rank = gm, rank
+    def __init__(self, gm: fx.GraphModule, rank: int, *, compiled: bool = False):
+        """`compiled`: run the graph through `torch.compile` (runtime.compile)."""
+        self.gm, self.rank, self.compiled = gm, rank, compiled
         self._code = gm.forward.__func__.__code__
         self._nodes = list(gm.graph.nodes)
+        # not gm(...): fx's wrapper drops the traceback that names the failing node
+        self._forward = torch.compile(gm.forward) if compiled else gm.forward
 
     def run(self, *args: torch.Tensor):
         """The graph's output for `args`."""
         try:
-            return self.gm.forward(*args)  # not gm(...): fx's wrapper drops the traceback
+            return self._forward(*args)
         except Exception as exc:
             node = self.failing_node(exc)
             where = source_line(self.gm, node) if node is not None else None
+            hint = ("\n  (a compiled graph: without runtime.compile the error names its node)"
+                    if self.compiled and node is None else "")
             raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}"
                             + (f"\n  while executing node {node.name}: {node.format_node()}"
                                if node is not None else "")
-                            + (f"\n  from {where}" if where else "")) from exc
+                            + (f"\n  from {where}" if where else "") + hint) from exc
 
     def failing_node(self, exc: BaseException) -> fx.Node | None:
         """The node whose generated line raised `exc`, when the traceback shows it."""
@@ -321,7 +326,8 @@ class Trainer:
         overlap = stage_overlap(stage, layout, self.plan)
         reducer = GradReducer(units, self.group, self.zero, overlap) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
-        return Chunk(info=stage.info, gm=gm, runner=GraphRunner(gm, self.rank), units=units,
+        runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
+        return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
                      reducer=reducer, last_backward=last, overlap=overlap)
 
     def _tied_groups(self) -> list[_Tied]:

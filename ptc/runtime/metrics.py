@@ -17,15 +17,23 @@ elastic launcher's restart count). A resumed run appends to the file; a
 fresh run keeps an earlier run's file as `NAME.1` (then `.2`, ...) and says
 so, so no record is ever lost. With `runtime.tensorboard` set, the same
 numbers are TensorBoard scalars (tag = key, x = step) in event files under
-that directory, read by TensorBoard's own loader.
+that directory, read by TensorBoard's own loader. With `runtime.wandb` set,
+they are logged (key, step) to a Weights & Biases run of that project, named
+after the plan file and configured with the plan's fields; W&B's environment
+(WANDB_MODE, WANDB_DIR, WANDB_API_KEY) decides where the run goes. A run
+with a checkpoint_dir records its W&B run id there (`wandb_run_id`), and a
+run resumed from one of its checkpoints continues that W&B run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import resource
+import secrets
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO
@@ -63,7 +71,7 @@ def _finite(value: float) -> float | None:
 
 SCALARS = ("loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu", "peak_memory_bytes",
            "exposed_comm_s", "predicted_step_time")
-"""The record's keys that TensorBoard plots, each a scalar tag."""
+"""The record's keys that TensorBoard and W&B plot, each a scalar tag."""
 
 
 def keep_earlier(path: Path) -> Path | None:
@@ -87,6 +95,61 @@ def tensorboard_writer(log_dir: str):
         raise PtcError(f"runtime.tensorboard = \"{log_dir}\" needs the tensorboard package "
                        f"({exc}); pip install tensorboard, or remove the field") from None
     return SummaryWriter(log_dir=log_dir)
+
+
+WANDB_RUN_ID = "wandb_run_id"
+"""The file in checkpoint_dir that names the W&B run a resumed run continues."""
+
+
+def wandb_run(plan: Plan, *, resumed: bool):
+    """A W&B run of project `runtime.wandb` with the plan as its config; PtcError naming the
+    plan field when the wandb package is missing. `resumed`: the training resumed from a
+    checkpoint, so the W&B run recorded beside it continues (`resume="allow"`)."""
+    try:
+        import wandb  # noqa: PLC0415 - optional, and seconds to import
+    except ImportError as exc:
+        raise PtcError(f"runtime.wandb = \"{plan.runtime.wandb}\" needs the wandb package "
+                       f"({exc}); pip install wandb, or remove the field") from None
+    return wandb.init(project=plan.runtime.wandb, name=wandb_run_name(plan),
+                      id=wandb_run_id(plan.runtime.checkpoint_dir, resumed=resumed),
+                      resume="allow", config=plan_config(plan))
+
+
+def wandb_run_name(plan: Plan) -> str | None:
+    """The W&B run's name: the plan file's stem, else the checkpoint folder's name; None (W&B
+    picks one) for a plan built in Python without checkpoints."""
+    if not plan.source.startswith("<"):  # "<python>", "<string>": no file
+        return Path(plan.source).stem
+    return Path(plan.runtime.checkpoint_dir).name if plan.runtime.checkpoint_dir else None
+
+
+def wandb_run_id(checkpoint_dir: str | None, *, resumed: bool) -> str | None:
+    """The W&B run's id: on a resume, the one recorded in `checkpoint_dir`, so the steps append
+    to the run that wrote the checkpoint; else a new id, recorded there for the next resume.
+    None (W&B picks one) without a checkpoint_dir, since such a run never resumes."""
+    if not checkpoint_dir:
+        return None
+    path = Path(checkpoint_dir) / WANDB_RUN_ID
+    if resumed and path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def plan_config(value: object) -> object:
+    """`value` (a plan, a section or a field's value) as plain dicts, lists and scalars: the
+    W&B config, in which runs compare field by field. Only fields that make plans equal are
+    kept (not where they were written, nor the source file)."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: plan_config(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.compare}
+    if isinstance(value, Mapping):
+        return {str(k): plan_config(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [plan_config(v) for v in value]
+    return value
 
 
 def run_banner(program: Program) -> str:
@@ -137,9 +200,9 @@ class StepReporter(AbstractContextManager):
                  predicted_step_time: float | None = None, console: Console | None = None,
                  flops_per_step: float | None = None, append: bool = False,
                  banner: str | None = None):
-        """`flops_per_step`: model FLOPs of a step (for MFU); `append`: continue the JSONL file;
-        `banner`: the first line to print (`run_banner`); a summary (`run_summary`) closes a
-        run that ends without an error."""
+        """`flops_per_step`: model FLOPs of a step (for MFU); `append`: the run resumed, so
+        continue the JSONL file and the W&B run; `banner`: the first line to print
+        (`run_banner`); a summary (`run_summary`) closes a run that ends without an error."""
         self.plan, self.steps, self.enabled = plan, steps, enabled
         self.predicted = predicted_step_time
         self.flops, self.append = flops_per_step, append
@@ -150,6 +213,7 @@ class StepReporter(AbstractContextManager):
         self._task = None
         self._file: IO[str] | None = None
         self._board = None
+        self._wandb = None
         self.banner = banner
         self._steps: list[StepStats] = []
 
@@ -168,6 +232,8 @@ class StepReporter(AbstractContextManager):
             self._file = path.open("a")
         if self.plan.runtime.tensorboard:
             self._board = tensorboard_writer(self.plan.runtime.tensorboard)
+        if self.plan.runtime.wandb:
+            self._wandb = wandb_run(self.plan, resumed=self.append)
         if self.console.is_terminal:
             self._progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                                       TimeRemainingColumn(), console=self.console)
@@ -185,7 +251,7 @@ class StepReporter(AbstractContextManager):
             console.print(format_step(stats, self.steps, self.predicted), markup=False)
         if self._progress is not None:
             self._progress.update(self._task, completed=stats.step)
-        if self._file is not None or self._board is not None:
+        if self._file is not None or self._board is not None or self._wandb is not None:
             self._record(self._metrics(stats), stats.step)
 
     def _metrics(self, stats: StepStats) -> dict:
@@ -200,7 +266,7 @@ class StepReporter(AbstractContextManager):
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
 
     def _record(self, record: dict, step: int) -> None:
-        """Append the record to the JSONL file and plot its numbers in TensorBoard."""
+        """Append the record to the JSONL file and plot its numbers in TensorBoard and W&B."""
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -209,6 +275,9 @@ class StepReporter(AbstractContextManager):
                 if record[key] is not None:
                     self._board.add_scalar(key, record[key], global_step=step)
             self._board.flush()
+        if self._wandb is not None:
+            self._wandb.log({key: record[key] for key in SCALARS if record[key] is not None},
+                            step=step)
 
     def __exit__(self, kind, *exc) -> None:
         if self._progress is not None:
@@ -219,3 +288,5 @@ class StepReporter(AbstractContextManager):
             self._file.close()
         if self._board is not None:
             self._board.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=0 if kind is None else 1)  # 1: W&B marks it failed

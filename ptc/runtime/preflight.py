@@ -10,6 +10,8 @@ checkpoint_dir` when the value came from the command line):
 - checkpoint_dir, and the folders of metrics and tensorboard, can be
   created and written (side-effect free: the nearest existing folder is
   asked, nothing is made);
+- the wandb package is installed when `runtime.wandb` names a project
+  (looked up, not imported: importing it takes seconds);
 - a custom model's factory imports;
 - the plan fits memory: the predicted peak of every pipeline stage is
   within the budget (built-in families, whose prediction is analytic),
@@ -22,6 +24,7 @@ one fails, the answer comes before torch would have finished importing.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -62,7 +65,8 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
 
 
 def _files_and_folders(plan: Plan, where: _Where, vocab: int | None) -> list[Diagnostic]:
-    """The checks that need only the file system and numpy: data, weights' presence, folders."""
+    """The checks that need only the file system and numpy: data, weights' presence, folders,
+    the wandb package."""
     found = []
     try:
         check_data(plan.train.data, vocab=vocab or plan.model.vocab, seq_len=plan.train.seq_len)
@@ -86,6 +90,9 @@ def _files_and_folders(plan: Plan, where: _Where, vocab: int | None) -> list[Dia
             problem = f"{runtime.metrics} is a directory; metrics names a file"
         if problem:
             found.append(where.error("runtime", name, problem))
+    if runtime.wandb and importlib.util.find_spec("wandb") is None:
+        found.append(where.error("runtime", "wandb", f"runtime.wandb = \"{runtime.wandb}\" needs "
+                                 f"the wandb package; pip install wandb, or remove the field"))
     return found
 
 

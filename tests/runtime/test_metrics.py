@@ -1,10 +1,13 @@
-"""Rank 0's step report: the line, the JSONL file, the predicted-time hook."""
+"""Rank 0's step report: the line, the JSONL file, TensorBoard, W&B, the predicted-time hook."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -13,7 +16,7 @@ from runtime_helpers import tiny_plan
 from ptc.compiler.decisions import resolve
 from ptc.lower.driver import capture_plan, compile_plan
 from ptc.runtime.executor import StepStats
-from ptc.runtime.metrics import SCALARS, StepReporter, format_step
+from ptc.runtime.metrics import SCALARS, WANDB_RUN_ID, StepReporter, format_step, plan_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -141,6 +144,95 @@ def test_tensorboard_scalars_read_back_with_tensorboards_own_loader(tmp_path):
     assert read["exposed_comm_s"][0] == (1, pytest.approx(0.05))
     assert read["predicted_step_time"][0] == (1, pytest.approx(0.15))
     assert read["peak_memory_bytes"][0][1] > 0
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    """A function that sends W&B's next runs to a folder, offline (no server is ever reached)
+    and quiet. W&B reads its environment once per process, so its state is reset each time,
+    as a new process would find it, and after the test."""
+    import wandb
+
+    def to(folder: Path) -> None:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_DIR", str(folder))
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        wandb.teardown()
+
+    yield to
+    wandb.teardown()
+
+
+def _wandb_plan(tmp_path: Path):
+    """The tiny plan logging to the W&B project "ptc-test", with a checkpoint_dir."""
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1)
+    return dataclasses.replace(plan, runtime=dataclasses.replace(
+        plan.runtime, wandb="ptc-test", checkpoint_dir=str(tmp_path / "ckpt")))
+
+
+def _wandb_records(folder: Path, run_id: str) -> dict[str, list[dict]]:
+    """The records of the offline W&B run `run_id` under `folder`, by type, as W&B's own reader
+    of a run's transaction log (`wandb leet inspect --json`) gives them."""
+    [log] = (folder / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    records: dict[str, list[dict]] = {}
+    for line in done.stdout.splitlines():
+        record = json.loads(line)
+        records.setdefault(record["type"], []).append(record[record["type"]])
+    return records
+
+
+@pytest.mark.timeout(180)  # each W&B run and each read starts a process of its own
+def test_wandb_gets_the_scalars_of_every_step_and_the_plan_as_config(tmp_path, offline_wandb):
+    offline_wandb(tmp_path)
+    plan = _wandb_plan(tmp_path)
+    peak = plan.hardware.peak_flops[plan.train.dtype]
+    with StepReporter(plan, steps=2, enabled=True, console=Console(file=io.StringIO()),
+                      predicted_step_time=0.15, flops_per_step=0.2 * peak) as reporter:
+        reporter.report(stats(1))
+        reporter.report(dataclasses.replace(stats(2), loss=3.5))
+    run_id = (tmp_path / "ckpt" / WANDB_RUN_ID).read_text().strip()
+    records = _wandb_records(tmp_path, run_id)
+    [run] = records["run"]
+    assert (run["project"], run["display_name"], run["run_id"]) == ("ptc-test", "ckpt", run_id)
+    config = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
+    assert config == json.loads(json.dumps(plan_config(plan)))
+    assert config["parallel"]["dp"] == 1 and config["runtime"]["wandb"] == "ptc-test"
+    history = records["history"]
+    assert [h["step"]["num"] for h in history] == [1, 2]
+    assert [(h["item"]["loss"], h["item"]["lr"]) for h in history] == [(4.25, 1e-3), (3.5, 1e-3)]
+    assert {key for key in history[0]["item"] if not key.startswith("_")} == set(SCALARS)
+    first = history[0]["item"]
+    assert (first["tokens_per_s"], first["step_time"]) == (20480, pytest.approx(0.2))
+    assert first["mfu"] == pytest.approx(1.0) and first["peak_memory_bytes"] > 0
+    assert first["predicted_step_time"] == pytest.approx(0.15)
+    assert [e["exit_code"] for e in records["exit"]] == [0]
+
+
+@pytest.mark.timeout(180)  # each W&B run and each read starts a process of its own
+def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_one_starts_another(tmp_path,
+                                                                             offline_wandb):
+    plan = _wandb_plan(tmp_path)
+    offline_wandb(tmp_path / "first")
+    with StepReporter(plan, steps=3, enabled=True, console=Console(file=io.StringIO())) as r:
+        r.report(stats(1))
+    run_id = (tmp_path / "ckpt" / WANDB_RUN_ID).read_text().strip()
+    offline_wandb(tmp_path / "resumed")  # a later run's own offline folder
+    with pytest.raises(RuntimeError), StepReporter(
+            plan, steps=3, enabled=True, console=Console(file=io.StringIO()), append=True) as r:
+        r.report(dataclasses.replace(stats(2), loss=3.0))
+        raise RuntimeError("the resumed run fails")
+    resumed = _wandb_records(tmp_path / "resumed", run_id)
+    assert [h["step"]["num"] for h in resumed["history"]] == [2]
+    assert resumed["history"][0]["item"]["loss"] == 3.0
+    assert [e["exit_code"] for e in resumed["exit"]] == [1]  # W&B marks the run failed
+    offline_wandb(tmp_path / "fresh")
+    with StepReporter(plan, steps=3, enabled=True, console=Console(file=io.StringIO())) as r:
+        r.report(stats(1))
+    fresh = (tmp_path / "ckpt" / WANDB_RUN_ID).read_text().strip()
+    assert fresh != run_id
+    assert [h["step"]["num"] for h in _wandb_records(tmp_path / "fresh", fresh)["history"]] == [1]
 
 
 def test_a_run_opens_with_its_banner_and_closes_with_a_summary():
