@@ -29,7 +29,11 @@ micro-batches, clipping and AdamW.
     python bench/runtime_vs_torch.py [--family gpt] [--hidden 64] [--layers 2]
                                      [--seq 32] [--micro-batch 4] [--accum 2] [--repeat 5]
                                      [--pp-layers 8] [--tp-hidden 128] [--no-dp] [--no-pp]
-                                     [--no-tp]
+                                     [--no-tp] [--compile]
+
+`--compile` adds a compiled pair to the data-parallel comparison: ptc with
+`runtime.compile = true` (each stage graph through torch.compile) against
+DDP of the torch.compile'd model, both on inductor.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 NPROC = 2
 
 
-def make_plan(args, zero: int):
-    """The benchmark plan: the tiny model on 2 CPU processes at ZeRO stage `zero`."""
+def make_plan(args, zero: int, compiled: bool = False):
+    """The benchmark plan: the tiny model on 2 CPU processes at ZeRO stage `zero`
+    (`compiled`: its stage graphs run through torch.compile)."""
     from ptc.plan import (DataSpec, HardwareSpec, ModelSpec, OptimizerSpec, ParallelSpec, Plan,
                           RuntimeSpec, TrainSpec)
 
@@ -59,7 +64,7 @@ def make_plan(args, zero: int):
                                 global_batch=NPROC * args.micro_batch * args.accum, dtype="fp32",
                                 steps=args.warmup + args.repeat, grad_clip=1.0,
                                 optimizer=OptimizerSpec(lr=1e-3), data=DataSpec(seed=1)),
-                runtime=RuntimeSpec(backend="gloo"))
+                runtime=RuntimeSpec(backend="gloo", compile=compiled))
 
 
 def timed(step, repeat: int, warmup: int) -> float:
@@ -77,19 +82,20 @@ def timed(step, repeat: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def ptc_step(args, zero: int):
-    """ptc's runtime at ZeRO stage `zero`: its step function."""
+def ptc_step(args, zero: int, compiled: bool = False):
+    """ptc's runtime at ZeRO stage `zero` (`compiled`: runtime.compile): its step function."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh
 
-    plan = make_plan(args, zero)
+    plan = make_plan(args, zero, compiled)
     return Trainer(compile_plan(plan), axis_groups(build_mesh(plan))).train_step
 
 
-def torch_step(args, wrap: str):
-    """Eager PyTorch with DDP ("ddp") or FSDP2 ("fsdp2") on the same model, data and optimizer:
-    its step function."""
+def torch_step(args, wrap: str, compiled: bool = False):
+    """Eager PyTorch with DDP ("ddp") or FSDP2 ("fsdp2") on the same model, data and optimizer
+    (`compiled`: the model under torch.compile, inside DDP as PyTorch recommends): its step
+    function."""
     import contextlib
 
     import torch
@@ -106,6 +112,8 @@ def torch_step(args, wrap: str):
     model = build_model(plan.model, device="cpu", seed=0)
     if wrap == "ddp":
         model = DistributedDataParallel(model)
+        if compiled:
+            model = torch.compile(model)
     else:
         for layer in model.layers:
             fully_shard(layer)
@@ -146,6 +154,10 @@ def worker(args) -> dict[str, float]:
               **timed_in_turns({"ptc zero 3": ptc_step(args, 3),
                                 "torch FSDP2": torch_step(args, "fsdp2")},
                                args.repeat, args.warmup)}
+    if args.compile:
+        result.update(timed_in_turns({"ptc dp compiled": ptc_step(args, 0, compiled=True),
+                                      "torch DDP compiled": torch_step(args, "ddp", compiled=True)},
+                                     args.repeat, args.warmup))
     dist.destroy_process_group()
     return result
 
@@ -425,6 +437,9 @@ def main() -> None:
                         help="hidden size of the tensor-parallel benchmark's Llama")
     parser.add_argument("--tp", action=argparse.BooleanOptionalAction, default=True,
                         help="compare tensor parallelism (2 processes)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="also compare data parallelism with torch.compile on both sides "
+                             "(ptc: runtime.compile; torch: DDP of the compiled model)")
     args = parser.parse_args()
 
     from ptc.runtime.launcher import run_local
@@ -452,8 +467,11 @@ def main() -> None:
     print(f"{args.family} h={args.hidden} layers={args.layers} seq={args.seq} "
           f"micro_batch={args.micro_batch} accum={args.accum}, {NPROC} gloo processes, "
           f"median of {args.repeat} steps")
-    for ours, theirs in (("ptc dp (zero 0)", "torch DDP"), ("ptc zero 3", "torch FSDP2")):
-        print(f"  {ours:16s} {times[ours] * 1e3:8.2f} ms   {theirs:12s} "
+    pairs = [("ptc dp (zero 0)", "torch DDP"), ("ptc zero 3", "torch FSDP2")]
+    if args.compile:
+        pairs.append(("ptc dp compiled", "torch DDP compiled"))
+    for ours, theirs in pairs:
+        print(f"  {ours:16s} {times[ours] * 1e3:8.2f} ms   {theirs:18s} "
               f"{times[theirs] * 1e3:8.2f} ms   ptc / torch = {times[ours] / times[theirs]:.2f}")
 
 

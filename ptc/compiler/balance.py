@@ -81,7 +81,7 @@ class Split:
 def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: Sequence[str],
                 decisions: Decisions) -> list[AtomCost]:
     """Price every atom of the captured graph `gm` for the plan (see module docstring)."""
-    from ptc.compiler.memory import precision  # noqa: PLC0415 - memory imports sympy (slow)
+    from ptc.compiler.memory import held_per_element, precision  # noqa: PLC0415 - sympy (slow)
 
     plan = decisions.plan
     hw, train, par = plan.hardware, plan.train, plan.parallel
@@ -89,8 +89,9 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[train.dtype]
     prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum)
     zero, dp = par.zero, par.dp
-    per_element = (prec.weight / (dp if zero >= 3 else 1) + prec.grad / (dp if zero >= 2 else 1)
-                   + prec.optimizer / (dp if zero >= 1 else 1))
+    weight, grad, state = held_per_element(prec, zero)
+    per_element = (weight / (dp if zero >= 3 else 1) + grad / (dp if zero >= 2 else 1)
+                   + state / (dp if zero >= 1 else 1))
     kept = _kept_share(plan)
     saved = _saved_bytes(gm, atoms)
     seen: set[int] = set()

@@ -57,16 +57,21 @@ class Precision:
     weight: int
     """Working weight (compute dtype)."""
     grad: int
-    """Gradient (compute dtype)."""
+    """Gradient: fp32 main gradients, accumulated over micro-batches and reduced over dp in
+    fp32 whatever the compute dtype (what the runtime holds, `ptc.runtime.params`)."""
     optimizer: int
     """Optimizer state incl. the fp32 master copy when weights are 16-bit."""
+
+
+MAIN_GRAD_BYTES = 4
+"""Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
 
 
 def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0) -> Precision:
     """Model-state bytes for a compute dtype width and optimizer ("adamw", "sgd")."""
     master = 4 if dtype_bytes < 4 else 0
     states = 8 if optimizer == "adamw" else (4 if momentum else 0)
-    return Precision(weight=dtype_bytes, grad=dtype_bytes, optimizer=master + states)
+    return Precision(weight=dtype_bytes, grad=MAIN_GRAD_BYTES, optimizer=master + states)
 
 
 def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
@@ -145,11 +150,22 @@ def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precis
     zero = layout.zero
     split, whole, tensors = stage_params(profile, layout, stage)
     n = split / tt + whole
-    weights = prec.weight * n / (dd if zero >= 3 else 1)
-    grads = prec.grad * n / (dd if zero >= 2 else 1)
+    weight, grad, state = held_per_element(prec, zero)
+    weights = weight * n / (dd if zero >= 3 else 1)
+    grads = grad * n / (dd if zero >= 2 else 1)
     counters = 4 * tensors if prec.optimizer else 0
-    optimizer = (prec.optimizer * n + counters) / (dd if zero >= 1 else 1)
+    optimizer = (state * n + counters) / (dd if zero >= 1 else 1)
     return weights, grads, optimizer
+
+
+def held_per_element(prec: Precision, zero: int) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes a rank holds per parameter element, before ZeRO
+    divides them by dp. ZeRO-3 keeps one fp32 shard that is both the weight and the master
+    (the graph casts what it gathers to the compute dtype, as FSDP2 does), so no separate
+    16-bit copy of the weights stays resident."""
+    if zero >= 3 and prec.weight < 4 and prec.optimizer >= 4:
+        return 4, prec.grad, prec.optimizer - 4
+    return prec.weight, prec.grad, prec.optimizer
 
 
 def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt, mb,

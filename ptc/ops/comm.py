@@ -107,10 +107,23 @@ def _note(op: str, group: Group, numel: int) -> None:
 _WAITED = [0.0]
 """Seconds this process has spent blocked in `Work.wait` (see `comm_wait_seconds`)."""
 
+_GPU_STALLS: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+"""(before, after) events around each wait on a GPU, not yet added to `_WAITED`."""
+
 
 def comm_wait_seconds() -> float:
     """Seconds spent blocked waiting for collectives so far: the communication compute did
-    not hide (exposed). Sample it before and after a step; the difference is that step's."""
+    not hide (exposed). Sample it before and after a step; the difference is that step's.
+
+    On the CPU (gloo) a wait blocks the thread, so its wall time is the stall. On a GPU
+    (NCCL) `wait()` returns at once and only makes the compute stream wait for the
+    communication stream; the stall is then the time between an event recorded on the
+    compute stream just before the wait and one just after it, read here (which waits for
+    the later events to complete: sample it where the step synchronises anyway)."""
+    while _GPU_STALLS:
+        before, after = _GPU_STALLS.pop()
+        after.synchronize()
+        _WAITED[0] += before.elapsed_time(after) / 1000.0  # elapsed_time is in milliseconds
     return _WAITED[0]
 
 
@@ -127,9 +140,16 @@ class Work:
     def wait(self) -> torch.Tensor:
         """Block until done; return the output."""
         if self._work is not None:
-            began = time.perf_counter()
-            self._work.wait()
-            _WAITED[0] += time.perf_counter() - began
+            if self.output.is_cuda:
+                before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                before.record()
+                self._work.wait()
+                after.record()
+                _GPU_STALLS.append((before, after))
+            else:
+                began = time.perf_counter()
+                self._work.wait()
+                _WAITED[0] += time.perf_counter() - began
             self._work = None
         self._keep = None
         return self.output

@@ -120,6 +120,14 @@ def located(exc: Exception, rank: int, step: int, action) -> RankError:
     return RankError("\n".join(filter(None, (first, where, rest))))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`; to a GPU through pinned memory, so the copy runs asynchronously
+    (ordered on the compute stream) instead of blocking the step's Python thread."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class GraphRunner:
     """Runs a lowered graph and turns any failure into a RankError naming the node.
 
@@ -439,8 +447,8 @@ class Trainer:
         if mb not in state.batches:
             tokens, targets = self.data.batch(self._first_sample(mb, state),
                                               self.plan.train.micro_batch)
-            state.batches[mb] = {"tokens": tokens.to(self.device),
-                                 "targets": targets.to(self.device)}
+            state.batches[mb] = {"tokens": to_device(tokens, self.device),
+                                 "targets": to_device(targets, self.device)}
         return state.batches[mb]
 
     def _first_sample(self, mb: int, state: _StepState) -> int:

@@ -54,9 +54,13 @@ def init_distributed(plan: Plan) -> bool:
         return False
     backend = backend_for(plan)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timeout())
+        device = None
+        if backend == "nccl":  # the rank's GPU, set before any CUDA work or NCCL communicator
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        # device_id binds the group to that GPU: NCCL initialises at once (a bad GPU or
+        # network fails here, not in the first collective) and never guesses the device.
+        dist.init_process_group(backend, timeout=timeout(), device_id=device)
     elif world_size(plan) == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout())

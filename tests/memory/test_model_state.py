@@ -26,9 +26,13 @@ def _layout(layers: int, **changes) -> Layout:
     return dataclasses.replace(base, **changes)
 
 
-@pytest.mark.parametrize("zero, per_param", [(0, 16), (1, 4 + 12 / d), (2, 2 + 14 / d),
+@pytest.mark.parametrize("zero, per_param", [(0, 18), (1, 6 + 12 / d), (2, 2 + 16 / d),
                                              (3, 16 / d)])
 def test_zero_bytes_per_parameter(zero, per_param):
+    """bf16 weights, fp32 main gradients, fp32 master and Adam moments: Megatron-LM's
+    "bf16 param, fp32 grads" row (18 bytes; 6 + 12/d with its distributed optimizer, which
+    is ZeRO-1), ZeRO-2 also sharding the gradients; ZeRO-3 shards everything and keeps no
+    bf16 copy beside the fp32 master shard (FSDP2's 16/d)."""
     profile = model_profile(GPT, "bf16")
     layout = _layout(GPT.layers, dp=8, zero=zero)
     terms = stage_memory_expr(profile, layout, precision(2, "adamw"), 0)
@@ -91,3 +95,37 @@ def test_tp_rank_weights_equal_the_lowered_graph(tp):
     terms = stage_memory(model_profile(spec, "fp32"), _layout(spec.layers, tp=tp),
                          precision(4, "adamw"), 16)[0]
     assert terms["weights"] == held
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_predicted_model_state_equals_what_the_runtime_holds(dtype, zero):
+    """The estimate's weights, gradients and optimizer state are the bytes a trained rank holds
+    (`Trainer.held_bytes`, each storage once), in bf16 as in fp32: bf16 weights with fp32 main
+    gradients, fp32 masters and moments. Adam's step counters are left out on both sides (the
+    model charges 4 bytes per tensor, the runtime keeps one 0-dim counter per flat unit). At
+    ZeRO-3 the graph's parameter is the fp32 master shard itself, so only the total compares."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from dist_helpers import tiny_plan
+
+    from ptc.compiler.estimate import estimate
+    from ptc.lower.driver import compile_plan
+    from ptc.runtime.executor import Trainer
+
+    plan = tiny_plan("llama", zero=zero, dp=1, accum=1, dtype=dtype, steps=1)
+    trainer = Trainer(compile_plan(plan), {})
+    trainer.train_step(0)
+    held = trainer.held_bytes()
+    terms = estimate(plan).memory_terms[0]
+    profile = model_profile(plan.model, dtype)
+    counters = 4 * sum(profile.params[part].tensors * (plan.model.layers if part == "layer" else 1)
+                       for part in ("pre", "layer", "post"))
+    predicted = {"params": terms["weights"], "grads": terms["grads"],
+                 "optimizer": terms["optimizer"] - counters}
+    if zero == 3:
+        assert sum(predicted.values()) == sum(held.values())
+    else:
+        assert predicted == held
