@@ -32,7 +32,11 @@ row under "assumed"):
 - V100 (DGX-2) has no ptc preset: 125 TFLOP/s fp16, 32 GB, NVSwitch 150 GB/s
   per direction, 16 GPUs per node, 8 x 100 Gb/s InfiniBand per node,
   achievable_fraction 0.55 as the A100's (same-generation tensor-core GEMMs);
-- BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs (from its notes).
+- BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs (from its notes);
+- gradients: fp16 runs keep and all-reduce them in fp16 (Megatron-LM without
+  --accumulate-allreduce-grads-in-fp32, its default then), bf16 runs in fp32
+  (Megatron-LM forces fp32 main gradients with bf16; DeepSpeed's bf16
+  optimizer accumulates in fp32): `train.grad_dtype`.
 Usage: python bench/validate_cost_model.py [--csv PATH]
 """
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import statistics
 import sys
@@ -135,6 +140,8 @@ def build(row: dict):
         gpus_per_node=16 if gpu is V100 else 8, zero=zero, sequence_parallel=sp,
         schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, checkpoint=ckpt,
         overlap=overlap)
+    if dtype == "fp16":
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, grad_dtype="fp16"))
     return plan, notes
 
 

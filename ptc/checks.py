@@ -29,6 +29,7 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
     _check_mesh(plan, sink)
     _check_model_split(plan, sink)
     _check_batch(plan, sink)
+    _check_grad_dtype(plan, sink)
     _check_pipeline(plan, sink)
     _check_hardware_fit(plan, sink)
 
@@ -115,6 +116,14 @@ def _check_batch(plan: Plan, sink: DiagnosticSink) -> None:
                    f"dp({dp}) = {par.microbatches * per_step} != global_batch"
                    f"({train.global_batch})", field="parallel.microbatches",
                    span=_span(par, "microbatches"))
+
+
+def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
+    train = plan.train
+    if train.grad_dtype != "fp32" and plan.parallel.zero == 3:
+        sink.error(f"grad_dtype = {train.grad_dtype} needs zero 0-2: ZeRO-3 reduce-scatters "
+                   f"each layer's gradient into its fp32 master shard", field="train.grad_dtype",
+                   span=_span(train, "grad_dtype"), choices=("fp32",))
 
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:

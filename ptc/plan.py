@@ -33,6 +33,7 @@ LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
 SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
 AXES = ("tp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "uniform", "tokens")
@@ -542,6 +543,11 @@ class TrainSpec(_Section):
     """Samples per micro-batch per rank, b."""
     dtype: str = "bf16"
     """Compute dtype: "fp32", "bf16" or "fp16" (master weights stay fp32)."""
+    grad_dtype: str = "fp32"
+    """Dtype gradients are accumulated over micro-batches and reduced over dp in: "fp32"
+    (main gradients, Megatron-LM's choice for bf16) or the compute dtype (half the gradient
+    buffer and the dp traffic; the optimizer then steps the fp32 masters from an fp32 copy of
+    the rank's gradient shard, as Megatron-LM does without grad_reduce_in_fp32)."""
     steps: int = 1
     """Optimizer steps to run."""
     grad_clip: float | None = 1.0
@@ -562,6 +568,10 @@ class TrainSpec(_Section):
         for name in ("seq_len", "global_batch", "micro_batch", "steps"):
             self._int(sink, name)
         self._choice(sink, "dtype", DTYPES)
+        if self.grad_dtype not in ("fp32", self.dtype):
+            self._bad(sink, "grad_dtype", f"grad_dtype = {self.grad_dtype!r}: gradients are "
+                      f"kept in fp32 or in the compute dtype ({self.dtype})",
+                      tuple(dict.fromkeys(("fp32", self.dtype))))
         self._number(sink, "grad_clip", strict=True, allow_none=True)
         sink.raise_if_errors()
 

@@ -42,7 +42,7 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import used_params
 from ptc.errors import CompileError, PtcError
-from ptc.plan import Plan
+from ptc.plan import DTYPE_BYTES, Plan
 
 log = logging.getLogger("ptc.compiler.balance")
 
@@ -86,11 +86,12 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     plan = decisions.plan
     hw, train, par = plan.hardware, plan.train, plan.parallel
     rate = hw.peak_flops[train.dtype] * hw.achievable_fraction
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[train.dtype]
-    prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum)
+    dtype_bytes = DTYPE_BYTES[train.dtype]
+    prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum,
+                     DTYPE_BYTES[train.grad_dtype])
     zero, dp = par.zero, par.dp
-    weight, grad, state = held_per_element(prec, zero)
-    per_element = (weight / (dp if zero >= 3 else 1) + grad / (dp if zero >= 2 else 1)
+    weight, (grad, grad_shard), state = held_per_element(prec, zero)
+    per_element = (weight / (dp if zero >= 3 else 1) + grad + grad_shard / dp
                    + state / (dp if zero >= 1 else 1))
     kept = _kept_share(plan)
     saved = _saved_bytes(gm, atoms)

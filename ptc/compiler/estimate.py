@@ -22,7 +22,7 @@ from ptc.compiler.cost import StepCost, step_cost
 from ptc.compiler.layout import Layout, layout_of
 from ptc.compiler.memory import Precision, peak, precision, stage_memory, stage_memory_terms
 from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
-from ptc.plan import Plan
+from ptc.plan import DTYPE_BYTES, Plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +71,8 @@ class Estimate:
 def plan_precision(plan: Plan, profile: ModelProfile) -> Precision:
     """Model-state bytes per parameter for the plan's dtype and optimizer."""
     opt = plan.train.optimizer
-    return precision(profile.dtype_bytes, opt.name, opt.momentum)
+    return precision(profile.dtype_bytes, opt.name, opt.momentum,
+                     DTYPE_BYTES[plan.train.grad_dtype])
 
 
 def estimate(plan: Plan) -> Estimate:

@@ -16,7 +16,10 @@ Terms per stage (bytes, one tp/dp rank of that stage):
   output under full recompute; times the micro-batches the schedule keeps in
   flight on that stage: GPipe m; 1F1B min(p - i, m) for stage i; interleaved
   min(2(p - 1 - i) + (v - 1)p + 1, m·v) chunks of L/(p·v) layers (for stage 0:
-  L·(1 + (p - 1)/(p·v)) layers' worth, Korthikanti et al.).
+  L·(1 + (p - 1)/(p·v)) layers' worth, Korthikanti et al.). The tensors
+  between layers are kept by whoever needs them (`_chunk_ends`): the next
+  layer's checkpoint, the pipeline runtime (a stage's output), or a node
+  that saves them.
 - `recompute`: the working set of recomputing one layer in backward.
 - `buffers`: communication buffers — pipeline send/receive of one boundary
   activation each way, the sequence-parallel all-gather output, two data-
@@ -57,21 +60,28 @@ class Precision:
     weight: int
     """Working weight (compute dtype)."""
     grad: int
-    """Gradient: fp32 main gradients, accumulated over micro-batches and reduced over dp in
-    fp32 whatever the compute dtype (what the runtime holds, `ptc.runtime.params`)."""
+    """Gradient as accumulated over micro-batches and reduced over dp (`train.grad_dtype`)."""
     optimizer: int
     """Optimizer state incl. the fp32 master copy when weights are 16-bit."""
+
+    @property
+    def main_grad(self) -> int:
+        """The fp32 copy of a 16-bit gradient the optimizer steps the masters from (0: the
+        gradient is fp32 and the masters read it in place)."""
+        return MAIN_GRAD_BYTES if self.grad < MAIN_GRAD_BYTES else 0
 
 
 MAIN_GRAD_BYTES = 4
 """Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
 
 
-def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0) -> Precision:
-    """Model-state bytes for a compute dtype width and optimizer ("adamw", "sgd")."""
+def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0,
+              grad_bytes: int = MAIN_GRAD_BYTES) -> Precision:
+    """Model-state bytes for a compute dtype width, optimizer ("adamw", "sgd") and gradient
+    width (`train.grad_dtype`: fp32 main gradients unless the plan says otherwise)."""
     master = 4 if dtype_bytes < 4 else 0
     states = 8 if optimizer == "adamw" else (4 if momentum else 0)
-    return Precision(weight=dtype_bytes, grad=MAIN_GRAD_BYTES, optimizer=master + states)
+    return Precision(weight=dtype_bytes, grad=grad_bytes, optimizer=master + states)
 
 
 def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
@@ -129,7 +139,8 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
         profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, mb, stage,
-                  lay.stage_policies(stage), bb, ss, tt, lay.sp, kv_whole),
+                  lay.stage_policies(stage), tuple(lay.policy(c[0]) for c in lay.chunks(stage)),
+                  bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
     buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt,
                               kv_whole),
@@ -150,22 +161,35 @@ def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precis
     zero = layout.zero
     split, whole, tensors = stage_params(profile, layout, stage)
     n = split / tt + whole
-    weight, grad, state = held_per_element(prec, zero)
+    weight, (grad, grad_shard), state = held_per_element(prec, zero)
     weights = weight * n / (dd if zero >= 3 else 1)
-    grads = grad * n / (dd if zero >= 2 else 1)
+    grads = grad * n + grad_shard * n / dd
     counters = 4 * tensors if prec.optimizer else 0
     optimizer = (state * n + counters) / (dd if zero >= 1 else 1)
     return weights, grads, optimizer
 
 
-def held_per_element(prec: Precision, zero: int) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes a rank holds per parameter element, before ZeRO
-    divides them by dp. ZeRO-3 keeps one fp32 shard that is both the weight and the master
-    (the graph casts what it gathers to the compute dtype, as FSDP2 does), so no separate
-    16-bit copy of the weights stays resident."""
+def held_per_element(prec: Precision, zero: int) -> tuple[int, tuple[int, int], int]:
+    """(weight, (gradient, gradient shard), optimizer) bytes a rank holds per parameter
+    element; weight and optimizer before ZeRO divides them by dp, the gradient as (bytes
+    held whole, bytes held as a 1/dp shard).
+
+    ZeRO-3 keeps one fp32 shard that is both the weight and the master (the graph casts
+    what it gathers to the compute dtype, as FSDP2 does), so no separate 16-bit copy of the
+    weights stays resident. Gradients: ZeRO 0-1 accumulate in a whole buffer of the gradient
+    dtype, plus (a 16-bit one) the fp32 copy the optimizer steps from, whole at ZeRO-0 and
+    of the rank's shard at ZeRO-1; ZeRO-2 and 3 keep only an fp32 shard (a micro-batch's
+    16-bit gradients are reduce-scattered into it as they are made)."""
+    weight, state = prec.weight, prec.optimizer
     if zero >= 3 and prec.weight < 4 and prec.optimizer >= 4:
-        return 4, prec.grad, prec.optimizer - 4
-    return prec.weight, prec.grad, prec.optimizer
+        weight, state = 4, prec.optimizer - 4
+    if zero == 0:
+        grads = (prec.grad + prec.main_grad, 0)
+    elif zero == 1:
+        grads = (prec.grad, prec.main_grad)
+    else:
+        grads = (0, MAIN_GRAD_BYTES)
+    return weight, grads, state
 
 
 def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt, mb,
@@ -185,8 +209,14 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.
     per_layer = sum(count * act("layer", pol) for pol, count in pairs) / sum(c for _, c in pairs)
     activations = units * per_unit * per_layer
+    ends = _chunk_ends(layout, stage)
+    if ends:
+        activations += units * ends * act("out_unsaved", "none") / len(layout.chunks(stage))
     if stage == 0:
-        activations += (units if layout.schedule != "interleaved" else mn(p, mb)) * act("pre", "none")
+        pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
+        activations += pre_units * act("pre", "none")
+        if layout.policy(0) == "full":  # its checkpoint keeps what it reads, saved or not
+            activations += pre_units * act("in_unsaved", "none")
     if stage == p - 1:
         activations += (1 if layout.schedule != "gpipe" else units) * act("post", "none")
     recompute = 0
@@ -195,6 +225,26 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     elif "selective" in policies:
         recompute = act("layer", "none") - act("layer", "selective")
     return activations, recompute
+
+
+def _chunk_ends(layout: Layout, stage: int) -> int:
+    """How many unsaved layer outputs (`ModelProfile.output_unsaved`) the per-layer sums of
+    `stage`'s chunks miss (positive) or count too often (negative), over all its chunks.
+
+    What keeps the tensor between two layers follows the layer that reads it:
+    its checkpoint, whole, when that layer is fully recomputed, else whatever
+    of it a node saves. The per-layer sums charge it by the layer that makes
+    it (`ModelProfile.layer_output` for a full one). Along a chunk these are
+    the same charges shifted by one layer, so they differ only at its ends:
+    the chunk's output, which the pipeline runtime holds until the
+    micro-batch's backward (after the model's last layer only what the nodes
+    there save counts), adds one; a fully recomputed first layer, charged for
+    its output by its own policy rather than by its reader's, takes one off.
+    """
+    ends = 0
+    for layers in layout.chunks(stage):
+        ends += (layers[-1] != layout.layers - 1) - (layout.policy(layers[0]) == "full")
+    return ends
 
 
 def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt) -> object:

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ptc.compiler.comm import all_gather, all_reduce, reduce_scatter
-from ptc.compiler.program import DTYPE_BYTES
 from ptc.compiler.topology import AxisGroup, axis_groups
-from ptc.plan import LinkSpec, Plan
+from ptc.plan import DTYPE_BYTES, LinkSpec, Plan
 
 if TYPE_CHECKING:
     from ptc.compiler.layout import Layout
@@ -193,6 +192,7 @@ def _bucket_seconds(plan: Plan, grad_bytes: int, group: AxisGroup) -> float:
         weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.dtype]
         return 2 * all_gather(weights, group, hw).seconds + \
             reduce_scatter(grad_bytes, group, hw).seconds
+    moved = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.grad_dtype]  # as reduced
     if zero == 2:
-        return reduce_scatter(grad_bytes, group, hw).seconds
-    return all_reduce(grad_bytes, group, hw).seconds
+        return reduce_scatter(moved, group, hw).seconds
+    return all_reduce(moved, group, hw).seconds

@@ -30,6 +30,7 @@ from ptc.compiler.meta import graph_record, update_graph_record
 from ptc.compiler.nodes import module_path
 from ptc.compiler.stages import tied_names
 from ptc.errors import CompileError
+from ptc.plan import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from ptc.compiler.decisions import Decisions
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Plan dtype name -> the torch dtype the lowered graphs compute in."""
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4
 """Master weights, gradient buffers and Adam moments are fp32 whatever the compute dtype."""
 ADAM_STATES = 2
@@ -292,13 +292,16 @@ class Program:
 
         Exact for this layout (padding included): "params" are the weights the
         graph computes with (full in the compute dtype; fp32 shards at ZeRO-3),
-        "grads" the fp32 gradient buffers (full, or shards from ZeRO-2), and
-        "optimizer" the Adam moments plus a separate fp32 master copy when the
-        compute dtype is not fp32 (shards from ZeRO-1).
+        "grads" the gradient buffers (ZeRO 0-1: full, in `train.grad_dtype`, plus
+        with a 16-bit one the fp32 copy the optimizer steps from, of what this rank
+        updates; from ZeRO-2 fp32 shards), and "optimizer" the Adam moments plus a
+        separate fp32 master copy when the compute dtype is not fp32 (shards from
+        ZeRO-1).
         """
         zero = self.plan.parallel.zero
         full, shard = self.layout.padded_numel, self.layout.shard_numel
         compute = DTYPE_BYTES[self.plan.train.dtype]
+        grad = DTYPE_BYTES[self.plan.train.grad_dtype]
         moments = ADAM_STATES if self.plan.train.optimizer.name == "adamw" else \
             int(self.plan.train.optimizer.momentum > 0)
         owned = full if zero == 0 else shard  # elements this rank's optimizer updates
@@ -306,6 +309,7 @@ class Program:
             return {"params": MASTER_BYTES * shard, "grads": MASTER_BYTES * shard,
                     "optimizer": moments * MASTER_BYTES * shard}
         master = MASTER_BYTES * owned if compute != MASTER_BYTES else 0
+        main = MASTER_BYTES * owned if grad != MASTER_BYTES else 0
         return {"params": compute * full,
-                "grads": MASTER_BYTES * (full if zero < 2 else shard),
+                "grads": grad * full + main if zero < 2 else MASTER_BYTES * shard,
                 "optimizer": moments * MASTER_BYTES * owned + master}

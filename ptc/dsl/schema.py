@@ -125,6 +125,7 @@ TRAIN_KEYS: dict[str, Key] = {
     "global_batch": _req("global_batch", integer, "global_batch = 256"),
     "micro_batch": Key("micro_batch", integer),
     "dtype": Key("dtype", word(DTYPES)),
+    "grad_dtype": Key("grad_dtype", word(DTYPES)),
     "steps": Key("steps", integer),
     "grad_clip": Key("grad_clip", optional(number)),
     "optimizer": Key("optimizer", calls.optimizer),

@@ -72,7 +72,8 @@ from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
-from ptc.runtime.params import UnitState, bind_buffers, build_units, held_bytes, publish
+from ptc.runtime.params import (UnitState, bind_buffers, build_units, fill_main_grads,
+                                held_bytes, publish)
 from ptc.runtime.tp_state import (join_over_tp, partial_grad_ranges, rank_values, replicated_ranges,
                                   seed_dropout, sum_partial_grads)
 
@@ -327,12 +328,14 @@ class Trainer:
         gm = copy.deepcopy(stage.graph)
         bind_device(gm, self.device)  # tensors the graph creates: on this rank's device
         mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
+        grad_dtype = COMPUTE_DTYPES[self.plan.train.grad_dtype]
         units = build_units(gm, layout, mine, zero=self.zero,
                             dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,
-                            world=self.dp, device=self.device)
+                            world=self.dp, device=self.device, grad_dtype=grad_dtype)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage_overlap(stage, layout, self.plan)
-        reducer = GradReducer(units, self.group, self.zero, overlap) if self.zero < 3 else None
+        reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype) \
+            if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
@@ -397,6 +400,7 @@ class Trainer:
             for tied in self.tied:
                 tied.sum_grads()
             sum_partial_grads(self.units, self.partial, self.tp_group)
+            fill_main_grads(self.units, rank=self.dp_rank, world=self.dp)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:

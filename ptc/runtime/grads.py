@@ -38,8 +38,11 @@ class GradReducer:
     """Per-bucket gradient buffers with asynchronous reduction (ZeRO 0-2)."""
 
     def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int,
-                 overlap: OverlapPlan):
+                 overlap: OverlapPlan, grad_dtype: torch.dtype = torch.float32):
+        """`grad_dtype`: what a ZeRO-2 micro-batch's gradients are summed and reduce-scattered
+        in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype."""
         self.units, self.group, self.zero = units, group, zero
+        self.grad_dtype = grad_dtype
         self.buckets = overlap.buckets
         self.in_flight = overlap.in_flight
         self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
@@ -89,7 +92,7 @@ class GradReducer:
         if self.zero < 2:
             return unit.grad
         if index not in self._micro:
-            self._micro[index] = torch.zeros(unit.spec.padded_numel, dtype=torch.float32,
+            self._micro[index] = torch.zeros(unit.spec.padded_numel, dtype=self.grad_dtype,
                                              device=unit.grad.device)
         return self._micro[index]
 

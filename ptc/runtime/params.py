@@ -2,12 +2,17 @@
 
 Per unit (see `ptc.compiler.program`) a dp rank holds, by ZeRO stage:
 
-| stage | weights the graph reads        | fp32 master the optimizer updates | fp32 gradient |
+| stage | weights the graph reads        | fp32 master the optimizer updates | gradient      |
 |-------|--------------------------------|-----------------------------------|---------------|
 | 0     | full buffer, compute dtype     | full (the same buffer when fp32)  | full          |
 | 1     | full buffer                    | shard r (a view of full when fp32)| full          |
-| 2     | full buffer                    | shard r                           | shard r       |
-| 3     | gathered by the graph per use  | shard r = the graph's zero.shard_i| shard r       |
+| 2     | full buffer                    | shard r                           | fp32 shard r  |
+| 3     | gathered by the graph per use  | shard r = the graph's zero.shard_i| fp32 shard r  |
+
+At ZeRO 0-1 the gradient buffer has `train.grad_dtype`: fp32 (the masters
+read it in place), or the compute dtype, and then the optimizer steps from
+`main`, an fp32 copy of what the rank updates, refilled once per step after
+every reduction (`fill_main_grads`).
 
 At ZeRO 0-2 the graph's parameters are views into the unit's full buffer,
 so the all-gather after an optimizer step updates them in place and a
@@ -42,12 +47,16 @@ class UnitState:
     """Full buffer in the compute dtype that the graph's parameters view (ZeRO 0-2)."""
     params: list[nn.Parameter] = field(default_factory=list)
     """The graph's parameters, in slot order (ZeRO 0-2)."""
+    main: torch.Tensor | None = None
+    """fp32 copy of a 16-bit gradient, the master's `.grad` (ZeRO 0-1 with a 16-bit
+    train.grad_dtype); None when the master reads `grad` itself."""
 
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
-                zero: int, dtype: torch.dtype, rank: int, world: int,
-                device: torch.device) -> list[UnitState]:
-    """Create this rank's buffers from full initial `values` and bind them into `gm`."""
+                zero: int, dtype: torch.dtype, rank: int, world: int, device: torch.device,
+                grad_dtype: torch.dtype = torch.float32) -> list[UnitState]:
+    """Create this rank's buffers from full initial `values` and bind them into `gm`
+    (`grad_dtype`: of the ZeRO 0-1 gradient buffers, see the module docstring)."""
     units = []
     for index, spec in enumerate(layout.units):
         slots = layout.slots(index)
@@ -66,13 +75,27 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
             else:
                 master = shard32 if dtype == torch.float32 else shard32.clone()
             grad = torch.zeros(spec.padded_numel if zero < 2 else spec.shard_numel,
-                               dtype=torch.float32, device=device)
+                               dtype=grad_dtype if zero < 2 else torch.float32, device=device)
             unit = UnitState(spec=spec, slots=slots, master=master, grad=grad, full=full,
                              params=[_bind_param(gm, full, slot) for slot in slots])
         # ZeRO-1 keeps full gradients but updates only its shard of them.
-        unit.master.grad = unit.grad.view(world, -1)[rank] if zero == 1 else unit.grad
+        owned = unit.grad.view(world, -1)[rank] if zero == 1 else unit.grad
+        if owned.dtype != torch.float32:
+            unit.main = torch.zeros(owned.shape, dtype=torch.float32, device=device)
+        unit.master.grad = owned if unit.main is None else unit.main
         units.append(unit)
     return units
+
+
+def fill_main_grads(units: Iterable[UnitState], *, rank: int, world: int) -> None:
+    """Copy each 16-bit gradient (the part this rank updates) into its fp32 `main`, which
+    the optimizer, the clip and the norm read; call once the step's sums are complete."""
+    with torch.no_grad():
+        for unit in units:
+            if unit.main is not None:
+                owned = unit.grad if unit.main.numel() == unit.grad.numel() else \
+                    unit.grad.view(world, -1)[rank]
+                unit.main.copy_(owned)
 
 
 def _bind_param(gm: fx.GraphModule, full: torch.Tensor, slot: ParamSlot) -> nn.Parameter:
@@ -140,6 +163,7 @@ def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],
     units = list(units)
     params = list(gm.parameters())
     return {"params": total(params),
-            "grads": total([u.grad for u in units] + [p.grad for p in params]),
+            "grads": total([u.grad for u in units] + [u.main for u in units]
+                           + [p.grad for p in params]),
             "optimizer": total([t for t in optimizer_state if t.dim() > 0] +
                                [u.master for u in units])}
