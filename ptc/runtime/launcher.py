@@ -65,7 +65,8 @@ def launch(plan_path: str, nproc: int | None = None,
     """
     from ptc.dsl import load_plan  # noqa: PLC0415
     from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
-    from ptc.runtime.mesh import world_size  # noqa: PLC0415
+    from ptc.runtime.health import configure_flight_recorder  # noqa: PLC0415
+    from ptc.runtime.mesh import backend_for, world_size  # noqa: PLC0415
 
     plan = load_plan(plan_path, overrides=split_overrides(worker_args)[1])
     if nproc is None:
@@ -83,6 +84,8 @@ def launch(plan_path: str, nproc: int | None = None,
         else tempfile.mkdtemp(prefix="ptc-logs-")))
     extra = [*extra_launcher_args, *launch_log.log_launcher_args(logs, list(extra_launcher_args),
                                                                    nproc)]
+    if backend_for(plan) == "nccl":  # the workers inherit it, before their groups exist
+        configure_flight_recorder(logs / "traces")
     # The agent and the workers read these. Sharing the rendezvous store with the workers
     # leaves the previous attempt's addresses in it, so a restarted group can connect to
     # dead peers (pytorch/pytorch#135712): each attempt gets its own store instead.

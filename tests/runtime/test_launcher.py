@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from runtime_helpers import tiny_plan  # noqa: F401 - puts the repo root on sys.path
+from runtime_helpers import ROOT
 
 from ptc.runtime.launcher import in_worker, launcher_args
 
@@ -42,3 +42,30 @@ def test_worker_detection(monkeypatch):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")):
         monkeypatch.setenv(name, value)
     assert in_worker()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_workers_get_the_flight_recorder_before_they_start(tmp_path, monkeypatch, backend):
+    """Under NCCL the workers inherit where the flight recorder dumps (in the log folder),
+    set before they create a process group; gloo ignores it and gets none."""
+    import os
+
+    import torch.distributed.run
+
+    from ptc.runtime import launcher
+
+    for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.update(os.environ))
+    plan = tmp_path / "p.ptc"
+    plan.write_text((ROOT / "examples" / "tiny_gpt_cpu.ptc").read_text()
+                    .replace("backend = gloo", f"backend = {backend}"))
+    assert launcher.launch(str(plan), 8, log_dir=str(tmp_path / "logs")) == 0
+    dump = seen.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if backend == "gloo":
+        assert dump is None
+    else:
+        assert dump == str(tmp_path / "logs" / "traces" / "nccl_trace_rank_")
+        assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
