@@ -36,7 +36,8 @@ row under "assumed"):
 - gradients: fp16 runs keep and all-reduce them in fp16 (Megatron-LM without
   --accumulate-allreduce-grads-in-fp32, its default then), bf16 runs in fp32
   (Megatron-LM forces fp32 main gradients with bf16; DeepSpeed's bf16
-  optimizer accumulates in fp32): `train.grad_dtype`.
+  optimizer accumulates in fp32): `train.grad_dtype` (ZeRO-3 rows: fp32, the
+  only choice ptc's ZeRO-3 has).
 Usage: python bench/validate_cost_model.py [--csv PATH]
 """
 
@@ -140,7 +141,7 @@ def build(row: dict):
         gpus_per_node=16 if gpu is V100 else 8, zero=zero, sequence_parallel=sp,
         schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, checkpoint=ckpt,
         overlap=overlap)
-    if dtype == "fp16":
+    if dtype == "fp16" and zero < 3:  # ptc's ZeRO-3 reduce-scatters in fp32 only
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, grad_dtype="fp16"))
     return plan, notes
 

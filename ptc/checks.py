@@ -119,11 +119,15 @@ def _check_batch(plan: Plan, sink: DiagnosticSink) -> None:
 
 
 def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
-    train = plan.train
-    if train.grad_dtype != "fp32" and plan.parallel.zero == 3:
+    train, par = plan.train, plan.parallel
+    if train.grad_dtype != "fp32" and par.zero == 3:
         sink.error(f"grad_dtype = {train.grad_dtype} needs zero 0-2: ZeRO-3 reduce-scatters "
                    f"each layer's gradient into its fp32 master shard", field="train.grad_dtype",
                    span=_span(train, "grad_dtype"), choices=("fp32",))
+    if par.grad_comm != "none" and par.zero == 3:
+        sink.error(f"grad_comm = {par.grad_comm} needs zero 0-2: ZeRO-3's gradients are "
+                   f"reduce-scattered inside the graph, per layer", field="parallel.grad_comm",
+                   span=_span(par, "grad_comm"), choices=("none",))
 
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:

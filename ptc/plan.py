@@ -34,6 +34,7 @@ SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
 AXES = ("tp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "uniform", "tokens")
@@ -356,6 +357,10 @@ class ParallelSpec(_Section):
     """"none", "full", "selective", "auto", or one of none/full/selective per layer."""
     overlap: bool = True
     """Overlap communication with compute."""
+    grad_comm: str = "none"
+    """How gradients travel in the data-parallel reduction (ZeRO 0-2): "none" as they are
+    kept (train.grad_dtype); "fp8" (e4m3) or "fp8_e5m2" quantised with one scale per bucket
+    and rank, summed in fp32 on arrival: half the bytes of bf16, and other numbers (opt-in)."""
     bucket_size: float | Auto = "auto"
     """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
     reductions) are merged up to this size; "auto" derives it from the link and the model
@@ -379,6 +384,7 @@ class ParallelSpec(_Section):
                       ("0", "1", "2", "3"))
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
+        self._choice(sink, "grad_comm", GRAD_COMMS)
         if self.bucket_size != "auto":
             self._number(sink, "bucket_size", strict=True)
         self._choice(sink, "schedule", SCHEDULES)
@@ -673,6 +679,12 @@ class Plan:
     def is_resolved(self) -> bool:
         """True when no mesh axis is "auto"."""
         return all(self.parallel.degree(a) != AUTO for a in AXES)
+
+    @property
+    def grad_wire_bytes(self) -> int:
+        """Bytes per gradient element the data-parallel reduction moves (ZeRO 0-2): one with
+        float8 on the wire (`parallel.grad_comm`), else the gradient dtype's."""
+        return 1 if self.parallel.grad_comm != "none" else DTYPE_BYTES[self.train.grad_dtype]
 
     @property
     def num_microbatches(self) -> int:

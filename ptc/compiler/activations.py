@@ -13,7 +13,10 @@ Terms:
   tensor made inside an op (a dropout mask, a norm's mean and rstd), the node
   that saved it;
 - parameters and buffers saved for backward (a linear's weight, a RoPE table)
-  are model state, not activations, and are skipped.
+  are model state, not activations, and are skipped;
+- a *held* storage is the output of a node that a checkpoint region would
+  read as its input (`saved_storages`' `held`): torch's checkpoint keeps it
+  whether or not any backward formula saves it.
 
 Two ops run as their fused GPU kernels do, since GPUs are what the memory
 model is for, where meta would take torch's composite fallback: attention
@@ -27,7 +30,7 @@ RMSNorm included, saves what torch's own kernels save.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +49,11 @@ class SavedStorage:
     internal: bool
     """True for a tensor made inside the producer op (mask, statistics), not its output."""
     savers: tuple[str, ...]
-    """Nodes whose backward keeps it."""
+    """Nodes whose backward keeps it (none for a held storage that nothing saves)."""
     nbytes: int
     """Size of the storage in bytes."""
+    held: bool = False
+    """An output of a node named in `saved_storages`' `held`."""
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -153,8 +158,11 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> list[SavedStorage]:
-    """Every storage the forward of `gm` saves for backward, on the meta device.
+def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
+                   held: Collection[str] = ()) -> list[SavedStorage]:
+    """Every storage the forward of `gm` saves for backward, on the meta device, and the
+    storages of the outputs of the nodes named in `held` (marked `held`, with no savers
+    when nothing saves them): what a checkpoint region reading them would keep.
 
     `gm`'s parameters must be meta tensors (a captured graph's are); `inputs`
     are meta tensors of the placeholders' shapes.
@@ -163,9 +171,14 @@ def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     rec = _SavedRecorder(gm, model_storages)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         rec.run(*inputs)
+    held_sizes = {_key(t): t.untyped_storage().nbytes() for n in gm.graph.nodes if n.name in held
+                  for t in _tensors(rec.env[n]) if _key(t) not in model_storages}
     out = []
     for key, (nbytes, savers) in rec.saved.items():
         producer = rec.producer.get(key)
         out.append(SavedStorage(producer=producer or savers[0], internal=producer is None,
-                                savers=tuple(savers), nbytes=nbytes))
+                                savers=tuple(savers), nbytes=nbytes, held=key in held_sizes))
+    out += [SavedStorage(producer=rec.producer[key], internal=False, savers=(), nbytes=nbytes,
+                         held=True)
+            for key, nbytes in held_sizes.items() if key not in rec.saved]
     return out

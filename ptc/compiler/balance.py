@@ -88,7 +88,7 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     rate = hw.peak_flops[train.dtype] * hw.achievable_fraction
     dtype_bytes = DTYPE_BYTES[train.dtype]
     prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum,
-                     DTYPE_BYTES[train.grad_dtype])
+                     DTYPE_BYTES[train.grad_dtype], plan.grad_wire_bytes)
     zero, dp = par.zero, par.dp
     weight, (grad, grad_shard), state = held_per_element(prec, zero)
     per_element = (weight / (dp if zero >= 3 else 1) + grad + grad_shard / dp

@@ -221,13 +221,13 @@ def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: Har
         return 0.0
     elements = _max_stage_elements(profile, layout)
     if layout.zero == 0:
-        ar = _cached(memo, ("ar", elements, group), lambda: comm.all_reduce(
-            elements * prec.grad, group, hw))
+        ar = _cached(memo, ("ar", elements, group, prec.grad_wire), lambda: comm.all_reduce(
+            elements * prec.grad_wire, group, hw))
         algos["dp"] = ar.algorithm
         grad_sync, gather = ar.seconds, 0.0
     else:
-        rs, ag = _cached(memo, ("rs+ag", elements, group), lambda: (
-            comm.reduce_scatter(elements * prec.grad, group, hw),
+        rs, ag = _cached(memo, ("rs+ag", elements, group, prec.grad_wire), lambda: (
+            comm.reduce_scatter(elements * prec.grad_wire, group, hw),
             comm.all_gather(elements * prec.weight, group, hw)))
         algos["dp"] = f"rs:{rs.algorithm} ag:{ag.algorithm}"
         grad_sync, gather = rs.seconds, ag.seconds

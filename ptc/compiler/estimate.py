@@ -72,7 +72,7 @@ def plan_precision(plan: Plan, profile: ModelProfile) -> Precision:
     """Model-state bytes per parameter for the plan's dtype and optimizer."""
     opt = plan.train.optimizer
     return precision(profile.dtype_bytes, opt.name, opt.momentum,
-                     DTYPE_BYTES[plan.train.grad_dtype])
+                     DTYPE_BYTES[plan.train.grad_dtype], plan.grad_wire_bytes)
 
 
 def estimate(plan: Plan) -> Estimate:
@@ -135,14 +135,16 @@ def stage_mix(profile: ModelProfile, layout: Layout, stage: int, prec: Precision
     """Policies of `stage`'s layers (in order) fitting `budget` with least recompute, or None.
 
     The memory model prices a stage by how many of its layers take each
-    policy (`memory._stage_activations`: its layers are alike), so the
+    policy (`memory._stage_activations`: its layers are alike) and whether
+    its first layer is fully recomputed (`memory._chunk_ends`), so the
     (full, selective) counts are enumerated — all (n+1)(n+2)/2 of them, an
     exhaustive search, not a greedy one. For each count of full layers the
     fewest selective ones that fit is the cheapest (each selective layer adds
     recompute). Recompute per micro-batch: a full layer's forward FLOPs, a
     selective one's attention-core FLOPs. Ties go to fewer full layers. Full
     layers come first in the stage, then selective ones: the earliest layers'
-    activations live longest.
+    activations live longest, and a full first layer's checkpoint holds the
+    stage's input, which is kept anyway, not one more tensor between layers.
     """
     n = len(layout.stage_layers(stage))
     f = profile.fn

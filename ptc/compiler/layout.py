@@ -48,11 +48,17 @@ class Layout:
 
     def stage_layers(self, stage: int) -> list[int]:
         """Indices of the layers pipeline rank `stage` holds (all its chunks)."""
-        per_chunk = self.layers // (self.pp * self.vstages)
-        return [layer for chunk in range(self.vstages)
-                for layer in range((chunk * self.pp + stage) * per_chunk,
-                                   (chunk * self.pp + stage + 1) * per_chunk)]
+        return [layer for chunk in self.chunks(stage) for layer in chunk]
 
+    def chunks(self, stage: int) -> list[range]:
+        """The layers of each of pipeline rank `stage`'s chunks, in chunk order."""
+        per_chunk = self.layers // (self.pp * self.vstages)
+        firsts = [(chunk * self.pp + stage) * per_chunk for chunk in range(self.vstages)]
+        return [range(first, first + per_chunk) for first in firsts]
+
+    def policy(self, layer: int) -> str:
+        """The recompute policy of `layer`."""
+        return self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[layer]
 
     def stage_policies(self, stage: int) -> tuple[tuple[str, int], ...]:
         """(policy, layers) pairs of the layers `stage` holds, sorted by policy."""

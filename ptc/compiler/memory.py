@@ -52,6 +52,9 @@ GRAD_BUCKET_ELEMENTS = 25 * 2**20
 TERMS = ("weights", "grads", "optimizer", "activations", "recompute", "buffers")
 """Names of the memory terms, in display order."""
 
+MAIN_GRAD_BYTES = 4
+"""Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Precision:
@@ -63,6 +66,8 @@ class Precision:
     """Gradient as accumulated over micro-batches and reduced over dp (`train.grad_dtype`)."""
     optimizer: int
     """Optimizer state incl. the fp32 master copy when weights are 16-bit."""
+    grad_wire: int = MAIN_GRAD_BYTES
+    """Gradient bytes per element in the data-parallel reduction (`Plan.grad_wire_bytes`)."""
 
     @property
     def main_grad(self) -> int:
@@ -71,17 +76,16 @@ class Precision:
         return MAIN_GRAD_BYTES if self.grad < MAIN_GRAD_BYTES else 0
 
 
-MAIN_GRAD_BYTES = 4
-"""Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
-
 
 def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0,
-              grad_bytes: int = MAIN_GRAD_BYTES) -> Precision:
+              grad_bytes: int = MAIN_GRAD_BYTES, grad_wire: int | None = None) -> Precision:
     """Model-state bytes for a compute dtype width, optimizer ("adamw", "sgd") and gradient
-    width (`train.grad_dtype`: fp32 main gradients unless the plan says otherwise)."""
+    width (`train.grad_dtype`: fp32 main gradients unless the plan says otherwise);
+    `grad_wire`: bytes a gradient element takes in the dp reduction (default: its width)."""
     master = 4 if dtype_bytes < 4 else 0
     states = 8 if optimizer == "adamw" else (4 if momentum else 0)
-    return Precision(weight=dtype_bytes, grad=grad_bytes, optimizer=master + states)
+    return Precision(weight=dtype_bytes, grad=grad_bytes, optimizer=master + states,
+                     grad_wire=grad_bytes if grad_wire is None else grad_wire)
 
 
 def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
@@ -209,9 +213,8 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.
     per_layer = sum(count * act("layer", pol) for pol, count in pairs) / sum(c for _, c in pairs)
     activations = units * per_unit * per_layer
-    ends = _chunk_ends(layout, stage)
-    if ends:
-        activations += units * ends * act("out_unsaved", "none") / len(layout.chunks(stage))
+    activations += (units * _chunk_ends(layout, stage) * act("out_unsaved", "none")
+                    / len(layout.chunks(stage)))
     if stage == 0:
         pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
         activations += pre_units * act("pre", "none")

@@ -192,7 +192,7 @@ def _bucket_seconds(plan: Plan, grad_bytes: int, group: AxisGroup) -> float:
         weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.dtype]
         return 2 * all_gather(weights, group, hw).seconds + \
             reduce_scatter(grad_bytes, group, hw).seconds
-    moved = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.grad_dtype]  # as reduced
+    moved = grad_bytes // GRAD_BYTES * plan.grad_wire_bytes  # as the reduction moves them
     if zero == 2:
         return reduce_scatter(moved, group, hw).seconds
     return all_reduce(moved, group, hw).seconds

@@ -25,7 +25,9 @@ them:
 Each class is also split by whether selective recompute (of the attention
 core: what lies between the q/k/v projections and o) drops it, and the
 layer's *output* (what the next layer keeps as its input under full
-recompute) is recorded separately.
+recompute) is recorded separately, with the parts of the tensors crossing
+the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
+`input_unsaved`): only a checkpoint or the pipeline runtime keeps those.
 """
 
 from __future__ import annotations
@@ -123,7 +125,17 @@ class ModelProfile:
     saved: dict[str, SavedClasses]
     """Saved activation bytes per region ("pre", "layer", "post")."""
     layer_output: SavedClasses
-    """Bytes of a layer's output kept by the next layer: all a fully recomputed layer keeps."""
+    """Bytes of a layer's output, whether or not a node after it saves that storage, and of
+    any other storage of the layer that a node after it saves: all a fully recomputed layer
+    keeps (its output is the next layer's checkpointed input, or a stage's output)."""
+    output_unsaved: SavedClasses
+    """Part of `layer_output` that no node after the layer saves (bf16 RMSNorm saves an fp32
+    copy of its input, not the input): kept only by the next layer's checkpoint or by the
+    pipeline runtime, so `saved["layer"]` leaves it out, and after the model's last layer
+    nothing keeps it (`memory._chunk_ends`)."""
+    input_unsaved: SavedClasses
+    """Bytes of what the first layer reads from before it (its input) that no node saves:
+    `saved["pre"]` leaves it out, a fully recomputed first layer's checkpoint keeps it."""
     flops: dict[str, sympy.Expr]
     """Forward FLOPs per region, per micro-batch."""
     core_flops: sympy.Expr
@@ -193,6 +205,8 @@ def resolved_model(spec: ModelSpec, dtype: str) -> ModelSpec:
 
 
 _CACHE: dict[tuple, ModelProfile] = {}
+_SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
+"""Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
             "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
 
@@ -249,7 +263,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
             raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
-    saved = {r: _classes(fit, r) for r in ("pre", "layer", "post", "out")}
+    saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
     shape = graph_shape(first, dataclasses.replace(spec, max_seq=max_seq), sharding) \
         if custom else spec
     profile = ModelProfile(
@@ -257,6 +271,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         vocab=shape.vocab,
         dtype_bytes=DTYPES[dtype].itemsize,
         saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
+        output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
@@ -300,7 +315,8 @@ def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec, sharding: Sharding) -
 
 def _functions(profile: ModelProfile) -> dict[str, Callable]:
     """The profile's polynomials as fast functions of (b, s), by dotted name."""
-    regions = {**profile.saved, "out": profile.layer_output}
+    regions = {**profile.saved, "out": profile.layer_output,
+               "out_unsaved": profile.output_unsaved, "in_unsaved": profile.input_unsaved}
     polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in regions.items()
              for c in dataclasses.fields(SavedClasses)}
     polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
@@ -417,25 +433,32 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
     sharding = infer_sharding(gm)
     region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
     kv_path = _kv_path(gm, sharding, sharded)
-    out = {f"{r}.{c}": 0 for r in ("pre", "layer", "post", "out")
+    out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
            for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv")}
-    storages = saved_storages(gm, _inputs(gm))
+    storages = saved_storages(gm, _inputs(gm), held=_boundaries(gm, region))
     for st in storages:
         cls = "tp" if st.producer in sharded else "seq"
         # A graph input (targets) belongs where it is used.
-        r = region[st.savers[0] if st.producer in _placeholders(gm) else st.producer]
+        r = region[st.savers[0] if st.producer in _placeholders(gm) and st.savers
+                   else st.producer]
         if r == "later":  # layers after the first are alike: layer 0 stands for them
             continue
-        # Kept by a node after the layer: the next layer's input.
-        leaves = r == "layer" and any(region[x] != "layer" for x in st.savers)
+        kept_after = [x for x in st.savers if region[x] != "layer"]
+        if not st.savers:  # held by a fully recomputed layer's checkpoint, as its input
+            targets = ("out", "out_unsaved") if r == "layer" else ("in_unsaved",)
+        elif r == "layer" and (kept_after or st.held):
+            # Kept after the layer: by a node after it, or as the next layer's input.
+            targets = (r, "out") if kept_after else (r, "out", "out_unsaved")
+        else:
+            targets = (r,)
         dropped = st.producer in core and all(x in core for x in st.savers)
-        for target in (r, "out") if leaves else (r,):
+        for target in targets:
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
                 out[f"{target}.{c}"] += st.nbytes
                 if dropped:
                     out[f"{target}.core_{c}"] += st.nbytes
     # Selective recompute keeps the core's inputs, whether or not backward saved them.
-    saved_outputs = {st.producer for st in storages if not st.internal}
+    saved_outputs = {st.producer for st in storages if not st.internal and st.savers}
     for n in gm.graph.nodes:
         if n.name in core or n.op in ("get_attr", "placeholder") or n.name in saved_outputs \
                 or region[n.name] == "later":
@@ -454,6 +477,20 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
             if n.name in kv_path and region[n.name] == "layer":
                 out["kv.flops"] += info.flops
     return out
+
+
+def _boundaries(gm: torch.fx.GraphModule, region: dict[str, str]) -> set[str]:
+    """Nodes whose outputs cross layer 0's boundaries, as a fully recomputed layer's
+    checkpoint holds them: what layer 0 reads from before it (its input) and its nodes
+    read after it (its output, the next layer's input). Model state is not among them."""
+    crossing = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            continue
+        inside = region[n.name] == "layer"
+        if any((region[u.name] == "layer") != inside for u in n.users):
+            crossing.add(n.name)
+    return crossing
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> set[str]:

@@ -30,6 +30,7 @@ from ptc.plan import (
     ACTIVATIONS,
     BACKENDS,
     DTYPES,
+    GRAD_COMMS,
     NAN_POLICIES,
     NORMS,
     LinkSpec,
@@ -114,6 +115,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     # Replaced per plan by calls.checkpoint(layers), which needs the model.
     "checkpoint": Key("checkpoint", calls.checkpoint(None)),
     "overlap": Key("overlap", boolean),
+    "grad_comm": Key("grad_comm", word(GRAD_COMMS)),
     "bucket_size": Key("bucket_size", quantity_or_auto("bytes"), example="bucket_size = 25 MB"),
     "order": Key("order", word_tuple),
     "stage_boundaries": Key("stage_boundaries", string_list),

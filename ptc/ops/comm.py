@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -78,18 +79,18 @@ def group_rank(group: Group) -> int:
     return 0 if group is None or isinstance(group, ShapeGroup) else dist.get_rank(group)
 
 
-_RECORD: list[list[tuple[str, tuple[int, ...], int]]] = []
+_RECORD: list[list[tuple[str, tuple[int, ...], int, int]]] = []
 """Open `record_collectives` logs."""
 
 
 @contextmanager
-def record_collectives() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
-    """Log every collective this module issues inside the block: (op, group ranks, elements).
+def record_collectives() -> Iterator[list[tuple[str, tuple[int, ...], int, int]]]:
+    """Log every collective issued inside the block: (op, group ranks, elements, bytes sent).
 
     Ranks of one group must issue the same sequence, or gloo and NCCL hang or
     mix up data; tests compare the logs of all ranks.
     """
-    log: list[tuple[str, tuple[int, ...], int]] = []
+    log: list[tuple[str, tuple[int, ...], int, int]] = []
     _RECORD.append(log)
     try:
         yield log
@@ -97,11 +98,13 @@ def record_collectives() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
         _RECORD.remove(log)
 
 
-def _note(op: str, group: Group, numel: int) -> None:
+def note(op: str, group: Group, sent: torch.Tensor) -> None:
+    """Log a collective this process issues with `sent` as its input in the open
+    `record_collectives` logs, as (op, group ranks, elements, bytes)."""
     if _RECORD and not isinstance(group, ShapeGroup):
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         for log in _RECORD:
-            log.append((op, ranks, numel))
+            log.append((op, ranks, sent.numel(), sent.numel() * sent.element_size()))
 
 
 _WAITED = [0.0]
@@ -155,6 +158,16 @@ class Work:
         return self.output
 
 
+class Waitable(Protocol):
+    """A collective in flight: `wait()` blocks until done and returns its output."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+FlatCollective = Callable[[torch.Tensor, Group], Waitable]
+"""A collective over one flat buffer that starts at once and is waited on later."""
+
+
 class Piece:
     """One unit's share of a bucketed collective: `wait()` gives that unit's output.
 
@@ -164,7 +177,7 @@ class Piece:
 
     __slots__ = ("_work", "_take")
 
-    def __init__(self, work: Work, take):
+    def __init__(self, work: Waitable, take):
         self._work, self._take = work, take
 
     def wait(self) -> torch.Tensor:
@@ -188,33 +201,36 @@ def all_gather_bucket(flats: Sequence[torch.Tensor], group: Group
             for a, b in bounds]
 
 
-def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: Group
-                          ) -> list[Work | Piece]:
+def reduce_scatter_bucket(flats: Sequence[torch.Tensor], group: Group,
+                          reduce_scatter: FlatCollective | None = None) -> list[Work | Piece]:
     """Start reduce-scattering several units' full buffers [world * n_i] with one collective.
 
     Each buffer is laid out by destination rank; concatenating their
     [world, n_i] views along the second dimension keeps that layout for
     the bucket, so rank r receives every unit's shard r back to back.
+    `reduce_scatter`: the flat collective to use (default `reduce_scatter_flat`).
     """
+    reduce_scatter = reduce_scatter or reduce_scatter_flat
     if len(flats) == 1 or group_size(group) == 1:
-        return [reduce_scatter_flat(f, group) for f in flats]
+        return [reduce_scatter(f, group) for f in flats]
     world = group_size(group)
     bounds = _bounds([f.numel() // world for f in flats])
-    work = reduce_scatter_flat(torch.cat([f.view(world, -1) for f in flats], dim=1).view(-1),
-                               group)
+    work = reduce_scatter(torch.cat([f.view(world, -1) for f in flats], dim=1).view(-1), group)
     return [Piece(work, lambda out, a=a, b=b: out[a:b]) for a, b in bounds]
 
 
-def all_reduce_bucket(flats: Sequence[torch.Tensor], group: Group
-                      ) -> list[Work | Piece]:
+def all_reduce_bucket(flats: Sequence[torch.Tensor], group: Group,
+                      all_reduce: FlatCollective | None = None) -> list[Work | Piece]:
     """Start summing several buffers over ranks with one collective; one waitable per buffer.
 
     The buffers are concatenated; waiting on a buffer's piece copies its sum
-    back into it (in place, as `all_reduce_flat` leaves it).
+    back into it (in place, as `all_reduce_flat` leaves it). `all_reduce`: the
+    flat collective to use (default `all_reduce_flat`).
     """
+    all_reduce = all_reduce or all_reduce_flat
     if len(flats) == 1 or group_size(group) == 1:
-        return [all_reduce_flat(f, group) for f in flats]
-    work = all_reduce_flat(torch.cat(list(flats)), group)
+        return [all_reduce(f, group) for f in flats]
+    work = all_reduce(torch.cat(list(flats)), group)
     return [Piece(work, lambda out, flat=flat, a=a, b=b: flat.copy_(out[a:b]))
             for flat, (a, b) in zip(flats, _bounds([f.numel() for f in flats]))]
 
@@ -234,7 +250,7 @@ def all_gather_flat(flat: torch.Tensor, group: Group,
     world = group_size(group)
     if world == 1:
         return Work(None, flat if out is None else out.copy_(flat))
-    _note("all_gather", group, flat.numel())
+    note("all_gather", group, flat)
     if out is None:
         out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     if isinstance(group, ShapeGroup):
@@ -247,7 +263,7 @@ def reduce_scatter_flat(flat: torch.Tensor, group: Group) -> Work:
     world = group_size(group)
     if world == 1:
         return Work(None, flat)
-    _note("reduce_scatter", group, flat.numel())
+    note("reduce_scatter", group, flat)
     out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
     if isinstance(group, ShapeGroup):
         return Work(None, out)
@@ -259,7 +275,7 @@ def all_reduce_flat(flat: torch.Tensor, group: Group,
     """Start reducing `flat` over ranks in place (sum unless `op` says otherwise)."""
     if group_size(group) == 1:
         return Work(None, flat)
-    _note("all_reduce", group, flat.numel())
+    note("all_reduce", group, flat)
     if isinstance(group, ShapeGroup):
         return Work(None, flat)
     return Work(dist.all_reduce(flat, op=op, group=group, async_op=True), flat)

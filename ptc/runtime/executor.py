@@ -334,8 +334,8 @@ class Trainer:
                             world=self.dp, device=self.device, grad_dtype=grad_dtype)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage_overlap(stage, layout, self.plan)
-        reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype) \
-            if self.zero < 3 else None
+        reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
+                              self.plan.parallel.grad_comm) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,

@@ -17,6 +17,9 @@ with earlier layers:
   bucket's units, added into the rank's shard of each unit's gradient; the
   full gradients are freed, so between micro-batches only shards are held.
 
+With `parallel.grad_comm = fp8` both travel as float8 with a scale per bucket
+and rank, summed in fp32 on arrival (`ptc.ops.fp8_comm`).
+
 The loss each micro-batch differentiates is already divided by dp times the
 number of micro-batches, so sums are means. At most `in_flight` reductions
 run behind backward (ZeRO-2's each hold a bucket's full gradients; 0 waits
@@ -30,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ptc.compiler.overlap import OverlapPlan
-from ptc.ops.comm import Piece, Work, all_reduce_bucket, reduce_scatter_bucket
+from ptc.ops.comm import Piece, Waitable, all_reduce_bucket, reduce_scatter_bucket
+from ptc.ops.fp8_comm import FORMATS, fp8_reduction
 from ptc.runtime.params import UnitState
 
 
@@ -38,11 +42,16 @@ class GradReducer:
     """Per-bucket gradient buffers with asynchronous reduction (ZeRO 0-2)."""
 
     def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int,
-                 overlap: OverlapPlan, grad_dtype: torch.dtype = torch.float32):
+                 overlap: OverlapPlan, grad_dtype: torch.dtype = torch.float32,
+                 grad_comm: str = "none"):
         """`grad_dtype`: what a ZeRO-2 micro-batch's gradients are summed and reduce-scattered
-        in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype."""
+        in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype. `grad_comm`: "none",
+        or the float8 format the reductions move (parallel.grad_comm, `ptc.ops.fp8_comm`)."""
         self.units, self.group, self.zero = units, group, zero
         self.grad_dtype = grad_dtype
+        fmt = FORMATS.get(grad_comm)
+        self._all_reduce = fp8_reduction(fmt, everywhere=True) if fmt is not None else None
+        self._reduce_scatter = fp8_reduction(fmt, everywhere=False) if fmt is not None else None
         self.buckets = overlap.buckets
         self.in_flight = overlap.in_flight
         self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
@@ -51,7 +60,7 @@ class GradReducer:
         self._ready = [0] * len(self.buckets)
         self._flushed = [False] * len(self.buckets)
         self._micro: dict[int, torch.Tensor] = {}  # ZeRO-2: this micro-batch's full gradients
-        self._works: list[tuple[int, list[Work | Piece]]] = []
+        self._works: list[tuple[int, list[Waitable | Piece]]] = []
         for index, unit in enumerate(units):
             for slot, param in zip(unit.slots, unit.params):
                 in_place = zero < 2 and param.dtype == unit.grad.dtype
@@ -102,9 +111,11 @@ class GradReducer:
         self._flushed[bucket] = True
         members = self.buckets[bucket]
         if self.zero < 2:
-            works = all_reduce_bucket([self.units[u].grad for u in members], self.group)
+            works = all_reduce_bucket([self.units[u].grad for u in members], self.group,
+                                      self._all_reduce)
         else:
-            works = reduce_scatter_bucket([self._buffer(u) for u in members], self.group)
+            works = reduce_scatter_bucket([self._buffer(u) for u in members], self.group,
+                                          self._reduce_scatter)
             for u in members:
                 del self._micro[u]
         self._works.append((bucket, works))
@@ -119,7 +130,7 @@ class GradReducer:
             self._complete(bucket, works)
         self._works.clear()
 
-    def _complete(self, bucket: int, works: list[Work | Piece]) -> None:
+    def _complete(self, bucket: int, works: list[Waitable | Piece]) -> None:
         with torch.no_grad():
             for unit, work in zip(self.buckets[bucket], works):
                 out = work.wait()  # ZeRO 0-1: summed in the unit's own gradient buffer

@@ -68,3 +68,24 @@ def test_auto_checkpoint_fits_with_least_recompute():
     est = estimate(dataclasses.replace(plan, hardware=tight))
     assert est.fits
     assert est.hw_tflops_per_gpu > est.tflops_per_gpu  # some layers recompute
+
+
+@pytest.mark.parametrize("grad_dtype,comm,bytes_per_element", [
+    ("fp32", "none", 4), ("bf16", "none", 2), ("bf16", "fp8", 1), ("fp32", "fp8_e5m2", 1)])
+def test_gradient_all_reduce_is_priced_at_the_bytes_it_moves(grad_dtype, comm,
+                                                             bytes_per_element):
+    """Exposed ZeRO-0 gradient sync scales with the bytes per element on the wire: the
+    gradient dtype, or one byte with float8 (`parallel.grad_comm`)."""
+    # Wide enough (1.6 billion parameters) that bandwidth, not latency, sets the time.
+    plan = _plan(num_gpus=16, tp=1, pp=1, dp=16, overlap=False, dtype="bf16", hidden=4096,
+                 heads=32)
+
+    def dp_comm(grad_dtype: str, comm: str) -> float:
+        changed = dataclasses.replace(
+            plan, train=dataclasses.replace(plan.train, grad_dtype=grad_dtype),
+            parallel=dataclasses.replace(plan.parallel, grad_comm=comm))
+        return estimate(changed).breakdown["dp_comm"]
+
+    ratio = dp_comm(grad_dtype, comm) / dp_comm("fp32", "none")
+    # The bandwidth term scales with the bytes; the latency term does not, hence the margin.
+    assert bytes_per_element / 4 <= ratio < bytes_per_element / 4 * 1.1

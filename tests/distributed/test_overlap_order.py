@@ -46,5 +46,5 @@ def test_each_bucket_is_reduced_by_one_collective(zero: int) -> None:
     # ZeRO-2 and -3 reduce-scatter every micro-batch; ZeRO-1 all-reduces after the last one.
     op, times = ("all_reduce", steps) if zero == 1 else ("reduce_scatter", steps * micro)
     sizes = set(numels)
-    issued = [n for kind, _, n in got["logs"][0] if kind == op and n in sizes]
+    issued = [n for kind, _, n, _ in got["logs"][0] if kind == op and n in sizes]
     assert sorted(issued) == sorted(numels * times)

@@ -63,6 +63,17 @@ def test_full_recompute_keeps_the_layer_input(textbook):
     _same(layer_activations(profile, "full", sp=True), 2 * s * b * h / t)
 
 
+@pytest.mark.parametrize("dtype, width", [("fp32", 4), ("bf16", 2)])
+def test_full_recompute_keeps_the_input_no_node_saves(dtype, width):
+    """Llama's RMSNorm saves an fp32 copy of a bf16 input, not the input, which a fully
+    recomputed layer's checkpoint keeps all the same."""
+    spec = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160,
+                     vocab=128, max_seq=64)
+    profile = model_profile(spec, dtype)
+    _same(layer_activations(profile, "full", sp=False), width * s * b * 64)
+    _same(layer_activations(profile, "full", sp=True), width * s * b * 64 / t)
+
+
 def test_flash_attention_has_no_quadratic_term():
     spec = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160,
                      vocab=128, max_seq=64)
