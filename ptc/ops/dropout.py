@@ -86,7 +86,9 @@ def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,
     if masks.shape != local:
         dim = next(d for d in range(len(local)) if masks.shape[d] != local[d])
         start = group_rank(axis_group(axis)) * local[dim]
-        masks = masks.narrow(dim, start, local[dim])
+        # A copy of the rank's part: a narrowed view saved for backward would keep every
+        # rank's part of the mask alive (tp times the bytes the memory model charges).
+        masks = masks.narrow(dim, start, local[dim]).contiguous()
     return _Masked.apply(x, masks, 1.0 / (1.0 - p))
 
 

@@ -61,3 +61,22 @@ def test_capture_numbers_every_dropout_and_records_a_samples_shape():
     # the embedding's, then per layer: attention probabilities, attention out, MLP out
     assert [n.args[3] for n in sites] == list(range(7))
     assert sites[1].args[4] == (4, 16, 16) and sites[0].args[4] == (16, 32)
+
+
+def test_a_rank_keeps_only_its_part_of_the_mask():
+    """Split over tp = 2, a rank saves for backward one byte per element of its own half of
+    the sample's mask, not a view that keeps the whole mask alive."""
+    from ptc.ops.comm import ShapeGroup, bind_axes
+
+    x = torch.ones(2, 8, 16, requires_grad=True)  # this rank's 8 of 16 positions
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with bind_axes({"tp": ShapeGroup(2)}), torch.autograd.graph.saved_tensors_hooks(
+            pack, lambda t: t):
+        out = keyed_dropout(x, 0.5, site=0, samples=Samples(seed=0, first=0), full=(16, 16))
+    assert out.shape == x.shape
+    assert saved == [x.numel()]  # a bool mask of the rank's part
