@@ -370,6 +370,13 @@ class ParallelSpec(_Section):
     stage_boundaries: tuple[str | None, ...] = ()
     """Pinned pipeline cuts: the graph piece ("layers.20", "norm", ...) where each of
     stages 1 .. pp·v-1 starts; None leaves that cut to the cost model; () pins none."""
+    first_stage_layers: int | None = None
+    """Layers of pipeline stage 0 (the one with the embedding); None: as the others. With
+    `last_stage_layers`, an uneven split (Megatron-LM's --decoder-first-pipeline-num-layers):
+    the other stages share the remaining layers evenly (see `stage_layers`)."""
+    last_stage_layers: int | None = None
+    """Layers of the last pipeline stage (the one with the head and the loss); None: as the
+    others (Megatron-LM's --decoder-last-pipeline-num-layers)."""
     shards: tuple[ShardRule, ...] = ()
     """Explicit shard annotations that override what the compiler infers."""
     spans: Mapping[str, Span] = _spans()
@@ -390,6 +397,8 @@ class ParallelSpec(_Section):
         self._choice(sink, "schedule", SCHEDULES)
         self._int(sink, "virtual_stages")
         self._int(sink, "microbatches", allow_none=True)
+        self._int(sink, "first_stage_layers", allow_none=True)
+        self._int(sink, "last_stage_layers", allow_none=True)
         if self.schedule == "interleaved" and isinstance(self.virtual_stages, int) \
                 and self.virtual_stages < 2:
             self._bad(sink, "virtual_stages",
@@ -419,6 +428,78 @@ class ParallelSpec(_Section):
     def degree(self, axis: str) -> int | Auto:
         """The degree of a mesh axis."""
         return getattr(self, axis)
+
+    @property
+    def pins_layers(self) -> bool:
+        """Whether the plan places pipeline cuts: first/last_stage_layers or stage_boundaries."""
+        return (self.first_stage_layers is not None or self.last_stage_layers is not None
+                or any(b is not None for b in self.stage_boundaries))
+
+    def stage_layers(self, layers: int, sink: DiagnosticSink | None = None
+                     ) -> tuple[int, ...] | None:
+        """Layers each of the pp·v pipeline stages holds, stage 0 first (resolved pp only).
+
+        `first_stage_layers` / `last_stage_layers` fix the first and last stage;
+        else the cuts `stage_boundaries` pins at a layer ("layers.20": stage k
+        starts at layer 20) fix theirs. The layers between two fixed cuts are
+        shared evenly by the stages there, the later ones taking one more when
+        they do not divide. Every stage holds at least one layer. A problem is
+        recorded in `sink` (and None returned), or raised as a PlanError.
+        """
+        own = sink is None
+        sink = self._sink() if own else sink
+        counts = self._split_layers(sink, layers)
+        if own:
+            sink.raise_if_errors()
+        return counts
+
+    def _split_layers(self, sink: DiagnosticSink, layers: int) -> tuple[int, ...] | None:
+        stages = self.pp * self.virtual_stages
+        shape = f"pp({self.pp}) * virtual_stages({self.virtual_stages}) = {stages} stages"
+        starts = {0: 0, stages: layers}  # stage -> its first layer ("stage" `stages`: the end)
+        ends = {"first_stage_layers": self.first_stage_layers,
+                "last_stage_layers": self.last_stage_layers}
+        given = {name: n for name, n in ends.items() if n is not None}
+        if given:
+            name = next(iter(given))
+            said = " + ".join(f"{n}({c})" for n, c in given.items())
+            used = sum(given.values())
+            if stages < 2:
+                self._bad(sink, name, f"{name} needs a pipeline; {shape}")
+                return None
+            if stages == 2 and len(given) == 2 and used != layers:
+                self._bad(sink, name, f"{said} = {used} != layers({layers}) with {shape}")
+                return None
+            if self.first_stage_layers is not None:
+                starts[1] = self.first_stage_layers
+            if self.last_stage_layers is not None:
+                starts[stages - 1] = layers - self.last_stage_layers
+            if not _each_stage_has_layers(starts):
+                self._bad(sink, name, f"{said} leave {layers - used} of layers({layers}) for "
+                          f"the other {stages - len(given)} of {shape}; each stage needs at "
+                          f"least one layer")
+                return None
+        else:
+            for stage, cut in enumerate(self.stage_boundaries, start=1):
+                if cut is None:
+                    continue
+                index = _layer_index(cut)
+                if index is None or not 0 < index < layers:
+                    why = "names no layer" if index is None else f"is not inside layers({layers})"
+                    self._bad(sink, "stage_boundaries", f"stage_boundaries: cut {cut!r} (stage "
+                              f"{stage}) {why}; the cost model prices stages by their layers")
+                    return None
+                starts[stage] = index
+            if not _each_stage_has_layers(starts):
+                self._bad(sink, "stage_boundaries", f"stage_boundaries {list(self.stage_boundaries)}"
+                          f" leave a stage of {shape} without a layer of layers({layers})")
+                return None
+        pinned = sorted(starts.items())
+        counts: list[int] = []
+        for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]):
+            base, extra = divmod(l1 - l0, s1 - s0)
+            counts += [base + (i >= s1 - s0 - extra) for i in range(s1 - s0)]
+        return tuple(counts)
 
 
 # --------------------------------------------------------------------- train
@@ -695,6 +776,18 @@ class Plan:
         if dp == AUTO:
             raise ValueError("num_microbatches needs a resolved dp")
         return self.train.global_batch // (self.train.micro_batch * dp)
+
+
+def _layer_index(cut: str) -> int | None:
+    """The layer a pipeline cut names ("layers.20", "model.layers.20" -> 20), else None."""
+    last = cut.rsplit(".", 1)[-1] if "." in cut else ""
+    return int(last) if last.isdigit() else None
+
+
+def _each_stage_has_layers(starts: dict[int, int]) -> bool:
+    """Whether pinned stage starts {stage: first layer} leave every stage a layer."""
+    pinned = sorted(starts.items())
+    return all(l1 - l0 >= s1 - s0 for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]))
 
 
 def section_fields(cls: type) -> list[str]:

@@ -166,7 +166,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
     optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
     # Replicated key/value projections: their partial gradients summed over tp once a step.
-    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * (layout.layers // p),
+    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
                               groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
 
     breakdown = {
@@ -205,12 +205,19 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
 
 
+def _most_layers(layout: Layout) -> int:
+    """Layers of the pipeline rank holding most."""
+    return max(len(layout.stage_layers(i)) for i in range(layout.pp))
+
+
 def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
-    """Parameter elements per tp rank on the stage holding most (the first or the last)."""
+    """Parameter elements per tp rank on the stage holding most (the first or the last when
+    the layers split evenly, any stage when they do not)."""
     def per_rank(stage: int) -> float:
         split, whole, _ = stage_params(profile, layout, stage)
         return split / layout.tp + whole
-    return max(per_rank(0), per_rank(layout.pp - 1))
+    stages = range(layout.pp) if layout.chunk_layers else (0, layout.pp - 1)
+    return max(per_rank(stage) for stage in stages)
 
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,

@@ -92,19 +92,22 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
     """(units in flight, layers per unit) on `stage`: micro-batches or interleaved chunks.
 
     `mb` is the number of micro-batches per step (or the symbol m, with `mn=sympy.Min`).
+    Layers per unit are the stage's own (`Layout.chunk_layers` may make stages uneven).
     """
-    p, v, layers = layout.pp, layout.vstages, layout.layers
+    p, v, layers = layout.pp, layout.vstages, len(layout.stage_layers(stage))
     if layout.schedule == "gpipe":
-        return mb, layers // p
+        return mb, layers
     if layout.schedule == "1f1b":
-        return mn(p - stage, mb), layers // p
-    return mn(2 * (p - 1 - stage) + (v - 1) * p + 1, mb * v), layers // (p * v)
+        return mn(p - stage, mb), layers
+    # Uneven chunks of one rank: their mean (exact when they are alike).
+    per_chunk = layers // v if layers % v == 0 else sympy.Rational(layers, v)
+    return mn(2 * (p - 1 - stage) + (v - 1) * p + 1, mb * v), per_chunk
 
 
 def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int, int, int]:
     """(tp-split elements, replicated elements, tensors) of the parameters `stage` holds;
     key/value projections count as replicated when tp exceeds their heads."""
-    pr, layers = profile.params, layout.layers // layout.pp
+    pr, layers = profile.params, len(layout.stage_layers(stage))
     split, whole = layer_params(profile, layout.tp)
     split, whole = split * layers, whole * layers
     tensors = pr["layer"].tensors * layers
@@ -138,11 +141,13 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     lay, zero = layout, layout.zero
     kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
-        profile, ("state", lay.pp, lay.layers, stage, prec, tt, dd, zero, kv_whole),
+        profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, prec, tt, dd, zero,
+                  kv_whole),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
-        profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, mb, stage,
+        profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, lay.chunk_layers, mb,
+                  stage,
                   lay.stage_policies(stage), tuple(lay.policy(c[0]) for c in lay.chunks(stage)),
                   bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))

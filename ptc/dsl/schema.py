@@ -119,6 +119,8 @@ PARALLEL_KEYS: dict[str, Key] = {
     "bucket_size": Key("bucket_size", quantity_or_auto("bytes"), example="bucket_size = 25 MB"),
     "order": Key("order", word_tuple),
     "stage_boundaries": Key("stage_boundaries", string_list),
+    "first_stage_layers": Key("first_stage_layers", optional(integer)),
+    "last_stage_layers": Key("last_stage_layers", optional(integer)),
 }
 """parallel { ... }, plus `shard "glob" style` lines."""
 
