@@ -36,12 +36,12 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_mesh(plan: Plan, sink: DiagnosticSink) -> None:
     par, hw = plan.parallel, plan.hardware
-    degrees = {a: par.degree(a) for a in ("tp", "pp", "dp")}
+    degrees = {a: par.degree(a) for a in ("tp", "cp", "pp", "dp")}
     known = {a: d for a, d in degrees.items() if d != "auto"}
     gpus = hw.num_gpus
     gpu_text = f"{gpus} GPUs (nodes({hw.nodes}) * gpus_per_node({hw.gpus_per_node}))"
-    factors = " * ".join(f"{a}({d})" for a, d in degrees.items())
-    if len(known) == 3:
+    factors = " * ".join(f"{a}({d})" for a, d in degrees.items() if a != "cp" or d != 1)
+    if len(known) == len(degrees):
         total = prod(known.values())
         if total != gpus:
             sink.error(f"{factors} = {total} != {gpu_text}", field="parallel.tp",
@@ -56,6 +56,12 @@ def _check_mesh(plan: Plan, sink: DiagnosticSink) -> None:
         sink.warning(f"tp({tp}) > gpus_per_node({hw.gpus_per_node}): each tp group spans "
                      f"nodes and its collectives run at the inter-node link speed",
                      field="parallel.tp", span=_span(par, "tp"))
+    cp, seq = degrees["cp"], plan.train.seq_len
+    if cp != "auto" and cp > 1 and seq % (2 * cp):
+        sink.error(f"seq_len({seq}) is not divisible by 2 * cp({cp}) = {2 * cp}: context "
+                   f"parallelism gives each rank two of 2·cp equal chunks of the sequence",
+                   field="parallel.cp", span=_span(par, "cp"),
+                   choices=tuple(str(d) for d in _divisors(seq) if seq % (2 * d) == 0))
     if par.sequence_parallel and tp == 1:
         sink.warning("sequence_parallel has no effect with tp = 1",
                      field="parallel.sequence_parallel", span=_span(par, "sequence_parallel"))

@@ -31,7 +31,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CHECKPOINT_POLICIES = ("none", "full", "selective", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
 SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
@@ -343,6 +343,9 @@ class ParallelSpec(_Section):
     """Pipeline stages, or "auto"."""
     dp: int | Auto = 1
     """Data-parallel degree, or "auto"."""
+    cp: int | Auto = 1
+    """Context-parallel degree, or "auto": each sample's sequence is split over cp ranks
+    (load-balanced chunks for causal attention; keys and values gathered over cp)."""
     zero: int = 0
     """ZeRO stage 0-3."""
     sequence_parallel: bool = False
@@ -365,8 +368,9 @@ class ParallelSpec(_Section):
     """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
     reductions) are merged up to this size; "auto" derives it from the link and the model
     (see ptc.passes.comm_overlap)."""
-    order: tuple[str, ...] = ("tp", "dp", "pp")
-    """Mesh axes from innermost (fastest-varying rank) to outermost."""
+    order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+    """Mesh axes from innermost (fastest-varying rank) to outermost; an order that leaves
+    out cp puts it just outside tp."""
     stage_boundaries: tuple[str | None, ...] = ()
     """Pinned pipeline cuts: the graph piece ("layers.20", "norm", ...) where each of
     stages 1 .. pp·v-1 starts; None leaves that cut to the cost model; () pins none."""
@@ -419,10 +423,15 @@ class ParallelSpec(_Section):
         else:
             self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
                       f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)
+        if isinstance(self.order, (tuple, list)) and "cp" not in self.order and "tp" in self.order:
+            order = list(self.order)
+            order.insert(order.index("tp") + 1, "cp")
+            object.__setattr__(self, "order", tuple(order))
         if not isinstance(self.order, (tuple, list)) or \
                 sorted(map(str, self.order)) != sorted(AXES) or \
                 not all(isinstance(a, str) for a in self.order):
-            self._bad(sink, "order", f"order must name each of tp, dp, pp once, got {self.order}")
+            self._bad(sink, "order", f"order must name each of tp, cp, dp, pp once (cp may be "
+                      f"left out), got {self.order}")
         sink.raise_if_errors()
 
     def degree(self, axis: str) -> int | Auto:
@@ -776,6 +785,14 @@ class Plan:
         if dp == AUTO:
             raise ValueError("num_microbatches needs a resolved dp")
         return self.train.global_batch // (self.train.micro_batch * dp)
+
+    @property
+    def grad_ranks(self) -> int | Auto:
+        """Ranks that hold different tokens of the same weights, dp·cp: the group gradients
+        are averaged over and ZeRO shards over (as Megatron-LM's data-parallel group with
+        context parallelism)."""
+        dp, cp = self.parallel.dp, self.parallel.cp
+        return AUTO if AUTO in (dp, cp) else dp * cp
 
 
 def _layer_index(cut: str) -> int | None:

@@ -79,6 +79,8 @@ def estimate(plan: Plan) -> Estimate:
     """Predict step time, throughput and memory of a resolved plan (no "auto" axis)."""
     if not plan.is_resolved:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
+    if plan.parallel.cp != 1:
+        raise ValueError("context parallelism is not priced yet")
     plan = with_model_shape(plan)
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)

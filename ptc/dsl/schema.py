@@ -107,6 +107,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "tp": Key("tp", int_or_auto),
     "pp": Key("pp", int_or_auto),
     "dp": Key("dp", int_or_auto),
+    "cp": Key("cp", int_or_auto),
     "zero": Key("zero", integer),
     "sequence_parallel": Key("sequence_parallel", boolean),
     "schedule": Key("schedule", calls.schedule),

@@ -216,7 +216,7 @@ def _cut_seconds(gm: fx.GraphModule, atoms: list[list[fx.Node]],
     from ptc.compiler.topology import axis_groups  # noqa: PLC0415
 
     par = plan.parallel
-    group = axis_groups({"tp": par.tp, "pp": par.pp, "dp": par.dp}, par.order,
+    group = axis_groups({a: par.degree(a) for a in par.order}, par.order,
                         plan.hardware.gpus_per_node)["pp"]
     crossing = [0] * len(atoms)
     for node, a in atom_of.items():

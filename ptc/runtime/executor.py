@@ -286,6 +286,8 @@ class Trainer:
         self.group, self.pp_group = self.groups.get("dp"), self.groups.get("pp")
         self.tp_group = self.groups.get("tp")
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        batch = self.groups.get("batch", self.group)  # the dp axis alone (cp > 1: not dp·cp)
+        self.batch_ranks, self.batch_rank = group_size(batch), group_rank(batch)
         self.pp, self.pp_rank = group_size(self.pp_group), group_rank(self.pp_group)
         self.tp_rank = group_rank(self.tp_group)
         for axis, size in (("tp", group_size(self.tp_group)), ("pp", self.pp)):
@@ -458,7 +460,8 @@ class Trainer:
     def _first_sample(self, mb: int, state: _StepState) -> int:
         """Global index of micro-batch `mb`'s first sample on this rank."""
         train = self.plan.train
-        return state.skipped + microbatch_start(state.step, mb, dp_rank=self.dp_rank, dp=self.dp,
+        return state.skipped + microbatch_start(state.step, mb, dp_rank=self.batch_rank,
+                                                dp=self.batch_ranks,
                                                 global_batch=train.global_batch,
                                                 micro_batch=train.micro_batch)
 

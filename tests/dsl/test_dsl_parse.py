@@ -109,7 +109,7 @@ def test_per_layer_checkpoint_forms() -> None:
 def test_schedule_order_and_virtual_stages_key() -> None:
     plan = parse(edit("schedule = 1f1b", "schedule = interleaved\n  virtual_stages = 2",
                       "zero = 1", "zero = 1\n  order = (dp, tp, pp)"))
-    assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "pp")
+    assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "cp", "pp")  # cp just outside tp
 
 
 def test_stage_boundaries_pin_pipeline_cuts() -> None:
