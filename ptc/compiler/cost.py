@@ -61,12 +61,13 @@ class _Stage:
     compute: float = 0.0
     recompute: float = 0.0
     tp: float = 0.0
+    cp: float = 0.0
     pp: float = 0.0
     dp: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.pp + self.dp
+        return self.compute + self.recompute + self.tp + self.cp + self.pp + self.dp
 
 
 def _tp_collectives(size: float, layout: Layout, group: AxisGroup, hw: HardwareSpec,
@@ -96,17 +97,23 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     same plan (plan search prices thousands of layouts that repeat them).
     """
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
-    bb, ss = layout.micro_batch, seq_len
+    cp = layout.cp
+    bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
     rate = hw.peak_flops[dtype] * hw.achievable_fraction
-    groups = _cached(memo, ("groups", tp, p, layout.dp, layout.order),
-                     lambda: axis_groups({"tp": tp, "pp": p, "dp": layout.dp}, layout.order,
-                                         hw.gpus_per_node))
+    groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
+                     lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
+                                         layout.order, hw.gpus_per_node))
     algos: dict[str, str] = {}
 
     kv_div = profile.kv_divisor(tp)  # 1: fewer key/value heads than tp, computed whole
-    layer_f, core_f, boundary, pre_f, post_f = _cached(memo, ("flops", bb, ss, tp), lambda: (
-        (f["flops.layer"](bb, ss) - f["kv_flops"](bb, ss)) / tp + f["kv_flops"](bb, ss) / kv_div,
-        f["core_flops"](bb, ss) / tp, prec.weight * f["boundary"](bb, ss),
+    # Under cp a rank's queries (s/cp of them) meet all s keys: its attention core is 1/cp of
+    # the whole sequence's, not that of a sequence of s/cp.
+    keys = _cached(memo, ("keys", bb, seq_len, cp), lambda: (
+        f["core_flops"](bb, seq_len) / cp - f["core_flops"](bb, ss)))
+    layer_f, core_f, boundary, pre_f, post_f = _cached(memo, ("flops", bb, ss, tp, cp), lambda: (
+        (f["flops.layer"](bb, ss) + keys - f["kv_flops"](bb, ss)) / tp
+        + f["kv_flops"](bb, ss) / kv_div,
+        (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
         f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp))
 
     # Per-layer communication, by recompute policy.
@@ -117,13 +124,20 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
         layer_bytes = prec.weight * (split / tp + whole)
-        ag, rs = _cached(memo, ("z3", tp, groups["dp"]), lambda: (
-            comm.all_gather(layer_bytes, groups["dp"], hw),
-            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["dp"], hw)))
+        ag, rs = _cached(memo, ("z3", tp, groups["grad"]), lambda: (
+            comm.all_gather(layer_bytes, groups["grad"], hw),
+            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["grad"], hw)))
         algos["dp"] = f"ag:{ag.algorithm} rs:{rs.algorithm}"
         for policy in ("none", "selective", "full"):
             z3[policy] = (3 if policy == "full" else 2) * ag.seconds + rs.seconds
 
+    # Keys and values all-gathered over cp at each attention (and again when a full layer is
+    # recomputed), their gradients reduce-scattered: exposed, as Llama 3's all-gather runs
+    # before the attention it feeds.
+    kv_bytes = 2 * prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
+    cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
+        comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
+    cp_layer = {"none": 2 * cp_unit, "selective": 2 * cp_unit, "full": 3 * cp_unit}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
                   lambda: comm.send_recv(boundary / tp, groups["pp"], hw))
     tp_edge = tp_unit if tp > 1 else 0.0
@@ -138,6 +152,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             hide = work + extra if layout.overlap else 0.0
             exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
             st.tp += count * exposed_tp
+            st.cp += count * cp_layer[policy]
             if z3:
                 st.dp += count * max(0.0, z3[policy] - hide)
         if first:
@@ -161,9 +176,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     mean = sum(st.total * n for st, n in kinds.values()) / p
     bubble = (p - 1) / v * mean
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
-    dp_exposed = _dp_exposed(profile, layout, groups["dp"], hw, prec, slowest, algos, memo) \
+    dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
-    opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
+    opt_elements = _max_stage_elements(profile, layout) / (
+        layout.grad_ranks if layout.zero >= 1 else 1)
     optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
     # Replicated key/value projections: their partial gradients summed over tp once a step.
     kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
@@ -173,14 +189,16 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "compute": mb * slowest.compute,
         "recompute": mb * slowest.recompute,
         "tp_comm": mb * slowest.tp + kv_sync,
+        "cp_comm": mb * slowest.cp,
         "pp_comm": mb * slowest.pp + fill,
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
         "optimizer": optimizer,
     }
-    per_micro = 3 * (profile.layers * f["flops.layer"](bb, ss) + tp * (pre_f + post_f))
-    executed = 3 * tp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
-    per_policy = {"none": 0.0, "selective": tp * core_f, "full": tp * layer_f}
+    per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
+                     + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
+    executed = 3 * tp * cp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
+    per_policy = {"none": 0.0, "selective": tp * cp * core_f, "full": tp * cp * layer_f}
     recomputed = sum(per_policy[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,

@@ -79,8 +79,6 @@ def estimate(plan: Plan) -> Estimate:
     """Predict step time, throughput and memory of a resolved plan (no "auto" axis)."""
     if not plan.is_resolved:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
-    if plan.parallel.cp != 1:
-        raise ValueError("context parallelism is not priced yet")
     plan = with_model_shape(plan)
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)
@@ -171,4 +169,5 @@ def _stage_peak(profile: ModelProfile, layout: Layout, stage: int, mix: tuple[st
         policy[layer] = pol
     candidate = replace(layout, checkpoint=tuple(policy))
     return float(peak(stage_memory_terms(profile, candidate, stage, prec, bb=layout.micro_batch,
-                                         ss=seq_len, tt=layout.tp, dd=layout.dp)))
+                                         ss=layout.rank_seq(seq_len), tt=layout.tp,
+                                         dd=layout.grad_ranks)))

@@ -58,7 +58,8 @@ def largest_micro_batch(plan: Plan) -> int | None:
 def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
     """The (tp, pp) of least tp·pp that fits (ties: less pp), dp taking the remaining GPUs."""
     auto = dataclasses.replace(plan.parallel, tp="auto", pp="auto", dp="auto")
-    choices = sorted(axis_choices(dataclasses.replace(plan, parallel=auto)),
+    choices = sorted(((tp, pp, dp) for tp, _, pp, dp in
+                      axis_choices(dataclasses.replace(plan, parallel=auto))),
                      key=lambda c: (c[0] * c[1], c[1]))
     batch, mb = plan.train.global_batch, plan.train.micro_batch
     for tp, pp, dp in choices:

@@ -43,7 +43,9 @@ class Layout:
     """Recompute policy, "none", "selective" or "full": one for all layers, or one per layer."""
     overlap: bool
     """Communication overlapped with compute where the schedule allows."""
-    order: tuple[str, ...] = ("tp", "dp", "pp")
+    cp: int = 1
+    """Context-parallel degree: each rank holds 1/cp of every sample's sequence."""
+    order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
     """Mesh axes, innermost first."""
     chunk_layers: tuple[int, ...] = ()
     """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank c % p) when
@@ -54,6 +56,15 @@ class Layout:
                                   or sum(self.chunk_layers) != self.layers):
             raise ValueError(f"chunk_layers {self.chunk_layers} do not split {self.layers} "
                              f"layers into pp({self.pp}) * vstages({self.vstages}) chunks")
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks gradients are averaged over and ZeRO shards over: dp·cp."""
+        return self.dp * self.cp
+
+    def rank_seq(self, seq_len: int) -> int:
+        """Positions of each sample one rank holds: seq_len / cp."""
+        return seq_len // self.cp
 
     def stage_layers(self, stage: int) -> list[int]:
         """Indices of the layers pipeline rank `stage` holds (all its chunks)."""
@@ -99,7 +110,7 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
         checkpoint = par.checkpoint
     layers = plan.model.layers
     split = par.stage_layers(layers) if par.pins_layers and layers else ()
-    return Layout(tp=par.tp, pp=par.pp, dp=par.dp, vstages=par.virtual_stages,
+    return Layout(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, vstages=par.virtual_stages,
                   micro_batch=plan.train.micro_batch, microbatches=plan.num_microbatches,
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,

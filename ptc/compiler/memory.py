@@ -151,7 +151,7 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
                   lay.stage_policies(stage), tuple(lay.policy(c[0]) for c in lay.chunks(stage)),
                   bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
-    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt,
+    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt,
                               kv_whole),
                     lambda: _buffers(profile, lay, prec, bb, ss, tt))
     return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
@@ -263,7 +263,7 @@ def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt)
         buffers += 2 * boundary / (tt if layout.sp else 1)
     if layout.sp:
         buffers += boundary
-    if layout.dp > 1:
+    if layout.grad_ranks > 1:
         buffers += 2 * GRAD_BUCKET_ELEMENTS * prec.grad
     if layout.zero >= 3:
         split, whole = layer_params(profile, layout.tp)
@@ -294,8 +294,8 @@ def stage_memory(profile: ModelProfile, layout: Layout, prec: Precision, seq_len
                  ) -> list[dict[str, float]]:
     """Memory terms of every pipeline stage, in bytes."""
     return [{k: float(v) for k, v in stage_memory_terms(
-        profile, layout, i, prec, bb=layout.micro_batch, ss=seq_len, tt=layout.tp,
-        dd=layout.dp).items()} for i in range(layout.pp)]
+        profile, layout, i, prec, bb=layout.micro_batch, ss=layout.rank_seq(seq_len),
+        tt=layout.tp, dd=layout.grad_ranks).items()} for i in range(layout.pp)]
 
 
 def stage_memory_expr(profile: ModelProfile, layout: Layout, prec: Precision, stage: int
