@@ -45,6 +45,8 @@ class Layout:
     """Communication overlapped with compute where the schedule allows."""
     order: tuple[str, ...] = ("tp", "dp", "pp")
     """Mesh axes, innermost first."""
+    offload: bool = False
+    """fp32 masters and optimizer state in host memory, stepped on the CPU (ZeRO >= 1)."""
 
     def stage_layers(self, stage: int) -> list[int]:
         """Indices of the layers pipeline rank `stage` holds (all its chunks)."""
@@ -85,4 +87,4 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
                   micro_batch=plan.train.micro_batch, microbatches=plan.num_microbatches,
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,
-                  order=par.order)
+                  order=par.order, offload=par.offload == "optimizer")
