@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ptc.errors import DiagnosticSink, Span, did_you_mean
-from ptc.presets import PRESETS
+from ptc.presets import PCIE4_X16, PRESETS
 
 Auto = Literal["auto"]
 AUTO: Auto = "auto"
@@ -35,6 +35,7 @@ AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
+OFFLOADS = ("none", "optimizer")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "uniform", "tokens")
@@ -244,6 +245,9 @@ class HardwareSpec(_Section):
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
     """Share of peak a tuned transformer step reaches (cost model)."""
+    host_bandwidth: float = PCIE4_X16
+    """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
+    what optimizer offload's copies move at (default PCIe Gen4 x16)."""
     memory_margin: float = 0.0
     """Bytes of each accelerator's memory kept out of the budget (CUDA context, communication
     buffers, fragmentation): plans must fit in hbm_bytes - memory_margin."""
@@ -269,6 +273,7 @@ class HardwareSpec(_Section):
             intra=LinkSpec(bandwidth=p.intra_bandwidth, latency=p.intra_latency),
             inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
+            host_bandwidth=p.host_bandwidth,
         )
         values.update(overrides)
         return cls(**values)
@@ -281,6 +286,7 @@ class HardwareSpec(_Section):
         self._number(sink, "mem_bandwidth", strict=True)
         self._number(sink, "achievable_fraction", strict=True)
         self._number(sink, "memory_margin")
+        self._number(sink, "host_bandwidth", strict=True)
         if isinstance(self.memory_margin, (int, float)) and isinstance(self.hbm_bytes, (int, float)) \
                 and 0 < self.hbm_bytes <= self.memory_margin:
             self._bad(sink, "memory_margin", f"memory_margin ({self.memory_margin:g} bytes) leaves "
@@ -364,6 +370,9 @@ class ParallelSpec(_Section):
     """How gradients travel in the data-parallel reduction (ZeRO 0-2): "none" as they are
     kept (train.grad_dtype); "fp8" (e4m3) or "fp8_e5m2" quantised with one scale per bucket
     and rank, summed in fp32 on arrival: half the bytes of bf16, and other numbers (opt-in)."""
+    offload: str = "none"
+    """What lives in host memory instead of the device: "none", or "optimizer" — the fp32
+    masters and optimizer state, stepped on the CPU (ZeRO 1-3; ptc.runtime.offload)."""
     bucket_size: float | Auto = "auto"
     """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
     reductions) are merged up to this size; "auto" derives it from the link and the model
@@ -396,6 +405,10 @@ class ParallelSpec(_Section):
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
         self._choice(sink, "grad_comm", GRAD_COMMS)
+        self._choice(sink, "offload", OFFLOADS)
+        if self.offload != "none" and self.zero == 0:
+            self._bad(sink, "offload", f"offload = {self.offload} needs zero 1-3: each rank "
+                      f"offloads the shard of the optimizer it owns, got zero = 0", ("none",))
         if self.bucket_size != "auto":
             self._number(sink, "bucket_size", strict=True)
         self._choice(sink, "schedule", SCHEDULES)

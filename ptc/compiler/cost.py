@@ -25,7 +25,11 @@ recompute, and the communication it cannot hide).
   again for backward, and reduce-scatters its gradients, every micro-batch;
   with overlap each layer's traffic hides behind that layer's compute.
 - optimizer: memory-bound; it reads gradient and state and writes state and
-  weight once per parameter shard, at the device memory bandwidth.
+  weight once per parameter shard, at the device memory bandwidth. With
+  optimizer offload (`offloaded_step`) instead: the fp32 gradient shard down
+  and the fp32 master shard up over the host link, and torch's CPU Adam over
+  the shards of all the node's ranks, which share the host's CPU; the three
+  run in turn (as the runtime runs them), none hidden.
 """
 
 from __future__ import annotations
@@ -34,10 +38,17 @@ from dataclasses import dataclass, field
 
 from ptc.compiler import comm
 from ptc.compiler.layout import Layout
-from ptc.compiler.memory import Precision, layer_params, stage_params
+from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
+                                 stage_params)
 from ptc.compiler.profile import ModelProfile
 from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec
+
+
+CPU_ADAM_ELEMENTS_PER_S = 0.72e9
+"""Parameter elements per second torch's Adam steps on a GPU server's host CPU: ZeRO-Offload
+(Ren et al., USENIX ATC 2021), Table 2, PyTorch's CPU Adam 1.39 s per billion parameters
+on a DGX-2's two 24-core Xeons (its vectorised CPU-Adam: 0.22 s). One host, all its cores."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,7 +191,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         if layout.zero < 3 else 0.0
     opt_elements = _max_stage_elements(profile, layout) / (
         layout.grad_ranks if layout.zero >= 1 else 1)
-    optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
+    optimizer = offloaded_step(opt_elements, hw) if layout.offload else \
+        opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
     # Replicated key/value projections: their partial gradients summed over tp once a step.
     kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
                               groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
@@ -204,6 +216,19 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
                     model_flops=per_micro * micro_total,
                     hw_flops=(executed + recomputed) * micro_total, algorithms=algos)
+
+
+def offloaded_step(elements: float, hw: HardwareSpec) -> float:
+    """Seconds of one offloaded optimizer step of `elements` per rank (optimizer offload).
+
+    The fp32 gradient shard goes down and the updated fp32 master shard up
+    over the rank's host link (`hardware.host_bandwidth`, per direction);
+    the host's CPU steps the shards of all its `gpus_per_node` ranks at once
+    at `CPU_ADAM_ELEMENTS_PER_S`. The runtime copies, steps and copies back
+    in turn, so nothing here is hidden behind anything else.
+    """
+    copies = elements * (MAIN_GRAD_BYTES + MASTER_BYTES) / hw.host_bandwidth
+    return copies + elements * hw.gpus_per_node / CPU_ADAM_ELEMENTS_PER_S
 
 
 def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,

@@ -47,6 +47,8 @@ class Layout:
     """Context-parallel degree: each rank holds 1/cp of every sample's sequence."""
     order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
     """Mesh axes, innermost first."""
+    offload: bool = False
+    """fp32 masters and optimizer state in host memory, stepped on the CPU (ZeRO >= 1)."""
     chunk_layers: tuple[int, ...] = ()
     """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank c % p) when
     they differ (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
@@ -114,4 +116,5 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
                   micro_batch=plan.train.micro_batch, microbatches=plan.num_microbatches,
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,
-                  order=par.order, chunk_layers=split if len(set(split)) > 1 else ())
+                  order=par.order, chunk_layers=split if len(set(split)) > 1 else (),
+                  offload=par.offload == "optimizer")

@@ -21,6 +21,12 @@ Terms per stage (bytes, one tp/dp rank of that stage):
   layer's checkpoint, the pipeline runtime (a stage's output), or a node
   that saves them.
 - `recompute`: the working set of recomputing one layer in backward.
+- with optimizer offload (`Layout.offload`) the `optimizer` term is 0: the
+  fp32 masters, the moments and the step counters live in host memory,
+  beside an fp32 copy of the rank's gradient shard that the CPU step reads
+  (`stage_host_bytes`, `offloaded_per_element`). The device keeps its
+  weights and gradients as without offload (at ZeRO-3 the fp32 shard the
+  graph gathers stays on the device: it is the weight).
 - `buffers`: communication buffers — pipeline send/receive of one boundary
   activation each way, the sequence-parallel all-gather output, two data-
   parallel gradient buckets, ZeRO-3's gathered parameters of two layers
@@ -54,6 +60,8 @@ TERMS = ("weights", "grads", "optimizer", "activations", "recompute", "buffers")
 
 MAIN_GRAD_BYTES = 4
 """Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
+MASTER_BYTES = 4
+"""Bytes of a master-weight element: fp32."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +150,7 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
         profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, prec, tt, dd, zero,
-                  kv_whole),
+                  kv_whole, lay.offload),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
@@ -174,8 +182,27 @@ def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precis
     weights = weight * n / (dd if zero >= 3 else 1)
     grads = grad * n + grad_shard * n / dd
     counters = 4 * tensors if prec.optimizer else 0
-    optimizer = (state * n + counters) / (dd if zero >= 1 else 1)
+    optimizer = 0 if layout.offload else (state * n + counters) / (dd if zero >= 1 else 1)
     return weights, grads, optimizer
+
+
+def offloaded_per_element(prec: Precision) -> int:
+    """Host bytes per parameter element under optimizer offload, before ZeRO divides them by
+    dp: the fp32 master, the optimizer's moments and the fp32 gradient the CPU step reads."""
+    moments = prec.optimizer - (MASTER_BYTES if prec.weight < MASTER_BYTES else 0)
+    return MASTER_BYTES + moments + MAIN_GRAD_BYTES
+
+
+def stage_host_bytes(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, *,
+                     tt, dd) -> object:
+    """Host memory one rank of pipeline `stage` needs for its optimizer: what offload moves
+    off the device plus the host copies it steps from (0 without offload). Adam's 4-byte
+    step counters go with the moments, as the device would count them."""
+    if not layout.offload:
+        return 0
+    split, whole, tensors = stage_params(profile, layout, stage)
+    counters = 4 * tensors if prec.optimizer else 0
+    return (offloaded_per_element(prec) * (split / tt + whole) + counters) / dd
 
 
 def held_per_element(prec: Precision, zero: int) -> tuple[int, tuple[int, int], int]:
@@ -296,6 +323,12 @@ def stage_memory(profile: ModelProfile, layout: Layout, prec: Precision, seq_len
     return [{k: float(v) for k, v in stage_memory_terms(
         profile, layout, i, prec, bb=layout.micro_batch, ss=layout.rank_seq(seq_len),
         tt=layout.tp, dd=layout.grad_ranks).items()} for i in range(layout.pp)]
+
+
+def stage_host_memory(profile: ModelProfile, layout: Layout, prec: Precision) -> list[float]:
+    """Host bytes one rank of each pipeline stage needs (`stage_host_bytes`)."""
+    return [float(stage_host_bytes(profile, layout, i, prec, tt=layout.tp, dd=layout.grad_ranks))
+            for i in range(layout.pp)]
 
 
 def stage_memory_expr(profile: ModelProfile, layout: Layout, prec: Precision, stage: int

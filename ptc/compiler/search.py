@@ -4,9 +4,10 @@ The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
 layers per stage), micro-batch (divisors of the per-rank batch), ZeRO stage
-(0-3, >0 only with dp > 1), sequence parallelism (with tp > 1), and a
-uniform checkpoint policy (none, selective, full). GPipe is not enumerated:
-it has 1F1B's bubble and more activation memory, so never wins.
+(0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
+sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
+selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
+activation memory, so never wins.
 
 Nothing is captured per candidate: the model's profile is captured once and
 each layout is priced by the closed-form memory and cost models. A layout
@@ -102,7 +103,7 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
             vs = [1] + ([v for v in _divisors(model.layers // pp)[1:] if m % pp == 0]
                         if pp > 1 else [])
             for v in vs:
-                for zero in (range(4) if dp * cp > 1 else (0,)):
+                for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for ckpt in CHECKPOINTS:
                             layouts.append(Layout(
@@ -110,8 +111,16 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
                                 microbatches=m,
                                 zero=zero, sp=sp, schedule="interleaved" if v > 1 else "1f1b",
                                 layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
-                                order=par.order))
+                                order=par.order, offload=par.offload != "none"))
     return layouts
+
+
+def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
+    """ZeRO stages worth trying at `dp`: 0-3 (0 alone at dp = 1); 1-3 when the plan offloads
+    its optimizer, which needs a ZeRO stage (1 alone at dp = 1)."""
+    if dp == 1:
+        return (1,) if offload else (0,)
+    return (1, 2, 3) if offload else (0, 1, 2, 3)
 
 
 def to_plan(plan: Plan, layout: Layout) -> Plan:

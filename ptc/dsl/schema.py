@@ -33,6 +33,7 @@ from ptc.plan import (
     GRAD_COMMS,
     NAN_POLICIES,
     NORMS,
+    OFFLOADS,
     LinkSpec,
 )
 from ptc.presets import PRESETS
@@ -97,6 +98,8 @@ HARDWARE_KEYS: dict[str, Key] = {
     "nvlink_sharp": Key("nvlink_sharp", boolean),
     "achievable_fraction": Key("achievable_fraction", number),
     "memory_margin": Key("memory_margin", quantity("bytes"), example="memory_margin = 4 GiB"),
+    "host_bandwidth": Key("host_bandwidth", quantity("bandwidth"),
+                          example="host_bandwidth = 64 GB/s"),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
 
@@ -117,6 +120,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "checkpoint": Key("checkpoint", calls.checkpoint(None)),
     "overlap": Key("overlap", boolean),
     "grad_comm": Key("grad_comm", word(GRAD_COMMS)),
+    "offload": Key("offload", word(OFFLOADS)),
     "bucket_size": Key("bucket_size", quantity_or_auto("bytes"), example="bucket_size = 25 MB"),
     "order": Key("order", word_tuple),
     "stage_boundaries": Key("stage_boundaries", string_list),

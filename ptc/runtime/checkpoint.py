@@ -257,7 +257,7 @@ class Checkpointer:
         host memory. Waits for the previous save first.
         """
         self.wait()
-        bad = nonfinite_ranks([u.master for u in self.trainer.units])
+        bad = nonfinite_ranks([u.master for u in self.trainer.units], device=self.trainer.device)
         if bad:
             self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
             return False
