@@ -101,7 +101,7 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
     hw, train = plan.hardware, plan.train
     mem = stage_memory(profile, layout, prec, train.seq_len)
     cost: StepCost = step_cost(profile, layout, hw, prec, seq_len=train.seq_len, dtype=train.dtype)
-    gpus = layout.tp * layout.pp * layout.dp
+    gpus = layout.tp * layout.cp * layout.pp * layout.dp
     step = cost.step_time
     tflops = cost.model_flops / step / gpus / 1e12
     peaks = tuple(peak(terms) for terms in mem)
