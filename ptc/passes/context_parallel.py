@@ -171,14 +171,75 @@ def _fused_kwargs(node: fx.Node) -> dict:
         raise CompileError(f"context parallelism: {where(node)} is an attention kernel ptc "
                            "does not split over cp; call F.scaled_dot_product_attention")
     call = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
-    if call.get("attn_mask") is not None or not call.get("is_causal", False):
-        raise CompileError(f"context parallelism: {where(node)} is not causal attention without "
-                           "a mask (is_causal=True, attn_mask=None); cp splits only causal "
-                           "self-attention")
+    mask = call.get("attn_mask")
+    causal = call.get("is_causal", False) and mask is None or \
+        not call.get("is_causal", False) and mask is not None and _is_constant_causal(mask)
+    if not causal:
+        raise CompileError(f"context parallelism: {where(node)} is not causal attention (is_causal"
+                           "=True without a mask, or a mask computed from constants alone that "
+                           "is the causal one: no padding, no bias, no window); cp splits only "
+                           "causal self-attention")
     return dict(query=call["query"], key=call["key"], value=call["value"],
                 scale=call.get("scale"), dropout_p=call.get("dropout_p", 0.0),
                 enable_gqa=call.get("enable_gqa", False), site=call.get("site"),
                 full=call.get("full"), fused=True)
+
+
+def _is_constant_causal(mask: fx.Node) -> bool:
+    """Whether `mask` is computed from constants alone (no input, weight or buffer: a Hugging
+    Face model's mask built from its position ids) and equals the causal mask: True (or 0)
+    where the key's position is at most the query's, False (or -inf) elsewhere."""
+    nodes = _ancestors(mask)
+    if any(n.op != "call_function" for n in nodes):
+        return False
+    values: dict[fx.Node, object] = {}
+    on_cpu = lambda a: torch.device("cpu") if isinstance(a, torch.device) else a  # noqa: E731
+    try:
+        with torch.no_grad():
+            for n in nodes:
+                if _reads_metadata(n):  # x.device, x.dtype: the mask is made where x is
+                    meta = get_info(n.args[0])
+                    values[n] = torch.device("cpu") if n.args[1] == "device" else meta.dtypes[0]
+                    continue
+                args = fx.node.map_arg(n.args, values.__getitem__)
+                kwargs = fx.node.map_arg(n.kwargs, values.__getitem__)
+                values[n] = n.target(*fx.node.map_aggregate(args, on_cpu),
+                                     **fx.node.map_aggregate(kwargs, on_cpu))
+    except Exception:  # noqa: BLE001 - a mask ptc cannot evaluate is not known to be causal
+        return False
+    value = values[mask]
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or \
+            value.shape[-1] != value.shape[-2]:
+        return False
+    size = value.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        return bool((value == causal).all())
+    kept = value == 0
+    masked = torch.isneginf(value) | (value <= torch.finfo(value.dtype).min)
+    return bool((kept == causal).all() and (masked == ~causal).all())
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether the node is `x.device` or `x.dtype` (not x's values)."""
+    return node.op == "call_function" and node.target is getattr and \
+        node.args[1] in ("device", "dtype")
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """`node` and every node it is computed from (not through `x.device` / `x.dtype`), in
+    graph order."""
+    seen, stack = {node}, [node]
+    while stack:
+        current = stack.pop()
+        if _reads_metadata(current):
+            continue
+        for arg in current.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
 
 
 def _written_kwargs(out: fx.Node, parts) -> dict:

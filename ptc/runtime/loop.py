@@ -224,7 +224,8 @@ class TrainLoop:
 
     def _layout(self) -> dict[str, int]:
         p = self.plan.parallel
-        return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+        cp = {"cp": p.cp} if p.cp != 1 else {}  # checkpoints without cp read as cp 1
+        return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
 
 
 def _fmt(layout: dict) -> str:

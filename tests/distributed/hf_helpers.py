@@ -30,6 +30,7 @@ class HFCase:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     zero: int = 0
     sp: bool = False
     checkpoint: str = "none"
@@ -42,7 +43,7 @@ class HFCase:
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
-                                                       ("dp", self.dp)) if v > 1]
+                                                       ("dp", self.dp), ("cp", self.cp)) if v > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += ["sp"] if self.sp else []
         parts += [self.checkpoint] if self.checkpoint != "none" else []
@@ -60,11 +61,11 @@ def hf_module(case: HFCase) -> torch.nn.Module:
 
 def hf_plan(case: HFCase) -> Plan:
     """A plan around the module: one sample per micro-batch, 4 per step, fp32, AdamW."""
-    world = case.tp * case.pp * case.dp
+    world = case.tp * case.pp * case.dp * case.cp
     return Plan(
         model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}", kwargs=dict(case.config)),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
-        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
+        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, cp=case.cp, zero=case.zero,
                               sequence_parallel=case.sp, checkpoint=case.checkpoint,
                               shards=tuple(ShardRule(pattern=glob, style=style)
                                            for glob, style in case.shards)),

@@ -16,6 +16,7 @@ on the eager model over the full global batch, from the same initial
 weights on the same samples. Tolerances: derived per case by
 `tests/tolerances.py` from the same eager training in float64 (fp32) or
 from the fp32 and fp64 runs' spread scaled to bf16 (bf16 plans).
+Hugging Face Llama, GPT-2 and Qwen2 (ZeRO-1) under cp 2 are checked the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import pytest
 from cp_helpers import CPCase, cp_plan, run_cp_cases
 from dist_helpers import STEPS, assert_same_training, reference
+from hf_helpers import HFCase, hf_module, hf_plan, run_hf_cases
 
 from ptc.runtime.launcher import run_local
 
@@ -55,3 +57,21 @@ def test_matches_single_process_adamw(launch: str, case: CPCase) -> None:
     assert len(got["losses"]) == STEPS
     assert got["log"][0].startswith("split_context_pass: folded")
     assert_same_training(got, reference(cp_plan(case)), what=str(case))
+
+
+HF_CASES = [HFCase("llama", cp=2), HFCase("gpt2", cp=2), HFCase("qwen2", cp=2, zero=1)]
+"""Hugging Face models (export door): the causal mask they build from their position ids is
+recognised by evaluating it; RoPE tables (llama, qwen2) and learned positions (gpt2) enter
+the split sequence through context_chunks."""
+_hf: dict = {}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", HF_CASES, ids=[str(c) for c in HF_CASES])
+def test_hugging_face_models_match_single_process_adamw(case: HFCase) -> None:
+    if not _hf:
+        _hf.update(run_local(run_hf_cases, 2, HF_CASES)[0])
+    got = _hf[case]
+    assert got["log"][0].startswith("split_context_pass: folded")
+    assert "2 context_attention" in got["log"][0]
+    assert_same_training(got, reference(hf_plan(case), hf_module(case)), what=str(case))

@@ -87,5 +87,36 @@ class _Bidirectional(nn.Module):
 
 def test_attention_that_is_not_causal_is_refused() -> None:
     p = plan()  # its checks; the graph is the module's
-    with pytest.raises(CompileError, match="not causal attention without a mask"):
+    with pytest.raises(CompileError, match="is not causal attention"):
         apply_pass(split_context_pass, capture_plan(p, _Bidirectional()), p)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention through a boolean mask the model builds from constants: `window` = None
+    gives the causal mask (cp splits it), a window gives a sliding-window one (refused)."""
+
+    def __init__(self, window: int | None) -> None:
+        super().__init__()
+        self.window = window
+        self.embed = nn.Embedding(64, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        if self.window is not None:
+            mask = mask & ~torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril(
+                -self.window)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(y.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_mask_built_from_constants_is_split_when_it_is_the_causal_one() -> None:
+    p = plan()
+    gm = apply_pass(split_context_pass, capture_plan(p, _MaskedAttention(None)), p)
+    assert len(calls(gm, context_attention)) == 1
+    assert not any(n.op == "call_method" and n.target == "tril" for n in gm.graph.nodes)
+    with pytest.raises(CompileError, match="not causal attention"):
+        apply_pass(split_context_pass, capture_plan(p, _MaskedAttention(4)), p)
