@@ -296,6 +296,10 @@ def preset_for(device: torch.device) -> tuple[str, str]:
     upper = name.upper()
     if "H200" in upper:
         return "H200", ""
+    if "B200" in upper:
+        return "B200", ""
+    if "V100" in upper and torch.cuda.get_device_properties(device).total_memory > 20 * 2**30:
+        return "V100-SXM2-32GB", ""
     if "H100" in upper:
         return "H100-SXM", ""
     if "A100" in upper:

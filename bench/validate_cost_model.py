@@ -29,16 +29,26 @@ row under "assumed"):
   --checkpoint-activations; their TF/s match Eq. 3), A100-40GB;
 - the two strong-scaling rows state no layout: tp 8, pp 6 as the 177B
   weak-scaling row, dp from the GPU count;
-- V100 (DGX-2) has no ptc preset: 125 TFLOP/s fp16, 32 GB, NVSwitch 150 GB/s
-  per direction, 16 GPUs per node, 8 x 100 Gb/s InfiniBand per node,
-  achievable_fraction 0.55 as the A100's (same-generation tensor-core GEMMs);
+- GPUs by preset: V100 (DGX-2) "V100-SXM2-32GB" (16 GPUs per node on
+  NVSwitch, 8 x 100 Gb/s InfiniBand per node), the 2020 DGX-A100 "A100-40GB",
+  other A100 rows "A100-80GB", H100 "H100-SXM", H200 "H200", B200 "B200";
+- layers not divisible by pp: Megatron-DeepSpeed's `type:transformer|embedding`
+  partition (BLOOM's) counts each embedding as a layer, so the first and last
+  stage hold one transformer layer fewer than the others
+  (`parallel.first_stage_layers` / `last_stage_layers`); a row whose split
+  follows from nothing it says is not expressible; DeepSpeed's pipeline
+  engine does not interleave (1F1B);
 - BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs (from its notes);
 - gradients: fp16 runs keep and all-reduce them in fp16 (Megatron-LM without
   --accumulate-allreduce-grads-in-fp32, its default then), bf16 runs in fp32
   (Megatron-LM forces fp32 main gradients with bf16; DeepSpeed's bf16
   optimizer accumulates in fp32): `train.grad_dtype` (ZeRO-3 rows: fp32, the
   only choice ptc's ZeRO-3 has).
-Usage: python bench/validate_cost_model.py [--csv PATH]
+Prints each row, then per source the median |error|, the worst rows with
+their estimate's breakdown (seconds per part of the step, as shares of it),
+and the rows not expressible with the reason for each.
+
+Usage: python bench/validate_cost_model.py [--csv PATH] [--worst N]
 """
 
 from __future__ import annotations
@@ -56,14 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ptc.compiler.estimate import estimate  # noqa: E402
 from ptc.compiler.shapes import plan_from_shape  # noqa: E402
 from ptc.plan import HardwareSpec, LinkSpec  # noqa: E402
+from ptc.presets import PRESETS  # noqa: E402
 
 GB_S = 1e9
-V100 = HardwareSpec(
-    gpu="V100-DGX2", nodes=1, gpus_per_node=16, hbm_bytes=32 * 2**30,
-    peak_flops={"fp32": 15.7e12, "fp16": 125e12}, mem_bandwidth=900 * GB_S,
-    intra=LinkSpec(bandwidth=150 * GB_S, latency=3e-6),
-    inter=LinkSpec(bandwidth=8 * 12.5 * GB_S / 16, latency=6e-6),
-    nvlink_sharp=False, achievable_fraction=0.55)
 
 
 class NotExpressible(Exception):
@@ -86,16 +91,32 @@ def _hardware(row: dict) -> tuple[str | HardwareSpec, str, list[str]]:
     """(gpu preset or spec, dtype, notes) of a row."""
     gpu = row["gpu"]
     if gpu.startswith("V100"):
-        return V100, "fp16", ["V100 figures of the script docstring"]
+        return "V100-SXM2-32GB", "fp16", []
     if gpu.startswith("H100"):
         return "H100-SXM", "bf16", []
+    if gpu.startswith(("H200", "B200")):
+        return gpu[:4], "bf16", []
     if "2020" in gpu:
         return "A100-40GB", "fp16", ["A100-40GB (2020 DGX-A100)"]
     if "Jean Zay" in gpu:
         hw = HardwareSpec.preset("A100-80GB")
         inter = LinkSpec(bandwidth=4 * 12.5 * GB_S / 8, latency=hw.inter.latency)
         return HardwareSpec.preset("A100-80GB", inter=inter), "bf16", ["4x100Gb/s OPA per node"]
-    return "A100-80GB", "fp16", []
+    if gpu.startswith("A100"):
+        return "A100-80GB", "fp16", []
+    raise NotExpressible(f"no preset for gpu {gpu!r} (presets: {', '.join(PRESETS)})")
+
+
+def _uneven(L: int, pp: int, deepspeed: bool, notes: list[str]) -> dict:
+    """first/last_stage_layers of a row whose layers pp does not divide (module docstring)."""
+    if not L % pp:
+        return {}
+    if not deepspeed or (L + 2) % pp:
+        raise NotExpressible(f"layers({L}) not divisible by pp({pp}), and the source gives "
+                             f"no first/last stage layer counts")
+    ends = (L + 2) // pp - 1
+    notes.append(f"first/last stage {ends} layers (embeddings counted as layers)")
+    return dict(first_stage_layers=ends, last_stage_layers=ends)
 
 
 def _vstages(layers: int, pp: int, microbatches: int) -> int:
@@ -121,9 +142,8 @@ def build(row: dict):
     if b is None:
         b = 1
         notes.append("micro_batch 1")
-    if L % pp:
-        raise NotExpressible(f"layers({L}) not divisible by pp({pp}): ptc splits layers evenly")
-    v = _vstages(L, pp, B // (dp * b)) if pp > 1 else 1
+    split = _uneven(L, pp, bloom, notes)
+    v = _vstages(L, pp, B // (dp * b)) if pp > 1 and not bloom else 1
     if pp > 1 and not row["vpp"].strip():
         notes.append(f"v={v}" if v > 1 else "1f1b")
     zero = _int(row, "zero", 1 if readme24 else 0)
@@ -138,9 +158,8 @@ def build(row: dict):
         family="gpt", layers=L, hidden=h, heads=a, vocab=V, seq_len=s, global_batch=B,
         gpu=gpu, num_gpus=n, ffn=_int(row, "ffn", 4 * h), tied_embeddings=True,
         dropout=0.0 if bloom else 0.1, tp=tp, pp=pp, dp=dp, micro_batch=b, dtype=dtype,
-        gpus_per_node=16 if gpu is V100 else 8, zero=zero, sequence_parallel=sp,
-        schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, checkpoint=ckpt,
-        overlap=overlap)
+        zero=zero, sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b",
+        virtual_stages=v, checkpoint=ckpt, overlap=overlap, **split)
     if dtype == "fp16" and zero < 3:  # ptc's ZeRO-3 reduce-scatters in fp32 only
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, grad_dtype="fp16"))
     return plan, notes
@@ -161,28 +180,48 @@ def score(row: dict, step: float) -> tuple[str, float, float]:
     return "model_TF", flops / step / n / 1e12, measured
 
 
+def _short(source: str) -> str:
+    return source.split(" (")[0]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print per-row errors, then the median and max |error|."""
+    """Print per-row errors, per-source medians, the worst rows' breakdowns, the rows skipped."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="path of published_runs.csv")
+    parser.add_argument("--worst", type=int, default=5, help="rows to break down (default 5)")
     args = parser.parse_args(argv)
     rows = list(csv.DictReader(_csv_path(args.csv).open()))
-    errors = []
+    scored, skipped = [], []
     print(f"{'model':<14}{'gpus':>6} {'tp':>3}{'pp':>4}{'dp':>6} {'conv':<9}"
           f"{'pred':>9}{'meas':>9}{'err':>8}  assumed")
     for row in rows:
         try:
             plan, notes = build(row)
         except NotExpressible as exc:
+            skipped.append((row, str(exc)))
             print(f"{row['model'][:14]:<14}{row['num_gpus']:>6}  skipped: {exc}")
             continue
         est = estimate(plan)
         conv, pred, meas = score(row, est.step_time_s)
         err = (pred - meas) / meas
-        errors.append(abs(err))
+        scored.append((row, plan, est, err))
         p = plan.parallel
         print(f"{row['model'][:14]:<14}{row['num_gpus']:>6} {p.tp:>3}{p.pp:>4}{p.dp:>6} "
               f"{conv:<9}{pred:>9.2f}{meas:>9.2f}{err:>+8.1%}  {', '.join(notes)}")
+    print("\nper source: rows, median |error|, max |error|")
+    for source in dict.fromkeys(_short(r["source"]) for r, *_ in scored):
+        errs = [abs(e) for r, _, _, e in scored if _short(r["source"]) == source]
+        print(f"  {source:<28}{len(errs):>4} {statistics.median(errs):>8.1%} {max(errs):>8.1%}")
+    print(f"\nworst {args.worst} rows: step time and its parts as shares of it")
+    for row, plan, est, err in sorted(scored, key=lambda x: -abs(x[3]))[:args.worst]:
+        parts = ", ".join(f"{k} {v / est.step_time_s:.0%}" for k, v in est.breakdown.items() if v)
+        p = plan.parallel
+        print(f"  {row['model'][:14]:<14} {row['num_gpus']:>5} GPUs tp{p.tp} pp{p.pp} dp{p.dp} "
+              f"zero{p.zero} {p.checkpoint}: {err:+.1%}; step {est.step_time_s:.3g} s = {parts}")
+    print(f"\n{len(scored)} of {len(rows)} rows expressible; {len(skipped)} not:")
+    for row, why in skipped:
+        print(f"  {row['model']} on {row['num_gpus']} ({_short(row['source'])}): {why}")
+    errors = [abs(e) for *_, e in scored]
     print(f"\n{len(errors)} rows scored; median |error| {statistics.median(errors):.1%}, "
           f"max |error| {max(errors):.1%}")
     return 0

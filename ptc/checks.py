@@ -36,12 +36,12 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_mesh(plan: Plan, sink: DiagnosticSink) -> None:
     par, hw = plan.parallel, plan.hardware
-    degrees = {a: par.degree(a) for a in ("tp", "pp", "dp")}
+    degrees = {a: par.degree(a) for a in ("tp", "cp", "pp", "dp")}
     known = {a: d for a, d in degrees.items() if d != "auto"}
     gpus = hw.num_gpus
     gpu_text = f"{gpus} GPUs (nodes({hw.nodes}) * gpus_per_node({hw.gpus_per_node}))"
-    factors = " * ".join(f"{a}({d})" for a, d in degrees.items())
-    if len(known) == 3:
+    factors = " * ".join(f"{a}({d})" for a, d in degrees.items() if a != "cp" or d != 1)
+    if len(known) == len(degrees):
         total = prod(known.values())
         if total != gpus:
             sink.error(f"{factors} = {total} != {gpu_text}", field="parallel.tp",
@@ -56,6 +56,12 @@ def _check_mesh(plan: Plan, sink: DiagnosticSink) -> None:
         sink.warning(f"tp({tp}) > gpus_per_node({hw.gpus_per_node}): each tp group spans "
                      f"nodes and its collectives run at the inter-node link speed",
                      field="parallel.tp", span=_span(par, "tp"))
+    cp, seq = degrees["cp"], plan.train.seq_len
+    if cp != "auto" and cp > 1 and seq % (2 * cp):
+        sink.error(f"seq_len({seq}) is not divisible by 2 * cp({cp}) = {2 * cp}: context "
+                   f"parallelism gives each rank two of 2·cp equal chunks of the sequence",
+                   field="parallel.cp", span=_span(par, "cp"),
+                   choices=tuple(str(d) for d in _divisors(seq) if seq % (2 * d) == 0))
     if par.sequence_parallel and tp == 1:
         sink.warning("sequence_parallel has no effect with tp = 1",
                      field="parallel.sequence_parallel", span=_span(par, "sequence_parallel"))
@@ -88,10 +94,17 @@ def _check_model_split(plan: Plan, sink: DiagnosticSink) -> None:
             sink.error(f"ffn({model.ffn_size}) is not divisible by tp({tp})",
                        field="parallel.tp", span=_span(par, "tp"))
     pp, v = par.pp, par.virtual_stages
-    if pp != "auto" and model.layers % (pp * v):
+    ends = par.first_stage_layers is not None or par.last_stage_layers is not None
+    if pp != "auto" and (ends or par.pins_layers and model.layers % (pp * v)):
+        # A cut at "norm" leaves the estimate unpriced, not the plan invalid: checked only
+        # where the cuts must say how the layers split.
+        if not par.stage_boundaries or len(par.stage_boundaries) == pp * v - 1:
+            par.stage_layers(model.layers, sink)  # a wrong count is _check_pipeline's
+    elif pp != "auto" and model.layers % (pp * v):
         sink.error(f"layers({model.layers}) is not divisible by pp({pp}) * "
-                   f"virtual_stages({v}) = {pp * v}", field="parallel.pp",
-                   span=_span(par, "pp") or _span(par, "virtual_stages"))
+                   f"virtual_stages({v}) = {pp * v}; give the uneven split "
+                   f"(first_stage_layers, last_stage_layers or stage_boundaries)",
+                   field="parallel.pp", span=_span(par, "pp") or _span(par, "virtual_stages"))
     if plan.train.seq_len > model.max_seq:
         sink.error(f"seq_len({plan.train.seq_len}) > model max_seq({model.max_seq})",
                    field="train.seq_len", span=_span(plan.train, "seq_len"))
@@ -137,6 +150,10 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"stage_boundaries lists {len(par.stage_boundaries)} cuts; pp({par.pp}) * "
                    f"virtual_stages({par.virtual_stages}) stages have {cuts}",
                    field="parallel.stage_boundaries", span=_span(par, "stage_boundaries"))
+    for name in ("first_stage_layers", "last_stage_layers"):
+        if getattr(par, name) is not None and (par.pp == "auto" or par.stage_boundaries):
+            why = "a fixed pp" if par.pp == "auto" else "no stage_boundaries (both place cuts)"
+            sink.error(f"{name} needs {why}", field=f"parallel.{name}", span=_span(par, name))
     if par.pp == "auto" or par.pp == 1 or par.dp == "auto":
         return
     m = plan.num_microbatches

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from ptc.errors import DiagnosticSink, Span, did_you_mean
-from ptc.presets import PRESETS
+from ptc.presets import PCIE4_X16, PRESETS
 
 Auto = Literal["auto"]
 AUTO: Auto = "auto"
@@ -31,12 +31,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CHECKPOINT_POLICIES = ("none", "full", "selective", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
 SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of an element kept in a dtype (fp8 is no storage dtype: its plans keep bf16)."""
 FP8_SCALINGS = ("current", "delayed")
 GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
+OFFLOADS = ("none", "optimizer")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "uniform", "tokens")
@@ -246,6 +247,9 @@ class HardwareSpec(_Section):
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
     """Share of peak a tuned transformer step reaches (cost model)."""
+    host_bandwidth: float = PCIE4_X16
+    """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
+    what optimizer offload's copies move at (default PCIe Gen4 x16)."""
     memory_margin: float = 0.0
     """Bytes of each accelerator's memory kept out of the budget (CUDA context, communication
     buffers, fragmentation): plans must fit in hbm_bytes - memory_margin."""
@@ -271,6 +275,7 @@ class HardwareSpec(_Section):
             intra=LinkSpec(bandwidth=p.intra_bandwidth, latency=p.intra_latency),
             inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
+            host_bandwidth=p.host_bandwidth,
         )
         values.update(overrides)
         return cls(**values)
@@ -283,6 +288,7 @@ class HardwareSpec(_Section):
         self._number(sink, "mem_bandwidth", strict=True)
         self._number(sink, "achievable_fraction", strict=True)
         self._number(sink, "memory_margin")
+        self._number(sink, "host_bandwidth", strict=True)
         if isinstance(self.memory_margin, (int, float)) and isinstance(self.hbm_bytes, (int, float)) \
                 and 0 < self.hbm_bytes <= self.memory_margin:
             self._bad(sink, "memory_margin", f"memory_margin ({self.memory_margin:g} bytes) leaves "
@@ -345,6 +351,9 @@ class ParallelSpec(_Section):
     """Pipeline stages, or "auto"."""
     dp: int | Auto = 1
     """Data-parallel degree, or "auto"."""
+    cp: int | Auto = 1
+    """Context-parallel degree, or "auto": each sample's sequence is split over cp ranks
+    (load-balanced chunks for causal attention; keys and values gathered over cp)."""
     zero: int = 0
     """ZeRO stage 0-3."""
     sequence_parallel: bool = False
@@ -363,15 +372,26 @@ class ParallelSpec(_Section):
     """How gradients travel in the data-parallel reduction (ZeRO 0-2): "none" as they are
     kept (train.grad_dtype); "fp8" (e4m3) or "fp8_e5m2" quantised with one scale per bucket
     and rank, summed in fp32 on arrival: half the bytes of bf16, and other numbers (opt-in)."""
+    offload: str = "none"
+    """What lives in host memory instead of the device: "none", or "optimizer" — the fp32
+    masters and optimizer state, stepped on the CPU (ZeRO 1-3; ptc.runtime.offload)."""
     bucket_size: float | Auto = "auto"
     """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
     reductions) are merged up to this size; "auto" derives it from the link and the model
     (see ptc.passes.comm_overlap)."""
-    order: tuple[str, ...] = ("tp", "dp", "pp")
-    """Mesh axes from innermost (fastest-varying rank) to outermost."""
+    order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+    """Mesh axes from innermost (fastest-varying rank) to outermost; an order that leaves
+    out cp puts it just outside tp."""
     stage_boundaries: tuple[str | None, ...] = ()
     """Pinned pipeline cuts: the graph piece ("layers.20", "norm", ...) where each of
     stages 1 .. pp·v-1 starts; None leaves that cut to the cost model; () pins none."""
+    first_stage_layers: int | None = None
+    """Layers of pipeline stage 0 (the one with the embedding); None: as the others. With
+    `last_stage_layers`, an uneven split (Megatron-LM's --decoder-first-pipeline-num-layers):
+    the other stages share the remaining layers evenly (see `stage_layers`)."""
+    last_stage_layers: int | None = None
+    """Layers of the last pipeline stage (the one with the head and the loss); None: as the
+    others (Megatron-LM's --decoder-last-pipeline-num-layers)."""
     shards: tuple[ShardRule, ...] = ()
     """Explicit shard annotations that override what the compiler infers."""
     spans: Mapping[str, Span] = _spans()
@@ -387,11 +407,17 @@ class ParallelSpec(_Section):
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
         self._choice(sink, "grad_comm", GRAD_COMMS)
+        self._choice(sink, "offload", OFFLOADS)
+        if self.offload != "none" and self.zero == 0:
+            self._bad(sink, "offload", f"offload = {self.offload} needs zero 1-3: each rank "
+                      f"offloads the shard of the optimizer it owns, got zero = 0", ("none",))
         if self.bucket_size != "auto":
             self._number(sink, "bucket_size", strict=True)
         self._choice(sink, "schedule", SCHEDULES)
         self._int(sink, "virtual_stages")
         self._int(sink, "microbatches", allow_none=True)
+        self._int(sink, "first_stage_layers", allow_none=True)
+        self._int(sink, "last_stage_layers", allow_none=True)
         if self.schedule == "interleaved" and isinstance(self.virtual_stages, int) \
                 and self.virtual_stages < 2:
             self._bad(sink, "virtual_stages",
@@ -412,15 +438,92 @@ class ParallelSpec(_Section):
         else:
             self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
                       f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)
+        if isinstance(self.order, (tuple, list)) and "cp" not in self.order and "tp" in self.order:
+            order = list(self.order)
+            order.insert(order.index("tp") + 1, "cp")
+            object.__setattr__(self, "order", tuple(order))
         if not isinstance(self.order, (tuple, list)) or \
                 sorted(map(str, self.order)) != sorted(AXES) or \
                 not all(isinstance(a, str) for a in self.order):
-            self._bad(sink, "order", f"order must name each of tp, dp, pp once, got {self.order}")
+            self._bad(sink, "order", f"order must name each of tp, cp, dp, pp once (cp may be "
+                      f"left out), got {self.order}")
         sink.raise_if_errors()
 
     def degree(self, axis: str) -> int | Auto:
         """The degree of a mesh axis."""
         return getattr(self, axis)
+
+    @property
+    def pins_layers(self) -> bool:
+        """Whether the plan places pipeline cuts: first/last_stage_layers or stage_boundaries."""
+        return (self.first_stage_layers is not None or self.last_stage_layers is not None
+                or any(b is not None for b in self.stage_boundaries))
+
+    def stage_layers(self, layers: int, sink: DiagnosticSink | None = None
+                     ) -> tuple[int, ...] | None:
+        """Layers each of the pp·v pipeline stages holds, stage 0 first (resolved pp only).
+
+        `first_stage_layers` / `last_stage_layers` fix the first and last stage;
+        else the cuts `stage_boundaries` pins at a layer ("layers.20": stage k
+        starts at layer 20) fix theirs. The layers between two fixed cuts are
+        shared evenly by the stages there, the later ones taking one more when
+        they do not divide. Every stage holds at least one layer. A problem is
+        recorded in `sink` (and None returned), or raised as a PlanError.
+        """
+        own = sink is None
+        sink = self._sink() if own else sink
+        counts = self._split_layers(sink, layers)
+        if own:
+            sink.raise_if_errors()
+        return counts
+
+    def _split_layers(self, sink: DiagnosticSink, layers: int) -> tuple[int, ...] | None:
+        stages = self.pp * self.virtual_stages
+        shape = f"pp({self.pp}) * virtual_stages({self.virtual_stages}) = {stages} stages"
+        starts = {0: 0, stages: layers}  # stage -> its first layer ("stage" `stages`: the end)
+        ends = {"first_stage_layers": self.first_stage_layers,
+                "last_stage_layers": self.last_stage_layers}
+        given = {name: n for name, n in ends.items() if n is not None}
+        if given:
+            name = next(iter(given))
+            said = " + ".join(f"{n}({c})" for n, c in given.items())
+            used = sum(given.values())
+            if stages < 2:
+                self._bad(sink, name, f"{name} needs a pipeline; {shape}")
+                return None
+            if stages == 2 and len(given) == 2 and used != layers:
+                self._bad(sink, name, f"{said} = {used} != layers({layers}) with {shape}")
+                return None
+            if self.first_stage_layers is not None:
+                starts[1] = self.first_stage_layers
+            if self.last_stage_layers is not None:
+                starts[stages - 1] = layers - self.last_stage_layers
+            if not _each_stage_has_layers(starts):
+                self._bad(sink, name, f"{said} leave {layers - used} of layers({layers}) for "
+                          f"the other {stages - len(given)} of {shape}; each stage needs at "
+                          f"least one layer")
+                return None
+        else:
+            for stage, cut in enumerate(self.stage_boundaries, start=1):
+                if cut is None:
+                    continue
+                index = _layer_index(cut)
+                if index is None or not 0 < index < layers:
+                    why = "names no layer" if index is None else f"is not inside layers({layers})"
+                    self._bad(sink, "stage_boundaries", f"stage_boundaries: cut {cut!r} (stage "
+                              f"{stage}) {why}; the cost model prices stages by their layers")
+                    return None
+                starts[stage] = index
+            if not _each_stage_has_layers(starts):
+                self._bad(sink, "stage_boundaries", f"stage_boundaries {list(self.stage_boundaries)}"
+                          f" leave a stage of {shape} without a layer of layers({layers})")
+                return None
+        pinned = sorted(starts.items())
+        counts: list[int] = []
+        for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]):
+            base, extra = divmod(l1 - l0, s1 - s0)
+            counts += [base + (i >= s1 - s0 - extra) for i in range(s1 - s0)]
+        return tuple(counts)
 
 
 # --------------------------------------------------------------------- train
@@ -719,6 +822,26 @@ class Plan:
         if dp == AUTO:
             raise ValueError("num_microbatches needs a resolved dp")
         return self.train.global_batch // (self.train.micro_batch * dp)
+
+    @property
+    def grad_ranks(self) -> int | Auto:
+        """Ranks that hold different tokens of the same weights, dp·cp: the group gradients
+        are averaged over and ZeRO shards over (as Megatron-LM's data-parallel group with
+        context parallelism)."""
+        dp, cp = self.parallel.dp, self.parallel.cp
+        return AUTO if AUTO in (dp, cp) else dp * cp
+
+
+def _layer_index(cut: str) -> int | None:
+    """The layer a pipeline cut names ("layers.20", "model.layers.20" -> 20), else None."""
+    last = cut.rsplit(".", 1)[-1] if "." in cut else ""
+    return int(last) if last.isdigit() else None
+
+
+def _each_stage_has_layers(starts: dict[int, int]) -> bool:
+    """Whether pinned stage starts {stage: first layer} leave every stage a layer."""
+    pinned = sorted(starts.items())
+    return all(l1 - l0 >= s1 - s0 for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]))
 
 
 def section_fields(cls: type) -> list[str]:

@@ -6,6 +6,13 @@ preset the cost model uses: the share of the bf16 peak a well-tuned
 transformer GEMM mix reaches on that GPU in practice (Megatron-LM reports
 52 % of peak on A100 with full recompute counted; 45-50 % model FLOPs on
 H100). It is a property of the GPU, not of any one published run.
+
+`host_bandwidth` is the GPU's own link to host memory, per direction: PCIe
+Gen4 x16 on A100 (16 GT/s x 16 lanes, 128b/130b: 31.5 GB/s, NVIDIA's A100
+datasheet "PCIe Gen4: 64 GB/s" counts both directions), PCIe Gen5 x16 on
+H100 and H200 (63 GB/s; NVIDIA's H100 datasheet "PCIe Gen5: 128 GB/s", both
+directions). For the CPU preset the "device" is host memory itself: its
+memory bandwidth.
 """
 
 from __future__ import annotations
@@ -18,6 +25,13 @@ GiB = UNITS["GiB"][1]
 GB_S = UNITS["GB/s"][1]
 TFLOPS = UNITS["TFLOP/s"][1]
 US = UNITS["us"][1]
+
+PCIE3_X16 = 16 * GB_S
+"""PCIe Gen3 x16, per direction (V100 hosts)."""
+PCIE4_X16 = 32 * GB_S
+"""PCIe Gen4 x16, per direction (31.5 GB/s, rounded): A100's host link."""
+PCIE5_X16 = 64 * GB_S
+"""PCIe Gen5 x16, per direction (63 GB/s, rounded): H100's and H200's host link."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,42 +60,88 @@ class GpuPreset:
     """Whether the NVSwitch does in-network reductions (NVLS)."""
     achievable_fraction: float
     """Share of peak a tuned transformer step reaches (see module docstring)."""
+    host_bandwidth: float
+    """Per-GPU, per-direction bandwidth to host memory (PCIe), bytes/s."""
 
 
 PRESETS: dict[str, GpuPreset] = {
     p.name: p
     for p in (
+        # NVIDIA A100 Tensor Core GPU datasheet (SXM columns; tensor figures without
+        # sparsity): FP32 19.5, TF32 156, BF16 = FP16 312 TFLOP/s; 40 GB HBM2 at 1,555 GB/s,
+        # 80 GB HBM2e at 2,039 GB/s; NVLink 3: 600 GB/s per GPU, both directions. Node: DGX
+        # A100, 8 GPUs on NVSwitch, 8 x 200 Gb/s HDR InfiniBand.
         GpuPreset(name="A100-40GB", hbm_bytes=40 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
                   mem_bandwidth=1555 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
-                  nvlink_sharp=False, achievable_fraction=0.55),
+                  nvlink_sharp=False, achievable_fraction=0.55,
+                  host_bandwidth=PCIE4_X16),
         GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
                   mem_bandwidth=2039 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
-                  nvlink_sharp=False, achievable_fraction=0.55),
+                  nvlink_sharp=False, achievable_fraction=0.55,
+                  host_bandwidth=PCIE4_X16),
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM column, sparsity figures halved):
+        # 80 GB HBM3 at 3.35 TB/s, FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2
+        # TFLOP/s; NVLink 4: 900 GB/s per GPU, both directions. Node: DGX H100, 8 GPUs on
+        # NVSwitch (NVLS), 8 x 400 Gb/s NDR.
         GpuPreset(name="H100-SXM", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS,
                               "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=3350 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.5),
+                  nvlink_sharp=True, achievable_fraction=0.5,
+                  host_bandwidth=PCIE5_X16),
+        # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
+        # with sparsity, halved here): 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both
+        # directions), FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2 TFLOP/s. Node:
+        # HGX H200, 8 GPUs on NVSwitch (NVLS), one 400 Gb/s NDR NIC per GPU.
         GpuPreset(name="H200", hbm_bytes=141 * 10**9,
                   peak_flops={"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS,
                               "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=4800 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.5),
+                  nvlink_sharp=True, achievable_fraction=0.5,
+                  host_bandwidth=PCIE5_X16),
+        # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
+        # with sparsity halved): 1,440 GB HBM3e (180 GB per GPU) at 64 TB/s (8 TB/s per GPU);
+        # FP8 72 PFLOP/s -> 4.5 dense, FP16 = BF16 36 -> 2.25, TF32 18 -> 1.125 PFLOP/s,
+        # FP32 600 TFLOP/s -> 75; NVLink 5: 1.8 TB/s per GPU (both directions); networking
+        # 8 x ConnectX-7 400 Gb/s (one per GPU). achievable_fraction as Hopper's: no
+        # published B200 run is in validation/ to set it by.
+        GpuPreset(name="B200", hbm_bytes=180 * 10**9,
+                  peak_flops={"fp32": 75 * TFLOPS, "tf32": 1125 * TFLOPS,
+                              "bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS,
+                              "fp8": 4500 * TFLOPS},
+                  mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
+                  inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
+                  nvlink_sharp=True, achievable_fraction=0.5,
+                  host_bandwidth=PCIE5_X16),
+        # NVIDIA Tesla V100 datasheet (SXM2 column): 32 GB HBM2 at 900 GB/s, FP32 15.7,
+        # tensor (FP16 in, FP32 accumulate) 125 TFLOP/s; no bf16, tf32 or fp8 (Volta).
+        # NVLink 2: 300 GB/s per GPU, both directions. Node: DGX-2 / HGX-2, 16 GPUs on
+        # NVSwitch (the all-to-all node the cost model's one intra link describes; DGX-1's
+        # hybrid cube mesh is not) with 8 x 100 Gb/s EDR InfiniBand per node.
+        # achievable_fraction as the A100's (Megatron-LM's 2020 V100 runs score within a few
+        # per cent with it, bench/validate_cost_model.py).
+        GpuPreset(name="V100-SXM2-32GB", hbm_bytes=32 * GiB,
+                  peak_flops={"fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS},
+                  mem_bandwidth=900 * GB_S, intra_bandwidth=150 * GB_S, intra_latency=3 * US,
+                  inter_bandwidth=8 * 12.5 * GB_S / 16, inter_latency=6 * US,
+                  gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.55,
+                  host_bandwidth=PCIE3_X16),
         GpuPreset(name="cpu", hbm_bytes=16 * GiB,
                   peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
                   mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,
                   inter_bandwidth=1 * GB_S, inter_latency=50 * US, gpus_per_node=8,
-                  nvlink_sharp=False, achievable_fraction=0.3),
+                  nvlink_sharp=False, achievable_fraction=0.3,
+                  host_bandwidth=20 * GB_S),
     )
 }
 """Preset name -> figures. Names are matched exactly (case-sensitive)."""

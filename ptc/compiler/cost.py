@@ -28,7 +28,11 @@ recompute, and the communication it cannot hide).
   again for backward, and reduce-scatters its gradients, every micro-batch;
   with overlap each layer's traffic hides behind that layer's compute.
 - optimizer: memory-bound; it reads gradient and state and writes state and
-  weight once per parameter shard, at the device memory bandwidth.
+  weight once per parameter shard, at the device memory bandwidth. With
+  optimizer offload (`offloaded_step`) instead: the fp32 gradient shard down
+  and the fp32 master shard up over the host link, and torch's CPU Adam over
+  the shards of all the node's ranks, which share the host's CPU; the three
+  run in turn (as the runtime runs them), none hidden.
 """
 
 from __future__ import annotations
@@ -37,10 +41,17 @@ from dataclasses import dataclass, field
 
 from ptc.compiler import comm
 from ptc.compiler.layout import Layout
-from ptc.compiler.memory import Precision, layer_params, stage_params
+from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
+                                 stage_params)
 from ptc.compiler.profile import ModelProfile
 from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec
+
+
+CPU_ADAM_ELEMENTS_PER_S = 0.72e9
+"""Parameter elements per second torch's Adam steps on a GPU server's host CPU: ZeRO-Offload
+(Ren et al., USENIX ATC 2021), Table 2, PyTorch's CPU Adam 1.39 s per billion parameters
+on a DGX-2's two 24-core Xeons (its vectorised CPU-Adam: 0.22 s). One host, all its cores."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,12 +75,13 @@ class _Stage:
     compute: float = 0.0
     recompute: float = 0.0
     tp: float = 0.0
+    cp: float = 0.0
     pp: float = 0.0
     dp: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.pp + self.dp
+        return self.compute + self.recompute + self.tp + self.cp + self.pp + self.dp
 
 
 def _tp_collectives(size: float, layout: Layout, group: AxisGroup, hw: HardwareSpec,
@@ -99,18 +111,26 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     same plan (plan search prices thousands of layouts that repeat them).
     """
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
-    bb, ss = layout.micro_batch, seq_len
+    cp = layout.cp
+    bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
     rate, fp8_rate = _rates(hw, dtype)
-    groups = _cached(memo, ("groups", tp, p, layout.dp, layout.order),
-                     lambda: axis_groups({"tp": tp, "pp": p, "dp": layout.dp}, layout.order,
-                                         hw.gpus_per_node))
+    groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
+                     lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
+                                         layout.order, hw.gpus_per_node))
     algos: dict[str, str] = {}
 
     kv_div = profile.kv_divisor(tp)  # 1: fewer key/value heads than tp, computed whole
-    layer_f, core_f, boundary, pre_f, post_f, fp8_f = _cached(memo, ("flops", bb, ss, tp), lambda: (
-        (f["flops.layer"](bb, ss) - f["kv_flops"](bb, ss)) / tp + f["kv_flops"](bb, ss) / kv_div,
-        f["core_flops"](bb, ss) / tp, prec.weight * f["boundary"](bb, ss),
-        f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp, f["fp8_flops"](bb, ss) / tp))
+    # Under cp a rank's queries (s/cp of them) meet all s keys: its attention core is 1/cp of
+    # the whole sequence's, not that of a sequence of s/cp.
+    keys = _cached(memo, ("keys", bb, seq_len, cp), lambda: (
+        f["core_flops"](bb, seq_len) / cp - f["core_flops"](bb, ss)))
+    layer_f, core_f, boundary, pre_f, post_f, fp8_f = _cached(
+        memo, ("flops", bb, ss, tp, cp), lambda: (
+            (f["flops.layer"](bb, ss) + keys - f["kv_flops"](bb, ss)) / tp
+            + f["kv_flops"](bb, ss) / kv_div,
+            (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
+            f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
+            f["fp8_flops"](bb, ss) / tp))
     # A layer's forward seconds: its float8 GEMMs at their rate, the rest at the compute rate.
     layer_s = layer_f / rate - (fp8_f / rate - fp8_f / fp8_rate if fp8_rate else 0.0)
 
@@ -122,13 +142,20 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
         layer_bytes = prec.weight * (split / tp + whole)
-        ag, rs = _cached(memo, ("z3", tp, groups["dp"]), lambda: (
-            comm.all_gather(layer_bytes, groups["dp"], hw),
-            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["dp"], hw)))
+        ag, rs = _cached(memo, ("z3", tp, groups["grad"]), lambda: (
+            comm.all_gather(layer_bytes, groups["grad"], hw),
+            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["grad"], hw)))
         algos["dp"] = f"ag:{ag.algorithm} rs:{rs.algorithm}"
         for policy in ("none", "selective", "full"):
             z3[policy] = (3 if policy == "full" else 2) * ag.seconds + rs.seconds
 
+    # Keys and values all-gathered over cp at each attention (and again when a full layer is
+    # recomputed), their gradients reduce-scattered: exposed, as Llama 3's all-gather runs
+    # before the attention it feeds.
+    kv_bytes = 2 * prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
+    cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
+        comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
+    cp_layer = {"none": 2 * cp_unit, "selective": 2 * cp_unit, "full": 3 * cp_unit}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
                   lambda: comm.send_recv(boundary / tp, groups["pp"], hw))
     tp_edge = tp_unit if tp > 1 else 0.0
@@ -143,6 +170,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             hide = work + extra if layout.overlap else 0.0
             exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
             st.tp += count * exposed_tp
+            st.cp += count * cp_layer[policy]
             if z3:
                 st.dp += count * max(0.0, z3[policy] - hide)
         if first:
@@ -166,26 +194,30 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     mean = sum(st.total * n for st, n in kinds.values()) / p
     bubble = (p - 1) / v * mean
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
-    dp_exposed = _dp_exposed(profile, layout, groups["dp"], hw, prec, slowest, algos, memo) \
+    dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
-    opt_elements = _max_stage_elements(profile, layout) / (layout.dp if layout.zero >= 1 else 1)
-    optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
+    opt_elements = _max_stage_elements(profile, layout) / (
+        layout.grad_ranks if layout.zero >= 1 else 1)
+    optimizer = offloaded_step(opt_elements, hw) if layout.offload else \
+        opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
     # Replicated key/value projections: their partial gradients summed over tp once a step.
-    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * (layout.layers // p),
+    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
                               groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
 
     breakdown = {
         "compute": mb * slowest.compute,
         "recompute": mb * slowest.recompute,
         "tp_comm": mb * slowest.tp + kv_sync,
+        "cp_comm": mb * slowest.cp,
         "pp_comm": mb * slowest.pp + fill,
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
         "optimizer": optimizer,
     }
-    per_micro = 3 * (profile.layers * f["flops.layer"](bb, ss) + tp * (pre_f + post_f))
-    executed = 3 * tp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
-    per_policy = {"none": 0.0, "selective": tp * core_f, "full": tp * layer_f}
+    per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
+                     + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
+    executed = 3 * tp * cp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
+    per_policy = {"none": 0.0, "selective": tp * cp * core_f, "full": tp * cp * layer_f}
     recomputed = sum(per_policy[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
@@ -200,6 +232,19 @@ def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
         return hw.peak_flops[dtype] * hw.achievable_fraction, None
     bf16 = hw.peak_flops["bf16"] * hw.achievable_fraction
     return bf16, hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
+
+
+def offloaded_step(elements: float, hw: HardwareSpec) -> float:
+    """Seconds of one offloaded optimizer step of `elements` per rank (optimizer offload).
+
+    The fp32 gradient shard goes down and the updated fp32 master shard up
+    over the rank's host link (`hardware.host_bandwidth`, per direction);
+    the host's CPU steps the shards of all its `gpus_per_node` ranks at once
+    at `CPU_ADAM_ELEMENTS_PER_S`. The runtime copies, steps and copies back
+    in turn, so nothing here is hidden behind anything else.
+    """
+    copies = elements * (MAIN_GRAD_BYTES + MASTER_BYTES) / hw.host_bandwidth
+    return copies + elements * hw.gpus_per_node / CPU_ADAM_ELEMENTS_PER_S
 
 
 def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
@@ -224,12 +269,19 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
 
 
+def _most_layers(layout: Layout) -> int:
+    """Layers of the pipeline rank holding most."""
+    return max(len(layout.stage_layers(i)) for i in range(layout.pp))
+
+
 def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
-    """Parameter elements per tp rank on the stage holding most (the first or the last)."""
+    """Parameter elements per tp rank on the stage holding most (the first or the last when
+    the layers split evenly, any stage when they do not)."""
     def per_rank(stage: int) -> float:
         split, whole, _ = stage_params(profile, layout, stage)
         return split / layout.tp + whole
-    return max(per_rank(0), per_rank(layout.pp - 1))
+    stages = range(layout.pp) if layout.chunk_layers else (0, layout.pp - 1)
+    return max(per_rank(stage) for stage in stages)
 
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,

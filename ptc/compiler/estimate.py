@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from ptc.compiler.cost import StepCost, step_cost
 from ptc.compiler.layout import Layout, layout_of
-from ptc.compiler.memory import Precision, peak, precision, stage_memory, stage_memory_terms
+from ptc.compiler.memory import (Precision, peak, precision, stage_host_memory, stage_memory,
+                                 stage_memory_terms)
 from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
 from ptc.plan import DTYPE_BYTES, Plan
 
@@ -56,6 +57,9 @@ class Estimate:
     """The concrete layout estimated (the checkpoint policy resolved per layer)."""
     algorithms: dict[str, str] = field(default_factory=dict)
     """Collective algorithm chosen per traffic kind."""
+    host_memory_bytes: float = 0.0
+    """Host (CPU) memory one rank needs on the stage needing most: the fp32 masters, optimizer
+    state and gradient copy that `parallel.offload = optimizer` keeps there (0 without)."""
 
     @property
     def fits(self) -> bool:
@@ -97,7 +101,7 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
     hw, train = plan.hardware, plan.train
     mem = stage_memory(profile, layout, prec, train.seq_len)
     cost: StepCost = step_cost(profile, layout, hw, prec, seq_len=train.seq_len, dtype=train.dtype)
-    gpus = layout.tp * layout.pp * layout.dp
+    gpus = layout.tp * layout.cp * layout.pp * layout.dp
     step = cost.step_time
     tflops = cost.model_flops / step / gpus / 1e12
     peaks = tuple(peak(terms) for terms in mem)
@@ -108,7 +112,8 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
         mfu=tflops * 1e12 / hw.peak_flops[train.compute_dtype], peak_memory_bytes=max(peaks),
         stage_memory_bytes=peaks, memory_terms=tuple(mem), breakdown=cost.breakdown,
         hbm_bytes=hw.hbm_bytes, budget_bytes=hw.memory_budget, layout=layout,
-        algorithms=cost.algorithms)
+        algorithms=cost.algorithms,
+        host_memory_bytes=max(stage_host_memory(profile, layout, prec)))
 
 
 def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int,
@@ -169,4 +174,5 @@ def _stage_peak(profile: ModelProfile, layout: Layout, stage: int, mix: tuple[st
         policy[layer] = pol
     candidate = replace(layout, checkpoint=tuple(policy))
     return float(peak(stage_memory_terms(profile, candidate, stage, prec, bb=layout.micro_batch,
-                                         ss=seq_len, tt=layout.tp, dd=layout.dp)))
+                                         ss=layout.rank_seq(seq_len), tt=layout.tp,
+                                         dd=layout.grad_ranks)))

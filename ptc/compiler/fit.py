@@ -32,7 +32,11 @@ from ptc.units import format_bytes
 def _fits(plan: Plan, **layout_changes) -> bool:
     profile = model_profile(plan.model, plan.train.dtype)
     ckpt = "full" if plan.parallel.checkpoint == "auto" else None
-    layout = dataclasses.replace(layout_of(plan, ckpt), **layout_changes)
+    base = layout_of(plan, ckpt)
+    if (layout_changes.get("pp", base.pp), layout_changes.get("vstages", base.vstages)) \
+            != (base.pp, base.vstages):  # the plan's uneven split is for its own stages
+        layout_changes["chunk_layers"] = ()
+    layout = dataclasses.replace(base, **layout_changes)
     mem = stage_memory(profile, layout, plan_precision(plan, profile), plan.train.seq_len)
     return max(peak(t) for t in mem) <= plan.hardware.memory_budget
 
@@ -54,7 +58,8 @@ def largest_micro_batch(plan: Plan) -> int | None:
 def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
     """The (tp, pp) of least tp·pp that fits (ties: less pp), dp taking the remaining GPUs."""
     auto = dataclasses.replace(plan.parallel, tp="auto", pp="auto", dp="auto")
-    choices = sorted(axis_choices(dataclasses.replace(plan, parallel=auto)),
+    choices = sorted(((tp, pp, dp) for tp, _, pp, dp in
+                      axis_choices(dataclasses.replace(plan, parallel=auto))),
                      key=lambda c: (c[0] * c[1], c[1]))
     batch, mb = plan.train.global_batch, plan.train.micro_batch
     for tp, pp, dp in choices:

@@ -21,6 +21,12 @@ Terms per stage (bytes, one tp/dp rank of that stage):
   layer's checkpoint, the pipeline runtime (a stage's output), or a node
   that saves them.
 - `recompute`: the working set of recomputing one layer in backward.
+- with optimizer offload (`Layout.offload`) the `optimizer` term is 0: the
+  fp32 masters, the moments and the step counters live in host memory,
+  beside an fp32 copy of the rank's gradient shard that the CPU step reads
+  (`stage_host_bytes`, `offloaded_per_element`). The device keeps its
+  weights and gradients as without offload (at ZeRO-3 the fp32 shard the
+  graph gathers stays on the device: it is the weight).
 - `buffers`: communication buffers — pipeline send/receive of one boundary
   activation each way, the sequence-parallel all-gather output, two data-
   parallel gradient buckets, ZeRO-3's gathered parameters of two layers
@@ -54,6 +60,8 @@ TERMS = ("weights", "grads", "optimizer", "activations", "recompute", "buffers")
 
 MAIN_GRAD_BYTES = 4
 """Bytes of a main-gradient element: fp32 (Megatron-LM's main_grad, torchtitan's fp32 reduce)."""
+MASTER_BYTES = 4
+"""Bytes of a master-weight element: fp32."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,19 +100,22 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
     """(units in flight, layers per unit) on `stage`: micro-batches or interleaved chunks.
 
     `mb` is the number of micro-batches per step (or the symbol m, with `mn=sympy.Min`).
+    Layers per unit are the stage's own (`Layout.chunk_layers` may make stages uneven).
     """
-    p, v, layers = layout.pp, layout.vstages, layout.layers
+    p, v, layers = layout.pp, layout.vstages, len(layout.stage_layers(stage))
     if layout.schedule == "gpipe":
-        return mb, layers // p
+        return mb, layers
     if layout.schedule == "1f1b":
-        return mn(p - stage, mb), layers // p
-    return mn(2 * (p - 1 - stage) + (v - 1) * p + 1, mb * v), layers // (p * v)
+        return mn(p - stage, mb), layers
+    # Uneven chunks of one rank: their mean (exact when they are alike).
+    per_chunk = layers // v if layers % v == 0 else sympy.Rational(layers, v)
+    return mn(2 * (p - 1 - stage) + (v - 1) * p + 1, mb * v), per_chunk
 
 
 def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int, int, int]:
     """(tp-split elements, replicated elements, tensors) of the parameters `stage` holds;
     key/value projections count as replicated when tp exceeds their heads."""
-    pr, layers = profile.params, layout.layers // layout.pp
+    pr, layers = profile.params, len(layout.stage_layers(stage))
     split, whole = layer_params(profile, layout.tp)
     split, whole = split * layers, whole * layers
     tensors = pr["layer"].tensors * layers
@@ -138,15 +149,17 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     lay, zero = layout, layout.zero
     kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
-        profile, ("state", lay.pp, lay.layers, stage, prec, tt, dd, zero, kv_whole),
+        profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, prec, tt, dd, zero,
+                  kv_whole, lay.offload),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
-        profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, mb, stage,
+        profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, lay.chunk_layers, mb,
+                  stage,
                   lay.stage_policies(stage), tuple(lay.policy(c[0]) for c in lay.chunks(stage)),
                   bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
-    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.dp > 1, zero >= 3, prec, bb, ss, tt,
+    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt,
                               kv_whole),
                     lambda: _buffers(profile, lay, prec, bb, ss, tt))
     return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
@@ -169,8 +182,27 @@ def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precis
     weights = weight * n / (dd if zero >= 3 else 1)
     grads = grad * n + grad_shard * n / dd
     counters = 4 * tensors if prec.optimizer else 0
-    optimizer = (state * n + counters) / (dd if zero >= 1 else 1)
+    optimizer = 0 if layout.offload else (state * n + counters) / (dd if zero >= 1 else 1)
     return weights, grads, optimizer
+
+
+def offloaded_per_element(prec: Precision) -> int:
+    """Host bytes per parameter element under optimizer offload, before ZeRO divides them by
+    dp: the fp32 master, the optimizer's moments and the fp32 gradient the CPU step reads."""
+    moments = prec.optimizer - (MASTER_BYTES if prec.weight < MASTER_BYTES else 0)
+    return MASTER_BYTES + moments + MAIN_GRAD_BYTES
+
+
+def stage_host_bytes(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, *,
+                     tt, dd) -> object:
+    """Host memory one rank of pipeline `stage` needs for its optimizer: what offload moves
+    off the device plus the host copies it steps from (0 without offload). Adam's 4-byte
+    step counters go with the moments, as the device would count them."""
+    if not layout.offload:
+        return 0
+    split, whole, tensors = stage_params(profile, layout, stage)
+    counters = 4 * tensors if prec.optimizer else 0
+    return (offloaded_per_element(prec) * (split / tt + whole) + counters) / dd
 
 
 def held_per_element(prec: Precision, zero: int) -> tuple[int, tuple[int, int], int]:
@@ -258,7 +290,7 @@ def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt)
         buffers += 2 * boundary / (tt if layout.sp else 1)
     if layout.sp:
         buffers += boundary
-    if layout.dp > 1:
+    if layout.grad_ranks > 1:
         buffers += 2 * GRAD_BUCKET_ELEMENTS * prec.grad
     if layout.zero >= 3:
         split, whole = layer_params(profile, layout.tp)
@@ -289,8 +321,14 @@ def stage_memory(profile: ModelProfile, layout: Layout, prec: Precision, seq_len
                  ) -> list[dict[str, float]]:
     """Memory terms of every pipeline stage, in bytes."""
     return [{k: float(v) for k, v in stage_memory_terms(
-        profile, layout, i, prec, bb=layout.micro_batch, ss=seq_len, tt=layout.tp,
-        dd=layout.dp).items()} for i in range(layout.pp)]
+        profile, layout, i, prec, bb=layout.micro_batch, ss=layout.rank_seq(seq_len),
+        tt=layout.tp, dd=layout.grad_ranks).items()} for i in range(layout.pp)]
+
+
+def stage_host_memory(profile: ModelProfile, layout: Layout, prec: Precision) -> list[float]:
+    """Host bytes one rank of each pipeline stage needs (`stage_host_bytes`)."""
+    return [float(stage_host_bytes(profile, layout, i, prec, tt=layout.tp, dd=layout.grad_ranks))
+            for i in range(layout.pp)]
 
 
 def stage_memory_expr(profile: ModelProfile, layout: Layout, prec: Precision, stage: int

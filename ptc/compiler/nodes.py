@@ -40,7 +40,8 @@ ATTENTION_OPS = frozenset({"scaled_dot_product_attention",
                            "scaled_dot_product_flash_attention",
                            "scaled_dot_product_flash_attention_for_cpu",
                            "scaled_dot_product_efficient_attention",
-                           "scaled_dot_product_cudnn_attention", "site_attention"})
+                           "scaled_dot_product_cudnn_attention", "site_attention",
+                           "context_attention"})
 EMBEDDING_OPS = frozenset({"embedding"})
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm",
                       "group_norm", "native_group_norm", "batch_norm", "native_batch_norm"})
@@ -82,7 +83,7 @@ _CASTS = frozenset({"contiguous", "clone", "to", "type", "type_as", "float", "ha
 TRANSPARENT_OPS = frozenset({
     "view", "reshape", "unsafe_view", "transpose", "t", "permute", "contiguous", "expand",
     "clone", "to", "type", "type_as", "float", "half", "bfloat16", "to_copy", "detach",
-    "alias", "unsqueeze", "squeeze", "flatten",
+    "alias", "unsqueeze", "squeeze", "flatten", "context_chunks",
 })
 # Ops between the score matmul and the softmax of written-out attention:
 # scaling, masking, dtype casts.

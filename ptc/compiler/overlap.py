@@ -81,10 +81,10 @@ def stage_overlap(stage: Stage, layout: ParamLayout, plan: Plan) -> OverlapPlan:
 
 
 def dp_group(plan: Plan) -> AxisGroup:
-    """Where a dp group of the (resolved) plan sits on the nodes."""
+    """Where a group of the (resolved) plan's gradient ranks (dp·cp) sits on the nodes."""
     par = plan.parallel
-    degrees = {"tp": par.tp, "pp": par.pp, "dp": par.dp}
-    return axis_groups(degrees, par.order, plan.hardware.gpus_per_node)["dp"]
+    degrees = {a: par.degree(a) for a in par.order}
+    return axis_groups(degrees, par.order, plan.hardware.gpus_per_node)["grad"]
 
 
 def dp_link(plan: Plan) -> LinkSpec:

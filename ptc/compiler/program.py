@@ -288,7 +288,7 @@ class Program:
         return self.decisions.predicted_step_time
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes one dp rank holds between steps, per category: params, grads, optimizer.
+        """Bytes one dp rank holds between steps, per category: params, grads, optimizer, host.
 
         Exact for this layout (padding included): "params" are the weights the
         graph computes with (full in the compute dtype; fp32 shards at ZeRO-3),
@@ -296,7 +296,9 @@ class Program:
         with a 16-bit one the fp32 copy the optimizer steps from, of what this rank
         updates; from ZeRO-2 fp32 shards), and "optimizer" the Adam moments plus a
         separate fp32 master copy when the compute dtype is not fp32 (shards from
-        ZeRO-1).
+        ZeRO-1). With optimizer offload "optimizer" is 0 and "host" holds the fp32
+        master shard, its fp32 gradient and the moments (`ptc.runtime.offload`);
+        otherwise "host" is 0.
         """
         zero = self.plan.parallel.zero
         full, shard = self.layout.padded_numel, self.layout.shard_numel
@@ -306,10 +308,14 @@ class Program:
             int(self.plan.train.optimizer.momentum > 0)
         owned = full if zero == 0 else shard  # elements this rank's optimizer updates
         if zero == 3:
-            return {"params": MASTER_BYTES * shard, "grads": MASTER_BYTES * shard,
+            held = {"params": MASTER_BYTES * shard, "grads": MASTER_BYTES * shard,
                     "optimizer": moments * MASTER_BYTES * shard}
-        master = MASTER_BYTES * owned if compute != MASTER_BYTES else 0
-        main = MASTER_BYTES * owned if grad != MASTER_BYTES else 0
-        return {"params": compute * full,
-                "grads": grad * full + main if zero < 2 else MASTER_BYTES * shard,
-                "optimizer": moments * MASTER_BYTES * owned + master}
+        else:
+            master = MASTER_BYTES * owned if compute != MASTER_BYTES else 0
+            main = MASTER_BYTES * owned if grad != MASTER_BYTES else 0
+            held = {"params": compute * full,
+                    "grads": grad * full + main if zero < 2 else MASTER_BYTES * shard,
+                    "optimizer": moments * MASTER_BYTES * owned + master}
+        if self.plan.parallel.offload == "none":
+            return {**held, "host": 0}
+        return {**held, "optimizer": 0, "host": (moments + 2) * MASTER_BYTES * owned}

@@ -40,11 +40,13 @@ def describe_layout(layout: Layout) -> str:
     parts += [f"b{layout.micro_batch}", f"m{layout.microbatches}", f"zero{layout.zero}"]
     if layout.sp:
         parts.append("sp")
+    if layout.offload:
+        parts.append("offload")
     parts.append(f"ckpt={ckpt}")
     return " ".join(parts)
 
 
-def _summary(est: Estimate) -> FitTable:
+def _summary(est: Estimate, gpus_per_node: int) -> FitTable:
     table = FitTable(title="Step", plain=True)
     table.add_column()
     table.add_column(justify="right", number=False)
@@ -58,6 +60,11 @@ def _summary(est: Estimate) -> FitTable:
                             f"{format_bytes(est.budget_bytes)} budget"
                             + ("" if est.fits else "  DOES NOT FIT")),
             ("collectives", ", ".join(f"{k}: {v}" for k, v in est.algorithms.items()) or "none")]
+    if est.layout.offload:
+        rows.insert(-1, ("host memory (optimizer offload)",
+                         f"{format_bytes(est.host_memory_bytes)} per rank, "
+                         f"{format_bytes(est.host_memory_bytes * gpus_per_node)} per node of "
+                         f"{gpus_per_node}"))
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -173,7 +180,7 @@ def render_explain(plan: Plan) -> Group:
     """The full explanation of one resolved plan, as a rich renderable."""
     plan = with_model_shape(plan)
     est = estimate(plan)
-    parts = [_summary(est), _breakdown(est), _memory(est)]
+    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))

@@ -4,9 +4,10 @@ The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
 layers per stage), micro-batch (divisors of the per-rank batch), ZeRO stage
-(0-3, >0 only with dp > 1), sequence parallelism (with tp > 1), and a
-uniform checkpoint policy (none, selective, full). GPipe is not enumerated:
-it has 1F1B's bubble and more activation memory, so never wins.
+(0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
+sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
+selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
+activation memory, so never wins.
 
 Nothing is captured per candidate: the model's profile is captured once and
 each layout is priced by the closed-form memory and cost models. A layout
@@ -31,6 +32,8 @@ from ptc.plan import AUTO, Plan
 CHECKPOINTS = ("none", "selective", "full")
 """Uniform checkpoint policies the search tries."""
 MAX_MICRO_BATCH = 64
+MAX_CP = 16
+"""Largest context-parallel degree `cp = auto` tries."""
 """Largest micro-batch tried; larger ones only add activation memory."""
 
 
@@ -64,20 +67,24 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def axis_choices(plan: Plan) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) triples the model and GPU count allow, honouring fixed axes."""
-    par, model, gpus = plan.parallel, plan.model, plan.num_gpus
+def axis_choices(plan: Plan) -> list[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) the model, sequence and GPU count allow, honouring fixed axes
+    (cp = auto tries the degrees up to MAX_CP whose 2·cp chunks divide the sequence)."""
+    par, model, gpus, seq = plan.parallel, plan.model, plan.num_gpus, plan.train.seq_len
     out = []
     for tp in ([par.tp] if par.tp != AUTO else _divisors(gpus)):
         if model.heads % tp or model.ffn_size % tp or not model.kv_heads_fit(tp):
             continue
-        for pp in ([par.pp] if par.pp != AUTO else _divisors(gpus // tp)):
-            if model.layers % pp or gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            if par.dp != AUTO and par.dp != dp:
-                continue
-            out.append((tp, pp, dp))
+        cps = [par.cp] if par.cp != AUTO else [
+            c for c in _divisors(gpus // tp) if c == 1 or (c <= MAX_CP and seq % (2 * c) == 0)]
+        for cp in cps:
+            for pp in ([par.pp] if par.pp != AUTO else _divisors(gpus // (tp * cp))):
+                if model.layers % pp or gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if par.dp != AUTO and par.dp != dp:
+                    continue
+                out.append((tp, cp, pp, dp))
     return out
 
 
@@ -85,7 +92,7 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
     """Every valid layout of `plan` (see module docstring)."""
     model, batch, par = plan.model, plan.train.global_batch, plan.parallel
     layouts = []
-    for tp, pp, dp in axis_choices(plan):
+    for tp, cp, pp, dp in axis_choices(plan):
         if batch % dp:
             continue
         per_rank = batch // dp
@@ -96,21 +103,30 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
             vs = [1] + ([v for v in _divisors(model.layers // pp)[1:] if m % pp == 0]
                         if pp > 1 else [])
             for v in vs:
-                for zero in (range(4) if dp > 1 else (0,)):
+                for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for ckpt in CHECKPOINTS:
                             layouts.append(Layout(
-                                tp=tp, pp=pp, dp=dp, vstages=v, micro_batch=mb, microbatches=m,
+                                tp=tp, pp=pp, dp=dp, cp=cp, vstages=v, micro_batch=mb,
+                                microbatches=m,
                                 zero=zero, sp=sp, schedule="interleaved" if v > 1 else "1f1b",
                                 layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
-                                order=par.order))
+                                order=par.order, offload=par.offload != "none"))
     return layouts
+
+
+def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
+    """ZeRO stages worth trying at `dp`: 0-3 (0 alone at dp = 1); 1-3 when the plan offloads
+    its optimizer, which needs a ZeRO stage (1 alone at dp = 1)."""
+    if dp == 1:
+        return (1,) if offload else (0,)
+    return (1, 2, 3) if offload else (0, 1, 2, 3)
 
 
 def to_plan(plan: Plan, layout: Layout) -> Plan:
     """`plan` with its parallel section and micro-batch set to `layout`."""
     parallel = dataclasses.replace(
-        plan.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=layout.zero,
+        plan.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
         sequence_parallel=layout.sp, schedule=layout.schedule, virtual_stages=layout.vstages,
         checkpoint=layout.checkpoint, microbatches=None)
     train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
@@ -128,8 +144,9 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     for lay in layouts:
         # Stage 0 holds the most micro-batches in flight and the embedding, the last
         # stage the head: no middle stage can peak above both.
-        worst = max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch, ss=seq,
-                                            tt=lay.tp, dd=lay.dp))
+        worst = max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch,
+                                            ss=lay.rank_seq(seq), tt=lay.tp,
+                                            dd=lay.grad_ranks))
                     for i in {0, lay.pp - 1})
         if worst > budget:
             rejected.append(Rejected(lay, worst, worst - budget))

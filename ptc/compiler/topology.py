@@ -21,7 +21,7 @@ class AxisGroup:
     """Placement of one group of a mesh axis on the nodes."""
 
     axis: str
-    """"tp", "dp" or "pp"."""
+    """"tp", "cp", "dp", "pp", or "grad" (dp·cp)."""
     size: int
     """Ranks in the group (the axis degree)."""
     stride: int
@@ -47,13 +47,27 @@ class AxisGroup:
 
 def axis_groups(degrees: dict[str, int], order: tuple[str, ...],
                 gpus_per_node: int) -> dict[str, AxisGroup]:
-    """Placement of every mesh axis, innermost first in `order`."""
+    """Placement of every mesh axis, innermost first in `order` (an axis missing from
+    `degrees` has degree 1), and of "grad": the dp·cp ranks gradients are reduced over."""
     groups: dict[str, AxisGroup] = {}
     stride = 1
     for axis in order:
-        size = degrees[axis]
+        size = degrees.get(axis, 1)
         # Members `stride` apart: gpus_per_node // stride of them fit in a node.
         per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
         groups[axis] = AxisGroup(axis=axis, size=size, stride=stride, per_node=per_node)
         stride *= size
+    groups["grad"] = _joint(groups["dp"], groups["cp"], gpus_per_node) \
+        if "cp" in groups and groups["cp"].size > 1 else groups["dp"]
     return groups
+
+
+def _joint(dp: AxisGroup, cp: AxisGroup, gpus_per_node: int) -> AxisGroup:
+    """The group of dp·cp ranks (those differing only in their dp and cp coordinates),
+    placed as the one holding rank 0."""
+    inner, outer = sorted((dp, cp), key=lambda g: g.stride)
+    ranks = [i * inner.stride + j * outer.stride for j in range(outer.size)
+             for i in range(inner.size)]
+    per_node = sum(1 for r in ranks if r < gpus_per_node)
+    return AxisGroup(axis="grad", size=dp.size * cp.size, stride=inner.stride,
+                     per_node=max(1, per_node))

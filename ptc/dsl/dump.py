@@ -41,12 +41,12 @@ _KEYWORDS = {"true", "false", "none"}
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
 _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp",
-                "bucket_size"}
+                "bucket_size", "offload"}
 
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
                     "checkpoint_interval": "time", "memory_margin": "bytes",
-                    "bucket_size": "bytes"}
+                    "bucket_size": "bytes", "host_bandwidth": "bandwidth"}
 
 
 def dump_plan(plan: Plan) -> str:
@@ -117,7 +117,7 @@ def _hardware(hw: HardwareSpec) -> str:
     keys = _keys_by_field(HARDWARE_KEYS)
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
-                 "nvlink_sharp", "achievable_fraction", "memory_margin"):
+                 "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else _default(HardwareSpec, name)
         if value == base:

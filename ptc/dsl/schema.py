@@ -34,6 +34,7 @@ from ptc.plan import (
     GRAD_COMMS,
     NAN_POLICIES,
     NORMS,
+    OFFLOADS,
     LinkSpec,
 )
 from ptc.presets import PRESETS
@@ -98,6 +99,8 @@ HARDWARE_KEYS: dict[str, Key] = {
     "nvlink_sharp": Key("nvlink_sharp", boolean),
     "achievable_fraction": Key("achievable_fraction", number),
     "memory_margin": Key("memory_margin", quantity("bytes"), example="memory_margin = 4 GiB"),
+    "host_bandwidth": Key("host_bandwidth", quantity("bandwidth"),
+                          example="host_bandwidth = 64 GB/s"),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
 
@@ -108,6 +111,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "tp": Key("tp", int_or_auto),
     "pp": Key("pp", int_or_auto),
     "dp": Key("dp", int_or_auto),
+    "cp": Key("cp", int_or_auto),
     "zero": Key("zero", integer),
     "sequence_parallel": Key("sequence_parallel", boolean),
     "schedule": Key("schedule", calls.schedule),
@@ -117,9 +121,12 @@ PARALLEL_KEYS: dict[str, Key] = {
     "checkpoint": Key("checkpoint", calls.checkpoint(None)),
     "overlap": Key("overlap", boolean),
     "grad_comm": Key("grad_comm", word(GRAD_COMMS)),
+    "offload": Key("offload", word(OFFLOADS)),
     "bucket_size": Key("bucket_size", quantity_or_auto("bytes"), example="bucket_size = 25 MB"),
     "order": Key("order", word_tuple),
     "stage_boundaries": Key("stage_boundaries", string_list),
+    "first_stage_layers": Key("first_stage_layers", optional(integer)),
+    "last_stage_layers": Key("last_stage_layers", optional(integer)),
 }
 """parallel { ... }, plus `shard "glob" style` lines."""
 

@@ -27,18 +27,20 @@ from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
 from ptc.lower.verify import verify_graph
 from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, quantize_gemms_pass,
                         shard_params_pass, shard_sequence_pass, shard_tensors_pass,
-                        split_pipeline_pass)
+                        split_context_pass, split_pipeline_pass)
 from ptc.plan import Plan
 
-PASSES = PassList(whole=(shard_tensors_pass, shard_sequence_pass, quantize_gemms_pass),
+PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_pass,
+                         quantize_gemms_pass),
                   split=split_pipeline_pass,
                   per_stage=(checkpoint_layers_pass, shard_params_pass, overlap_collectives_pass))
-"""The pipeline, in order: tensor_parallel, sequence_parallel, fp8_compute | pipeline_split |
-activation_checkpoint, zero, comm_overlap. fp8_compute runs after the tp split so its GEMMs
-take the rank's shard; activation_checkpoint runs before zero so zero sees the parameters
-its regions read; comm_overlap runs last, on every collective."""
+"""The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel, fp8_compute |
+pipeline_split | activation_checkpoint, zero, comm_overlap. fp8_compute runs after the tp
+split so its GEMMs take the rank's shard; activation_checkpoint runs before zero so zero sees
+the parameters its regions read; comm_overlap runs last, on every collective."""
 
 NEEDED_BY = {
+    "split_context_pass": lambda plan: plan.parallel.cp > 1 and "cp > 1",
     "shard_tensors_pass": lambda plan: plan.parallel.tp > 1 and "tp > 1",
     "shard_sequence_pass": lambda plan: (plan.parallel.sequence_parallel and plan.parallel.tp > 1
                                          and "sequence_parallel"),
@@ -78,7 +80,7 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
                            f"logits have only {captured} columns: ids up to "
                            f"{plan.model.vocab - 1} would fall outside its vocabulary")
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
-    whole = param_layout(gm, plan.parallel.dp) if plan.parallel.pp > 1 else None
+    whole = param_layout(gm, plan.grad_ranks) if plan.parallel.pp > 1 else None
     decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)
     stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph, layout=stage_layout(graph),
                          overlap=graph_record(graph).overlap)
@@ -131,7 +133,7 @@ def apply_pass(fn: Pass, gm: fx.GraphModule, plan: Plan, **knobs: Any) -> fx.Gra
     if fn in PASSES.per_stage and graph_record(gm).layout is None:
         if stage_info(gm) is None:
             update_graph_record(gm, stage=whole_graph_stage(gm))
-        fix_stage_layout(gm, plan.parallel.dp)
+        fix_stage_layout(gm, plan.grad_ranks)
     out = fn(gm, decisions, **knobs)
     verify_graph(out, plan, after=fn.__name__)
     return out

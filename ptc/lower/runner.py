@@ -126,7 +126,7 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
     if len(stages) == 1 and graph is stages[0]:
         update_graph_record(graph, stage=whole_graph_stage(graph))
     for stage in stages:
-        fix_stage_layout(stage, plan.parallel.dp)
+        fix_stage_layout(stage, plan.grad_ranks)
     for fn in passes.per_stage:
         if fn.__name__ in skip:
             continue

@@ -90,6 +90,7 @@ def _shape_problems(gm: fx.GraphModule, plan: Plan, cache: CallCache) -> list[st
     tensors even where a graph holds real ones.
     """
     groups = {axis: ShapeGroup(plan.parallel.degree(axis)) for axis in plan.parallel.order}
+    groups["dp"] = ShapeGroup(plan.grad_ranks)  # what the runtime binds "dp" to: dp·cp ranks
     interp = _MetaInterpreter(gm)
     unknown, problems = set(), []
     with bind_axes(groups), torch.no_grad():

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ptc.ops.comm import axis_group, group_rank
+from ptc.ops.comm import axis_group, group_rank, group_size
+from ptc.ops.positions import chunk_positions
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,15 @@ def keep_mask(shape: tuple[int, ...], p: float, *, seed: int, site: int, sample:
 
 
 def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,
-                  full: tuple[int, ...] | None = None, axis: str = "tp") -> torch.Tensor:
+                  full: tuple[int, ...] | None = None, axis: str = "tp",
+                  parts: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
     """Dropout of `x` [samples, ...] with each sample's mask from `keep_mask`.
 
     `full`: the shape of one sample's whole tensor when `x` holds a part of
-    it along one dim (split over the mesh axis `axis`): the rank keeps the
-    part of the whole mask its position on that axis covers.
+    it. `parts`: (dim of x, mesh axis) pairs saying how, applied in order: the
+    rank keeps its part along that dim (its two chunks along "cp", its
+    contiguous slice along any other axis). A dim still larger than x's after
+    them is split over `axis`, contiguously.
     """
     if p == 0.0:
         return x
@@ -83,13 +87,28 @@ def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,
                                    sample=samples.first + j, device=x.device)
                          for j in range(x.shape[0])])
     local = tuple(x.shape)
+    for dim, part_axis in parts:
+        masks = _rank_part(masks, dim, part_axis, masks.shape[dim] // _ranks(part_axis))
     if masks.shape != local:
         dim = next(d for d in range(len(local)) if masks.shape[d] != local[d])
-        start = group_rank(axis_group(axis)) * local[dim]
-        # A copy of the rank's part: a narrowed view saved for backward would keep every
-        # rank's part of the mask alive (tp times the bytes the memory model charges).
-        masks = masks.narrow(dim, start, local[dim]).contiguous()
-    return _Masked.apply(x, masks, 1.0 / (1.0 - p))
+        masks = _rank_part(masks, dim, axis, local[dim])
+    # A copy of the rank's part: a narrowed view saved for backward would keep every
+    # rank's part of the mask alive (tp times the bytes the memory model charges).
+    return _Masked.apply(x, masks.contiguous(), 1.0 / (1.0 - p))
+
+
+def _ranks(axis: str) -> int:
+    return group_size(axis_group(axis))
+
+
+def _rank_part(masks: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tensor:
+    """This rank's `size` entries of `masks` along `dim` on mesh axis `axis`."""
+    group = axis_group(axis)
+    if axis == "cp":
+        index = chunk_positions(masks.shape[dim], group_rank(group), group_size(group),
+                                device=masks.device)
+        return masks.index_select(dim, index)
+    return masks.narrow(dim, group_rank(group) * size, size)
 
 
 class _Masked(torch.autograd.Function):
@@ -108,15 +127,16 @@ class _Masked(torch.autograd.Function):
 
 
 def site_dropout(x: torch.Tensor, p: float, train: bool, site: int,
-                 full: tuple[int, ...] | None = None) -> torch.Tensor:
+                 full: tuple[int, ...] | None = None,
+                 parts: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
     """A captured dropout call: keyed by the current samples, or torch's when none are set
-    (a Program run by hand) or when not training."""
+    (a Program run by hand) or when not training (`full`, `parts`: as `keyed_dropout`'s)."""
     if not train or p == 0.0:
         return x
     samples = current_samples()
     if samples is None:
         return torch.nn.functional.dropout(x, p, True)
-    return keyed_dropout(x, p, site=site, samples=samples, full=full)
+    return keyed_dropout(x, p, site=site, samples=samples, full=full, parts=parts)
 
 
 def site_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

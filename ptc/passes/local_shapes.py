@@ -42,6 +42,7 @@ from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import copy_meta, get_info, update_info
 from ptc.compiler.nodes import ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, op_name
 from ptc.errors import CompileError
+from ptc.ops.comm import ShapeGroup, bind_axes
 
 _RESHAPES = frozenset({"view", "reshape", "unsafe_view"})
 _SPLITS = frozenset({"split", "split_with_sizes"})
@@ -87,7 +88,8 @@ def where(node: fx.Node) -> str:
 def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(),
               pick_last: bool = False, rules: Mapping[Callable, ShapeRule] | None = None,
               on_mix: MixFix | None = None, what: str = "tensor parallelism",
-              padded: Mapping[int, int] | None = None) -> Propagation:
+              padded: Mapping[int, int] | None = None,
+              axes: Mapping[str, int] | None = None) -> Propagation:
     """Run `gm` on meta with its current (local) parameters; fix shape arguments; update meta.
 
     `k`: the degree a split dim is divided by. `padded`: sizes that become a
@@ -95,14 +97,18 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
     {V: ceil(V / k)}). `prefer`, `pick_last`: which
     output dim of a reshape block takes the split (module docstring).
     `rules`: meta stand-ins for ops that do not compute shapes themselves on
-    one process (sequence collectives). `on_mix`: called when an elementwise
+    one process (sequence collectives). `axes`: mesh axes an earlier pass
+    split along, by degree: their ops run on ShapeGroups of that size (the
+    context-parallel ops of a cp-split graph). `on_mix`: called when an elementwise
     op meets a split and a whole operand of the same size on the split dim
     (the whole one must be split too); without it that is a CompileError.
     Raises CompileError naming the node, its module and source line when an
     op cannot run on the local shapes.
     """
-    return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what,
-                       dict(padded or {})).run()
+    shapes = {axis: ShapeGroup(size) for axis, size in (axes or {}).items()}
+    with bind_axes(shapes):
+        return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what,
+                           dict(padded or {})).run()
 
 
 class _Unfollowable(Exception):

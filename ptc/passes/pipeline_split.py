@@ -18,7 +18,8 @@ How the cut is found:
   cut that minimises the slowest stage under the memory budget. The knob
   `boundaries` pins cuts: a sequence of p·v - 1 atom names, stage i + 1
   starting at the i-th (None leaves that cut free), or a mapping
-  {stage: atom name}.
+  {stage: atom name}. A plan's first_stage_layers / last_stage_layers pin
+  every cut (`ParallelSpec.stage_layers`).
 
 What crosses a cut is read off the graph: every tensor made before the cut
 and used after it, with its captured shape; a tensor used two stages later
@@ -52,7 +53,7 @@ from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_in
                                  StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
 from ptc.passes.codegen import code_kept
-from ptc.plan import Plan
+from ptc.plan import ParallelSpec, Plan
 
 log = logging.getLogger("ptc.passes.pipeline_split")
 
@@ -82,8 +83,12 @@ def split_pipeline_pass(gm: fx.GraphModule, decisions: Decisions, *,
     p, v = par.pp, par.virtual_stages
     chunks = p * v
     atoms, names = find_atoms(gm)
-    pins = _pins(boundaries if boundaries is not None else par.stage_boundaries or None, names,
-                 chunks)
+    if boundaries is None and (par.first_stage_layers is not None
+                               or par.last_stage_layers is not None):
+        pins = _layer_pins(gm, par, names)
+    else:
+        pins = _pins(boundaries if boundaries is not None else par.stage_boundaries or None,
+                     names, chunks)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     atom_of = {node: i for i, nodes in enumerate(atoms) for node in nodes}
     costs = price_atoms(gm, atoms, names, decisions)
@@ -169,6 +174,18 @@ def _pins(spec: Any, names: list[str], chunks: int) -> dict[int, int]:
     return pins
 
 
+def _layer_pins(gm: fx.GraphModule, par: ParallelSpec, names: list[str]) -> dict[int, int]:
+    """{stage: index of its first atom} of the plan's first/last_stage_layers: every cut
+    pinned where `ParallelSpec.stage_layers` puts it, as the estimate prices it."""
+    info = graph_info(gm)
+    pins, first = {}, 0
+    for stage, count in enumerate(par.stage_layers(info.num_layers)[:-1], start=1):
+        first += count
+        pins[stage] = names.index(f"{info.blocks_path}.{first}" if info.blocks_path
+                                  else f"layer {first}")
+    return pins
+
+
 def _chunk_of(atom: int, starts: tuple[int, ...]) -> int:
     return max(c for c, s in enumerate(starts) if s <= atom)
 
@@ -199,7 +216,7 @@ def _cut_seconds(gm: fx.GraphModule, atoms: list[list[fx.Node]],
     from ptc.compiler.topology import axis_groups  # noqa: PLC0415
 
     par = plan.parallel
-    group = axis_groups({"tp": par.tp, "pp": par.pp, "dp": par.dp}, par.order,
+    group = axis_groups({a: par.degree(a) for a in par.order}, par.order,
                         plan.hardware.gpus_per_node)["pp"]
     crossing = [0] * len(atoms)
     for node, a in atom_of.items():

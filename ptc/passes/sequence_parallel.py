@@ -74,17 +74,18 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     if tp_layout is None:
         raise CompileError("sequence_parallel: run the tensor_parallel pass first")
     capture = graph_info(gm)
-    if capture.seq_len % tp:
-        raise CompileError(f"sequence parallelism: seq_len {capture.seq_len} is not divisible by "
-                           f"tp = {tp}")
+    seq_len = capture.seq_len // plan.parallel.cp  # what a cp rank holds of the sequence
+    if seq_len % tp:
+        raise CompileError(f"sequence parallelism: the {seq_len} positions a rank holds are "
+                           f"not divisible by tp = {tp}")
     counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0}
     split = _split_activations(gm)
     for node in list(gm.graph.nodes):
         if node.target is copy_to_tp and node.args[0] in split:
-            _swap(gm, node, all_gather_seq, capture)
+            _swap(gm, node, all_gather_seq, capture.micro_batch, seq_len)
             counts["all_gather_seq"] += 1
         elif node.target is reduce_from_tp:
-            _swap(gm, node, reduce_scatter_seq, capture)
+            _swap(gm, node, reduce_scatter_seq, capture.micro_batch, seq_len)
             counts["reduce_scatter_seq"] += 1
 
     def scatter(user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
@@ -94,8 +95,9 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
         counts["scatter_seq"] += 1
         return node
 
-    prop = propagate(gm, k=tp, prefer=frozenset({capture.seq_len}), pick_last=True,
-                     rules=_rules(), on_mix=scatter, what="sequence parallelism")
+    prop = propagate(gm, k=tp, prefer=frozenset({seq_len}), pick_last=True,
+                     rules=_rules(), on_mix=scatter, what="sequence parallelism",
+                     axes={"cp": plan.parallel.cp})
     region = _region(gm, prop)
     partial = _sequence_params(gm, region)
     partial = tuple(dict.fromkeys(tp_layout.partial_grads + partial))  # with the tp pass's
@@ -126,12 +128,11 @@ def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
     return split
 
 
-def _swap(gm: fx.GraphModule, node: fx.Node, op, capture) -> None:
+def _swap(gm: fx.GraphModule, node: fx.Node, op, b: int, s: int) -> None:
     """Replace a tp collective node by the sequence op `op` along the sequence dim; a
     tensor of flattened token rows [b·s, ...] (OPT's MLP) moves as [b, s, ...]."""
     x = node.args[0]
     shape = get_info(x).shapes[0]
-    b, s = capture.micro_batch, capture.seq_len
     rows = len(shape) >= 1 and shape[0] == b * s and s > 1
     if not rows and (len(shape) < 2 or shape[:2] != (b, s)):
         raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "

@@ -77,7 +77,7 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
     propagation = propagate(gm, k=tp, prefer=sharding.heads, padded=rewrite.padded,
-                            on_mix=rewrite.take_part)
+                            on_mix=rewrite.take_part, axes={"cp": plan.parallel.cp})
     region = _check_region(gm, rewrite, propagation)
     partial = _partial_params(gm, region | _whole_in_region(gm, region, rewrite.parts), layout)
     layout = dataclasses.replace(layout, partial_grads=partial)

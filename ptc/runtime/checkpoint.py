@@ -257,7 +257,7 @@ class Checkpointer:
         host memory. Waits for the previous save first.
         """
         self.wait()
-        bad = nonfinite_ranks([u.master for u in self.trainer.units])
+        bad = nonfinite_ranks([u.master for u in self.trainer.units], device=self.trainer.device)
         if bad:
             self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
             return False
@@ -371,7 +371,8 @@ class Checkpointer:
         metadata = FileSystemReader(path).read_metadata()
         saved = manifest.info.get("layout", {})
         p = trainer.plan.parallel
-        if (saved.get("tp"), saved.get("pp"), saved.get("dp")) == (p.tp, p.pp, p.dp):
+        if (saved.get("tp"), saved.get("cp", 1), saved.get("pp"), saved.get("dp")) == \
+                (p.tp, p.cp, p.pp, p.dp):
             # Each rank's generators continue (a CUDA state only if one was saved).
             state.update({k: v for k, v in _rng_state(trainer.rank).items()
                           if k in metadata.state_dict_metadata})

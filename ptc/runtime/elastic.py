@@ -33,13 +33,15 @@ def elastic() -> bool:
 
 
 def plan_for_world(plan: Plan, world: int) -> Plan:
-    """`plan` with dp (and the hardware's size) changed so that tp · pp · dp = world."""
+    """`plan` with dp (and the hardware's size) changed so that tp · cp · pp · dp = world."""
     p = plan.parallel
-    if p.tp * p.pp * p.dp == world:
+    fixed = p.tp * p.cp * p.pp
+    if fixed * p.dp == world:
         return plan
-    if world % (p.tp * p.pp):
-        raise PtcError(f"{world} processes joined: not a multiple of tp({p.tp}) * pp({p.pp})")
-    dp = world // (p.tp * p.pp)
+    if world % fixed:
+        raise PtcError(f"{world} processes joined: not a multiple of tp({p.tp}) * cp({p.cp}) "
+                       f"* pp({p.pp})")
+    dp = world // fixed
     if plan.train.global_batch % (plan.train.micro_batch * dp):
         raise PtcError(f"{world} processes joined, so dp = {dp}: global_batch"
                        f"({plan.train.global_batch}) is not divisible by micro_batch"

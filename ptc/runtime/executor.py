@@ -29,8 +29,9 @@ stage's last B of the step; ZeRO-3: the graph's `gather_params` under a
 gathered activations around each forward, the sums after the last action
 (tied weights between the stages holding them, sequence-partial gradients
 over tp), the global-norm clip over dp, tp and pp counting a tied weight once,
-the NaN guard, the update of the rank's masters and the publishing of the new
-weights. Under tensor parallelism the graphs hold the rank's tp-local slices
+the NaN guard, the update of the rank's masters (on the host with optimizer
+offload: `ptc.runtime.offload`) and the publishing of the new weights. Under
+tensor parallelism the graphs hold the rank's tp-local slices
 (`ptc.runtime.tp_state`) and run their own tp collectives.
 
 The rank counts its in-flight stage micro-batches (forwarded, not yet
@@ -71,6 +72,7 @@ from ptc.runtime.health import guarded_update
 from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
+from ptc.runtime.offload import HostOptimizer, offload_masters
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import (UnitState, bind_buffers, build_units, fill_main_grads,
@@ -287,6 +289,8 @@ class Trainer:
         self.group, self.pp_group = self.groups.get("dp"), self.groups.get("pp")
         self.tp_group = self.groups.get("tp")
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        batch = self.groups.get("batch", self.group)  # the dp axis alone (cp > 1: not dp·cp)
+        self.batch_ranks, self.batch_rank = group_size(batch), group_rank(batch)
         self.pp, self.pp_rank = group_size(self.pp_group), group_rank(self.pp_group)
         self.tp_rank = group_rank(self.tp_group)
         for axis, size in (("tp", group_size(self.tp_group)), ("pp", self.pp)):
@@ -308,6 +312,9 @@ class Trainer:
             s: self._chunk(program, s, values, model) for s in schedule.stages_of(self.pp_rank)}
         self.units = [u for chunk in self.chunks.values() for u in chunk.units]
         """Every unit this rank holds, chunk by chunk."""
+        self.offload: HostOptimizer | None = offload_masters(self.units, self.device) \
+            if plan.parallel.offload == "optimizer" else None
+        """With optimizer offload: the device gradients the host masters step from."""
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
@@ -405,6 +412,8 @@ class Trainer:
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
+                if self.offload is not None:
+                    self.offload.pull()
                 norm = self.optimizer.clip(train.grad_clip, uncounted=self._uncounted,
                                            pp_group=self.pp_group)
                 self.optimizer.step(lr)
@@ -462,7 +471,8 @@ class Trainer:
     def _first_sample(self, mb: int, state: _StepState) -> int:
         """Global index of micro-batch `mb`'s first sample on this rank."""
         train = self.plan.train
-        return state.skipped + microbatch_start(state.step, mb, dp_rank=self.dp_rank, dp=self.dp,
+        return state.skipped + microbatch_start(state.step, mb, dp_rank=self.batch_rank,
+                                                dp=self.batch_ranks,
                                                 global_batch=train.global_batch,
                                                 micro_batch=train.micro_batch)
 
@@ -536,7 +546,7 @@ class Trainer:
         with torch.no_grad():
             for unit in self.units:
                 full = unit.master if self.zero == 0 else all_gather_flat(
-                    unit.master.detach().contiguous(), self.group).wait()
+                    unit.master.detach().to(self.device).contiguous(), self.group).wait()
                 for slot in unit.slots:
                     mine.setdefault(self.canonical[slot.name], full[
                         slot.offset:slot.offset + slot.numel].view(slot.shape).clone().cpu())
@@ -553,11 +563,14 @@ class Trainer:
                 if slot.name in mine for alias in slot.aliases}
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds now."""
-        total = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        """Bytes of parameters, gradients and optimizer state this rank holds now, on the
+        device, and in host memory for optimizer offload ("host")."""
+        total = dict.fromkeys(("params", "grads", "optimizer", "host"), 0)
         state = self.optimizer.state_tensors()
         for index, chunk in enumerate(self.chunks.values()):
-            held = held_bytes(chunk.gm, chunk.units, state if index == 0 else [])
+            mine = state if index == 0 else []
+            host = [] if self.offload is None else [*mine, *self.offload.host_tensors(chunk.units)]
+            held = held_bytes(chunk.gm, chunk.units, mine, host)
             for key, value in held.items():
                 total[key] += value
         return total

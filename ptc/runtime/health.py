@@ -36,17 +36,20 @@ TRACE_BUFFER_ENTRIES = 2000
 """Collectives the NCCL flight recorder remembers per rank (its ring buffer)."""
 
 
-def nonfinite_ranks(tensors: Iterable[torch.Tensor],
-                    group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+def nonfinite_ranks(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None,
+                    *, device: torch.device | None = None) -> tuple[int, ...]:
     """The ranks (of `group`, default all) where any of their `tensors` holds a NaN or Inf.
 
-    Collective over `group`; every rank gets the same answer. A tensor is
+    Collective over `group`, run on `device` (default: the first tensor's; the
+    rank's device when the tensors are in host memory, as offloaded masters
+    are); every rank gets the same answer. A tensor is
     checked through its sum, which is non-finite when an element is (or
     when finite elements overflow fp32: as unusable). It avoids a
     full-size boolean temporary per gradient buffer.
     """
     tensors = list(tensors)
-    return nonfinite_ranks_and_sum(tensors, torch.zeros((), device=tensors[0].device), group)[0]
+    share = torch.zeros((), device=device if device is not None else tensors[0].device)
+    return nonfinite_ranks_and_sum(tensors, share, group)[0]
 
 
 def nonfinite_ranks_and_sum(tensors: Sequence[torch.Tensor], share: torch.Tensor,
@@ -58,12 +61,12 @@ def nonfinite_ranks_and_sum(tensors: Sequence[torch.Tensor], share: torch.Tensor
     shares): the step loss travels with the guard instead of in collectives
     of its own.
     """
-    sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
+    sums = torch.stack([t.detach().sum(dtype=torch.float32).to(share.device) for t in tensors])
     bad = (~torch.isfinite(sums).all()).to(torch.float32)
     if not dist.is_initialized():
         return ((0,) if bad.item() else ()), share.detach().float()
     world = dist.get_world_size(group)
-    flags = torch.zeros(world + 1, device=sums.device)
+    flags = torch.zeros(world + 1, device=share.device)
     flags[dist.get_rank(group)] = bad
     flags[world] = share.detach().float()
     dist.all_reduce(flags, group=group)

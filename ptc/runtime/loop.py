@@ -224,7 +224,7 @@ class TrainLoop:
 
     def _layout(self) -> dict[str, int]:
         p = self.plan.parallel
-        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+        return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
 
 
 def _fmt(layout: dict) -> str:

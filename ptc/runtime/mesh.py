@@ -38,9 +38,9 @@ def backend_for(plan: Plan) -> str:
 
 
 def world_size(plan: Plan) -> int:
-    """Processes the plan runs on: tp * pp * dp."""
+    """Processes the plan runs on: tp * cp * pp * dp."""
     p = plan.parallel
-    return p.tp * p.pp * p.dp
+    return p.tp * p.cp * p.pp * p.dp
 
 
 def init_distributed(plan: Plan) -> bool:
@@ -68,7 +68,7 @@ def init_distributed(plan: Plan) -> bool:
         raise PtcError(f"the plan needs {world_size(plan)} processes; start them with "
                        f"`ptc run` or torchrun")
     if dist.get_world_size() != world_size(plan):
-        raise PtcError(f"the plan needs tp*pp*dp = {world_size(plan)} processes, "
+        raise PtcError(f"the plan needs tp*cp*pp*dp = {world_size(plan)} processes, "
                        f"but {dist.get_world_size()} were started")
     return True
 
@@ -90,8 +90,21 @@ def _options(backend: str):
 
 
 def axis_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
-    """Axis name -> this rank's process group along that mesh dimension."""
-    return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+    """Axis name -> this rank's process group along that mesh dimension.
+
+    With context parallelism (cp > 1) "dp" is the group gradients are
+    averaged and ZeRO shards over, the dp·cp ranks that hold other tokens of
+    the same weights (as Megatron-LM's data-parallel group with cp), and
+    "batch" the dp axis alone, whose coordinate says which samples a rank reads.
+    """
+    names = mesh.mesh_dim_names
+    groups = {name: mesh.get_group(name) for name in names}
+    if "cp" in names and mesh["cp"].size() > 1:
+        joint = tuple(n for n in names if n in ("dp", "cp"))
+        backend = dist.get_backend(groups["cp"])
+        flat = mesh[joint]._flatten("dp_cp", backend_override=(backend, _options(backend)))
+        groups["batch"], groups["dp"] = groups["dp"], flat.get_group()
+    return groups
 
 
 def device_for(plan: Plan) -> torch.device:

@@ -10,6 +10,10 @@ Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
 all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced; under
 tensor parallelism also over tp, with parameters replicated over tp counted
 once), then every gradient times min(1, max_norm / (norm + 1e-6)).
+
+With optimizer offload (`ptc.runtime.offload`) the masters and their
+gradients are host tensors: the norm's partial sum goes to the rank's
+device for its collectives, and the clip factor comes back.
 """
 
 from __future__ import annotations
@@ -57,15 +61,16 @@ class ShardedOptimizer:
         """
         counted = [(u, ranges) for u, ranges in zip(self.units, self.replicated)
                    if id(u) not in uncounted]
-        device = self.units[0].master.device if self.units else None
+        device = self.units[0].grad.device if self.units else None  # where collectives run
         squares = torch.stack([u.master.grad.pow(2).sum() for u, _ in counted]).sum() \
-            if counted else torch.zeros((), device=device)
+            if counted else torch.zeros(())
         tp = group_size(self.tp_group)
         if tp > 1:
             # Every tp rank holds the same gradient of a replicated parameter: count it once.
             same = sum((u.master.grad[a:b].pow(2).sum() for u, ranges in counted
                         for a, b in ranges), torch.zeros((), device=squares.device))
             squares = squares - same * (1 - 1 / tp)
+        squares = squares.to(device)
         if self.sharded:
             all_reduce_flat(squares.view(1), self.group).wait()
         if tp > 1:
@@ -84,7 +89,7 @@ class ShardedOptimizer:
         if max_norm is not None:
             scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
             for unit in self.units:
-                unit.master.grad.mul_(scale)
+                unit.master.grad.mul_(scale.to(unit.master.device))
         return float(norm)
 
     def step(self, lr: float) -> None:

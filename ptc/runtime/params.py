@@ -14,6 +14,10 @@ read it in place), or the compute dtype, and then the optimizer steps from
 `main`, an fp32 copy of what the rank updates, refilled once per step after
 every reduction (`fill_main_grads`).
 
+With optimizer offload (`ptc.runtime.offload`) the master and its gradient
+are fp32 host tensors instead; at ZeRO-3 the graph's shard then stays on
+the device as `shard`, refreshed from the master by `publish`.
+
 At ZeRO 0-2 the graph's parameters are views into the unit's full buffer,
 so the all-gather after an optimizer step updates them in place and a
 unit's gradient is one contiguous buffer to reduce. Padding elements are
@@ -40,7 +44,8 @@ class UnitState:
     spec: ShardUnit
     slots: list[ParamSlot]
     master: torch.Tensor
-    """fp32 values the optimizer updates: the full buffer (ZeRO-0) or this rank's shard."""
+    """fp32 values the optimizer updates: the full buffer (ZeRO-0) or this rank's shard (on
+    the host with optimizer offload)."""
     grad: torch.Tensor
     """fp32 gradient accumulator: full (ZeRO 0-1) or this rank's shard (ZeRO 2-3)."""
     full: torch.Tensor | None = None
@@ -50,6 +55,9 @@ class UnitState:
     main: torch.Tensor | None = None
     """fp32 copy of a 16-bit gradient, the master's `.grad` (ZeRO 0-1 with a 16-bit
     train.grad_dtype); None when the master reads `grad` itself."""
+    shard: torch.Tensor | None = None
+    """ZeRO-3 with optimizer offload: the graph's fp32 parameter shard on the device, which
+    `publish` refreshes from the host master (without offload the master is that shard)."""
 
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
@@ -119,11 +127,16 @@ def bind_buffers(gm: fx.GraphModule, values: Mapping[str, torch.Tensor],
 
 def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero: int,
             rank: int, world: int) -> None:
-    """Make the graph's weights equal the updated masters (cast, then all-gather shards)."""
+    """Make the graph's weights equal the updated masters (cast, then all-gather shards).
+
+    A master on the host (optimizer offload) is copied without blocking: from pinned
+    memory the copy queues on the device's stream ahead of the all-gather."""
     works: list[Work] = []
     with torch.no_grad():
         for unit in units:
-            if unit.full is None:  # ZeRO-3: the graph gathers from the master shards itself
+            if unit.full is None:  # ZeRO-3: the graph gathers from its shards itself
+                if unit.shard is not None:
+                    unit.shard.copy_(unit.master, non_blocking=True)
                 continue
             if zero == 0:
                 if unit.full.data_ptr() != unit.master.data_ptr():
@@ -131,7 +144,7 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
                 continue
             mine = unit.full.view(world, -1)[rank]
             if mine.data_ptr() != unit.master.data_ptr():
-                mine.copy_(unit.master)
+                mine.copy_(unit.master, non_blocking=True)
             # A copy of our shard as input: the output buffer must not alias the input.
             works.append(all_gather_flat(mine.clone(), group, out=unit.full))
     for work in works:
@@ -139,13 +152,16 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
 
 
 def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],
-               optimizer_state: Iterable[torch.Tensor]) -> dict[str, int]:
+               optimizer_state: Iterable[torch.Tensor],
+               host: Iterable[torch.Tensor] = ()) -> dict[str, int]:
     """Bytes this rank holds per category, counting each storage once.
 
     params: the graph module's parameters (full buffers, or ZeRO-3 shards);
     grads: gradient accumulators and any `.grad` left on the graph's
     parameters; optimizer: state tensors (0-dim step counters excluded) and
-    master copies that are not already counted as params.
+    master copies that are not already counted; host: the tensors optimizer
+    offload keeps in host memory (`host`: masters, their gradients and the
+    optimizer's state, counters excluded), counted before the others.
     """
     seen: set[int] = set()
 
@@ -162,8 +178,10 @@ def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],
 
     units = list(units)
     params = list(gm.parameters())
+    on_host = total([t for t in host if t.dim() > 0])
     return {"params": total(params),
             "grads": total([u.grad for u in units] + [u.main for u in units]
                            + [p.grad for p in params]),
             "optimizer": total([t for t in optimizer_state if t.dim() > 0] +
-                               [u.master for u in units])}
+                               [u.master for u in units]),
+            "host": on_host}

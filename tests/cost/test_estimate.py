@@ -89,3 +89,39 @@ def test_gradient_all_reduce_is_priced_at_the_bytes_it_moves(grad_dtype, comm,
     ratio = dp_comm(grad_dtype, comm) / dp_comm("fp32", "none")
     # The bandwidth term scales with the bytes; the latency term does not, hence the margin.
     assert bytes_per_element / 4 <= ratio < bytes_per_element / 4 * 1.1
+
+
+@pytest.mark.parametrize("gpu,zero", [("H100-SXM", 1), ("A100-80GB", 3)])
+def test_offloaded_optimizer_is_priced_at_the_host_link_and_cpu_adam(gpu, zero):
+    """`parallel.offload = optimizer`: the optimizer part is the fp32 gradient shard down and
+    the fp32 master shard up over the host link (PCIe Gen5 x16 on H100, Gen4 on A100, per
+    direction), plus the node's CPU stepping all its ranks' shards; the rest of the step is
+    unchanged, and the host memory per rank is reported."""
+    from ptc.compiler.cost import CPU_ADAM_ELEMENTS_PER_S
+    from ptc.compiler.memory import stage_params
+    from ptc.compiler.profile import model_profile
+
+    plan = _plan(num_gpus=8, tp=1, pp=1, dp=8, zero=zero, dtype="bf16", gpu=gpu)
+    offloaded = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
+                                                                       offload="optimizer"))
+    before, after = estimate(plan), estimate(offloaded)
+    split, whole, _ = stage_params(model_profile(plan.model, "bf16"), after.layout, 0)
+    shard = (split + whole) / 8
+    link = {"H100-SXM": 64e9, "A100-80GB": 32e9}[gpu]
+    assert offloaded.hardware.host_bandwidth == link
+    assert after.breakdown["optimizer"] == pytest.approx(
+        shard * (4 + 4) / link + 8 * shard / CPU_ADAM_ELEMENTS_PER_S)
+    assert {k: v for k, v in after.breakdown.items() if k != "optimizer"} == \
+        {k: v for k, v in before.breakdown.items() if k != "optimizer"}
+    assert after.host_memory_bytes > 0 == before.host_memory_bytes
+    assert after.peak_memory_bytes < before.peak_memory_bytes
+
+
+def test_search_keeps_a_zero_stage_when_offloading():
+    from ptc.compiler.search import enumerate_layouts
+
+    plan = _plan(num_gpus=8, tp="auto", pp=1, dp="auto", zero=1)
+    plan = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
+                                                                  offload="optimizer"))
+    layouts = enumerate_layouts(plan)
+    assert layouts and all(lay.zero >= 1 and lay.offload for lay in layouts)

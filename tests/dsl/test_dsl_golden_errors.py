@@ -102,6 +102,9 @@ GOLDEN = [
      ("H100-SXM", "custom")),
     ("zero-out-of-range", edit("zero = 1", "zero = 4"),
      "zero must be a stage 0-3, got 4", 22, 10, ("0", "3")),
+    ("offload-needs-zero", edit("zero = 1", "zero = 0\n  offload = optimizer"),
+     "offload = optimizer needs zero 1-3: each rank offloads the shard of the optimizer it "
+     "owns, got zero = 0", 23, 13, ("none",)),
     ("negative-micro-batch", edit("micro_batch = 1", "micro_batch = -1"),
      "micro_batch must be >= 1, got -1", 30, 17, ()),
     ("rollback-without-checkpoint-dir", edit('  checkpoint_dir = "ckpt"\n', ""),

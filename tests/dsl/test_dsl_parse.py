@@ -109,7 +109,7 @@ def test_per_layer_checkpoint_forms() -> None:
 def test_schedule_order_and_virtual_stages_key() -> None:
     plan = parse(edit("schedule = 1f1b", "schedule = interleaved\n  virtual_stages = 2",
                       "zero = 1", "zero = 1\n  order = (dp, tp, pp)"))
-    assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "pp")
+    assert plan.parallel.virtual_stages == 2 and plan.parallel.order == ("dp", "tp", "cp", "pp")  # cp just outside tp
 
 
 def test_stage_boundaries_pin_pipeline_cuts() -> None:
@@ -118,6 +118,37 @@ def test_stage_boundaries_pin_pipeline_cuts() -> None:
     (err,) = errors(edit("zero = 1", 'zero = 1\n  stage_boundaries = ["layers.2", none]'))
     assert "stage_boundaries lists 2 cuts; pp(2) * virtual_stages(1) stages have 1" in err.message
     assert (err.span.line, err.span.column) == (23, 22)
+
+
+def test_first_and_last_stage_layers_split_unevenly() -> None:
+    from ptc.dsl import dump_plan
+
+    text = edit("layers = 8", "layers = 9", "zero = 1", "zero = 1\n  first_stage_layers = 4")
+    plan = parse(text)
+    assert plan.parallel.first_stage_layers == 4 and plan.parallel.last_stage_layers is None
+    assert plan.parallel.stage_layers(9) == (4, 5)
+    assert parse(dump_plan(plan)) == plan
+    (err,) = errors(edit("layers = 8", "layers = 9"))
+    assert err.field == "parallel.pp" and "layers(9) is not divisible by pp(2)" in err.message
+    (err,) = errors(edit("zero = 1", "zero = 1\n  first_stage_layers = 3\n"
+                                     "  last_stage_layers = 4"))
+    assert err.field == "parallel.first_stage_layers"
+    assert err.message == ("first_stage_layers(3) + last_stage_layers(4) = 7 != layers(8) with "
+                           "pp(2) * virtual_stages(1) = 2 stages")
+    assert (err.span.line, err.span.column) == (23, 24)
+
+
+@pytest.mark.parametrize("gpu", ["B200", "V100-SXM2-32GB", "H200"])
+def test_new_presets_parse(gpu: str) -> None:
+    dtype = "fp16" if gpu.startswith("V100") else "bf16"
+    plan = parse(edit('gpu = "H100-SXM"', f'gpu = "{gpu}"', "dtype = bf16", f"dtype = {dtype}"))
+    assert plan.hardware.gpu == gpu and dtype in plan.hardware.peak_flops
+
+
+def test_bf16_on_v100_is_refused() -> None:
+    (err,) = errors(edit('gpu = "H100-SXM"', 'gpu = "V100-SXM2-32GB"'))
+    assert err.field == "train.dtype"
+    assert err.message == "train dtype bf16 has no peak in hardware V100-SXM2-32GB"
 
 
 def test_preset_fields_can_be_overridden() -> None:

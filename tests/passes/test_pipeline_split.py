@@ -25,7 +25,7 @@ from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan, compile_plan  # noqa: E402
 from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
 from ptc.compiler.stages import pipeline_info, pipeline_stages, stage_info  # noqa: E402
-from ptc.errors import CompileError  # noqa: E402
+from ptc.errors import CompileError, PlanError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import split_pipeline_pass  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
@@ -256,6 +256,18 @@ class TestBalance:
             plan.parallel, stage_boundaries=(None, "layers.2", None)))
         _, pipeline = split(pinned)
         assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
+
+    def test_plan_first_and_last_stage_layers_pin_every_cut(self) -> None:
+        plan = make_plan(pp=4, layers=8)
+        with pytest.raises(PlanError, match=r"layers\(7\) is not divisible by pp\(4\)"):
+            dataclasses.replace(plan, model=model_spec(layers=7))
+        uneven = dataclasses.replace(plan, model=model_spec(layers=7), parallel=dataclasses.replace(
+            plan.parallel, first_stage_layers=1, last_stage_layers=1))
+        _, pipeline = split(uneven)
+        layers = [[a for a in stage_info(s).atoms if a.startswith("layers.")]
+                  for _, s in pipeline_stages(pipeline)]
+        assert layers == [["layers.0"], ["layers.1", "layers.2"], ["layers.3", "layers.4",
+                                                                   "layers.5"], ["layers.6"]]
 
     @pytest.mark.parametrize("knobs,needle", [
         ({"boundaries": ["layer.3"]}, r"no graph piece named 'layer.3'.*did you mean"),

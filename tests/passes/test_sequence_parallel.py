@@ -148,5 +148,5 @@ class TestShardSequencePass:
 
     def test_sequence_not_divisible(self):
         p = plan(GPT, tp=4, seq=14)
-        with pytest.raises(CompileError, match="seq_len 14 is not divisible by tp = 4"):
+        with pytest.raises(CompileError, match="the 14 positions a rank holds are not divisible by tp = 4"):
             lowered(p)
