@@ -168,11 +168,19 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
 
 
 def _check_hardware_fit(plan: Plan, sink: DiagnosticSink) -> None:
-    dtype = plan.train.dtype
-    if dtype not in plan.hardware.peak_flops:
-        sink.error(f"train dtype {dtype} has no peak in hardware {plan.hardware.gpu}",
-                   field="train.dtype", span=_span(plan.train, "dtype"),
-                   choices=tuple(plan.hardware.peak_flops))
+    train, peaks, gpu = plan.train, plan.hardware.peak_flops, plan.hardware.gpu
+    missing = []
+    if train.compute_dtype not in peaks:
+        missing.append(f"train dtype {train.dtype} has no peak in hardware {gpu}"
+                       if train.dtype == train.compute_dtype else
+                       f"train dtype fp8 computes in bf16, which has no peak in hardware {gpu}")
+    # The float8 GEMMs are priced at the fp8 peak; emulated ones at the compute dtype's.
+    if train.dtype == "fp8" and not train.fp8_emulate and "fp8" not in peaks:
+        missing.append(f"train dtype fp8 has no fp8 peak in hardware {gpu}; give one in "
+                       "peak, or set train.fp8_emulate = true")
+    for message in missing:
+        sink.error(message, field="train.dtype", span=_span(train, "dtype"),
+                   choices=tuple(peaks))
 
 
 _MAX_DIVISOR_SEARCH = 10**10

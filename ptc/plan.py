@@ -32,8 +32,10 @@ CHECKPOINT_POLICIES = ("none", "full", "selective", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
 SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
 AXES = ("tp", "cp", "dp", "pp")
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of an element kept in a dtype (fp8 is no storage dtype: its plans keep bf16)."""
+FP8_SCALINGS = ("current", "delayed")
 GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
 OFFLOADS = ("none", "optimizer")
 OPTIMIZERS = ("adamw", "sgd")
@@ -651,7 +653,20 @@ class TrainSpec(_Section):
     micro_batch: int = 1
     """Samples per micro-batch per rank, b."""
     dtype: str = "bf16"
-    """Compute dtype: "fp32", "bf16" or "fp16" (master weights stay fp32)."""
+    """Compute dtype: "fp32", "bf16" or "fp16" (master weights stay fp32); or "fp8", the
+    hybrid recipe of Transformer Engine: everything in bf16 but the GEMMs of the layers'
+    linears, whose operands are float8 (input and weight e4m3, output gradient e5m2, each
+    with a scale), see `ptc.ops.fp8_linear`."""
+    fp8_scaling: str = "delayed"
+    """With dtype = "fp8": "current" scales each tensor by its own largest magnitude, now;
+    "delayed" by the largest of the last `fp8_amax_history` steps' (Transformer Engine's
+    default; a step with no history yet scales as "current")."""
+    fp8_amax_history: int = 16
+    """With fp8_scaling = "delayed": steps of largest magnitudes the scale is taken from."""
+    fp8_emulate: bool = False
+    """With dtype = "fp8": quantise and dequantise as the float8 GEMMs would, then multiply in
+    fp32, on any device (checks the scaling on CPUs; without it a device lacking float8
+    matmuls is refused before the run starts)."""
     grad_dtype: str = "fp32"
     """Dtype gradients are accumulated over micro-batches and reduced over dp in: "fp32"
     (main gradients, Megatron-LM's choice for bf16) or the compute dtype (half the gradient
@@ -677,12 +692,21 @@ class TrainSpec(_Section):
         for name in ("seq_len", "global_batch", "micro_batch", "steps"):
             self._int(sink, name)
         self._choice(sink, "dtype", DTYPES)
-        if self.grad_dtype not in ("fp32", self.dtype):
+        self._choice(sink, "fp8_scaling", FP8_SCALINGS)
+        self._int(sink, "fp8_amax_history")
+        self._bool(sink, "fp8_emulate")
+        if self.grad_dtype not in ("fp32", self.compute_dtype):
             self._bad(sink, "grad_dtype", f"grad_dtype = {self.grad_dtype!r}: gradients are "
-                      f"kept in fp32 or in the compute dtype ({self.dtype})",
-                      tuple(dict.fromkeys(("fp32", self.dtype))))
+                      f"kept in fp32 or in the compute dtype ({self.compute_dtype})",
+                      tuple(dict.fromkeys(("fp32", self.compute_dtype))))
         self._number(sink, "grad_clip", strict=True, allow_none=True)
         sink.raise_if_errors()
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype activations and weights are kept and computed in: `dtype`, but "bf16"
+        for "fp8" (float8 is only the layers' GEMM operands)."""
+        return "bf16" if self.dtype == "fp8" else self.dtype
 
 
 # ------------------------------------------------------------------- runtime

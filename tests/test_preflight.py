@@ -189,3 +189,20 @@ def test_a_missing_file_is_answered_without_importing_torch(tmp_path):
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert "token file" in done.stderr and "does not exist [train.data]" in done.stderr
+
+
+def test_fp8_compute_without_float8_matmuls_is_refused_unless_emulated(tmp_path, capsys):
+    # The plan's H100s have an fp8 peak; this machine computes on its CPU (gloo): no float8
+    # matmuls.
+    plan = _plan(tmp_path, train__dtype="fp8", hardware__gpu='"H100-SXM"')
+    err = _refused("check", plan, capsys)
+    line = _line_of(plan, "dtype = fp8")
+    assert err[0] == (f"{plan}:{line}:11: error: train.dtype = fp8 needs a GPU with float8 "
+                      "matmuls (compute capability 8.9+); this machine has none; set "
+                      "train.fp8_emulate = true to emulate [train.dtype]")
+    assert main(["check", str(_plan(tmp_path, train__dtype="fp8", hardware__gpu='"H100-SXM"',
+                                    train__fp8_emulate="true"))]) == 0
+    # Without an fp8 peak (the cpu preset) the plan itself says so.
+    err = _refused("check", _plan(tmp_path, train__dtype="fp8"), capsys)
+    assert err[0].endswith("error: train dtype fp8 has no fp8 peak in hardware cpu; give one "
+                           "in peak, or set train.fp8_emulate = true [train.dtype]")

@@ -85,8 +85,8 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
 
     plan = decisions.plan
     hw, train, par = plan.hardware, plan.train, plan.parallel
-    rate = hw.peak_flops[train.dtype] * hw.achievable_fraction
-    dtype_bytes = DTYPE_BYTES[train.dtype]
+    rate = hw.peak_flops[train.compute_dtype] * hw.achievable_fraction
+    dtype_bytes = DTYPE_BYTES[train.compute_dtype]
     prec = precision(dtype_bytes, train.optimizer.name, train.optimizer.momentum,
                      DTYPE_BYTES[train.grad_dtype], plan.grad_wire_bytes)
     zero, dp = par.zero, par.dp

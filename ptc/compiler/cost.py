@@ -6,7 +6,10 @@ time stage i spends on one micro-batch (its layers' forward, backward = 2F,
 recompute, and the communication it cannot hide).
 
 - compute: F / t / R per layer forward, 2F / t / R backward; recompute adds
-  F (full) or the attention core's FLOPs (selective).
+  F (full) or the attention core's FLOPs (selective). With train dtype fp8
+  the layers' float8 GEMMs (forward, and both backward products) run at the
+  fp8 peak's rate R8 (the profile's `fp8_flops`, 1/t per rank), the rest at
+  bf16's: a layer costs F/t/R - F8/t·(1/R - 1/R8) each way.
 - tensor parallel: two all-reduces of b·s·h elements per layer forward, two
   backward, two more in a full recompute; with sequence parallelism each is
   a reduce-scatter plus an all-gather of the same size. They sit on the
@@ -110,7 +113,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
     cp = layout.cp
     bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
-    rate = hw.peak_flops[dtype] * hw.achievable_fraction
+    rate, fp8_rate = _rates(hw, dtype)
     groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
                      lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
                                          layout.order, hw.gpus_per_node))
@@ -121,11 +124,15 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     # the whole sequence's, not that of a sequence of s/cp.
     keys = _cached(memo, ("keys", bb, seq_len, cp), lambda: (
         f["core_flops"](bb, seq_len) / cp - f["core_flops"](bb, ss)))
-    layer_f, core_f, boundary, pre_f, post_f = _cached(memo, ("flops", bb, ss, tp, cp), lambda: (
-        (f["flops.layer"](bb, ss) + keys - f["kv_flops"](bb, ss)) / tp
-        + f["kv_flops"](bb, ss) / kv_div,
-        (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
-        f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp))
+    layer_f, core_f, boundary, pre_f, post_f, fp8_f = _cached(
+        memo, ("flops", bb, ss, tp, cp), lambda: (
+            (f["flops.layer"](bb, ss) + keys - f["kv_flops"](bb, ss)) / tp
+            + f["kv_flops"](bb, ss) / kv_div,
+            (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
+            f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
+            f["fp8_flops"](bb, ss) / tp))
+    # A layer's forward seconds: its float8 GEMMs at their rate, the rest at the compute rate.
+    layer_s = layer_f / rate - (fp8_f / rate - fp8_f / fp8_rate if fp8_rate else 0.0)
 
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
@@ -156,8 +163,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     def stage(first: bool, last: bool, policies: tuple[tuple[str, int], ...]) -> _Stage:
         st = _Stage()
         for policy, count in policies:
-            work = 3 * layer_f / rate
-            extra = {"none": 0.0, "selective": core_f / rate, "full": layer_f / rate}[policy]
+            work = 3 * layer_s
+            extra = {"none": 0.0, "selective": core_f / rate, "full": layer_s}[policy]
             st.compute += count * work
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
@@ -218,6 +225,15 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
                     hw_flops=(executed + recomputed) * micro_total, algorithms=algos)
 
 
+def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
+    """(FLOP/s a step reaches in the compute dtype, and in float8 GEMMs or None): train dtype
+    fp8 computes in bf16, its GEMMs at the fp8 peak (emulated without one: at bf16's)."""
+    if dtype != "fp8":
+        return hw.peak_flops[dtype] * hw.achievable_fraction, None
+    bf16 = hw.peak_flops["bf16"] * hw.achievable_fraction
+    return bf16, hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
+
+
 def offloaded_step(elements: float, hw: HardwareSpec) -> float:
     """Seconds of one offloaded optimizer step of `elements` per rank (optimizer offload).
 
@@ -244,7 +260,12 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     work = 3 * (layout.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
                 + f["flops.post"](bb, ss))
     work += sum(per_policy[pol] * n for pol, n in layout.policy_counts())
-    mean_stage = work / layout.tp / layout.pp / (hw.peak_flops[dtype] * hw.achievable_fraction)
+    rate, fp8_rate = _rates(hw, dtype)
+    if fp8_rate:  # float8 GEMMs: 3 per layer forward-and-backward, full recompute's once more
+        fp8_work = f["fp8_flops"](bb, ss) * (3 * layout.layers + dict(layout.policy_counts())
+                                             .get("full", 0))
+        work -= fp8_work * (1 - rate / fp8_rate)
+    mean_stage = work / layout.tp / layout.pp / rate
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
 
 

@@ -109,7 +109,7 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
         step_time_s=step,
         tokens_per_s=layout.micro_batch * layout.microbatches * layout.dp * train.seq_len / step,
         tflops_per_gpu=tflops, hw_tflops_per_gpu=cost.hw_flops / step / gpus / 1e12,
-        mfu=tflops * 1e12 / hw.peak_flops[train.dtype], peak_memory_bytes=max(peaks),
+        mfu=tflops * 1e12 / hw.peak_flops[train.compute_dtype], peak_memory_bytes=max(peaks),
         stage_memory_bytes=peaks, memory_terms=tuple(mem), breakdown=cost.breakdown,
         hbm_bytes=hw.hbm_bytes, budget_bytes=hw.memory_budget, layout=layout,
         algorithms=cost.algorithms,

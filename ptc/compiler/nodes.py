@@ -362,6 +362,23 @@ def is_linear(node: fx.Node) -> str | None:
     return weight.rpartition(".")[0] or weight  # a weight of the root module: its own name
 
 
+def is_fp8_linear(node: fx.Node) -> str | None:
+    """Module path of a linear whose GEMMs `train.dtype = fp8` runs in float8, or None.
+
+    The linears of the transformer layers (a layer index from capture), as
+    Transformer Engine's recipe has it: the embedding and the LM head (no
+    layer) stay in the compute dtype, and so do expert stacks' grouped
+    products (`GROUPED_MM_OPS`) and linears whose weight is not one [out, in]
+    or [in, out] matrix.
+    """
+    path = is_linear(node)
+    info = get_info(node)
+    if path is None or info is None or info.layer is None or op_name(node) in GROUPED_MM_OPS \
+            or linear_out_dim(node) is None:
+        return None
+    return path
+
+
 def is_embedding(node: fx.Node) -> str | None:
     """Module path of the embedding table a lookup node reads, or None."""
     if node.op == "call_module":

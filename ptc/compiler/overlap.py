@@ -189,7 +189,7 @@ def _bucket_seconds(plan: Plan, grad_bytes: int, group: AxisGroup) -> float:
     """Predicted seconds of one bucket's collectives per micro-batch (see PredictedBucket)."""
     hw, zero = plan.hardware, plan.parallel.zero
     if zero == 3:
-        weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.dtype]
+        weights = grad_bytes // GRAD_BYTES * DTYPE_BYTES[plan.train.compute_dtype]
         return 2 * all_gather(weights, group, hw).seconds + \
             reduce_scatter(grad_bytes, group, hw).seconds
     moved = grad_bytes // GRAD_BYTES * plan.grad_wire_bytes  # as the reduction moves them

@@ -46,7 +46,8 @@ import torch.fx
 
 from ptc.compiler.activations import saved_storages
 from ptc.compiler.meta import get_info, graph_info
-from ptc.compiler.nodes import attention_parts, is_embedding, is_linear, node_shape
+from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is_linear,
+                                node_shape)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
 from ptc.errors import PtcError
 from ptc.plan import ModelSpec, Plan
@@ -55,7 +56,9 @@ b, s = sympy.symbols("b s", positive=True, integer=True)
 """Micro-batch and sequence length symbols of every profile polynomial."""
 
 _MONOMIALS = (sympy.Integer(1), s, s**2, b, b * s, b * s**2)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}
+"""Train dtype -> the dtype its model is captured in (fp8 keeps bf16 but for its GEMMs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,9 @@ class ModelProfile:
     kv_flops: sympy.Expr
     """Forward FLOPs of one layer's key/value path (its projections, RoPE on k): divided
     by `kv_divisor` rather than tp."""
+    fp8_flops: sympy.Expr
+    """Forward FLOPs of one layer's float8 GEMMs (`nodes.is_fp8_linear`) when profiled for
+    train dtype "fp8", else 0."""
     params: dict[str, ParamGroups]
     """Parameters per region; "post" excludes a head tied to the embedding."""
     tied: bool
@@ -249,7 +255,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     samples, first = [], None
     for pb, ps in points:  # each graph measured before the next capture
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype])
-        samples.append(_measure(gm))
+        samples.append(_measure(gm, fp8=dtype == "fp8"))
         first = first or gm
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
@@ -273,7 +279,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         saved={r: saved[r] for r in ("pre", "layer", "post")}, layer_output=saved["out"],
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
-        core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], params=params, tied=tied_elements > 0,
+        core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
+        params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))
@@ -321,6 +328,7 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
              for c in dataclasses.fields(SavedClasses)}
     polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
     polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
+                 fp8_flops=profile.fp8_flops,
                  boundary=profile.boundary_elements)
     return {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
 
@@ -428,15 +436,18 @@ def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return tensors
 
 
-def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Saved bytes by region and class, and FLOPs by region, of one capture."""
+def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
+    """Saved bytes by region and class, and FLOPs by region, of one capture; `fp8`: as the
+    float8 GEMMs of train dtype "fp8" save their inputs (`_with_fp8_copies`)."""
     sharding = infer_sharding(gm)
     region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
     kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
            for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv")}
     storages = saved_storages(gm, _inputs(gm), held=_boundaries(gm, region))
+    fp8_linears = {n.name for n in gm.graph.nodes if fp8 and is_fp8_linear(n)}
     for st in storages:
+        nbytes = _with_fp8_copies(st, fp8_linears)
         cls = "tp" if st.producer in sharded else "seq"
         # A graph input (targets) belongs where it is used.
         r = region[st.savers[0] if st.producer in _placeholders(gm) and st.savers
@@ -454,9 +465,9 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
         dropped = st.producer in core and all(x in core for x in st.savers)
         for target in targets:
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
-                out[f"{target}.{c}"] += st.nbytes
+                out[f"{target}.{c}"] += nbytes
                 if dropped:
-                    out[f"{target}.core_{c}"] += st.nbytes
+                    out[f"{target}.core_{c}"] += nbytes
     # Selective recompute keeps the core's inputs, whether or not backward saved them.
     saved_outputs = {st.producer for st in storages if not st.internal and st.savers}
     for n in gm.graph.nodes:
@@ -467,7 +478,7 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
             cls = "tp" if n.name in sharded else "seq"
             for c in (cls, "kv") if n.name in kv_path else (cls,):
                 out[f"{region[n.name]}.core_{c}"] -= get_info(n).out_bytes
-    out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv")})
+    out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
         if info is not None and info.flops and region[n.name] != "later":
@@ -476,7 +487,21 @@ def _measure(gm: torch.fx.GraphModule) -> dict[str, int]:
                 out["core.flops"] += info.flops
             if n.name in kv_path and region[n.name] == "layer":
                 out["kv.flops"] += info.flops
+            if n.name in fp8_linears and region[n.name] == "layer":
+                out["fp8.flops"] += info.flops
     return out
+
+
+def _with_fp8_copies(storage, fp8_linears: set[str]) -> int:
+    """Bytes a saved storage costs when each float8 GEMM among its savers keeps its own
+    float8 copy of it (one byte an element of the bf16 storage, `ptc.ops.fp8_linear`)
+    instead: the copies alone when they are all its savers, else the storage and them."""
+    users = [x for x in storage.savers if x in fp8_linears]
+    if not users:
+        return storage.nbytes
+    copies = len(users) * storage.nbytes // 2
+    return copies if len(users) == len(storage.savers) and not storage.held \
+        else storage.nbytes + copies
 
 
 def _boundaries(gm: torch.fx.GraphModule, region: dict[str, str]) -> set[str]:

@@ -302,7 +302,7 @@ class Program:
         """
         zero = self.plan.parallel.zero
         full, shard = self.layout.padded_numel, self.layout.shard_numel
-        compute = DTYPE_BYTES[self.plan.train.dtype]
+        compute = DTYPE_BYTES[self.plan.train.compute_dtype]
         grad = DTYPE_BYTES[self.plan.train.grad_dtype]
         moments = ADAM_STATES if self.plan.train.optimizer.name == "adamw" else \
             int(self.plan.train.optimizer.momentum > 0)

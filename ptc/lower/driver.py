@@ -25,17 +25,19 @@ from ptc.compiler.stages import stage_info, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
 from ptc.lower.verify import verify_graph
-from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, shard_params_pass,
-                        shard_sequence_pass, shard_tensors_pass, split_context_pass,
-                        split_pipeline_pass)
+from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, quantize_gemms_pass,
+                        shard_params_pass, shard_sequence_pass, shard_tensors_pass,
+                        split_context_pass, split_pipeline_pass)
 from ptc.plan import Plan
 
-PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_pass),
+PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_pass,
+                         quantize_gemms_pass),
                   split=split_pipeline_pass,
                   per_stage=(checkpoint_layers_pass, shard_params_pass, overlap_collectives_pass))
-"""The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel | pipeline_split |
-activation_checkpoint, zero, comm_overlap. activation_checkpoint runs before zero so zero
-sees the parameters its regions read; comm_overlap runs last, on every collective."""
+"""The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel, fp8_compute |
+pipeline_split | activation_checkpoint, zero, comm_overlap. fp8_compute runs after the tp
+split so its GEMMs take the rank's shard; activation_checkpoint runs before zero so zero sees
+the parameters its regions read; comm_overlap runs last, on every collective."""
 
 NEEDED_BY = {
     "split_context_pass": lambda plan: plan.parallel.cp > 1 and "cp > 1",
@@ -44,6 +46,7 @@ NEEDED_BY = {
                                          and "sequence_parallel"),
     "split_pipeline_pass": lambda plan: plan.parallel.pp > 1 and "pp > 1",
     "shard_params_pass": lambda plan: plan.parallel.zero == 3 and "zero = 3",
+    "quantize_gemms_pass": lambda plan: plan.train.dtype == "fp8" and "dtype = fp8",
 }
 """Passes without which the runtime would train something other than the plan, and when."""
 
@@ -56,7 +59,7 @@ def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
     if model is None:
         model = build_model(plan.model, device="meta")
     return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
-                   dtype=COMPUTE_DTYPES[plan.train.dtype])
+                   dtype=COMPUTE_DTYPES[plan.train.compute_dtype])
 
 
 def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:

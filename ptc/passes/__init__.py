@@ -10,11 +10,12 @@ The ordered list and the runner live above, in `ptc.lower`.
 from ptc.passes.activation_checkpoint import checkpoint_layers_pass
 from ptc.passes.comm_overlap import overlap_collectives_pass
 from ptc.passes.context_parallel import split_context_pass
+from ptc.passes.fp8_compute import quantize_gemms_pass
 from ptc.passes.pipeline_split import split_pipeline_pass
 from ptc.passes.sequence_parallel import shard_sequence_pass
 from ptc.passes.tensor_parallel import shard_tensors_pass
 from ptc.passes.zero import shard_params_pass
 
-__all__ = ["checkpoint_layers_pass", "overlap_collectives_pass", "shard_params_pass",
-           "shard_sequence_pass", "shard_tensors_pass", "split_context_pass",
+__all__ = ["checkpoint_layers_pass", "overlap_collectives_pass", "quantize_gemms_pass",
+           "shard_params_pass", "shard_sequence_pass", "shard_tensors_pass", "split_context_pass",
            "split_pipeline_pass"]

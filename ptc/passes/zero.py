@@ -53,7 +53,7 @@ def shard_params_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModul
         return gm
     if hasattr(gm, SHARDS_ATTR):
         raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
-    dtype = COMPUTE_DTYPES[plan.train.dtype]
+    dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
     layout = stage_layout(gm)
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))

@@ -63,6 +63,7 @@ from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
 from ptc.ops.dropout import Samples, dropout_samples
+from ptc.ops.fp8_linear import advance_amax_history
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
 from ptc.runtime.data import TokenSource, microbatch_start
@@ -337,7 +338,7 @@ class Trainer:
         mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
         grad_dtype = COMPUTE_DTYPES[self.plan.train.grad_dtype]
         units = build_units(gm, layout, mine, zero=self.zero,
-                            dtype=COMPUTE_DTYPES[self.plan.train.dtype], rank=self.dp_rank,
+                            dtype=COMPUTE_DTYPES[self.plan.train.compute_dtype], rank=self.dp_rank,
                             world=self.dp, device=self.device, grad_dtype=grad_dtype)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage_overlap(stage, layout, self.plan)
@@ -427,6 +428,9 @@ class Trainer:
             bad, norm, loss_sum = guarded_update(self.rank, step, state.loss_sum, share,
                                                  [u.grad for u in self.units], update)
             self.optimizer.zero_grad()
+            if train.dtype == "fp8":  # the step's amaxes join the delayed-scaling history
+                for chunk in self.chunks.values():
+                    advance_amax_history(chunk.gm)
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,

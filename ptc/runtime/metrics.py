@@ -207,7 +207,7 @@ class StepReporter(AbstractContextManager):
         self.predicted = predicted_step_time
         self.flops, self.append = flops_per_step, append
         p = plan.parallel
-        self._peak = p.tp * p.cp * p.pp * p.dp * plan.hardware.peak_flops[plan.train.dtype]
+        self._peak = p.tp * p.cp * p.pp * p.dp * plan.hardware.peak_flops[plan.train.compute_dtype]
         self.console = console or Console(highlight=False, soft_wrap=True)
         self._progress: Progress | None = None
         self._task = None

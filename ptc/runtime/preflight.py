@@ -13,6 +13,8 @@ checkpoint_dir` when the value came from the command line):
 - the wandb package is installed when `runtime.wandb` names a project
   (looked up, not imported: importing it takes seconds);
 - a custom model's factory imports;
+- train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
+  8.9+), unless train.fp8_emulate asks for emulation;
 - the plan fits memory: the predicted peak of every pipeline stage is
   within the budget (built-in families, whose prediction is analytic),
   else an error naming the stage, the bytes over and what would fit
@@ -55,6 +57,9 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
         check_init(plan)
     except PtcError as exc:
         found.append(where.error("train", "init", str(exc)))
+    problem = _fp8_problem(plan)
+    if problem:
+        found.append(where.error("train", "dtype", problem))
     if plan.model.family == "custom":
         problem = _factory_problem(plan.model.factory) if factory else None
         if problem:
@@ -136,6 +141,19 @@ def _unwritable(folder: str | Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{path} cannot be created: {parent} is not writable"
     return None
+
+
+def _fp8_problem(plan: Plan) -> str | None:
+    """Why the run's devices cannot run train.dtype = fp8's float8 GEMMs, or None."""
+    if plan.train.dtype != "fp8" or plan.train.fp8_emulate:
+        return None
+    from ptc.ops.fp8_linear import device_has_fp8  # noqa: PLC0415 - imports torch
+    from ptc.runtime.mesh import backend_for  # noqa: PLC0415
+
+    if backend_for(plan) == "nccl" and device_has_fp8("cuda:0"):
+        return None
+    return ("train.dtype = fp8 needs a GPU with float8 matmuls (compute capability 8.9+); "
+            "this machine has none; set train.fp8_emulate = true to emulate")
 
 
 def _factory_problem(factory: str) -> str | None:

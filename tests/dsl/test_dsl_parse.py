@@ -182,7 +182,7 @@ def test_diagnostic_render_has_location_caret_and_choices() -> None:
                           "; did you mean 'bf16'? [train.dtype]\n"
                           "      dtype = bf61\n"
                           "              ^^^^\n"
-                          "    valid: fp32, bf16, fp16")
+                          "    valid: fp32, bf16, fp16, fp8")
 
 
 # -------------------------------------------------------------- load_plan

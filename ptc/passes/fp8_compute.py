@@ -1,0 +1,89 @@
+"""The fp8_compute pass: run the layers' linears through float8 GEMMs (`train.dtype = fp8`).
+
+Each linear `nodes.is_fp8_linear` picks (those of the transformer layers;
+not the embedding, the LM head or expert stacks, which Transformer Engine
+also keeps in bf16) becomes
+
+    fp8_linear(x, weight, bias, scaling)
+
+where `scaling` is a get_attr node of the linear's own `Fp8Scaling` module
+(`fp8.<linear path with _>`), the state of its scales and amax history
+(`ptc.ops.fp8_linear`). The pass runs after tensor_parallel and
+sequence_parallel, so the op multiplies the rank's shard of the weight and
+reduces its amaxes over tp; and before the pipeline split and the per-stage
+passes, so ZeRO-3 rewrites the weight it reads as it does a linear's, and a
+checkpointed region is handed the scaling module as an input. The tp
+comm_overlap fusion, which fuses bf16 linears with their entry collective,
+leaves these alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import fx
+
+from ptc.compiler.decisions import Decisions
+from ptc.compiler.meta import copy_meta
+from ptc.compiler.nodes import is_fp8_linear, op_name
+from ptc.passes.codegen import recompile
+from ptc.passes.functional import functionalize
+from ptc.passes.linear_form import to_linear_form
+from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
+from ptc.ops.tp_ops import TP
+
+log = logging.getLogger("ptc.passes.fp8_compute")
+
+STATE_PREFIX = "fp8"
+"""Submodule of the graph that holds the linears' `Fp8Scaling` modules."""
+
+
+def quantize_gemms_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
+    """Replace the layers' linears by fp8_linear calls, each with its Fp8Scaling state.
+
+    Float8 operands double the GEMMs' peak rate on GPUs that have them and
+    halve the bytes their saved inputs take, at 3 (e4m3) or 2 (e5m2)
+    mantissa bits. Runs when `train.dtype` is "fp8".
+    """
+    train = decisions.plan.train
+    if train.dtype != "fp8":
+        return gm
+    to_linear_form(gm)  # Conv1D's addmm, x @ W: F.linear like the rest
+    done = 0
+    for node in list(gm.graph.nodes):
+        path = is_fp8_linear(node)
+        if path is None:
+            continue
+        node = functionalize(gm, node)
+        if op_name(node) != "linear":
+            continue  # a product of a reshaped weight, not one matrix: left in bf16
+        x, weight, bias = _operands(node)
+        name = f"{STATE_PREFIX}.{path.replace('.', '_')}"
+        gm.add_submodule(name, Fp8Scaling(delayed=train.fp8_scaling == "delayed",
+                                          window=train.fp8_amax_history,
+                                          emulate=train.fp8_emulate, axis=TP))
+        with gm.graph.inserting_before(node):
+            state = gm.graph.get_attr(name)
+            new = gm.graph.call_function(fp8_linear, (x, weight, bias, state))
+        copy_meta(node, state, kind="other", shapes=(), dtypes=(), flops=0, params=0,
+                  param_bytes=0)
+        copy_meta(node, new)
+        node.replace_all_uses_with(new)
+        new_name = node.name
+        gm.graph.erase_node(node)
+        new.name = new_name  # stands for the linear: keep its readable name
+        done += 1
+    if done:
+        gm.graph.lint()
+        recompile(gm)
+    log.info("inserted %d fp8_linear (%s scaling%s)", done, train.fp8_scaling,
+             ", emulated" if train.fp8_emulate else "")
+    return gm
+
+
+def _operands(node: fx.Node) -> tuple:
+    """(input, weight, bias) of an F.linear / aten.linear node."""
+    names = ("input", "weight", "bias")
+    values = [node.args[i] if len(node.args) > i else node.kwargs.get(name)
+              for i, name in enumerate(names)]
+    return tuple(values)

@@ -1,0 +1,66 @@
+"""`ptc estimate` prices train.dtype = fp8 as Transformer Engine runs it.
+
+Llama-2-7B on 8 H100s (tp 2, sp, selective recompute): the layers' linears run their
+three GEMMs at the fp8 peak (1979 TFLOP/s, twice bf16's 989), so their seconds halve;
+attention, the LM head and everything else stay at the bf16 rate. The saved activations
+change: each linear keeps its own float8 copy of its input (one byte an element, not
+two): less for the attention output and MLP down projections, more for an input that
+q, k and v read (three copies, 3 bytes, against one bf16 tensor's 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ptc.compiler.estimate import estimate
+from ptc.compiler.profile import model_profile
+from ptc.dsl import load_plan
+
+PLAN = Path(__file__).resolve().parents[2] / "examples" / "llama7b_h100x8.ptc"
+
+
+def _with(plan, **train):
+    return dataclasses.replace(plan, train=dataclasses.replace(plan.train, **train))
+
+
+def test_fp8_gemms_take_half_the_time_of_bf16():
+    bf16 = load_plan(PLAN)
+    fp8 = _with(bf16, dtype="fp8")
+    e16, e8 = estimate(bf16), estimate(fp8)
+    profile = model_profile(fp8.model, "fp8")
+    lay, hw = e8.layout, fp8.hardware
+    b, s = lay.micro_batch, fp8.train.seq_len
+    gemm_flops = profile.fn["fp8_flops"](b, s)
+    assert gemm_flops / profile.fn["flops.layer"](b, s) > 0.8  # the linears are most of a layer
+    # Forward and backward of every layer's float8 GEMMs, per micro-batch, 1/tp per rank.
+    bf16_gemm_s = lay.microbatches * 3 * lay.layers * gemm_flops / lay.tp / (
+        hw.peak_flops["bf16"] * hw.achievable_fraction)
+    fp8_gemm_s = bf16_gemm_s * hw.peak_flops["bf16"] / hw.peak_flops["fp8"]
+    assert fp8_gemm_s == pytest.approx(bf16_gemm_s / 2, rel=0.01)
+    assert e16.breakdown["compute"] - e8.breakdown["compute"] == \
+        pytest.approx(bf16_gemm_s - fp8_gemm_s, rel=1e-6)
+    assert e8.breakdown["recompute"] == pytest.approx(e16.breakdown["recompute"])  # attention
+    assert e8.step_time_s < e16.step_time_s
+    assert e8.mfu * e8.step_time_s == pytest.approx(e16.mfu * e16.step_time_s)  # bf16's peak
+
+
+def test_fp8_saves_float8_copies_of_the_linears_inputs():
+    bf16 = load_plan(PLAN)
+    e16, e8 = estimate(bf16), estimate(_with(bf16, dtype="fp8"))
+    act16, act8 = e16.memory_terms[0]["activations"], e8.memory_terms[0]["activations"]
+    assert act8 < act16
+    for term in ("weights", "grads", "optimizer"):  # bf16 weights, fp32 masters: unchanged
+        assert e8.memory_terms[0][term] == e16.memory_terms[0][term]
+
+
+def test_emulated_fp8_is_priced_at_the_bf16_rate_without_an_fp8_peak():
+    plan = load_plan(PLAN)
+    peaks = {k: v for k, v in plan.hardware.peak_flops.items() if k != "fp8"}
+    plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
+                                                                  peak_flops=peaks))
+    emulated = _with(plan, dtype="fp8", fp8_emulate=True)
+    assert estimate(emulated).breakdown["compute"] == \
+        pytest.approx(estimate(plan).breakdown["compute"])
