@@ -55,7 +55,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             continue
         p = plan.parallel
         _out.print(f"{path}: ok — {plan.model.family} on {plan.num_gpus} x {plan.hardware.gpu}, "
-                   f"tp={p.tp} pp={p.pp} dp={p.dp} zero={p.zero}", markup=False)
+                   f"tp={p.tp}{f' cp={p.cp}' if p.cp != 1 else ''} pp={p.pp} dp={p.dp} "
+                   f"zero={p.zero}", markup=False)
     return status
 
 
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "GPUs) through torch's elastic launcher; rank 0 prints each step.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes on this node (default: tp*pp*dp / nodes)")
+                   help="processes on this node (default: tp*cp*pp*dp / nodes)")
     p.add_argument("--nnodes", default=None, help="nodes, or MIN:MAX for an elastic job")
     p.add_argument("--node-rank", dest="node_rank", default=None, help="this node's rank")
     p.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None,

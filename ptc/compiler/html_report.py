@@ -74,7 +74,8 @@ def _summary(program: Program) -> str:
     rows = [("model", plan.model.factory if plan.model.family == "custom" else
              f"{plan.model.family}: {plan.model.layers} layers, hidden {plan.model.hidden}"),
             ("hardware", f"{plan.num_gpus} x {plan.hardware.gpu}"),
-            ("layout", f"tp {p.tp}, pp {p.pp}, dp {p.dp}, ZeRO {p.zero}"
+            ("layout", f"tp {p.tp}, " + (f"cp {p.cp}, " if p.cp != 1 else "")
+                       + f"pp {p.pp}, dp {p.dp}, ZeRO {p.zero}"
                        + (", sequence parallel" if p.sequence_parallel else "")
                        + f", {plan.num_microbatches} micro-batches of {plan.train.micro_batch}"),
             ("dtype", plan.train.dtype)]

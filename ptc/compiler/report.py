@@ -34,7 +34,8 @@ def describe_layout(layout: Layout) -> str:
     """One line naming a layout: `tp8 pp4 dp2 v2 b1 zero1 sp ckpt=selective`."""
     ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "mixed(" + ",".join(
         f"{p}:{n}" for p, n in layout.policy_counts()) + ")"
-    parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}"]
+    parts = [f"tp{layout.tp}"] + ([f"cp{layout.cp}"] if layout.cp != 1 else []) + \
+        [f"pp{layout.pp}", f"dp{layout.dp}"]
     if layout.vstages > 1:
         parts.append(f"v{layout.vstages}")
     parts += [f"b{layout.micro_batch}", f"m{layout.microbatches}", f"zero{layout.zero}"]

@@ -52,7 +52,7 @@ def launch(plan_path: str, nproc: int | None = None,
            log_dir: str | None = None) -> int:
     """Run the plan file on nproc local processes (per node); return the exit code.
 
-    nproc defaults to tp * pp * dp divided by the plan's nodes. Every
+    nproc defaults to tp * cp * pp * dp divided by the plan's nodes. Every
     worker's output goes to files under `log_dir` (default: the plan's
     checkpoint_dir/logs, else a new temporary folder) and rank 0's stdout
     to the terminal too (`ptc.runtime.launch_log`). When a rank fails, the

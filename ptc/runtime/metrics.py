@@ -162,7 +162,8 @@ def run_banner(program: Program) -> str:
         model = spec.factory
     else:
         model = f"{spec.family} {spec.layers} layers, hidden {spec.hidden}"
-    layout = f"tp{p.tp} pp{p.pp} dp{p.dp} zero{p.zero}" + (" sp" if p.sequence_parallel else "")
+    layout = f"tp{p.tp}" + (f" cp{p.cp}" if p.cp != 1 else "") + \
+        f" pp{p.pp} dp{p.dp} zero{p.zero}" + (" sp" if p.sequence_parallel else "")
     est = program.decisions.estimate
     predicted = (f"predicted {format_bytes(est.peak_memory_bytes)} peak of "
                  f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} per step"
