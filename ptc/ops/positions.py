@@ -8,12 +8,16 @@ the memory of every split activation follow the same assignment.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=64)
 def chunk_positions(length: int, rank: int, ranks: int, device=None) -> torch.Tensor:
     """The positions 0..length-1 that cp rank `rank` of `ranks` holds, in its local order:
-    chunk `rank`, then chunk 2·ranks−1−rank, of 2·ranks equal chunks."""
+    chunk `rank`, then chunk 2·ranks−1−rank, of 2·ranks equal chunks. Cached (every
+    attention of every step asks for the same ones); callers only read it."""
     if ranks == 1:
         return torch.arange(length, device=device)
     chunk = length // (2 * ranks)
@@ -22,8 +26,10 @@ def chunk_positions(length: int, rank: int, ranks: int, device=None) -> torch.Te
     return torch.cat([first, last])
 
 
+@functools.lru_cache(maxsize=64)
 def gathered_order(length: int, ranks: int, device=None) -> torch.Tensor:
     """Index that puts a cp all-gather (rank 0's positions, then rank 1's, ...) back in
-    position order: gathered[order] is the tensor of positions 0..length-1."""
+    position order: gathered[order] is the tensor of positions 0..length-1 (cached, read
+    only)."""
     held = torch.cat([chunk_positions(length, r, ranks) for r in range(ranks)])
     return torch.argsort(held).to(device)
