@@ -51,6 +51,14 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _TRANSPOSES = frozenset({"transpose", "permute", "t"})
 _SCALES = frozenset({"mul", "truediv", "div"})
 _MASK_FILLS = frozenset({"masked_fill", "masked_fill_"})
+_ALONG_DIM = {"cumsum": ("dim", 1), "cumprod": ("dim", 1), "cummax": ("dim", 1),
+              "cummin": ("dim", 1), "logcumsumexp": ("dim", 1), "diff": ("dim", 2),
+              "sort": ("dim", 1), "argsort": ("dim", 1), "topk": ("dim", 2),
+              "roll": ("dims", 2), "flip": ("dims", 1)}
+"""Ops that mix positions along one dim (keyword, argument index): wrong on a rank's chunks
+when that dim is the split sequence."""
+_CONVOLUTIONS = frozenset({"conv1d", "conv2d", "convolution", "conv_transpose1d"})
+"""Ops that mix neighbouring positions of their spatial dims (a causal convolution)."""
 
 
 def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
@@ -331,8 +339,9 @@ def _position(gm: fx.GraphModule):
 
 
 def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
-    """Refuse ops that would mix positions of the split sequence: a softmax over it, or
-    anything that reduces it (the loss's mean over tokens aside)."""
+    """Refuse ops that would mix positions of the split sequence: a softmax over it, a
+    cumulative sum, sort, roll or convolution along it, or anything that reduces it (the
+    loss's mean over tokens aside)."""
     for node in gm.graph.nodes:
         if not prop.is_split(node):
             continue
@@ -347,6 +356,11 @@ def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
             if user.op == "output":
                 raise CompileError(f"context parallelism: {where(node)} reaches the graph "
                                    "output split along the sequence")
+            if _mixes_positions(user, node, _split_dim(prop, node)):
+                raise CompileError(f"context parallelism: {where(user)} mixes positions along "
+                                   "the sequence, which is split over cp (each rank would see "
+                                   "only its chunks); cp splits models whose only mixing of "
+                                   "positions is causal attention")
             if prop.is_split(user) or is_shape_only(user) or user.target is context_attention:
                 continue
             if op_name(user) in LOSS_OPS and _mean_loss(user):
@@ -354,6 +368,21 @@ def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
             raise CompileError(f"context parallelism: {where(user)} turns a tensor split "
                                f"along the sequence into one that is not ({node.name}: "
                                f"{prop.local[node]}); it reduces over the sequence")
+
+
+def _mixes_positions(user: fx.Node, split: fx.Node, dim: int) -> bool:
+    """Whether `user` combines positions of its split input `split` along its split `dim`."""
+    name = op_name(user).lower()
+    if name in _CONVOLUTIONS:
+        return True
+    if name not in _ALONG_DIM or user.args[:1] != (split,):
+        return False
+    key, index = _ALONG_DIM[name]
+    dims = user.kwargs.get(key, user.args[index] if len(user.args) > index else None)
+    if dims is None:  # flatten-then-sort, or torch's default of the last dim
+        return True
+    rank = len(get_info(split).shapes[0])
+    return dim in {d % rank for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
 
 
 def _mean_loss(node: fx.Node) -> bool:

@@ -120,3 +120,28 @@ def test_a_mask_built_from_constants_is_split_when_it_is_the_causal_one() -> Non
     assert not any(n.op == "call_method" and n.target == "tril" for n in gm.graph.nodes)
     with pytest.raises(CompileError, match="not causal attention"):
         apply_pass(split_context_pass, capture_plan(p, _MaskedAttention(4)), p)
+
+
+class _CumulativeMix(nn.Module):
+    """Causal attention plus a running mean over the sequence (cumsum along it): correct on
+    one process, wrong on a rank's chunks, so cp must refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.embed(tokens)
+        x = x + x.cumsum(dim=1)
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(y.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_cumulative_sum_along_the_sequence_is_refused() -> None:
+    p = plan()
+    with pytest.raises(CompileError, match="mixes positions along the sequence"):
+        apply_pass(split_context_pass, capture_plan(p, _CumulativeMix()), p)
