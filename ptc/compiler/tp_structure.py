@@ -51,9 +51,10 @@ COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
 CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 
 # Ops that carry heads between a q/k/v projection and the attention: reshapes,
-# transposes, fused-projection splits, RoPE's rotate-half and products with tables.
+# transposes, fused-projection splits, RoPE's rotate-half (or rotate-every-two: strided
+# slices stacked back) and products with tables.
 _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
-    "getitem", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "narrow",
+    "getitem", "split", "split_with_sizes", "chunk", "unbind", "cat", "concat", "stack", "narrow",
     "neg", "mul", "add", "sub", "repeat_interleave", "repeat", "unflatten", "movedim",
     "swapaxes", "view_as", "reshape_as", "slice", "select",
     # a per-head q/k norm (Qwen3, Gemma 3): its arithmetic; its reductions pass `_per_head`
@@ -206,9 +207,11 @@ class _Finder:
     def _why_not_heads(self, role: str, attention: fx.Node, reached: list[fx.Node]) -> str:
         if reached:
             return f"the attention's {role} ({_where(attention)}) does not come from one linear"
+        what = ("a norm over the whole projection, not one head"
+                if op_name(self.blocker) in _HEAD_REDUCTIONS else "not an op known to keep heads apart")
         return (f"the attention's {role} ({_where(attention)}) comes from it through "
                 f"{op_name(self.blocker)} ({_where(self.blocker)}), which mixes the heads "
-                "(a norm over the whole projection, not one head)")
+                f"({what})")
 
     def _kv_heads(self, parts, sources: list[fx.Node]) -> int:
         """Key/value heads of an attention, from its k projection's features (the attention

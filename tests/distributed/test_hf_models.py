@@ -6,7 +6,8 @@ export door, whose graph creates its causal mask and positions with device
 literals), GPT-2 (Conv1D projections, fused qkv, tied head, learned
 positions), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, whose weights get
 their gradient summed over tp), Phi-3 (fused qkv sliced, fused gate_up
-chunked) and OLMo 2 (a q/k norm across the heads: its attention kept whole by
+chunked), GPT-J and Cohere (rotary on interleaved pairs: strided slices stacked
+back) and OLMo 2 (a q/k norm across the heads: its attention kept whole by
 shard rules, its MLP split); one Llama has a pad token, whose embedding row
 gets no gradient, also when the table is vocabulary-parallel; a vocabulary of
 63 tokens is padded to 64 rows under tp2, the padding row's logit left out of
@@ -74,9 +75,11 @@ LAUNCHES = {"layouts": [
 ], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
-    # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi)
+    # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi), rotary on
+    # interleaved pairs (GPT-J, Cohere)
     HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
-    HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2),
+    HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2), HFCase("gptj", tp=2),
+    HFCase("cohere", tp=2, sp=True),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

@@ -9,11 +9,12 @@ by slices and chunks (Phi-3), a mixture of experts with a top-2 router (Mixtral)
 plus shared experts behind a scalar gate (Qwen2-MoE), soft-capped attention scores
 and logits (Gemma 2), a fused qkv interleaved per head and a parallel attention/MLP
 block (GPT-NeoX), learned positions with an offset and a padding row (OPT), partial
-rotary and one norm for attention and MLP (Phi).
+rotary and one norm for attention and MLP (Phi), rotary on interleaved pairs
+(rotate-every-two: strided slices stacked back, GPT-J and Cohere).
 """
 
-from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
+from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
                           PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
@@ -95,3 +96,17 @@ def opt(**overrides) -> OPTForCausalLM:
 def phi(**overrides) -> PhiForCausalLM:
     """Phi-2: partial rotary, attention and MLP in parallel after one LayerNorm, biases."""
     return PhiForCausalLM(PhiConfig(**_DECODER | overrides))
+
+
+def gptj(**overrides) -> GPTJForCausalLM:
+    """GPT-J: rotary on interleaved pairs of a head's first features (x[..., ::2] and
+    x[..., 1::2] stacked back and flattened), attention and MLP in parallel."""
+    return GPTJForCausalLM(GPTJConfig(**{"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2,
+                                         "n_head": 4, "n_positions": SEQ, "rotary_dim": 4,
+                                         "bos_token_id": 0, "eos_token_id": 0} | overrides))
+
+
+def cohere(**overrides) -> CohereForCausalLM:
+    """Cohere (Command R): interleaved rotary as GPT-J's, a bias-free LayerNorm feeding
+    attention and MLP in parallel, logits scaled."""
+    return CohereForCausalLM(CohereConfig(**_DECODER | overrides))
