@@ -148,7 +148,8 @@ class PredictedBucket:
     """fp32 gradient bytes per rank (tp-local)."""
     seconds: float
     """Predicted time of its collectives per micro-batch (ZeRO-3: two gathers and a
-    reduce-scatter; ZeRO-2: a reduce-scatter; ZeRO 0-1: an all-reduce, once per step)."""
+    reduce-scatter; ZeRO-2: a reduce-scatter; ZeRO-1: a reduce-scatter, once per step;
+    ZeRO-0: an all-reduce, once per step)."""
 
 
 def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: int
@@ -193,6 +194,6 @@ def _bucket_seconds(plan: Plan, grad_bytes: int, group: AxisGroup) -> float:
         return 2 * all_gather(weights, group, hw).seconds + \
             reduce_scatter(grad_bytes, group, hw).seconds
     moved = grad_bytes // GRAD_BYTES * plan.grad_wire_bytes  # as the reduction moves them
-    if zero == 2:
+    if zero in (1, 2):
         return reduce_scatter(moved, group, hw).seconds
     return all_reduce(moved, group, hw).seconds

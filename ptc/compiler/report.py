@@ -222,8 +222,8 @@ def _overlap(plan: Plan, est: Estimate) -> FitTable:
     size = by_stage[0][0]
     how = "auto = min(9 x latency x bandwidth of the dp link, largest unit)" \
         if par.bucket_size == "auto" else "set in the plan"
-    collective = {3: "2 gathers + reduce-scatter", 2: "reduce-scatter"}.get(
-        par.zero, "all-reduce (once per step)")
+    collective = {3: "2 gathers + reduce-scatter", 2: "reduce-scatter",
+                  1: "reduce-scatter (once per step)"}.get(par.zero, "all-reduce (once per step)")
     table = FitTable(title=f"Communication buckets over dp: bucket_size {format_bytes(size)} "
                         f"({how}; dp link {format_bytes(link.bandwidth)}/s, "
                         f"{format_seconds(link.latency)}). {_overlap_summary(plan)}")

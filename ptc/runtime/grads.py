@@ -10,9 +10,14 @@ parameter of a *bucket* (consecutive units, chosen by the comm_overlap pass:
 asynchronously — one collective for all its units — while backward goes on
 with earlier layers:
 
-- ZeRO 0-1: all-reduce (sum) of the bucket's full gradient buffers, only
+- ZeRO-0: all-reduce (sum) of the bucket's full gradient buffers, only
   after the last micro-batch of the step — earlier micro-batches just
   accumulate.
+- ZeRO-1: the same accumulation, then a reduce-scatter (sum) of the full
+  buffers into the part of each buffer this rank updates (its shard): half
+  an all-reduce's bytes, as Megatron-LM's distributed optimizer. The rest of
+  the buffer keeps this rank's own sums, which nothing reads (the clip, the
+  optimizer and `fill_main_grads` read the shard).
 - ZeRO-2: reduce-scatter (sum) of this micro-batch's full gradients of the
   bucket's units, added into the rank's shard of each unit's gradient; the
   full gradients are freed, so between micro-batches only shards are held.
@@ -33,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ptc.compiler.overlap import OverlapPlan
-from ptc.ops.comm import Piece, Waitable, all_reduce_bucket, reduce_scatter_bucket
+from ptc.ops.comm import (Piece, Waitable, all_reduce_bucket, group_rank, group_size,
+                          reduce_scatter_bucket)
 from ptc.ops.fp8_comm import FORMATS, fp8_reduction
 from ptc.runtime.params import UnitState
 
@@ -48,6 +54,7 @@ class GradReducer:
         in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype. `grad_comm`: "none",
         or the float8 format the reductions move (parallel.grad_comm, `ptc.ops.fp8_comm`)."""
         self.units, self.group, self.zero = units, group, zero
+        self._rank, self._world = group_rank(group), group_size(group)
         self.grad_dtype = grad_dtype
         fmt = FORMATS.get(grad_comm)
         self._all_reduce = fp8_reduction(fmt, everywhere=True) if fmt is not None else None
@@ -110,9 +117,12 @@ class GradReducer:
             return
         self._flushed[bucket] = True
         members = self.buckets[bucket]
-        if self.zero < 2:
+        if self.zero == 0:
             works = all_reduce_bucket([self.units[u].grad for u in members], self.group,
                                       self._all_reduce)
+        elif self.zero == 1:
+            works = reduce_scatter_bucket([self.units[u].grad for u in members], self.group,
+                                          self._reduce_scatter)
         else:
             works = reduce_scatter_bucket([self._buffer(u) for u in members], self.group,
                                           self._reduce_scatter)
@@ -133,6 +143,8 @@ class GradReducer:
     def _complete(self, bucket: int, works: list[Waitable | Piece]) -> None:
         with torch.no_grad():
             for unit, work in zip(self.buckets[bucket], works):
-                out = work.wait()  # ZeRO 0-1: summed in the unit's own gradient buffer
-                if self.zero == 2:
+                out = work.wait()  # ZeRO-0: summed in the unit's own gradient buffer
+                if self.zero == 1:
+                    self.units[unit].grad.view(self._world, -1)[self._rank].copy_(out)
+                elif self.zero == 2:
                     self.units[unit].grad.add_(out)

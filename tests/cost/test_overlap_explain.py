@@ -53,7 +53,8 @@ def test_a_tied_head_never_shares_the_embedding_s_zero3_bucket():
 
 @pytest.mark.parametrize("zero,collective", [(3, "2 gathers + reduce-scatter"),
                                              (2, "reduce-scatter"),
-                                             (1, "all-reduce (once per step)")])
+                                             (1, "reduce-scatter (once per step)"),
+                                             (0, "all-reduce (once per step)")])
 def test_explain_shows_the_bucket_size_rows_and_what_overlaps(zero, collective):
     plan = gpt_plan(zero=zero)
     size, buckets = predicted(plan)

@@ -6,9 +6,10 @@ Bytes on the wire. Every collective a rank issues is logged with the bytes it
 hands in (`ptc.ops.comm.record_collectives`), and turned into the bytes that
 rank sends on a ring of w ranks: an all-reduce of B bytes sends 2(w−1)/w·B, a
 reduce-scatter or all-to-all of B (w−1)/w·B, an all-gather of b (w−1)·b. With
-bf16 gradients (`train.grad_dtype = bf16`) at ZeRO 0 (all-reduce) and ZeRO 2
-(reduce-scatter), the fp8 run's gradient traffic is half the bf16 run's: one
-byte an element instead of two, plus one fp32 scale per bucket and rank.
+bf16 gradients (`train.grad_dtype = bf16`) at ZeRO 0 (all-reduce) and ZeRO 1
+and 2 (reduce-scatter), the fp8 run's gradient traffic is half the bf16 run's:
+one byte an element instead of two, plus one fp32 scale per bucket and rank.
+ZeRO-1's reduce-scatter itself sends half of ZeRO-0's all-reduce.
 
 Training. fp8 rounds each gradient element to 3 mantissa bits (e4m3: relative
 error at most 2^-4 per rounding) or 2 (e5m2: 2^-3), twice on an all-reduce
@@ -35,7 +36,7 @@ from ptc.runtime.launcher import run_local
 pytestmark = pytest.mark.distributed
 
 DP = 2
-BYTES_CASES = [(comm, zero, "bf16") for zero in (0, 2) for comm in ("none", "fp8")]
+BYTES_CASES = [(comm, zero, "bf16") for zero in (0, 1, 2) for comm in ("none", "fp8")]
 LOSS_CASES = [(comm, zero, "fp32") for zero in (1, 2) for comm in ("none", "fp8", "fp8_e5m2")]
 EPSILON = {"fp8": 2 * 2**-4, "fp8_e5m2": 2 * 2**-3}
 """Largest relative change of a gradient element the wire format makes (module docstring)."""
@@ -100,13 +101,24 @@ def _run() -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_fp8_halves_the_bytes_of_bf16_gradients(zero: int) -> None:
     bf16 = gradient_wire_bytes(_run()[("none", zero, "bf16")]["log"], DP)
     fp8 = gradient_wire_bytes(_run()[("fp8", zero, "bf16")]["log"], DP)
     assert bf16 > 0
     # One byte an element instead of two, plus a 4-byte scale per bucket and rank.
     assert fp8 / bf16 == pytest.approx(0.5, rel=0.01), (fp8, bf16)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("comm", ["none", "fp8"])
+def test_zero1_reduce_scatters_half_the_bytes_of_zero0(comm: str) -> None:
+    # ZeRO-1 sums each gradient only into the shard its rank updates: a reduce-scatter,
+    # (w-1)/w of the buffer on the wire, where ZeRO-0's all-reduce sends 2(w-1)/w.
+    zero0 = gradient_wire_bytes(_run()[(comm, 0, "bf16")]["log"], DP)
+    zero1 = gradient_wire_bytes(_run()[(comm, 1, "bf16")]["log"], DP)
+    assert zero0 > 0
+    assert zero1 / zero0 == pytest.approx(0.5, rel=0.01), (zero1, zero0)
 
 
 @pytest.mark.timeout(300)
