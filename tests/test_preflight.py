@@ -191,6 +191,18 @@ def test_a_missing_file_is_answered_without_importing_torch(tmp_path):
     assert "token file" in done.stderr and "does not exist [train.data]" in done.stderr
 
 
+def test_fp16_training_is_refused_before_any_process_starts(tmp_path, capsys):
+    # Without loss scaling, fp16 gradients smaller than 2^-24 would be trained as zeros.
+    plan = _plan(tmp_path, train__dtype="fp16", hardware__gpu='"V100-SXM2-32GB"')
+    for command in ("check", "run"):
+        err = _refused(command, plan, capsys)
+        line = _line_of(plan, "dtype = fp16")
+        assert err[0] == (f"{plan}:{line}:11: error: train.dtype = fp16 needs loss scaling, "
+                          "which ptc's runtime does not do: gradients below fp16's smallest "
+                          "number would train as zeros; use bf16 or fp32 [train.dtype]")
+    assert main(["explain", str(plan)]) == 0  # priced all the same
+
+
 def test_fp8_compute_without_float8_matmuls_is_refused_unless_emulated(tmp_path, capsys):
     # The plan's H100s have an fp8 peak; this machine computes on its CPU (gloo): no float8
     # matmuls.

@@ -15,6 +15,9 @@ checkpoint_dir` when the value came from the command line):
 - a custom model's factory imports;
 - train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
   8.9+), unless train.fp8_emulate asks for emulation;
+- train.dtype is not fp16: fp16 training needs loss scaling, which ptc's
+  runtime does not do (gradients below fp16's smallest number would become
+  zero); fp16 plans are priced by `ptc explain` and `ptc plan`, not run;
 - the plan fits memory: the predicted peak of every pipeline stage is
   within the budget (built-in families, whose prediction is analytic),
   else an error naming the stage, the bytes over and what would fit
@@ -57,7 +60,7 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
         check_init(plan)
     except PtcError as exc:
         found.append(where.error("train", "init", str(exc)))
-    problem = _fp8_problem(plan)
+    problem = _fp8_problem(plan) or _fp16_problem(plan)
     if problem:
         found.append(where.error("train", "dtype", problem))
     if plan.model.family == "custom":
@@ -154,6 +157,14 @@ def _fp8_problem(plan: Plan) -> str | None:
         return None
     return ("train.dtype = fp8 needs a GPU with float8 matmuls (compute capability 8.9+); "
             "this machine has none; set train.fp8_emulate = true to emulate")
+
+
+def _fp16_problem(plan: Plan) -> str | None:
+    """Why train.dtype = fp16 cannot be trained, or None (the module docstring)."""
+    if plan.train.dtype != "fp16":
+        return None
+    return ("train.dtype = fp16 needs loss scaling, which ptc's runtime does not do: "
+            "gradients below fp16's smallest number would train as zeros; use bf16 or fp32")
 
 
 def _factory_problem(factory: str) -> str | None:
