@@ -363,6 +363,7 @@ class Checkpointer:
     def _load(self, step: int, manifest: Manifest) -> None:
         trainer = self.trainer
         path = self.store.path(step)
+        trainer.settle_copies()  # no copy may still read a master we overwrite
         ensure_optimizer_state(trainer)
         state: dict[str, Any] = dict(chunked_state(trainer, held(trainer)))
         adam_step = _adam_step(trainer)
