@@ -25,11 +25,11 @@ def run_fp8_cases(cases: list[tuple[str, int, str, str]]) -> dict:
     return train_cases(cases, fp8_plan)
 
 
-def fp8_ckpt_plan(*, tp: int, dp: int, steps: int) -> Plan:
+def fp8_ckpt_plan(*, tp: int, dp: int, steps: int, pp: int = 1) -> Plan:
     """The checkpoint tests' tiny Llama at ZeRO-1 in fp8 (emulated, delayed scaling)."""
     from ckpt_helpers import ckpt_plan
 
-    plan = ckpt_plan(dp=dp, zero=1, tp=tp, steps=steps)
+    plan = ckpt_plan(dp=dp, zero=1, tp=tp, pp=pp, steps=steps)
     return dataclasses.replace(plan, train=dataclasses.replace(
         plan.train, dtype="fp8", fp8_scaling="delayed", fp8_emulate=True))
 
@@ -78,15 +78,31 @@ def fp8_resume_worker(directory: str, steps: int) -> dict:
     return out
 
 
-def fp8_reshard_worker(jobs: list[tuple[int, int]], directory: str) -> dict:
-    """Per (tp, dp): restore the tp 2 x dp 2 checkpoint; every rank's restored histories."""
+def fp8_reshard_worker(jobs: list[tuple[int, int, int]], directory: str) -> dict:
+    """Per (tp, pp, dp): restore the tp 2 x dp 2 checkpoint; every rank's restored histories."""
     import torch.distributed as dist
     from ckpt_helpers import _checkpointer, _trainer
 
     out = {}
-    for tp, dp in jobs:
-        trainer = _trainer(fp8_ckpt_plan(tp=tp, dp=dp, steps=1))
+    for tp, pp, dp in jobs:
+        trainer = _trainer(fp8_ckpt_plan(tp=tp, pp=pp, dp=dp, steps=1))
         _checkpointer(trainer, directory).restore()
-        out[(tp, dp)] = _histories(trainer)
+        out[(tp, pp, dp)] = _histories(trainer)
         dist.destroy_process_group()
     return out
+
+
+def fp8_pp_plan(case: tuple[str, int, str, str, int]) -> Plan:
+    """(family, pp, schedule, fp8 scaling, virtual stages): the pipeline tests' 4-layer tiny
+    model, 4 micro-batches of one sample, in fp8 (emulated)."""
+    from pp_helpers import Case, pp_plan
+
+    family, pp, schedule, scaling, virtual = case
+    plan = pp_plan(Case(family, pp, schedule, 4, virtual=virtual))
+    return dataclasses.replace(plan, train=dataclasses.replace(
+        plan.train, dtype="fp8", fp8_scaling=scaling, fp8_emulate=True))
+
+
+def run_fp8_pp_cases(cases: list[tuple[str, int, str, str, int]]) -> dict:
+    """Worker: train every pipeline case (`dist_helpers.train_cases`)."""
+    return train_cases(cases, fp8_pp_plan)

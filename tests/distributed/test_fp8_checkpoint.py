@@ -14,9 +14,12 @@ last N steps'), and its loss differs, which shows the test sees the history.
 
 Resharding: the amaxes are maxed over tp, so a history is the same on
 every tp rank and does not depend on tp; each dp rank's is its own (its
-samples). Restored under tp 1 × dp 2, every rank gets exactly the history
-its dp rank saved; under tp 2 × dp 1 (another dp: another split of the
-samples) every rank gets the elementwise max of the two saved dp ranks'.
+samples); a linear is named the same on whichever pipeline stage holds it.
+Restored under tp 1 × dp 2, every rank gets exactly the history its dp rank
+saved; under tp 2 × dp 1 (another dp: another split of the samples) every
+rank gets the elementwise max of the two saved dp ranks'; under pp 2 × dp 1
+each stage gets that max for its own linears, and the two stages' cover
+every linear once.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ N = 3
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("fp8_ckpt"))
     out = run_local(fp8_resume_worker, 4, directory, N)[0]
-    out["resharded"] = run_local(fp8_reshard_worker, 2, [(1, 2), (2, 1)], directory)[0]
+    out["resharded"] = run_local(fp8_reshard_worker, 2, [(1, 1, 2), (2, 1, 1)], directory)[0]
+    # A launch of its own: a pp mesh built after another layout's groups in the same
+    # processes times out in gloo's connect (process groups re-created after
+    # destroy_process_group in one process).
+    out["resharded"].update(run_local(fp8_reshard_worker, 2, [(1, 2, 1)], directory)[0])
     return out
 
 
@@ -76,11 +83,15 @@ def test_without_the_history_the_resumed_run_differs(runs) -> None:
 @pytest.mark.timeout(400)
 def test_histories_reshard_across_tp_and_dp(runs) -> None:
     saved = by_dp(runs["saved"])
-    for tp, dp, histories in runs["resharded"][(1, 2)]:  # same dp: each rank's own
+    for _, dp, histories in runs["resharded"][(1, 1, 2)]:  # same dp: each rank's own
         assert histories.keys() == saved[dp].keys()
         for name, value in histories.items():
             assert torch.equal(value, saved[dp][name]), name
-    for tp, dp, histories in runs["resharded"][(2, 1)]:  # another dp: the max over saved ranks
-        for name, value in histories.items():
-            assert torch.equal(value, torch.maximum(saved[0][name], saved[1][name])), name
+    for layout in ((2, 1, 1), (1, 2, 1)):  # another dp: the max over the saved ranks
+        seen = []
+        for _, _, histories in runs["resharded"][layout]:
+            seen += histories
+            for name, value in histories.items():
+                assert torch.equal(value, torch.maximum(saved[0][name], saved[1][name])), name
+        assert sorted(set(seen)) == sorted(saved[0]), layout
     assert any(not torch.equal(saved[0][n], saved[1][n]) for n in saved[0])  # a real max
