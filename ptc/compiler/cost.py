@@ -29,10 +29,14 @@ recompute, and the communication it cannot hide).
   with overlap each layer's traffic hides behind that layer's compute.
 - optimizer: memory-bound; it reads gradient and state and writes state and
   weight once per parameter shard, at the device memory bandwidth. With
-  optimizer offload (`offloaded_step`) instead: the fp32 gradient shard down
-  and the fp32 master shard up over the host link, and torch's CPU Adam over
-  the shards of all the node's ranks, which share the host's CPU; the three
-  run in turn (as the runtime runs them), none hidden.
+  optimizer offload (`offloaded_step`) instead: per unit (the embedding,
+  each layer, the head), its fp32 gradient shard down over the host link,
+  torch's CPU Adam on it (the node's ranks share the host's CPU), its
+  weights up (fp32 at ZeRO-3, the compute dtype at ZeRO 1-2), pipelined as
+  the runtime runs them: three resources in a row, the units in order
+  (a flow shop). What the step waits for is exposed; the rest of the
+  copies is hidden (`StepCost.hidden`). At ZeRO-3 the weights still on
+  their way when the CPU is done hide behind the next forward.
 """
 
 from __future__ import annotations
@@ -68,6 +72,21 @@ class StepCost:
     """FLOPs of one step including recomputed forwards, all GPUs."""
     algorithms: dict[str, str] = field(default_factory=dict)
     """Collective algorithm per traffic kind ("tp", "dp", ...)."""
+    hidden: dict[str, float] = field(default_factory=dict)
+    """Seconds of work that runs under other work, by the part it would add to: not in
+    `step_time` ("optimizer": optimizer offload's copies under the CPU step or the next
+    forward)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadTime:
+    """One offloaded optimizer step (`offloaded_step`)."""
+
+    exposed: float
+    """Seconds the step waits for: from the first gradient copy until the weights' first
+    reader may go on."""
+    hidden: float
+    """Seconds of copies that run while the CPU steps or the next forward computes."""
 
 
 @dataclass(slots=True)
@@ -198,8 +217,18 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         if layout.zero < 3 else 0.0
     opt_elements = _max_stage_elements(profile, layout) / (
         layout.grad_ranks if layout.zero >= 1 else 1)
-    optimizer = offloaded_step(opt_elements, hw) if layout.offload else \
-        opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) / hw.mem_bandwidth
+    hidden = {}
+    if layout.offload:
+        # Every stage steps at once: the step waits for the slowest one's.
+        offload = max((offloaded_step(
+            [g / layout.grad_ranks for g in _stage_units(profile, layout, i)], hw,
+            weight_bytes=MASTER_BYTES if layout.zero >= 3 else prec.weight,
+            behind=slowest.compute / 3 if layout.zero >= 3 else 0.0)
+            for i in range(p)), key=lambda t: t.exposed)
+        optimizer, hidden["optimizer"] = offload.exposed, offload.hidden
+    else:
+        optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) \
+            / hw.mem_bandwidth
     # Replicated key/value projections: their partial gradients summed over tp once a step.
     kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
                               groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
@@ -222,7 +251,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
                     model_flops=per_micro * micro_total,
-                    hw_flops=(executed + recomputed) * micro_total, algorithms=algos)
+                    hw_flops=(executed + recomputed) * micro_total, algorithms=algos,
+                    hidden=hidden)
 
 
 def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
@@ -234,17 +264,39 @@ def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
     return bf16, hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
 
 
-def offloaded_step(elements: float, hw: HardwareSpec) -> float:
-    """Seconds of one offloaded optimizer step of `elements` per rank (optimizer offload).
+def offloaded_step(units: list[float], hw: HardwareSpec, *, weight_bytes: float,
+                   behind: float = 0.0) -> OffloadTime:
+    """One offloaded optimizer step of a rank whose units hold `units` elements each (its
+    shards, in the order the runtime steps them), as `ptc.runtime.offload` runs it.
 
-    The fp32 gradient shard goes down and the updated fp32 master shard up
-    over the rank's host link (`hardware.host_bandwidth`, per direction);
-    the host's CPU steps the shards of all its `gpus_per_node` ranks at once
-    at `CPU_ADAM_ELEMENTS_PER_S`. The runtime copies, steps and copies back
-    in turn, so nothing here is hidden behind anything else.
+    Three resources in a row, each unit through all three in order: the
+    down copy of its fp32 gradient (MAIN_GRAD_BYTES an element over the
+    rank's host link, `hardware.host_bandwidth` per direction), the CPU
+    step (the host's CPU steps all `gpus_per_node` ranks' shards at once at
+    `CPU_ADAM_ELEMENTS_PER_S`), the up copy of its weights (`weight_bytes`
+    an element). Unit k finishes on resource r at
+
+        C_r(k) = max(C_r(k-1), C_(r-1)(k)) + t_r(k)
+
+    (C_0 = 0; the down copies are all queued at once, so C_down(k) is their
+    running sum). Exposed is C_up(n) of the last unit; with `behind` > 0
+    (ZeRO-3, whose weights' first reader is their gather in the next
+    forward) the up copies still running when the CPU is done, C_up(n) -
+    C_cpu(n), hide behind `behind` seconds of that forward: exposed is
+    C_cpu(n) + max(0, C_up(n) - C_cpu(n) - behind). Hidden is what the three
+    would take one after the other less the exposed part.
     """
-    copies = elements * (MAIN_GRAD_BYTES + MASTER_BYTES) / hw.host_bandwidth
-    return copies + elements * hw.gpus_per_node / CPU_ADAM_ELEMENTS_PER_S
+    down = cpu = up = serial = 0.0
+    for x in units:
+        times = (x * MAIN_GRAD_BYTES / hw.host_bandwidth,
+                 x * hw.gpus_per_node / CPU_ADAM_ELEMENTS_PER_S,
+                 x * weight_bytes / hw.host_bandwidth)
+        down += times[0]
+        cpu = max(cpu, down) + times[1]
+        up = max(up, cpu) + times[2]
+        serial += sum(times)
+    exposed = cpu + max(0.0, up - cpu - behind) if behind > 0 else up
+    return OffloadTime(exposed=exposed, hidden=serial - exposed)
 
 
 def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
@@ -282,6 +334,22 @@ def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
         return split / layout.tp + whole
     stages = range(layout.pp) if layout.chunk_layers else (0, layout.pp - 1)
     return max(per_rank(stage) for stage in stages)
+
+
+def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[float]:
+    """Parameter elements per tp rank of each unit pipeline rank `stage` holds, in the order
+    of first use: the embedding (first stage), each layer, the final norm and head (last
+    stage; with pp > 1 the head's copy of a tied embedding too). They add up to
+    `stage_params`."""
+    pr, tp = profile.params, layout.tp
+    split, whole = layer_params(profile, tp)
+    units = [split / tp + whole] * len(layout.stage_layers(stage))
+    if stage == 0:
+        units.insert(0, pr["pre"].split / tp + pr["pre"].replicated)
+    if stage == layout.pp - 1:
+        tied = profile.tied_elements if profile.tied and layout.pp > 1 else 0
+        units.append((pr["post"].split + tied) / tp + pr["post"].replicated)
+    return [u for u in units if u > 0]
 
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,

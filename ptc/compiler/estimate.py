@@ -60,6 +60,9 @@ class Estimate:
     host_memory_bytes: float = 0.0
     """Host (CPU) memory one rank needs on the stage needing most: the fp32 masters, optimizer
     state and gradient copy that `parallel.offload = optimizer` keeps there (0 without)."""
+    hidden: dict[str, float] = field(default_factory=dict)
+    """Seconds of work hidden under other work, by part, not in the step time
+    (`StepCost.hidden`: optimizer offload's overlapped copies)."""
 
     @property
     def fits(self) -> bool:
@@ -112,7 +115,7 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
         mfu=tflops * 1e12 / hw.peak_flops[train.compute_dtype], peak_memory_bytes=max(peaks),
         stage_memory_bytes=peaks, memory_terms=tuple(mem), breakdown=cost.breakdown,
         hbm_bytes=hw.hbm_bytes, budget_bytes=hw.memory_budget, layout=layout,
-        algorithms=cost.algorithms,
+        algorithms=cost.algorithms, hidden=cost.hidden,
         host_memory_bytes=max(stage_host_memory(profile, layout, prec)))
 
 

@@ -79,6 +79,8 @@ def _breakdown(est: Estimate) -> FitTable:
     for part in PARTS:
         seconds = est.breakdown[part]
         table.add_row(part, format_seconds(seconds), f"{seconds / est.step_time_s:.1%}")
+    for part, seconds in est.hidden.items():  # overlapped: shown, not counted
+        table.add_row(f"{part}, hidden", format_seconds(seconds), "overlapped")
     return table
 
 

@@ -48,7 +48,11 @@ class GatherHandle:
         return self._works is not None
 
     def start(self) -> None:
-        """Issue the asynchronous all-gather of every unit's shard (one collective)."""
+        """Issue the asynchronous all-gather of every unit's shard (one collective), after
+        any copy still landing in a shard (`ptc.ops.zero3.Arrivals`)."""
+        session = current_session()
+        if session is not None:
+            session.before_gather(self.shards)
         group = axis_group(self.axis)
         with torch.no_grad():
             self._works = all_gather_bucket([s.detach().to(self.dtype) for s in self.shards],

@@ -27,8 +27,9 @@ Under tensor parallelism every amax is reduced (max) over the tp group, so
 the ranks quantise with the scale of the whole tensor, exactly as an
 unsplit run would (Transformer Engine's amax reduction group); over dp the
 scales of activations and gradients stay each rank's own. The history is
-the op's state, not a parameter or buffer: it is not in checkpoints, and a
-resumed run starts it afresh (its first step scales as current).
+the op's state, not a parameter or buffer; checkpoints keep it beside the
+weights (`ptc.runtime.fp8_state`), so a resumed run scales as an
+uninterrupted one.
 
 The weight is saved for backward as it is (as `F.linear` saves it, so
 ZeRO-3's hooks see it) and quantised again there with the forward's scale,
@@ -115,6 +116,21 @@ class Fp8Scaling(nn.Module):
             past = self.history[which].amax().reshape(1)
             amax = torch.where(past > 0, past, amax)
         return scale_of(amax, fmt)
+
+    def saved_history(self, device: torch.device) -> torch.Tensor:
+        """The history a checkpoint keeps: [3, window], newest first (zeros before the first
+        step: an empty history, as `scale` reads it). Between steps nothing is pending."""
+        if self.history is None:
+            return torch.zeros(3, self.window, device=device)
+        return self.history
+
+    def load_history(self, history: torch.Tensor, device: torch.device) -> None:
+        """Continue from a checkpointed `history` ([3, any window], newest first): its newest
+        entries fill this window, zeros (empty) the rest."""
+        window = torch.zeros(3, self.window, device=device)
+        kept = min(self.window, history.shape[1])
+        window[:, :kept] = history[:, :kept].to(device)
+        self.history, self.pending = window, torch.zeros(3, device=device)
 
     def advance(self) -> None:
         """Close an optimizer step: its amaxes become the newest of the history."""

@@ -19,11 +19,18 @@ reduce-scatter; it waits for one when more than `in_flight` are running (and
 for the rest in `finish`) and adds the result into each shard's `.grad`.
 How far ahead to prefetch and how many reductions to leave running is the
 comm_overlap pass's decision (`ptc.compiler.overlap.OverlapPlan`).
+
+Arrivals: with optimizer offload the updated shards come back from host
+memory while the next step begins (`ptc.runtime.offload`). The session's
+`Arrivals` hold, per shard, how to wait for its copy; the first gather of a
+shard waits for it, so early layers compute while later layers' weights are
+still on their way, and no gather reads a shard before its update landed.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -41,6 +48,28 @@ def current_session() -> ParamSession | None:
     return _SESSION
 
 
+class Arrivals:
+    """Copies still landing in ZeRO-3 shards; a shard's first gather waits for its copy."""
+
+    def __init__(self):
+        self._waits: dict[int, Callable[[], None]] = {}  # shard storage address -> its wait
+
+    def expect(self, shard: torch.Tensor, wait: Callable[[], None]) -> None:
+        """A copy into `shard` is in flight; `wait()` orders device work after it."""
+        self._waits[shard.data_ptr()] = wait
+
+    def before_gather(self, shards: Iterable[torch.Tensor]) -> None:
+        """Wait for the copies into `shards` still expected (once each)."""
+        for shard in shards:
+            wait = self._waits.pop(shard.data_ptr(), None)
+            if wait is not None:
+                wait()
+
+    def clear(self) -> None:
+        """Forget every expected copy (their owner waited for them)."""
+        self._waits.clear()
+
+
 class _Ref:
     """A saved view of a gathered buffer, kept as (gather, unit, geometry) instead of data."""
 
@@ -54,10 +83,11 @@ class _Ref:
 class ParamSession(AbstractContextManager):
     """Saved-tensor hooks, backward re-gather with prefetch, and deferred gradient reductions."""
 
-    def __init__(self, *, prefetch: bool, in_flight: int):
+    def __init__(self, *, prefetch: bool, in_flight: int, arrivals: Arrivals | None = None):
         """`prefetch`: start the next gather backward needs as soon as one arrives;
-        `in_flight`: gradient reduce-scatters left running while backward goes on."""
-        self.prefetch, self.in_flight = prefetch, in_flight
+        `in_flight`: gradient reduce-scatters left running while backward goes on;
+        `arrivals`: copies into the shards that their first gather must wait for."""
+        self.prefetch, self.in_flight, self.arrivals = prefetch, in_flight, arrivals
         self._live: dict[int, tuple[weakref.ref, GatherHandle, int]] = {}
         self._saved: list[GatherHandle] = []  # gathers with saved references, forward order
         self._full: dict[int, list[torch.Tensor]] = {}  # id(handle) -> re-gathered buffers
@@ -72,6 +102,11 @@ class ParamSession(AbstractContextManager):
     def __exit__(self, *exc) -> None:
         global _SESSION
         _SESSION = None
+
+    def before_gather(self, shards: Iterable[torch.Tensor]) -> None:
+        """Called by a gather before it reads `shards`: wait for copies still landing there."""
+        if self.arrivals is not None:
+            self.arrivals.before_gather(shards)
 
     def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks to run the forward under."""

@@ -11,6 +11,9 @@ One checkpoint holds, saved together:
   exp_avg / exp_avg_sq, SGD's momentum_buffer), chunked the same way, and
   `optim.step`, Adam's update count.
 - `rng.{rank}.cpu` (and `.cuda`): each rank's generator states.
+- `fp8.amax_history.{r}.{linear}` with `train.dtype = fp8`: the float8
+  linears' amax histories of gradient rank r (`ptc.runtime.fp8_state`:
+  replicated over tp, each dp·cp rank's own).
 - the manifest (`ptc.runtime.checkpoint_store`): step, data position (the
   next sample index), layout, learning-rate schedule, file checksums.
 
@@ -18,7 +21,8 @@ Loading asks DCP for the same keys over the ranges the *current* layout
 holds, whatever layout wrote them: tp, pp, dp and the ZeRO stage may
 change. RNG states come back when tp, pp and dp are the same (then resuming
 is bit-identical); otherwise each tp group is reseeded from (seed, its
-first rank, step).
+first rank, step). Float8 amax histories come back whatever the layout
+(`ptc.runtime.fp8_state` says how they reshard).
 
 Asynchronous saving: the rank's state is copied into host buffers allocated
 once (pinned on GPUs) — the only pause training sees — then
@@ -54,6 +58,7 @@ from ptc.runtime.checkpoint_store import (
     step_name,
 )
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
+from ptc.runtime.fp8_state import history_reads, restore_histories, saved_histories
 from ptc.runtime.health import nonfinite_ranks
 from ptc.runtime.params import publish
 
@@ -176,6 +181,11 @@ def _adam_step(trainer) -> torch.Tensor | None:
     return trainer.optimizer.inner.state[trainer.units[0].master]["step"]
 
 
+def _fp8_state(trainer) -> dict[str, torch.Tensor]:
+    """The float8 amax histories the rank writes (none without train.dtype = fp8)."""
+    return saved_histories(trainer) if trainer.plan.train.dtype == "fp8" else {}
+
+
 def _rng_state(rank: int) -> dict[str, torch.Tensor]:
     state = {f"rng.{rank}.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -218,6 +228,7 @@ class Snapshot:
         if step is not None:
             state["optim.step"] = self.step.copy_(step)
         state.update(_rng_state(self.trainer.rank))
+        state.update(_fp8_state(self.trainer))
         return state
 
 
@@ -266,7 +277,7 @@ class Checkpointer:
         manifest = dict(step=step, position=position, info={**info, "world": self.world})
         if not self.async_save:
             state = {**chunked_state(self.trainer, owned(self.trainer)),
-                     **_rng_state(self.trainer.rank)}
+                     **_rng_state(self.trainer.rank), **_fp8_state(self.trainer)}
             if _adam_step(self.trainer) is not None:
                 state["optim.step"] = _adam_step(self.trainer)
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
@@ -363,6 +374,7 @@ class Checkpointer:
     def _load(self, step: int, manifest: Manifest) -> None:
         trainer = self.trainer
         path = self.store.path(step)
+        trainer.settle_copies()  # no copy may still read a master we overwrite
         ensure_optimizer_state(trainer)
         state: dict[str, Any] = dict(chunked_state(trainer, held(trainer)))
         adam_step = _adam_step(trainer)
@@ -377,8 +389,15 @@ class Checkpointer:
             state.update({k: v for k, v in _rng_state(trainer.rank).items()
                           if k in metadata.state_dict_metadata})
         _check_compatible(metadata, state, path)
+        histories = {} if trainer.plan.train.dtype != "fp8" else history_reads(
+            trainer, saved, {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+                             if hasattr(m, "size")})
+        state.update(histories)
         dcp.load(state, storage_reader=FileSystemReader(path), planner=LoadPlanner(),
                  process_group=self.group)
+        if trainer.plan.train.dtype == "fp8" and not restore_histories(trainer, histories):
+            self.log(f"{step_name(step)} holds no float8 amax history: delayed scaling "
+                     f"starts afresh (its first step scales as current)")
         if adam_step is not None:
             for unit in trainer.units:
                 trainer.optimizer.inner.state[unit.master]["step"].copy_(state["optim.step"])

@@ -29,8 +29,9 @@ stage's last B of the step; ZeRO-3: the graph's `gather_params` under a
 gathered activations around each forward, the sums after the last action
 (tied weights between the stages holding them, sequence-partial gradients
 over tp), the global-norm clip over dp, tp and pp counting a tied weight once,
-the NaN guard, the update of the rank's masters (on the host with optimizer
-offload: `ptc.runtime.offload`) and the publishing of the new weights. Under
+the NaN guard, the update of the rank's masters and the publishing of the
+new weights (with optimizer offload: on the host, unit by unit, its copies
+pipelined with the CPU's step; `ptc.runtime.offload`). Under
 tensor parallelism the graphs hold the rank's tp-local slices
 (`ptc.runtime.tp_state`) and run their own tp collectives.
 
@@ -312,9 +313,10 @@ class Trainer:
             s: self._chunk(program, s, values, model) for s in schedule.stages_of(self.pp_rank)}
         self.units = [u for chunk in self.chunks.values() for u in chunk.units]
         """Every unit this rank holds, chunk by chunk."""
-        self.offload: HostOptimizer | None = offload_masters(self.units, self.device) \
+        self.offload: HostOptimizer | None = offload_masters(
+            self.units, self.device, self.group, rank=self.dp_rank, world=self.dp) \
             if plan.parallel.offload == "optimizer" else None
-        """With optimizer offload: the device gradients the host masters step from."""
+        """With optimizer offload: the update on the host and its copies (`ptc.runtime.offload`)."""
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
@@ -412,8 +414,9 @@ class Trainer:
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
-                if self.offload is not None:
-                    self.offload.pull()
+                if self.offload is not None:  # clips, steps and publishes unit by unit
+                    return self.offload.update(self.optimizer, lr, train.grad_clip,
+                                               uncounted=self._uncounted, pp_group=self.pp_group)
                 norm = self.optimizer.clip(train.grad_clip, uncounted=self._uncounted,
                                            pp_group=self.pp_group)
                 self.optimizer.step(lr)
@@ -490,9 +493,10 @@ class Trainer:
         regather = SeqRegather() if self.plan.parallel.sequence_parallel and self.tp_group \
             else None
         session = None
-        if self.zero == 3:
+        if self.zero == 3:  # with offload, a shard's first gather waits for its new weights
             session = ParamSession(prefetch=chunk.overlap.prefetch > 0,
-                                   in_flight=chunk.overlap.in_flight)
+                                   in_flight=chunk.overlap.in_flight,
+                                   arrivals=self.offload.arrivals if self.offload else None)
         # Dropout masks follow the samples, whatever the layout (ptc.ops.dropout).
         samples = Samples(seed=self.plan.runtime.seed, first=self._first_sample(mb, state))
         with session or contextlib.nullcontext(), forward_context(
@@ -536,6 +540,12 @@ class Trainer:
         state.in_flight -= 1
         if info.is_first:
             del state.live[s, mb]
+
+    def settle_copies(self) -> None:
+        """Wait for the weights still on their way to the device (optimizer offload): call
+        before the masters or the graph's weights are written outside a step (a restore)."""
+        if self.offload is not None:
+            self.offload.settle()
 
     # --------------------------------------------------------------- reports
 

@@ -3,65 +3,135 @@
 Terms: the *device* is where the rank's graphs run and its gradients are
 reduced (a GPU, or the CPU in tests); the *host* is CPU memory, pinned when
 the device is a GPU so that copies run asynchronously at the link's rate.
+A *unit* (`ptc.runtime.params.UnitState`) is the group the update moves
+and steps at once: a layer's parameters, the embedding, the head.
 
 `offload_masters` moves what the optimizer updates off the device: each
-unit's `master` (ptc.runtime.params) becomes an fp32 host tensor, with an
-fp32 host gradient as its `.grad`, so torch's AdamW creates its moments
-beside it and steps on the CPU. The device keeps what the graph needs:
-its weights (ZeRO 1-2: the unit's full buffer; ZeRO-3: the fp32 shard the
-graph gathers, then held in `UnitState.shard`) and the gradient
-accumulators the reductions fill. With 16-bit weights at ZeRO 1-2 the
-device's fp32 master copy is freed; the optimizer's moments never reach it.
+unit's `master` becomes an fp32 host tensor, with an fp32 host gradient as
+its `.grad`, so torch's AdamW creates its moments beside it and steps on
+the CPU. The device keeps what the graph needs: its weights (ZeRO 1-2: the
+unit's full buffer; ZeRO-3: the fp32 shard the graph gathers, then held in
+`UnitState.shard`) and the gradient accumulators the reductions fill. With
+16-bit weights at ZeRO 1-2 the device's fp32 master copy is freed; the
+optimizer's moments never reach it.
 
-An update then runs:
+`HostOptimizer.update` runs the step as ZeRO-Offload does, a pipeline
+over the units on two copy lanes (`ptc.runtime.host_copies`) and the CPU:
 
-1. `HostOptimizer.pull`: the reduced fp32 gradient of the part this rank
-   updates goes to the host — every unit's copy queued at once (non-blocking
-   into pinned memory), one wait before the CPU reads them;
-2. the clip and the step (`ShardedOptimizer`, unchanged) on the host
-   tensors; the norm's partial sum travels to the device for its collectives;
-3. `ptc.runtime.params.publish` copies each updated master into what the
-   graph reads, casting to the compute dtype — into the rank's shard of the
-   full buffer before the all-gather (ZeRO 1-2), or into the graph's shard
-   (ZeRO-3). Non-blocking from pinned memory: the copy is queued on the
-   device's stream ahead of the all-gather and the next forward, and the
-   Python thread goes on. The host master is next written by the following
-   update, after that update's `pull` has waited for the device.
+    down lane (device → host)   g0  g1  g2  g3
+    CPU (clip, AdamW)               s0  s1  s2  s3
+    up lane (host → device)             w0  w1  w2  w3
 
-The arithmetic is the non-offloaded run's: the same fp32 gradients, norm,
-clip factor and AdamW on the same fp32 values. On a CPU device it is the
-same computation bit for bit; on a GPU the CPU's Adam kernel rounds as
-torch's CPU kernels do, which may differ from its CUDA kernels in the last
-bit.
+1. every unit's reduced fp32 gradient (the part this rank updates) is
+   queued down into its host `.grad` at once;
+2. meanwhile the device takes the global norm and the clip factor of the
+   same gradients where they lie (`ShardedOptimizer.clip_factor`): the
+   step needs the factor before its first unit, not every gradient on the
+   host;
+3. unit by unit, in order: wait for its gradient, clip it, step its master
+   (`ShardedOptimizer.step(lr, unit=i)`), queue the new weights up into
+   `params.weight_shard` — so the gradient of unit i+1 travels down and the
+   weights of unit i-1 up while the CPU steps unit i. With 16-bit weights
+   the CPU casts the master first (as the device would: round to nearest
+   even) into the unit's host gradient, free until the next step, and half
+   the bytes travel;
+4. the weights' first reader waits for their copy: at ZeRO 1-2 the unit's
+   all-gather of the full buffer, issued right after its copy; at ZeRO-3
+   the unit's first gather in the next forward (`ptc.ops.zero3.Arrivals`),
+   so the next step's early layers compute while the last units' weights
+   are still on their way.
+
+What a copy reads is not overwritten before it lands: a unit's next
+gradient goes down into its host `.grad` after its weights (cast there)
+went up, and the CPU writes a master only after its gradient arrived,
+which is after the previous step's copy of it (same unit, later queue).
+`settle` waits for every copy (a checkpoint restore writes the masters).
+
+The arithmetic is the non-offloaded run's: the same fp32 gradients, norm
+(taken on the device, as without offload), clip factor and AdamW on the
+same fp32 values. On a CPU device it is the same computation bit for bit;
+on a GPU the CPU's Adam kernel rounds as torch's CPU kernels do, which may
+differ from its CUDA kernels in the last bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
+import torch.distributed as dist
 
-from ptc.runtime.params import UnitState
+from ptc.ops.comm import Work
+from ptc.ops.zero3 import Arrivals
+from ptc.runtime.host_copies import Landing, Lane
+from ptc.runtime.optimizer import ShardedOptimizer
+from ptc.runtime.params import UnitState, gather_full, weight_shard
 
 
 class HostOptimizer:
-    """The device gradients an offloaded optimizer reads, and the host tensors it owns."""
+    """The offloaded update of a rank's units: the gradients they step from on the device, the
+    copy lanes, and the copies of new weights still in flight."""
 
     def __init__(self, units: list[UnitState], sources: list[torch.Tensor],
-                 device: torch.device):
+                 device: torch.device, group: dist.ProcessGroup | None, *, rank: int,
+                 world: int):
         """`units` whose masters are on the host; `sources[i]` the device fp32 gradient of
-        what unit i's master updates (made by `offload_masters`)."""
+        what unit i's master updates (made by `offload_masters`); `group`, `rank`, `world`
+        the dp group the weights are gathered over."""
         self.units, self.sources, self.device = units, sources, device
+        self.group, self.rank, self.world = group, rank, world
+        self.down, self.up = Lane(device), Lane(device)
+        self.sent: list[Landing | None] = [None] * len(units)
+        """Per unit, the copy of its latest weights to the device."""
+        self.arrivals = Arrivals()
+        """ZeRO-3: the sent weights the next forward's gathers wait for."""
 
-    def pull(self) -> None:
-        """Copy every unit's reduced gradient into its host master's `.grad`; call after the
-        step's reductions, before the clip."""
-        cuda = self.device.type == "cuda"
+    def update(self, optimizer: ShardedOptimizer, lr: float, max_norm: float | None, *,
+               uncounted: Collection[int] = (), pp_group: dist.ProcessGroup | None = None
+               ) -> float:
+        """Clip, step and publish every unit (the module docstring); the norm before the clip.
+
+        Call after the step's reductions, where the non-offloaded run clips
+        and steps; `uncounted` and `pp_group` as in `ShardedOptimizer.grad_norm`.
+        """
+        arrived = [self.down.copy(unit.master.grad, source, after=self.sent[i])
+                   for i, (unit, source) in enumerate(zip(self.units, self.sources))]
+        norm, scale = optimizer.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group,
+                                            grads=self.sources)
+        scale = scale.cpu() if scale is not None else None
+        gathers: list[Work] = []
         with torch.no_grad():
-            for unit, source in zip(self.units, self.sources):
-                unit.master.grad.copy_(source, non_blocking=cuda)
-        if cuda:  # the CPU reads them next
-            torch.cuda.synchronize(self.device)
+            for i, unit in enumerate(self.units):
+                arrived[i].wait_host()
+                if scale is not None:
+                    unit.master.grad.mul_(scale)
+                optimizer.step(lr, unit=i)
+                self.sent[i] = self._send(unit)
+                if unit.full is None:  # ZeRO-3: the next forward's gather waits for it
+                    self.arrivals.expect(unit.shard, self.sent[i].wait_device)
+                else:
+                    self.sent[i].wait_device()
+                    gathers.append(gather_full(unit, self.group, rank=self.rank,
+                                               world=self.world))
+        for work in gathers:
+            work.wait()
+        return float(norm)
+
+    def _send(self, unit: UnitState) -> Landing:
+        """Queue the copy of `unit`'s updated master into the weights the graph reads."""
+        target = weight_shard(unit, rank=self.rank, world=self.world)
+        source = unit.master
+        if target.dtype != source.dtype:  # cast on the CPU, into the gradient's free storage
+            source = unit.master.grad.view(target.dtype)[:source.numel()]
+            source.copy_(unit.master)
+        return self.up.copy(target, source)
+
+    def settle(self) -> None:
+        """Wait until every copy of weights to the device has landed."""
+        for landing in self.sent:
+            if landing is not None:
+                landing.wait_host()
+        self.arrivals.clear()
 
     @staticmethod
     def host_tensors(units: Iterable[UnitState]) -> list[torch.Tensor]:
@@ -69,11 +139,13 @@ class HostOptimizer:
         return [t for unit in units for t in (unit.master, unit.master.grad)]
 
 
-def offload_masters(units: Iterable[UnitState], device: torch.device) -> HostOptimizer:
+def offload_masters(units: Iterable[UnitState], device: torch.device,
+                    group: dist.ProcessGroup | None, *, rank: int, world: int) -> HostOptimizer:
     """Move each unit's master and its gradient to the host (see the module docstring).
 
     Call once, before the optimizer is built over the masters. A ZeRO-3
     master is the graph's parameter: it stays on the device as `unit.shard`.
+    `group`, `rank`, `world`: the dp group the weights are gathered over.
     """
     units = list(units)
     pin = device.type == "cuda"
@@ -87,4 +159,4 @@ def offload_masters(units: Iterable[UnitState], device: torch.device) -> HostOpt
         if unit.full is None:  # ZeRO-3: the graph gathers from this shard
             unit.shard = device_master
         unit.master = host
-    return HostOptimizer(units, sources, device)
+    return HostOptimizer(units, sources, device, group, rank=rank, world=world)

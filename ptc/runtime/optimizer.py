@@ -12,13 +12,17 @@ tensor parallelism also over tp, with parameters replicated over tp counted
 once), then every gradient times min(1, max_norm / (norm + 1e-6)).
 
 With optimizer offload (`ptc.runtime.offload`) the masters and their
-gradients are host tensors: the norm's partial sum goes to the rank's
-device for its collectives, and the clip factor comes back.
+gradients are host tensors: the norm is taken of the same fp32 gradients
+where the reductions left them, on the device (`clip_factor(grads=...)`),
+while they travel to the host, and each unit is stepped on its own as soon
+as its gradient has arrived (`step(lr, unit=i)`). AdamW and SGD are
+elementwise, with a step count per tensor, so stepping the units one by one
+gives the numbers of one step over all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,33 +46,41 @@ class ShardedOptimizer:
         self.tp_group = tp_group
         self.replicated = replicated or [[] for _ in units]
         """Per unit, master element ranges of parameters replicated over tp (ptc.runtime.tp_state)."""
-        masters = [u.master for u in units]
+        self.spec = spec
+        self.inner = self._optimizer([u.master for u in units])
+        """The optimizer of every master; its `state` is the one state of all (checkpoints)."""
+        self._single: dict[int, torch.optim.Optimizer] = {}
+
+    def _optimizer(self, masters: list[torch.Tensor]) -> torch.optim.Optimizer:
+        spec = self.spec
         if spec.name == "adamw":
-            self.inner = torch.optim.AdamW(masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                           weight_decay=spec.weight_decay)
-        else:
-            self.inner = torch.optim.SGD(masters, lr=spec.lr, momentum=spec.momentum,
-                                         weight_decay=spec.weight_decay)
+            return torch.optim.AdamW(masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                     weight_decay=spec.weight_decay)
+        return torch.optim.SGD(masters, lr=spec.lr, momentum=spec.momentum,
+                               weight_decay=spec.weight_decay)
 
     def grad_norm(self, *, uncounted: Collection[int] = (),
-                  pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                  pp_group: dist.ProcessGroup | None = None,
+                  grads: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The global L2 norm of the gradient over every rank's part of it.
 
-        Sums the squares of this rank's gradients, counting a parameter that
-        tp replicates once over tp and leaving out the units whose ids are in
+        Sums the squares of this rank's gradients (`grads[i]` of unit i,
+        default each master's `.grad`), counting a parameter that tp
+        replicates once over tp and leaving out the units whose ids are in
         `uncounted` (the extra copies of a weight tied across pipeline
         stages), then adds the sums over dp (when sharded), tp and pp.
         """
-        counted = [(u, ranges) for u, ranges in zip(self.units, self.replicated)
+        grads = [u.master.grad for u in self.units] if grads is None else list(grads)
+        counted = [(g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
                    if id(u) not in uncounted]
         device = self.units[0].grad.device if self.units else None  # where collectives run
-        squares = torch.stack([u.master.grad.pow(2).sum() for u, _ in counted]).sum() \
+        squares = torch.stack([g.pow(2).sum() for g, _ in counted]).sum() \
             if counted else torch.zeros(())
         tp = group_size(self.tp_group)
         if tp > 1:
             # Every tp rank holds the same gradient of a replicated parameter: count it once.
-            same = sum((u.master.grad[a:b].pow(2).sum() for u, ranges in counted
-                        for a, b in ranges), torch.zeros((), device=squares.device))
+            same = sum((g[a:b].pow(2).sum() for g, ranges in counted for a, b in ranges),
+                       torch.zeros((), device=squares.device))
             squares = squares - same * (1 - 1 / tp)
         squares = squares.to(device)
         if self.sharded:
@@ -79,24 +91,42 @@ class ShardedOptimizer:
             all_reduce_flat(squares.view(1), pp_group).wait()
         return squares.sqrt()
 
+    def clip_factor(self, max_norm: float | None, *, uncounted: Collection[int] = (),
+                    pp_group: dist.ProcessGroup | None = None,
+                    grads: Sequence[torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(global norm, factor min(1, max_norm / (norm + eps)) or None without `max_norm`);
+        the arguments as in `grad_norm`."""
+        norm = self.grad_norm(uncounted=uncounted, pp_group=pp_group, grads=grads)
+        if max_norm is None:
+            return norm, None
+        return norm, (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+
     def clip(self, max_norm: float | None, *, uncounted: Collection[int] = (),
              pp_group: dist.ProcessGroup | None = None) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
         `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled.
         """
-        norm = self.grad_norm(uncounted=uncounted, pp_group=pp_group)
-        if max_norm is not None:
-            scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+        norm, scale = self.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group)
+        if scale is not None:
             for unit in self.units:
                 unit.master.grad.mul_(scale.to(unit.master.device))
         return float(norm)
 
-    def step(self, lr: float) -> None:
-        """One update of the masters at learning rate `lr`."""
-        for group in self.inner.param_groups:
+    def step(self, lr: float, unit: int | None = None) -> None:
+        """One update at learning rate `lr` of every master, or of unit `unit`'s alone."""
+        optimizer = self.inner if unit is None else self._one(unit)
+        for group in optimizer.param_groups:
             group["lr"] = lr
-        self.inner.step()
+        optimizer.step()
+
+    def _one(self, index: int) -> torch.optim.Optimizer:
+        """An optimizer of unit `index`'s master alone, sharing the state of `inner`."""
+        if index not in self._single:
+            one = self._single[index] = self._optimizer([self.units[index].master])
+            one.state = self.inner.state
+        return self._single[index]
 
     def zero_grad(self) -> None:
         """Zero the gradient accumulators (kept allocated: they are reused every step)."""

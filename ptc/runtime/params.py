@@ -16,7 +16,7 @@ every reduction (`fill_main_grads`).
 
 With optimizer offload (`ptc.runtime.offload`) the master and its gradient
 are fp32 host tensors instead; at ZeRO-3 the graph's shard then stays on
-the device as `shard`, refreshed from the master by `publish`.
+the device as `shard`, refreshed from the master after each update.
 
 At ZeRO 0-2 the graph's parameters are views into the unit's full buffer,
 so the all-gather after an optimizer step updates them in place and a
@@ -57,7 +57,7 @@ class UnitState:
     train.grad_dtype); None when the master reads `grad` itself."""
     shard: torch.Tensor | None = None
     """ZeRO-3 with optimizer offload: the graph's fp32 parameter shard on the device, which
-    `publish` refreshes from the host master (without offload the master is that shard)."""
+    the update refreshes from the host master (without offload the master is that shard)."""
 
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
@@ -129,26 +129,41 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
             rank: int, world: int) -> None:
     """Make the graph's weights equal the updated masters (cast, then all-gather shards).
 
-    A master on the host (optimizer offload) is copied without blocking: from pinned
-    memory the copy queues on the device's stream ahead of the all-gather."""
+    Ordered on the device's stream: what runs next reads the new weights.
+    (Optimizer offload publishes unit by unit as it steps: `ptc.runtime.offload`.)"""
     works: list[Work] = []
     with torch.no_grad():
         for unit in units:
             if unit.full is None:  # ZeRO-3: the graph gathers from its shards itself
                 if unit.shard is not None:
-                    unit.shard.copy_(unit.master, non_blocking=True)
+                    unit.shard.copy_(unit.master)
                 continue
             if zero == 0:
                 if unit.full.data_ptr() != unit.master.data_ptr():
                     unit.full.copy_(unit.master)
                 continue
-            mine = unit.full.view(world, -1)[rank]
+            mine = weight_shard(unit, rank=rank, world=world)
             if mine.data_ptr() != unit.master.data_ptr():
-                mine.copy_(unit.master, non_blocking=True)
-            # A copy of our shard as input: the output buffer must not alias the input.
-            works.append(all_gather_flat(mine.clone(), group, out=unit.full))
+                mine.copy_(unit.master)
+            works.append(gather_full(unit, group, rank=rank, world=world))
     for work in works:
         work.wait()
+
+
+def weight_shard(unit: UnitState, *, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of the weights the graph reads, in the compute dtype (ZeRO 1-3): its
+    1/dp of the full buffer (ZeRO 1-2) or the shard the graph gathers (ZeRO-3)."""
+    if unit.full is None:
+        return unit.shard if unit.shard is not None else unit.master
+    return unit.full.view(world, -1)[rank]
+
+
+def gather_full(unit: UnitState, group: dist.ProcessGroup | None, *, rank: int,
+                world: int) -> Work:
+    """Start all-gathering every rank's `weight_shard` into the unit's full buffer (ZeRO 1-2)."""
+    # A copy of our shard as input: the output buffer must not alias the input.
+    return all_gather_flat(weight_shard(unit, rank=rank, world=world).clone(), group,
+                           out=unit.full)
 
 
 def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],

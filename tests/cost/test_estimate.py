@@ -93,11 +93,15 @@ def test_gradient_all_reduce_is_priced_at_the_bytes_it_moves(grad_dtype, comm,
 
 @pytest.mark.parametrize("gpu,zero", [("H100-SXM", 1), ("A100-80GB", 3)])
 def test_offloaded_optimizer_is_priced_at_the_host_link_and_cpu_adam(gpu, zero):
-    """`parallel.offload = optimizer`: the optimizer part is the fp32 gradient shard down and
-    the fp32 master shard up over the host link (PCIe Gen5 x16 on H100, Gen4 on A100, per
-    direction), plus the node's CPU stepping all its ranks' shards; the rest of the step is
-    unchanged, and the host memory per rank is reported."""
-    from ptc.compiler.cost import CPU_ADAM_ELEMENTS_PER_S
+    """`parallel.offload = optimizer`: the fp32 gradient shard down and the weights up over
+    the host link (PCIe Gen5 x16 on H100, Gen4 on A100, per direction), the node's CPU
+    stepping all its ranks' shards, pipelined over the units. Here the CPU is the slowest of
+    the three by far (8 ranks' Adam against a 4-byte copy), so the step waits for the first
+    unit's gradient, the CPU's whole step, and at ZeRO-1 what is left of the last units'
+    bf16 weights going up (the tiny final norm steps faster than the last layer's weights
+    travel: both show); at ZeRO-3 they hide behind the next forward, as far as it lasts
+    (this model's is short). Every other copy is hidden. The rest of the step is unchanged, and the host memory per rank is reported."""
+    from ptc.compiler.cost import CPU_ADAM_ELEMENTS_PER_S, _stage_units, offloaded_step
     from ptc.compiler.memory import stage_params
     from ptc.compiler.profile import model_profile
 
@@ -105,12 +109,23 @@ def test_offloaded_optimizer_is_priced_at_the_host_link_and_cpu_adam(gpu, zero):
     offloaded = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
                                                                        offload="optimizer"))
     before, after = estimate(plan), estimate(offloaded)
-    split, whole, _ = stage_params(model_profile(plan.model, "bf16"), after.layout, 0)
-    shard = (split + whole) / 8
+    profile = model_profile(plan.model, "bf16")
+    split, whole, _ = stage_params(profile, after.layout, 0)
+    units = [u / 8 for u in _stage_units(profile, after.layout, 0)]
+    assert sum(units) == pytest.approx((split + whole) / 8)
+    assert len(units) == 8 + 2  # the embedding, 8 layers, the final norm (head tied)
     link = {"H100-SXM": 64e9, "A100-80GB": 32e9}[gpu]
     assert offloaded.hardware.host_bandwidth == link
-    assert after.breakdown["optimizer"] == pytest.approx(
-        shard * (4 + 4) / link + 8 * shard / CPU_ADAM_ELEMENTS_PER_S)
+    up = 2 if zero == 1 else 4  # the weights the graph reads: bf16 / ZeRO-3's fp32 shard
+    cpu = 8 * sum(units) / CPU_ADAM_ELEMENTS_PER_S
+    first = units[0] * 4 / link + cpu  # when the CPU is done
+    tail = after.breakdown["optimizer"] - first
+    assert 0 < tail <= (units[-2] + units[-1]) * up / link
+    if zero == 3:
+        unhidden = offloaded_step(units, offloaded.hardware, weight_bytes=4).exposed
+        assert tail < unhidden - first
+    serial = sum(units) * (4 + up) / link + cpu
+    assert after.hidden["optimizer"] == pytest.approx(serial - after.breakdown["optimizer"])
     assert {k: v for k, v in after.breakdown.items() if k != "optimizer"} == \
         {k: v for k, v in before.breakdown.items() if k != "optimizer"}
     assert after.host_memory_bytes > 0 == before.host_memory_bytes

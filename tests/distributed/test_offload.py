@@ -21,6 +21,18 @@ the shard). A checkpoint written with offload loads without it and one
 written without loads with it: every weight and moment bit-equal, and the
 next steps' losses equal those of the run that saved, going on
 uninterrupted.
+
+The offloaded update pipelines over units and lets the next step begin
+before the last weights have come back (ZeRO-3: a shard's first gather
+waits for it). On a CPU device a copy runs only when its landing is waited
+for (`ptc.runtime.host_copies`), the latest an asynchronous copy may land,
+so a forward that read a weight before its update landed would read the
+old one here. The weights every stage's first forward reads in every step
+— the graph's parameters at ZeRO 1-2, what its gathers return at ZeRO-3 —
+are recorded on every rank and must equal the non-offloaded run's bit for
+bit, at dp 2 and under pp 2 × dp 2 (1F1B, the GPT's tied embedding on both
+stages). The control turns the device-side waits into no-ops: then the
+reads of step 2 on differ, which shows the recording sees a missing wait.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import dataclasses
 import pytest
 import torch
 from dist_helpers import STEPS, tiny_plan
+from offload_helpers import ReadCase, read_weights_worker, same_reads
 
 from ptc.errors import PlanError
 from ptc.lower.driver import compile_plan
@@ -135,6 +148,40 @@ def test_checkpoints_load_with_and_without_offload(tmp_path) -> None:
         for name, value in saved["state"].items():
             assert torch.equal(loaded["state"][name], value), f"{offload} <- {written_by}: {name}"
         assert loaded["after"] == saved["after"], f"{offload} <- {written_by}"
+
+
+READ_CASES = {2: [ReadCase(1), ReadCase(3, "bf16")], 4: [ReadCase(1, pp=2), ReadCase(3, pp=2)]}
+
+
+@pytest.fixture(scope="module")
+def reads() -> dict:
+    """Every read case with and without offload; dp 2 alone with the controls too."""
+    out = {}
+    for world, cases in READ_CASES.items():
+        runs = [c for case in cases for c in (case, dataclasses.replace(case, offload="none"))]
+        if world == 2:
+            runs += [dataclasses.replace(case, waits=False) for case in cases]
+        out.update(run_local(read_weights_worker, world, runs)[0])
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", [c for cases in READ_CASES.values() for c in cases], ids=str)
+def test_each_forward_reads_the_updated_weights(reads, case: ReadCase) -> None:
+    offloaded, plain = reads[case], reads[dataclasses.replace(case, offload="none")]
+    assert offloaded["losses"] == plain["losses"], case
+    assert all(len(r) == 3 for r in offloaded["reads"])  # every step recorded, every rank
+    assert same_reads(offloaded["reads"], plain["reads"]) == []
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", READ_CASES[2], ids=str)
+def test_a_forward_that_does_not_wait_is_seen(reads, case: ReadCase) -> None:
+    unwaited, plain = reads[dataclasses.replace(case, waits=False)], \
+        reads[dataclasses.replace(case, offload="none")]
+    wrong = same_reads(unwaited["reads"], plain["reads"])
+    assert wrong and not any(" step 1 " in where for where in wrong), wrong
+    assert unwaited["losses"][0] == plain["losses"][0] != unwaited["losses"][1]
 
 
 def test_offload_without_zero_is_refused_in_one_line() -> None:
