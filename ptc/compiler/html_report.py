@@ -34,7 +34,7 @@ from ptc.units import format_bytes, format_seconds
 FORWARD, BACKWARD = "#2a9d8f", "#e76f51"
 """Colours of forward and backward actions in the schedule chart."""
 PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
-           "#8c8c8c")
+           "#8c8c8c", "#ccb974")
 """Colours of memory terms and step-time parts, in order."""
 BUDGET = "#c00000"
 """Colour of the memory budget's line."""
