@@ -39,11 +39,11 @@ N = 3
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("fp8_ckpt"))
     out = run_local(fp8_resume_worker, 4, directory, N)[0]
-    out["resharded"] = run_local(fp8_reshard_worker, 2, [(1, 1, 2), (2, 1, 1)], directory)[0]
-    # A launch of its own: a pp mesh built after another layout's groups in the same
-    # processes times out in gloo's connect (process groups re-created after
-    # destroy_process_group in one process).
-    out["resharded"].update(run_local(fp8_reshard_worker, 2, [(1, 2, 1)], directory)[0])
+    # Each layout in a launch of its own: process groups re-created after
+    # destroy_process_group in the same processes can time out in gloo's connect.
+    out["resharded"] = {}
+    for layout in ((1, 1, 2), (2, 1, 1), (1, 2, 1)):
+        out["resharded"].update(run_local(fp8_reshard_worker, 2, [layout], directory)[0])
     return out
 
 
