@@ -69,8 +69,9 @@ def test_sequence_not_divisible_by_two_cp_is_refused_at_the_field() -> None:
         plan(seq=18)
 
 
-class _Bidirectional(nn.Module):
-    """A language model whose attention sees the future: not causal, so cp must refuse it."""
+class _TinyAttentionLM(nn.Module):
+    """Embedding, one 4-head attention's fused q/k/v projection, head: what the cases below
+    share; each writes its own forward around `heads`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,9 +79,18 @@ class _Bidirectional(nn.Module):
         self.qkv = nn.Linear(32, 96)
         self.head = nn.Linear(32, 64)
 
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [b, 4, s, 8] of x [b, s, 32]."""
+        b, s, _ = x.shape
+        return self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+
+
+class _Bidirectional(_TinyAttentionLM):
+    """A language model whose attention sees the future: not causal, so cp must refuse it."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
-        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = self.heads(self.embed(tokens))
         y = F.scaled_dot_product_attention(q, k, v)
         return self.head(y.transpose(1, 2).reshape(b, s, 32))
 
@@ -91,20 +101,17 @@ def test_attention_that_is_not_causal_is_refused() -> None:
         apply_pass(split_context_pass, capture_plan(p, _Bidirectional()), p)
 
 
-class _MaskedAttention(nn.Module):
+class _MaskedAttention(_TinyAttentionLM):
     """Attention through a boolean mask the model builds from constants: `window` = None
     gives the causal mask (cp splits it), a window gives a sliding-window one (refused)."""
 
     def __init__(self, window: int | None) -> None:
         super().__init__()
         self.window = window
-        self.embed = nn.Embedding(64, 32)
-        self.qkv = nn.Linear(32, 96)
-        self.head = nn.Linear(32, 64)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
-        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = self.heads(self.embed(tokens))
         mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
         if self.window is not None:
             mask = mask & ~torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril(
@@ -122,21 +129,15 @@ def test_a_mask_built_from_constants_is_split_when_it_is_the_causal_one() -> Non
         apply_pass(split_context_pass, capture_plan(p, _MaskedAttention(4)), p)
 
 
-class _CumulativeMix(nn.Module):
+class _CumulativeMix(_TinyAttentionLM):
     """Causal attention plus a running mean over the sequence (cumsum along it): correct on
     one process, wrong on a rank's chunks, so cp must refuse it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.qkv = nn.Linear(32, 96)
-        self.head = nn.Linear(32, 64)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
         x = self.embed(tokens)
         x = x + x.cumsum(dim=1)
-        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = self.heads(x)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.head(y.transpose(1, 2).reshape(b, s, 32))
 
