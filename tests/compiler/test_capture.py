@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ptc.compiler.capture import capture, with_weights
+from ptc.compiler.capture import capture, export_door, with_weights
 from ptc.compiler.meta import graph_info
 from ptc.compiler.meta import NodeInfo, info
 from ptc.errors import CaptureError
@@ -270,21 +270,24 @@ class TestErrors:
         assert "hf_llama.py" in text and "finfo" in text
         assert "leaf_modules" in text
 
-    def test_a_tensor_built_from_an_index_list_is_refused_with_the_fix(self):
-        class Pick(nn.Module):  # Falcon's qkv[..., [-2]]: the index becomes a meta constant
-            def __init__(self):
-                super().__init__()
-                self.embed = nn.Embedding(32, 16)
+    def test_a_tensor_built_from_an_index_list_keeps_its_values(self):
+        torch.manual_seed(0)
+        real = _Pick()
+        gm = capture(_Pick(), micro_batch=B, seq_len=S, with_loss=False)
+        constants = graph_info(gm).constants
+        assert [c.tolist() for c in constants.values()] == [[-2]]  # real, not meta
+        for name, value in constants.items():  # the runtime binds constants as buffers
+            real.register_buffer(name, value)
+        tokens = torch.randint(0, 32, (B, S))
+        torch.testing.assert_close(with_weights(gm, real)(tokens), real(tokens))
 
-            def forward(self, tokens):
-                x = self.embed(tokens)
-                torch.finfo(x.dtype)  # python the fx door cannot trace: the export door opens
-                return x[..., [-2]] * x
-
-        with pytest.raises(CaptureError, match=r"module 'Pick' builds a tensor from Python "
+    def test_an_index_list_whose_values_stay_lost_is_refused_with_the_fix(self, monkeypatch):
+        # Where the second export (fake CPU tensors) cannot recover a constant, capture refuses.
+        monkeypatch.setattr(export_door, "_constant_values", lambda root, a, k, constants: constants)
+        with pytest.raises(CaptureError, match=r"module '_Pick' builds a tensor from Python "
                                                r"values at .*test_capture.py:\d+ .*x\[\.\.\., "
                                                r"-2:-1\]"):
-            capture(Pick(), micro_batch=B, seq_len=S, with_loss=False)
+            capture(_Pick(), micro_batch=B, seq_len=S, with_loss=False)
 
     def test_forward_argument_without_default(self):
         class Two(nn.Module):
@@ -305,3 +308,16 @@ class TestErrors:
 
         with pytest.raises(CaptureError, match=r"\[2, 16, vocab\]"):
             capture(Pooled(), micro_batch=B, seq_len=S)
+
+
+class _Pick(nn.Module):
+    """Falcon's qkv[..., [-2], :]: the index list becomes a tensor constant of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        torch.finfo(x.dtype)  # python the fx door cannot trace: the export door opens
+        return x[..., [-2]] * x

@@ -45,6 +45,8 @@ from ptc.runtime.launcher import run_local
 pytestmark = pytest.mark.distributed
 
 _MQA, _EAGER = (("num_key_value_heads", 1),), (("attn_implementation", "eager"),)
+_FALCON_NEW = (("new_decoder_architecture", True), ("num_kv_heads", 2))
+_FALCON_ATTENTION_WHOLE = (("transformer.h.*.self_attention.*", "replicate"),)
 _DROPOUT = (("embd_pdrop", 0.1), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1))
 LAUNCHES = {"layouts": [
     HFCase("llama", dp=2, zero=1), HFCase("llama", dp=2, zero=3), HFCase("llama", tp=2),
@@ -76,10 +78,12 @@ LAUNCHES = {"layouts": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
     # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi), rotary on
-    # interleaved pairs (GPT-J, Cohere)
+    # interleaved pairs (GPT-J, Cohere), index lists picking each group's key/value head out of
+    # a fused qkv (Falcon: its `x @ w.T` linears split under tp, its attention kept whole)
     HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
     HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2), HFCase("gptj", tp=2),
-    HFCase("cohere", tp=2, sp=True),
+    HFCase("cohere", tp=2, sp=True), HFCase("falcon", dp=2, zero=3), HFCase("falcon", pp=2),
+    HFCase("falcon", tp=2, config=_FALCON_NEW, shards=_FALCON_ATTENTION_WHOLE),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

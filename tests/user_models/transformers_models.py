@@ -10,10 +10,12 @@ plus shared experts behind a scalar gate (Qwen2-MoE), soft-capped attention scor
 and logits (Gemma 2), a fused qkv interleaved per head and a parallel attention/MLP
 block (GPT-NeoX), learned positions with an offset and a padding row (OPT), partial
 rotary and one norm for attention and MLP (Phi), rotary on interleaved pairs
-(rotate-every-two: strided slices stacked back, GPT-J and Cohere).
+(rotate-every-two: strided slices stacked back, GPT-J and Cohere), a fused qkv
+whose one key/value head is picked by index lists (Falcon, `x[..., [-2], :]`:
+constants forward builds from Python values).
 """
 
-from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+from transformers import (CohereConfig, CohereForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
                           GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
@@ -110,3 +112,11 @@ def cohere(**overrides) -> CohereForCausalLM:
     """Cohere (Command R): interleaved rotary as GPT-J's, a bias-free LayerNorm feeding
     attention and MLP in parallel, logits scaled."""
     return CohereForCausalLM(CohereConfig(**_DECODER | overrides))
+
+
+def falcon(**overrides) -> FalconForCausalLM:
+    """Falcon: fused qkv with one key/value head picked by index lists, parallel attention/MLP."""
+    return FalconForCausalLM(FalconConfig(**{"vocab_size": VOCAB, "hidden_size": 32,
+                                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                                             "max_position_embeddings": SEQ, "bos_token_id": 0,
+                                             "eos_token_id": 0} | overrides))

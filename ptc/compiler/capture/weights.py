@@ -26,25 +26,33 @@ def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     Capture reads only shapes and dtypes, so a model of any size is captured
     without allocating its weights.
 
-    The copy is a deepcopy whose memo maps every parameter and buffer to an
-    empty meta tensor (floating ones in `dtype`), so no weight is copied and
-    tied parameters stay tied.
+    The copy (`copy_with_tensors`) has every parameter and buffer an empty
+    meta tensor (floating ones in `dtype`).
     """
     tensors = [t for m in model.modules()
                for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
     if all(t.device.type == "meta" and (not t.is_floating_point() or t.dtype == dtype)
            for t in tensors):
         return model
+    return copy_with_tensors(model, lambda t: torch.empty_like(
+        t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype))
+
+
+def copy_with_tensors(model: nn.Module, make) -> nn.Module:
+    """A deepcopy of `model` whose every parameter and buffer t is `make(t)` instead.
+
+    The deepcopy's memo maps each tensor to its replacement, so no weight is
+    copied and tied parameters stay tied.
+    """
     memo: dict = {}
     for m in model.modules():
         for store, is_param in ((m._parameters, True), (m._buffers, False)):
             for t in store.values():
                 if t is None or id(t) in memo:
                     continue
-                empty = torch.empty_like(t, device="meta",
-                                         dtype=dtype if t.is_floating_point() else t.dtype)
-                memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) \
-                    if is_param else empty
+                made = make(t)
+                memo[id(t)] = nn.Parameter(made, requires_grad=t.requires_grad) \
+                    if is_param else made
     return copy.deepcopy(model, memo)
 
 
