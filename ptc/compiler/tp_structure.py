@@ -459,7 +459,7 @@ def _layer_order(path: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
-def _glob(path: str) -> str:
+def layer_glob(path: str) -> str:
     """The path with block indices as `*`: the rule that covers every layer."""
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
@@ -505,7 +505,7 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
     if missing:
         lines, by_rule = [], {}
         for path in sorted(missing, key=_layer_order):
-            by_rule.setdefault(_glob(path), []).append(path)
+            by_rule.setdefault(layer_glob(path), []).append(path)
         for rule, paths in by_rule.items():
             path = paths[0]
             node = next(n for n in gm.graph.nodes if is_linear(n) == path)

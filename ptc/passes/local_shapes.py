@@ -89,7 +89,8 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
               pick_last: bool = False, rules: Mapping[Callable, ShapeRule] | None = None,
               on_mix: MixFix | None = None, what: str = "tensor parallelism",
               padded: Mapping[int, int] | None = None,
-              axes: Mapping[str, int] | None = None) -> Propagation:
+              axes: Mapping[str, int] | None = None,
+              advice: Callable[[fx.Node], str] | None = None) -> Propagation:
     """Run `gm` on meta with its current (local) parameters; fix shape arguments; update meta.
 
     `k`: the degree a split dim is divided by. `padded`: sizes that become a
@@ -103,12 +104,12 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
     op meets a split and a whole operand of the same size on the split dim
     (the whole one must be split too); without it that is a CompileError.
     Raises CompileError naming the node, its module and source line when an
-    op cannot run on the local shapes.
+    op cannot run on the local shapes, followed by `advice(node)` (a fix).
     """
     shapes = {axis: ShapeGroup(size) for axis, size in (axes or {}).items()}
     with bind_axes(shapes):
         return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what,
-                           dict(padded or {})).run()
+                           dict(padded or {}), advice).run()
 
 
 class _Unfollowable(Exception):
@@ -116,9 +117,10 @@ class _Unfollowable(Exception):
 
 
 class _Propagator:
-    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what, padded):
+    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what, padded, advice):
         self.gm, self.k, self.prefer, self.pick_last = gm, k, prefer, pick_last
         self.rules, self.on_mix, self.what, self.padded = rules, on_mix, what, padded
+        self.advice = advice or (lambda node: "")
         self.interp = fx.Interpreter(gm, garbage_collect_values=False)
         self.env = self.interp.env
         self.result = Propagation()
@@ -152,7 +154,8 @@ class _Propagator:
         except Exception as exc:
             raise CompileError(f"{self.what}: {where(node)} cannot run on the rank-local "
                                f"shapes ({', '.join(self._input_shapes(node))}): "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+                               f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                               f"{self.advice(node)}") from exc
         self.env[node] = value
         self._record(node, value, args, kwargs)
 

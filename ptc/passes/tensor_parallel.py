@@ -45,7 +45,7 @@ from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
-from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding
+from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding, layer_glob
 
 log = logging.getLogger("ptc.passes.tensor_parallel")
 
@@ -77,7 +77,8 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     layout = rewrite.shard_params()
     rewrite.insert_collectives()
     propagation = propagate(gm, k=tp, prefer=sharding.heads, padded=rewrite.padded,
-                            on_mix=rewrite.take_part, axes={"cp": plan.parallel.cp})
+                            on_mix=rewrite.take_part, axes={"cp": plan.parallel.cp},
+                            advice=_keep_whole_rule)
     region = _check_region(gm, rewrite, propagation)
     partial = _partial_params(gm, region | _whole_in_region(gm, region, rewrite.parts), layout)
     layout = dataclasses.replace(layout, partial_grads=partial)
@@ -487,6 +488,15 @@ def _set_param(gm: fx.GraphModule, names: list[str], shape: tuple[int, ...]) -> 
 
 
 # ------------------------------------------------------------------ checks
+
+
+def _keep_whole_rule(node: fx.Node) -> str:
+    """The shard rule that keeps the linears of `node`'s module whole (its layers' too)."""
+    info = get_info(node)
+    if info is None or not info.module_path:
+        return ""
+    return (f"; to keep module {info.module_path!r} whole add to the parallel section: "
+            f"shard \"{layer_glob(info.module_path)}.*\" replicate")
 
 
 def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> set[fx.Node]:

@@ -27,9 +27,16 @@ argument is left None (the model would shift ptc's targets a second time);
 the next-token loss is ptc's. All cases run on 2 gloo processes, in four
 launches (each within its test's time limit).
 
+Falcon picks each group's key/value head out of its fused qkv with index
+lists (tensor constants the graph keeps with their values) and writes its
+linears as `x @ w.T`; BLOOM adds an ALiBi bias built for all heads. Both
+train under tp with their attention kept whole by a `shard ... replicate`
+rule and their MLP split.
+
 OLMo 2's attention cannot be split by heads without its rules: that is a
 CompileError naming the linears, the op that mixes the heads and the `shard`
-rule that keeps them whole.
+rule that keeps them whole; BLOOM's is a CompileError naming the op where
+the bias meets the rank's heads and the same rule.
 """
 
 from __future__ import annotations
@@ -79,11 +86,13 @@ LAUNCHES = {"layouts": [
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
     # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi), rotary on
     # interleaved pairs (GPT-J, Cohere), index lists picking each group's key/value head out of
-    # a fused qkv (Falcon: its `x @ w.T` linears split under tp, its attention kept whole)
+    # a fused qkv (Falcon: its `x @ w.T` linears split under tp, its attention kept whole),
+    # ALiBi built for all heads (BLOOM: its attention kept whole, its MLP split)
     HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
     HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2), HFCase("gptj", tp=2),
     HFCase("cohere", tp=2, sp=True), HFCase("falcon", dp=2, zero=3), HFCase("falcon", pp=2),
     HFCase("falcon", tp=2, config=_FALCON_NEW, shards=_FALCON_ATTENTION_WHOLE),
+    HFCase("bloom", tp=2, shards=(("transformer.h.*.self_attention.*", "replicate"),)),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),
@@ -113,6 +122,18 @@ def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
                                            r"\w+\) \(and 1 more like it\): .* through mean .*"
                                            r"'model.layers.0.self_attn.q_norm'.*\n.*shard "
                                            r"\"model.layers.\*.self_attn.q_proj\" replicate"):
+        compile_plan(hf_plan(case), model=hf_module(case))
+
+
+def test_a_bias_built_for_all_heads_is_refused_naming_the_op_and_the_rule() -> None:
+    """BLOOM's ALiBi bias has every head's rows; the rank's scores have its own heads."""
+    case = HFCase("bloom", tp=2)
+    with pytest.raises(CompileError, match=r"node baddbmm \(baddbmm\) in module "
+                                           r"'transformer.h.0.self_attention' at .*modeling_bloom"
+                                           r".*cannot run on the rank-local shapes.*; to keep "
+                                           r"module 'transformer.h.0.self_attention' whole add "
+                                           r"to the parallel section: shard "
+                                           r"\"transformer.h.\*.self_attention.\*\" replicate$"):
         compile_plan(hf_plan(case), model=hf_module(case))
 
 

@@ -15,7 +15,7 @@ whose one key/value head is picked by index lists (Falcon, `x[..., [-2], :]`:
 constants forward builds from Python values).
 """
 
-from transformers import (CohereConfig, CohereForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
+from transformers import (BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
                           GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
@@ -120,3 +120,10 @@ def falcon(**overrides) -> FalconForCausalLM:
                                              "num_hidden_layers": 2, "num_attention_heads": 4,
                                              "max_position_embeddings": SEQ, "bos_token_id": 0,
                                              "eos_token_id": 0} | overrides))
+
+
+def bloom(**overrides) -> BloomForCausalLM:
+    """BLOOM: ALiBi position bias, built for all heads, added to the scores by `baddbmm`."""
+    return BloomForCausalLM(BloomConfig(**{"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2,
+                                           "n_head": 4, "bos_token_id": 0, "eos_token_id": 0}
+                                        | overrides))
