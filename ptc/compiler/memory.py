@@ -264,8 +264,9 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     elif "selective" in policies and len(set(policies) - {"none"}) == 1:
         recompute = act("layer", "none") - act("layer", "selective")
     elif set(policies) - {"none"}:  # what the most freeing policy rebuilds
-        recompute = mx(act("layer", "none") - act("layer", pol)
-                       for pol in set(policies) - {"none"})
+        freed = [act("layer", "none") - act("layer", pol)
+                 for pol in sorted(set(policies) - {"none"})]
+        recompute = freed[0] if len(freed) == 1 else mx(*freed)
     return activations, recompute
 
 

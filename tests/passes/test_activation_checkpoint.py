@@ -387,3 +387,27 @@ def _explain_text(p: Plan) -> str:
     console = Console(width=160, record=True)
     console.print(render_explain(p))
     return console.export_text()
+
+
+@pytest.mark.parametrize("policy, module", [("modules(act)", "act"), ("modules(mlp)", "mlp"),
+                                            ("modules(core_attn, norm)", "core_attn"),
+                                            ("modules(norm)", "norm")])
+def test_a_module_the_layer_lacks_is_one_compile_error_naming_layer_and_module(policy, module):
+    """Never recompute nothing silently: two linears have no activation, MLP, attention or
+    norm."""
+    from ptc.compiler.recompute import recompute_regions  # noqa: PLC0415
+    from ptc.errors import CompileError  # noqa: PLC0415
+
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module"]
+    with pytest.raises(CompileError) as info:
+        recompute_regions(nodes, policy, 3)
+    message = str(info.value)
+    assert "\n" not in message and "layer 3" in message and f"({module})" in message
+
+
+def test_explain_names_op_level_and_module_policies():
+    spec = dataclasses.replace(SPECS["llama"], layers=4)
+    text = _explain_text(plan("llama", ("ops", "ops", "modules(core_attn, mlp)", "none"),
+                              pp=2, spec=spec))
+    assert "0-1:ops" in text and "2:modules(core_attn, mlp), 3:none" in " ".join(text.split())
