@@ -28,8 +28,11 @@ FAMILIES = ("gpt", "llama", "custom")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-CHECKPOINT_POLICIES = ("none", "full", "selective", "auto")
-LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective")
+CHECKPOINT_POLICIES = ("none", "full", "selective", "ops", "auto")
+LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective", "ops")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "norm", "act")
+"""Parts of a layer `modules(...)` recomputes: the attention core, the MLP, the norms, the
+activation function (in this order in a policy's name)."""
 SHARD_STYLES = ("colwise", "rowwise", "replicate", "vocab")
 AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -45,6 +48,43 @@ TOKEN_DTYPES = ("uint16", "uint32")
 INIT_KINDS = ("random", "state_dict", "hf")
 BACKENDS = ("auto", "nccl", "gloo")
 NAN_POLICIES = ("stop", "skip", "rollback")
+
+
+def modules_policy(modules) -> str:
+    """The policy recomputing `modules` (names of RECOMPUTE_MODULES), as plans write it:
+    `modules(core_attn, mlp)`, the names in RECOMPUTE_MODULES' order; the attention core
+    alone is "selective"."""
+    chosen = [m for m in RECOMPUTE_MODULES if m in set(modules)]
+    if chosen == ["core_attn"]:
+        return "selective"
+    return f"modules({', '.join(chosen)})"
+
+
+def policy_modules(policy: str) -> frozenset[str] | None:
+    """The modules a `modules(...)` policy (or "selective") recomputes; None for any other
+    policy or a malformed one."""
+    if policy == "selective":
+        return frozenset({"core_attn"})
+    if not isinstance(policy, str) or not (policy.startswith("modules(")
+                                           and policy.endswith(")")):
+        return None
+    names = [n.strip() for n in policy[len("modules("):-1].split(",")]
+    if not names or any(n not in RECOMPUTE_MODULES for n in names):
+        return None
+    return frozenset(names)
+
+
+def module_policy(policy: str) -> str | None:
+    """`policy` written canonically when it is a `modules(...)` policy, else None."""
+    if not isinstance(policy, str) or not policy.startswith("modules("):
+        return None
+    modules = policy_modules(policy)
+    return modules_policy(modules) if modules else None
+
+
+def is_layer_policy(policy) -> bool:
+    """Whether `policy` is a recompute policy of one layer (a name or `modules(...)`)."""
+    return policy in LAYER_CHECKPOINT_POLICIES or module_policy(policy) is not None
 
 
 def _spans() -> Mapping[str, Span]:
@@ -365,7 +405,9 @@ class ParallelSpec(_Section):
     microbatches: int | None = None
     """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
     checkpoint: str | tuple[str, ...] = "none"
-    """"none", "full", "selective", "auto", or one of none/full/selective per layer."""
+    """"none", "full", "selective", "ops", "modules(core_attn, mlp)" (any of
+    RECOMPUTE_MODULES), "auto", or one of these but "auto" per layer (see
+    `module_policy` for how a module set is written)."""
     overlap: bool = True
     """Overlap communication with compute."""
     grad_comm: str = "none"
@@ -425,16 +467,21 @@ class ParallelSpec(_Section):
         if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
             self._bad(sink, "virtual_stages",
                       f"virtual_stages = {self.virtual_stages} needs schedule = interleaved")
-        if isinstance(self.checkpoint, str):
+        if isinstance(self.checkpoint, str) and module_policy(self.checkpoint) is not None:
+            object.__setattr__(self, "checkpoint", module_policy(self.checkpoint))
+        elif isinstance(self.checkpoint, str):
             self._choice(sink, "checkpoint", CHECKPOINT_POLICIES)
         elif isinstance(self.checkpoint, tuple):
             # repr() keeps the sort total when entries are not all strings.
-            bad = sorted({repr(c) for c in self.checkpoint if c not in LAYER_CHECKPOINT_POLICIES})
+            bad = sorted({repr(c) for c in self.checkpoint if not is_layer_policy(c)})
             if bad or not self.checkpoint:
                 self._bad(sink, "checkpoint",
-                          f"per-layer checkpoint entries must be none/full/selective, "
-                          f"got {', '.join(bad)}",
+                          f"per-layer checkpoint entries must be none/full/selective/ops or "
+                          f"modules(...), got {', '.join(bad)}",
                           LAYER_CHECKPOINT_POLICIES)
+            else:
+                object.__setattr__(self, "checkpoint", tuple(
+                    module_policy(c) or c for c in self.checkpoint))
         else:
             self._bad(sink, "checkpoint", f"checkpoint must be a policy or a per-layer list, "
                       f"got {self.checkpoint!r}", CHECKPOINT_POLICIES)

@@ -54,6 +54,8 @@ class SavedStorage:
     """Size of the storage in bytes."""
     held: bool = False
     """An output of a node named in `saved_storages`' `held`."""
+    key: int = 0
+    """Identity of the storage within one run (`output_storages` names the same ones)."""
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -160,12 +162,22 @@ def _tensors(value) -> list[torch.Tensor]:
 
 def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
                    held: Collection[str] = ()) -> list[SavedStorage]:
+    """`saved_and_output_storages` without the outputs."""
+    return saved_and_output_storages(gm, inputs, held)[0]
+
+
+def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
+                              held: Collection[str] = ()
+                              ) -> tuple[list[SavedStorage],
+                                         dict[str, dict[int, tuple[int, str]]]]:
     """Every storage the forward of `gm` saves for backward, on the meta device, and the
     storages of the outputs of the nodes named in `held` (marked `held`, with no savers
     when nothing saves them): what a checkpoint region reading them would keep.
 
     `gm`'s parameters must be meta tensors (a captured graph's are); `inputs`
-    are meta tensors of the placeholders' shapes.
+    are meta tensors of the placeholders' shapes. Second: per node, the
+    storages of its outputs that are not model state ({key: (bytes, producer)},
+    keys as `SavedStorage.key`): what a checkpoint reading that node keeps.
     """
     model_storages = {_key(t) for t in (*gm.parameters(), *gm.buffers())}
     rec = _SavedRecorder(gm, model_storages)
@@ -177,8 +189,13 @@ def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
     for key, (nbytes, savers) in rec.saved.items():
         producer = rec.producer.get(key)
         out.append(SavedStorage(producer=producer or savers[0], internal=producer is None,
-                                savers=tuple(savers), nbytes=nbytes, held=key in held_sizes))
+                                savers=tuple(savers), nbytes=nbytes, held=key in held_sizes,
+                                key=key))
     out += [SavedStorage(producer=rec.producer[key], internal=False, savers=(), nbytes=nbytes,
-                         held=True)
+                         held=True, key=key)
             for key, nbytes in held_sizes.items() if key not in rec.saved]
-    return out
+    outputs = {n.name: {_key(t): (t.untyped_storage().nbytes(), rec.producer[_key(t)])
+                        for t in _tensors(rec.env[n])
+                        if _key(t) not in model_storages}
+               for n in gm.graph.nodes if n in rec.env}
+    return out, outputs

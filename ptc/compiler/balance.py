@@ -93,7 +93,7 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
     weight, (grad, grad_shard), state = held_per_element(prec, zero)
     per_element = (weight / (dp if zero >= 3 else 1) + grad + grad_shard / dp
                    + state / (dp if zero >= 1 else 1))
-    kept = _kept_share(plan)
+    kept, rerun = _kept_share(plan)
     saved = _saved_bytes(gm, atoms)
     seen: set[int] = set()
     costs = []
@@ -111,15 +111,18 @@ def price_atoms(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]], names: S
                     seen.add(id(p))
                     elements += p.numel()
         policy = decisions.policy(layer)
-        recompute = {"none": 0, "selective": core, "full": flops}[policy]
+        recompute = {"none": 0, "selective": core, "full": flops}.get(policy)
+        if recompute is None:  # op-level or module recompute: the profile's share of the layer
+            recompute = flops * rerun(policy)
         costs.append(AtomCost(name=name, flops=flops, seconds=(3 * flops + recompute) / rate,
                               state_bytes=elements * per_element,
                               activation_bytes=saved[index] * kept(policy)))
     return costs
 
 
-def _kept_share(plan: Plan) -> Callable[[str], float]:
-    """Policy -> share of a layer's saved bytes that stays saved (1 for "none").
+def _kept_share(plan: Plan) -> tuple[Callable[[str], float], Callable[[str], float]]:
+    """Policy -> share of a layer's saved bytes that stays saved (1 for "none"), and policy
+    -> share of a layer's forward FLOPs it recomputes.
 
     From the memory model's per-layer activations at the plan's shape (a
     custom model's profile is read off its own graph). A model that cannot be
@@ -132,11 +135,18 @@ def _kept_share(plan: Plan) -> Callable[[str], float]:
         plan = with_model_shape(plan)
         profile = model_profile(plan.model, plan.train.dtype)
     except (PtcError, ValueError):
-        return lambda policy: 1.0
+        return (lambda policy: 1.0), (lambda policy: 1.0)
+    from ptc.compiler.cost import policy_flops  # noqa: PLC0415
+    from ptc.compiler.recompute import LAYER_POLICIES  # noqa: PLC0415
+
     shape = dict(micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
                  tp=plan.parallel.tp, sp=plan.parallel.sequence_parallel)
-    bytes_of = {p: layer_activation_bytes(profile, p, **shape) for p in ("none", "selective", "full")}
-    return lambda policy: bytes_of[policy] / bytes_of["none"] if bytes_of["none"] else 1.0
+    policies = [p for p in LAYER_POLICIES if p not in profile.unavailable]
+    bytes_of = {p: layer_activation_bytes(profile, p, **shape) for p in policies}
+    layer = profile.fn["flops.layer"](plan.train.micro_batch, plan.train.seq_len)
+    return ((lambda policy: bytes_of[policy] / bytes_of["none"] if bytes_of["none"] else 1.0),
+            (lambda policy: policy_flops(profile, policy, plan.train.micro_batch,
+                                         plan.train.seq_len) / layer if layer else 1.0))
 
 
 def _saved_bytes(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]) -> list[float]:

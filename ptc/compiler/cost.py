@@ -49,7 +49,7 @@ from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer
                                  stage_params)
 from ptc.compiler.profile import ModelProfile
 from ptc.compiler.topology import AxisGroup, axis_groups
-from ptc.plan import HardwareSpec
+from ptc.plan import HardwareSpec, policy_modules
 
 
 CPU_ADAM_ELEMENTS_PER_S = 0.72e9
@@ -156,7 +156,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
                                    lambda: _tp_collectives(boundary, layout, groups["tp"], hw, 1))
-    tp_layer = {"none": 4 * tp_unit, "selective": 4 * tp_unit, "full": 6 * tp_unit}
+    policies = {pol for i in range(p) for pol, _ in layout.stage_policies(i)}
+    # A layer rerun whole (full, ops) repeats its forward's collectives; regions of modules
+    # hold none of them.
+    tp_layer = {pol: (6 if pol in RERUN_LAYER else 4) * tp_unit for pol in policies}
     z3 = {}
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
@@ -165,8 +168,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             comm.all_gather(layer_bytes, groups["grad"], hw),
             comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["grad"], hw)))
         algos["dp"] = f"ag:{ag.algorithm} rs:{rs.algorithm}"
-        for policy in ("none", "selective", "full"):
-            z3[policy] = (3 if policy == "full" else 2) * ag.seconds + rs.seconds
+        for policy in policies:
+            z3[policy] = (3 if policy in RERUN_LAYER else 2) * ag.seconds + rs.seconds
 
     # Keys and values all-gathered over cp at each attention (and again when a full layer is
     # recomputed), their gradients reduce-scattered: exposed, as Llama 3's all-gather runs
@@ -174,7 +177,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     kv_bytes = 2 * prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
     cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
         comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
-    cp_layer = {"none": 2 * cp_unit, "selective": 2 * cp_unit, "full": 3 * cp_unit}
+    cp_layer = {pol: (3 if pol in RERUN_LAYER else 2) * cp_unit for pol in policies}
+    extra_f = {pol: _recompute_flops(f, pol, bb, ss, keys, layer_f, core_f, tp)
+               for pol in policies}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
                   lambda: comm.send_recv(boundary / tp, groups["pp"], hw))
     tp_edge = tp_unit if tp > 1 else 0.0
@@ -183,7 +188,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         st = _Stage()
         for policy, count in policies:
             work = 3 * layer_s
-            extra = {"none": 0.0, "selective": core_f / rate, "full": layer_s}[policy]
+            extra = layer_s if policy == "full" else extra_f[policy] / rate
             st.compute += count * work
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
@@ -246,13 +251,39 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
                      + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
     executed = 3 * tp * cp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
-    per_policy = {"none": 0.0, "selective": tp * cp * core_f, "full": tp * cp * layer_f}
-    recomputed = sum(per_policy[pol] * n for pol, n in layout.policy_counts())
+    recomputed = sum(tp * cp * extra_f[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
                     model_flops=per_micro * micro_total,
                     hw_flops=(executed + recomputed) * micro_total, algorithms=algos,
                     hidden=hidden)
+
+
+def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
+    """Forward FLOPs one layer recomputes under `policy` per micro-batch, unsharded."""
+    f = profile.fn
+    if policy in ("none", "selective", "full"):
+        return {"none": 0.0, "selective": f["core_flops"](bb, ss),
+                "full": f["flops.layer"](bb, ss)}[policy]
+    return f[f"flops.{policy}"](bb, ss)
+
+
+RERUN_LAYER = frozenset({"full", "ops"})
+"""Policies whose recompute reruns the whole layer's ops, its collectives among them."""
+
+
+def _recompute_flops(f: dict, policy: str, bb, ss, keys, layer_f, core_f, tp) -> float:
+    """Forward FLOPs one rank recomputes for a layer under `policy` (`layer_f`, `core_f`:
+    the layer's and its attention core's on a rank; `keys`: the core's extra FLOPs under
+    cp): the profile's FLOPs of exactly the ops the policy's regions rerun."""
+    if policy == "none":
+        return 0.0
+    if policy == "full":
+        return layer_f
+    if policy == "selective":
+        return core_f
+    modules = policy_modules(policy) or frozenset()
+    return f[f"flops.{policy}"](bb, ss) / tp + (keys / tp if "core_attn" in modules else 0.0)
 
 
 def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
@@ -308,10 +339,9 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     this bound can still beat the ones it has.
     """
     f, bb, ss = profile.fn, layout.micro_batch, seq_len
-    per_policy = {"none": 0.0, "selective": f["core_flops"](bb, ss), "full": f["flops.layer"](bb, ss)}
     work = 3 * (layout.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
                 + f["flops.post"](bb, ss))
-    work += sum(per_policy[pol] * n for pol, n in layout.policy_counts())
+    work += sum(policy_flops(profile, pol, bb, ss) * n for pol, n in layout.policy_counts())
     rate, fp8_rate = _rates(hw, dtype)
     if fp8_rate:  # float8 GEMMs: 3 per layer forward-and-backward, full recompute's once more
         fp8_work = f["fp8_flops"](bb, ss) * (3 * layout.layers + dict(layout.policy_counts())

@@ -33,6 +33,7 @@ from torch import fx
 
 from ptc.compiler.meta import graph_info
 from ptc.errors import CompileError, PtcError
+from ptc.compiler.recompute import LAYER_POLICIES
 from ptc.plan import Plan
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ptc.compiler")
 
-POLICIES = ("none", "selective", "full")
-"""Recompute policies of a layer."""
+POLICIES = LAYER_POLICIES
+"""Recompute policies of a layer (`ptc.compiler.recompute`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

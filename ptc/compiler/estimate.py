@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ptc.compiler.cost import StepCost, step_cost
+from ptc.compiler.cost import StepCost, policy_flops, step_cost
 from ptc.compiler.layout import Layout, layout_of
-from ptc.compiler.memory import (Precision, peak, precision, stage_host_memory, stage_memory,
+from ptc.compiler.memory import (check_policies, Precision, peak, precision, stage_host_memory, stage_memory,
                                  stage_memory_terms)
 from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
 from ptc.plan import DTYPE_BYTES, Plan
@@ -102,6 +102,7 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
                     ) -> Estimate:
     """Estimate `layout` of `plan`'s model, hardware and batch (search calls this directly)."""
     hw, train = plan.hardware, plan.train
+    check_policies(profile, {pol for pol, _ in layout.policy_counts()})
     mem = stage_memory(profile, layout, prec, train.seq_len)
     cost: StepCost = step_cost(profile, layout, hw, prec, seq_len=train.seq_len, dtype=train.dtype)
     gpus = layout.tp * layout.cp * layout.pp * layout.dp
@@ -119,8 +120,13 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
         host_memory_bytes=max(stage_host_memory(profile, layout, prec)))
 
 
+AUTO_POLICIES = ("none", "selective", "full")
+"""What checkpoint = "auto" chooses from; `auto_checkpoint(..., policies=LAYER_POLICIES)`
+chooses from op-level and module recompute too."""
+
+
 def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int,
-                    budget: float) -> Layout:
+                    budget: float, policies: tuple[str, ...] = AUTO_POLICIES) -> Layout:
     """`layout` with per-layer policies fitting `budget` per stage with the least recompute.
 
     Each stage's memory depends on its own layers' policies only, so the
@@ -132,40 +138,51 @@ def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_
     policy = ["none"] * layout.layers
     for stage in range(layout.pp):
         layers = layout.stage_layers(stage)
-        mix = stage_mix(profile, layout, stage, prec, seq_len, budget)
+        mix = stage_mix(profile, layout, stage, prec, seq_len, budget, policies)
         for pol, layer in zip(mix or ("full",) * len(layers), layers):
             policy[layer] = pol
     return replace(layout, checkpoint=tuple(policy))
 
 
 def stage_mix(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, seq_len: int,
-              budget: float) -> tuple[str, ...] | None:
+              budget: float, policies: tuple[str, ...] = AUTO_POLICIES
+              ) -> tuple[str, ...] | None:
     """Policies of `stage`'s layers (in order) fitting `budget` with least recompute, or None.
 
     The memory model prices a stage by how many of its layers take each
     policy (`memory._stage_activations`: its layers are alike) and whether
-    its first layer is fully recomputed (`memory._chunk_ends`), so the
-    (full, selective) counts are enumerated — all (n+1)(n+2)/2 of them, an
-    exhaustive search, not a greedy one. For each count of full layers the
-    fewest selective ones that fit is the cheapest (each selective layer adds
-    recompute). Recompute per micro-batch: a full layer's forward FLOPs, a
-    selective one's attention-core FLOPs. Ties go to fewer full layers. Full
-    layers come first in the stage, then selective ones: the earliest layers'
+    its first layer's checkpoint keeps its input (`memory._chunk_ends`), so
+    counts are enumerated: for every policy X of `policies` besides "none" and
+    "full" that the model can take (selective; with `LAYER_POLICIES`, also
+    ops and each `modules(...)`), in their order, all
+    (full, X) count pairs — exhaustive over the mixes of full layers with
+    layers of one other policy, not a greedy search. For each count of full
+    layers the fewest X layers that fit is the cheapest (each adds
+    recompute); an X that keeps no less than "none" is skipped. Recompute
+    per micro-batch: the forward FLOPs of the ops the policy reruns
+    (`cost.policy_flops`). Ties go to fewer full layers, then to the earlier
+    X. Full layers come first in the stage, then X ones: the earliest layers'
     activations live longest, and a full first layer's checkpoint holds the
     stage's input, which is kept anyway, not one more tensor between layers.
     """
     n = len(layout.stage_layers(stage))
-    f = profile.fn
-    layer_cost, core_cost = f["flops.layer"](1, seq_len), f["core_flops"](1, seq_len)
+    others = [p for p in policies if p not in ("none", "full")
+              and p not in profile.unavailable]
+    cost = {p: policy_flops(profile, p, 1, seq_len) for p in ("full", *others)}
     best: tuple[tuple, tuple[str, ...]] | None = None
-    for n_full in range(n + 1):
-        for n_sel in range(n - n_full + 1):
-            mix = ("full",) * n_full + ("selective",) * n_sel + ("none",) * (n - n_full - n_sel)
-            if _stage_peak(profile, layout, stage, mix, prec, seq_len) <= budget:
-                key = (n_full * layer_cost + n_sel * core_cost, n_full)
-                if best is None or key < best[0]:
-                    best = (key, mix)
-                break  # more selective layers beside these full ones only recompute more
+    for rank, other in enumerate(others):
+        for n_full in range(n + 1):
+            if best is not None and (n_full * cost["full"], n_full) > best[0][:2]:
+                break
+            for n_other in range(n - n_full + 1):
+                mix = ("full",) * n_full + (other,) * n_other + ("none",) * (n - n_full - n_other)
+                if n_other == 0 and rank > 0:
+                    continue  # priced with the first X already
+                if _stage_peak(profile, layout, stage, mix, prec, seq_len) <= budget:
+                    key = (n_full * cost["full"] + n_other * cost[other], n_full, rank)
+                    if best is None or key < best[0]:
+                        best = (key, mix)
+                    break  # more X layers beside these full ones only recompute more
     return None if best is None else best[1]
 
 

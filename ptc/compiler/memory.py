@@ -46,6 +46,7 @@ import sympy
 
 from ptc.compiler.layout import Layout
 from ptc.compiler.profile import ModelProfile, b, s
+from ptc.errors import CompileError
 
 t, d, m = sympy.symbols("t d m", positive=True, integer=True)
 """Symbols of the tp degree, dp degree and micro-batches per step."""
@@ -233,11 +234,13 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     """(activations in flight, recompute working set) bytes of one rank of `stage`."""
     p, f = layout.pp, profile.fn
     seq_div = tt if layout.sp else 1
+    mx = sympy.Max if mn is sympy.Min else max
 
     kv_div = tt if profile.kv_divisor(layout.tp) == layout.tp else 1
 
     def act(region: str, policy: str) -> object:
-        return _activation(f, region, policy, bb, ss, tt, seq_div, kv_div)
+        return _activation(f, region, policy, bb, ss, tt, seq_div, kv_div,
+                           policy in profile.holds_input)
 
     units, per_unit = in_flight(layout, stage, mb, mn)
     pairs = layout.stage_policies(stage)
@@ -245,24 +248,29 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.
     per_layer = sum(count * act("layer", pol) for pol, count in pairs) / sum(c for _, c in pairs)
     activations = units * per_unit * per_layer
-    activations += (units * _chunk_ends(layout, stage) * act("out_unsaved", "none")
+    activations += (units * _chunk_ends(layout, stage, profile.holds_input)
+                    * act("out_unsaved", "none")
                     / len(layout.chunks(stage)))
     if stage == 0:
         pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
         activations += pre_units * act("pre", "none")
-        if layout.policy(0) == "full":  # its checkpoint keeps what it reads, saved or not
+        if layout.policy(0) in profile.holds_input:  # its checkpoint keeps what it reads
             activations += pre_units * act("in_unsaved", "none")
     if stage == p - 1:
         activations += (1 if layout.schedule != "gpipe" else units) * act("post", "none")
     recompute = 0
     if "full" in policies:
         recompute = act("layer", "none")
-    elif "selective" in policies:
+    elif "selective" in policies and len(set(policies) - {"none"}) == 1:
         recompute = act("layer", "none") - act("layer", "selective")
+    elif set(policies) - {"none"}:  # what the most freeing policy rebuilds
+        freed = [act("layer", "none") - act("layer", pol)
+                 for pol in sorted(set(policies) - {"none"})]
+        recompute = freed[0] if len(freed) == 1 else mx(*freed)
     return activations, recompute
 
 
-def _chunk_ends(layout: Layout, stage: int) -> int:
+def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> int:
     """How many unsaved layer outputs (`ModelProfile.output_unsaved`) the per-layer sums of
     `stage`'s chunks miss (positive) or count too often (negative), over all its chunks.
 
@@ -273,12 +281,13 @@ def _chunk_ends(layout: Layout, stage: int) -> int:
     the same charges shifted by one layer, so they differ only at its ends:
     the chunk's output, which the pipeline runtime holds until the
     micro-batch's backward (after the model's last layer only what the nodes
-    there save counts), adds one; a fully recomputed first layer, charged for
-    its output by its own policy rather than by its reader's, takes one off.
+    there save counts), adds one; a first layer whose checkpoint keeps its
+    input (`holds_input`: "full", and policies whose regions read it), charged
+    for its output by its own policy rather than by its reader's, takes one off.
     """
     ends = 0
     for layers in layout.chunks(stage):
-        ends += (layers[-1] != layout.layers - 1) - (layout.policy(layers[0]) == "full")
+        ends += (layers[-1] != layout.layers - 1) - (layout.policy(layers[0]) in holds_input)
     return ends
 
 
@@ -299,11 +308,25 @@ def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt)
 
 
 def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, seq_div,
-                kv_div=None) -> object:
+                kv_div=None, holds: bool = False) -> object:
     """Saved bytes of one region for one micro-batch on one rank, under a recompute policy;
-    `kv_div` divides the key/value path's part of the tp class (tt unless replicated)."""
+    `kv_div` divides the key/value path's part of the tp class (tt unless replicated).
+
+    A layer under a policy beyond none / selective / full has its own terms
+    (`ModelProfile.policy_saved`); `holds`: its checkpoint keeps the layer's input, so, as
+    "full" does with its `layer_output`, it is charged the part of its output no node saves
+    (`_chunk_ends`).
+    """
     if policy == "full":
         region = "out"
+    elif region == "layer" and policy not in ("none", "selective"):
+        if f"{policy}.tp" not in f:
+            raise KeyError(policy)
+        region = policy
+        if holds:
+            return _activation(f, policy, "none", bb, ss, tt, seq_div, kv_div) \
+                + _activation(f, "out_unsaved", "none", bb, ss, tt, seq_div, kv_div)
+        policy = "none"
     kv_div = tt if kv_div is None else kv_div
 
     def split(tp: str, kv: str) -> object:
@@ -315,6 +338,13 @@ def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, se
         return full
     return full - (split("core_tp", "core_kv") + f[f"{region}.core_seq"](bb, ss) / seq_div
                    + f[f"{region}.core_const"](bb, ss))
+
+
+def check_policies(profile: ModelProfile, policies) -> None:
+    """Raise the CompileError of the first policy the model's layers cannot take."""
+    for policy in policies:
+        if policy in profile.unavailable:
+            raise CompileError(profile.unavailable[policy])
 
 
 def stage_memory(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int
@@ -340,14 +370,16 @@ def stage_memory_expr(profile: ModelProfile, layout: Layout, prec: Precision, st
 
 def layer_activations(profile: ModelProfile, policy: str, *, sp: bool) -> sympy.Expr:
     """Saved bytes of one layer for one micro-batch on one tp rank, in b, s, t."""
-    return sympy.expand(_activation(profile.fn, "layer", policy, b, s, t, t if sp else 1))
+    return sympy.expand(_activation(profile.fn, "layer", policy, b, s, t, t if sp else 1,
+                                    holds=policy in profile.holds_input))
 
 
 def layer_activation_bytes(profile: ModelProfile, policy: str, *, micro_batch: int, seq_len: int,
                            tp: int, sp: bool) -> float:
     """Saved bytes of one layer for one micro-batch on one tp rank under `policy`, a number."""
     return float(_activation(profile.fn, "layer", policy, micro_batch, seq_len, tp,
-                             tp if sp else 1, profile.kv_divisor(tp)))
+                             tp if sp else 1, profile.kv_divisor(tp),
+                             holds=policy in profile.holds_input))
 
 
 def peak(terms: dict[str, float]) -> float:

@@ -44,12 +44,13 @@ import sympy
 import torch
 import torch.fx
 
-from ptc.compiler.activations import saved_storages
+from ptc.compiler.activations import saved_and_output_storages
 from ptc.compiler.meta import get_info, graph_info
 from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is_linear,
                                 node_shape)
+from ptc.compiler.recompute import EXTRA_POLICIES, is_matmul, recompute_regions
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
-from ptc.errors import PtcError
+from ptc.errors import CompileError, PtcError
 from ptc.plan import ModelSpec, Plan
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
@@ -157,6 +158,17 @@ class ModelProfile:
     """Elements of the tied weight (0 when untied)."""
     boundary_elements: sympy.Expr
     """Elements of the tensor passed between layers (b·s·h): pipeline and TP traffic."""
+    policy_saved: dict[str, SavedClasses] = field(default_factory=dict)
+    """Per recompute policy of `recompute.EXTRA_POLICIES` the model has: the saved bytes of
+    one layer under it (what its nodes outside the policy's regions save, the regions'
+    inputs, a saving region's matmul outputs), charged like `saved["layer"]`."""
+    policy_flops: dict[str, sympy.Expr] = field(default_factory=dict)
+    """Per policy of `policy_saved`: forward FLOPs of what it recomputes in one layer."""
+    holds_input: frozenset[str] = frozenset({"full"})
+    """Policies whose checkpoint keeps the layer's input (a region reads it): like "full",
+    they keep what crosses into the layer whether or not a node saves it."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Policies the model's layers cannot take -> why (the CompileError's message)."""
     shape: ModelSpec | None = None
     """For a custom model: its plan's model section with the shape its graph shows
     (`graph_shape`); None for a built-in family, whose plan names its shape."""
@@ -214,6 +226,7 @@ _CACHE: dict[tuple, ModelProfile] = {}
 _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
+            "compiler/recompute.py",
             "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
 
 
@@ -270,6 +283,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
+    policies = [p for p in EXTRA_POLICIES if f"{p}.tp" in fit]
+    unavailable = _unavailable(first)
     shape = graph_shape(first, dataclasses.replace(spec, max_seq=max_seq), sharding) \
         if custom else spec
     profile = ModelProfile(
@@ -280,7 +295,10 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
-        params=params, tied=tied_elements > 0,
+        policy_saved={p: _classes(fit, p) for p in policies},
+        policy_flops={p: fit[f"{p}.flops"] for p in policies},
+        holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
+        unavailable=unavailable, params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))
@@ -323,10 +341,12 @@ def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec, sharding: Sharding) -
 def _functions(profile: ModelProfile) -> dict[str, Callable]:
     """The profile's polynomials as fast functions of (b, s), by dotted name."""
     regions = {**profile.saved, "out": profile.layer_output,
-               "out_unsaved": profile.output_unsaved, "in_unsaved": profile.input_unsaved}
+               "out_unsaved": profile.output_unsaved, "in_unsaved": profile.input_unsaved,
+               **profile.policy_saved}
     polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in regions.items()
              for c in dataclasses.fields(SavedClasses)}
     polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
+    polys.update({f"flops.{p}": e for p, e in profile.policy_flops.items()})
     polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
                  fp8_flops=profile.fp8_flops,
                  boundary=profile.boundary_elements)
@@ -349,8 +369,12 @@ def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
 
 def _points(max_seq: int) -> list[tuple[int, int]]:
     q = max(1, min(max_seq, 64) // 4)
-    # A 2 x 3 grid fixes {1, b} x {1, s, s^2}; (3, 4q) checks the fit.
-    return [(pb, k * q) for pb in (1, 2) for k in (1, 2, 3)] + [(3, 4 * q)]
+    # A 2 x 3 grid fixes {1, b} x {1, s, s^2}; (4, 4q) checks the fit. Micro-batches 2 and 3:
+    # at b = 1 a batched matmul of a transposed operand (q @ k^T written out) saves a view of
+    # it, from b = 2 on a copy, so a term that keeps the operand's storage besides (op-level
+    # recompute of a norm keeps the qkv output) is polynomial from b = 2 on; at b = 1 it is
+    # that storage too high (conservative).
+    return [(pb, k * q) for pb in (2, 3) for k in (1, 2, 3)] + [(4, 4 * q)]
 
 
 def _fit(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
@@ -444,7 +468,8 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
     kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
            for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv")}
-    storages = saved_storages(gm, _inputs(gm), held=_boundaries(gm, region))
+    storages, outputs = saved_and_output_storages(gm, _inputs(gm),
+                                                  held=_boundaries(gm, region))
     fp8_linears = {n.name for n in gm.graph.nodes if fp8 and is_fp8_linear(n)}
     for st in storages:
         nbytes = _with_fp8_copies(st, fp8_linears)
@@ -478,6 +503,7 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
             cls = "tp" if n.name in sharded else "seq"
             for c in (cls, "kv") if n.name in kv_path else (cls,):
                 out[f"{region[n.name]}.core_{c}"] -= get_info(n).out_bytes
+    out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path))
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
@@ -489,6 +515,69 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
                 out["kv.flops"] += info.flops
             if n.name in fp8_linears and region[n.name] == "layer":
                 out["fp8.flops"] += info.flops
+    return out
+
+
+def _layer_nodes(gm: torch.fx.GraphModule, region: dict[str, str]) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if region[n.name] == "layer"
+            and n.op in ("call_module", "call_function", "call_method")]
+
+
+def _unavailable(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Policies of EXTRA_POLICIES layer 0 cannot take -> the CompileError's message."""
+    nodes, out = _layer_nodes(gm, _regions(gm)), {}
+    for policy in EXTRA_POLICIES:
+        try:
+            recompute_regions(nodes, policy, 0)
+        except CompileError as err:
+            out[policy] = str(err)
+    return out
+
+
+def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str, str],
+                  sharded: set[str], kv_path: set[str]) -> dict[str, int]:
+    """Per policy of EXTRA_POLICIES layer 0 can take: the bytes of the storages layer 0
+    makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`), the FLOPs it
+    recomputes (`.flops`) and whether a region reads the layer's input (`.holds`).
+
+    Kept: what a node outside the regions saves, each region's inputs (torch's
+    checkpoint holds them) and a saving region's matmul outputs, with the
+    log-sum-exp of a fused attention kernel: its selective checkpoint caches
+    every output of those aten ops (not the operand copies a batched matmul
+    makes around its bmm: they are recomputed).
+    """
+    nodes, out = _layer_nodes(gm, region), {}
+    crossing = _boundaries(gm, region)
+    for policy in EXTRA_POLICIES:
+        try:
+            regions = recompute_regions(nodes, policy, 0)
+        except CompileError:
+            continue
+        inside = {n.name for r in regions for n in r.nodes}
+        kept_nodes = {n.name for r in regions if r.saving for n in r.nodes if is_matmul(n)}
+        read = {a.name for r in regions for n in r.nodes for a in n.all_input_nodes
+                if a not in r.nodes and a.op != "get_attr"}
+        kept: dict[int, tuple[int, str]] = {
+            st.key: (st.nbytes, st.producer) for st in storages
+            if any(x not in inside for x in st.savers)}
+        for name in read | kept_nodes:
+            kept.update(outputs.get(name, {}))
+        kernels = {n.name for r in regions if r.saving for n in r.nodes
+                   if (parts := attention_parts(n)) is not None and parts.fused}
+        kept.update({st.key: (st.nbytes, st.producer) for st in storages
+                     if st.internal and st.producer in kernels})
+        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv"), 0)
+        for key, (nbytes, producer) in kept.items():
+            if region.get(producer) != "layer":
+                continue
+            terms["tp" if producer in sharded else "seq"] += nbytes
+            if producer in kv_path:
+                terms["kv"] += nbytes
+        out.update({f"{policy}.{c}": v for c, v in terms.items()})
+        out[f"{policy}.flops"] = sum(get_info(n).flops for r in regions for n in r.nodes
+                                     if get_info(n) is not None and n.name not in kept_nodes)
+        out[f"{policy}.holds"] = int(bool(read & crossing) and any(
+            region[name] != "layer" for name in read))
     return out
 
 

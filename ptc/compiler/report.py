@@ -15,6 +15,7 @@ import sympy
 from rich.console import Group
 from rich.text import Text
 
+from ptc.compiler.cost import policy_flops
 from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
@@ -106,9 +107,7 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
     profile = model_profile(plan.model, plan.train.dtype)
     before = estimate_layout(profile, replace(layout, checkpoint="none"), plan,
                              plan_precision(plan, profile)).stage_memory_bytes
-    f, b, s = profile.fn, layout.micro_batch, plan.train.seq_len
-    cost = {"full": float(f["flops.layer"](b, s)), "selective": float(f["core_flops"](b, s)),
-            "none": 0.0}
+    b, s = layout.micro_batch, plan.train.seq_len
     ckpt = plan.parallel.checkpoint
     how = {"auto": "auto: per stage, the least recompute that fits"}.get(ckpt, ckpt) \
         if isinstance(ckpt, str) else "per layer"
@@ -127,7 +126,7 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
         after = est.stage_memory_bytes[i]
         table.add_row(str(i), text, format_bytes(before[i]), format_bytes(after),
                       format_bytes(before[i] - after), _vs_budget(est.budget_bytes - after),
-                      f"{sum(cost[pol] for pol in policies):.3g}")
+                      f"{sum(float(policy_flops(profile, pol, b, s)) for pol in policies):.3g}")
     return table
 
 

@@ -87,6 +87,8 @@ class KwArg:
     key: str
     key_pos: Pos
     value: Value
+    key_call: Call | None = None
+    """The key when it is written as a call (`modules(mlp) = 0..3`; `key` is its name)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from ptc.plan import (
     CHECKPOINT_POLICIES,
     DTYPES,
     LAYER_CHECKPOINT_POLICIES,
+    RECOMPUTE_MODULES,
     SCHEDULES,
     TOKEN_DTYPES,
     DataSpec,
@@ -39,6 +40,7 @@ from ptc.plan import (
     LinkSpec,
     LRScheduleSpec,
     OptimizerSpec,
+    modules_policy,
 )
 
 MAX_PER_LAYER = 100_000
@@ -124,6 +126,11 @@ def read_call(r: Reader, node: ast.Value, key: str, forms: dict[str, Form],
             continue
         take(form.positional[index], arg, arg.pos)
     for kwarg in kwargs:
+        if kwarg.key_call is not None:
+            result.ok = False
+            sub.error(f"{name} takes name = value arguments, not {show(kwarg.key_call)} = ...",
+                      kwarg.key_pos)
+            continue
         if kwarg.key not in form.params:
             result.ok = False
             valid = tuple(form.params)
@@ -223,7 +230,7 @@ def flops(r: Reader, node: ast.Value, key: str) -> Any:
     ok = True
     convert = quantity("flops")
     for kwarg in node.kwargs:
-        if kwarg.key not in COMPUTE_DTYPES:
+        if kwarg.key not in COMPUTE_DTYPES or kwarg.key_call is not None:
             ok = False
             r.error(f"unknown compute dtype '{kwarg.key}' in flops"
                     f"{did_you_mean(kwarg.key, COMPUTE_DTYPES)}", kwarg.key_pos, key,
@@ -265,20 +272,27 @@ def schedule(r: Reader, node: ast.Value, key: str) -> Any:
 def checkpoint(layers: int | None) -> Any:
     """A converter for `checkpoint`, knowing the model's layer count (None: unknown).
 
-    Forms: a policy name; a list with one policy per layer; or
-    `layers(full = 0..39, selective = 40..79)`, which must give every layer
-    exactly one policy and becomes the per-layer tuple.
+    Forms: a policy name or `modules(core_attn, mlp)`; a list with one policy
+    per layer; or `layers(full = 0..39, modules(mlp) = 40..79)`, which must
+    give every layer exactly one policy and becomes the per-layer tuple.
     """
     policy = word(CHECKPOINT_POLICIES)
     per_layer = word(LAYER_CHECKPOINT_POLICIES)
 
+    def layer_policy(r: Reader, node: ast.Value, key: str) -> Any:
+        if isinstance(node, ast.Call) and node.name == "modules":
+            return _modules(r, node, key)
+        return per_layer(r, node, key)
+
     def convert(r: Reader, node: ast.Value, key: str) -> Any:
         if isinstance(node, ast.Name):
             return policy(r, node, key)
+        if isinstance(node, ast.Call) and node.name == "modules":
+            return _modules(r, node, key)
         if isinstance(node, ast.List):
             if len(node.items) > MAX_PER_LAYER:
                 return r.error(f"{key} lists more than {MAX_PER_LAYER} layers", node.pos, key)
-            values = [per_layer(r, item, key) for item in node.items]
+            values = [layer_policy(r, item, key) for item in node.items]
             if not values:
                 return r.error(f"{key} = [] lists no layers", node.pos, key)
             return INVALID if any(v is INVALID for v in values) else tuple(values)
@@ -286,11 +300,38 @@ def checkpoint(layers: int | None) -> Any:
             return _layer_ranges(r, node, key, layers)
         if isinstance(node, ast.Invalid):
             return INVALID
-        return r.error(f"{key} must be a policy ({', '.join(CHECKPOINT_POLICIES)}), a list "
-                       f"with one policy per layer, or layers(full = 0..39, ...), got "
-                       f"{show(node)}", node.pos, key, CHECKPOINT_POLICIES)
+        return r.error(f"{key} must be a policy ({', '.join(CHECKPOINT_POLICIES)}), "
+                       f"modules(core_attn, mlp, ...), a list with one policy per layer, or "
+                       f"layers(full = 0..39, ...), got {show(node)}", node.pos, key,
+                       CHECKPOINT_POLICIES)
 
     return convert
+
+
+def _modules(r: Reader, node: ast.Call, key: str) -> Any:
+    """`modules(core_attn, mlp)` -> its canonical policy string (`plan.modules_policy`)."""
+    ok, names = True, []
+    for kwarg in node.kwargs:
+        ok = False
+        r.error(f"modules(...) takes module names, e.g. modules(core_attn, mlp), not "
+                f"{kwarg.key} = ...", kwarg.key_pos, key, RECOMPUTE_MODULES)
+    for arg in node.args:
+        if isinstance(arg, ast.Invalid):
+            ok = False
+        elif not isinstance(arg, ast.Name) or arg.name not in RECOMPUTE_MODULES:
+            ok = False
+            shown = arg.name if isinstance(arg, ast.Name) else show(arg)
+            hint = did_you_mean(shown, RECOMPUTE_MODULES) if isinstance(arg, ast.Name) else ""
+            r.error(f"unknown module '{shown}' in modules(...){hint}", arg.pos, key,
+                    RECOMPUTE_MODULES)
+        elif arg.name in names:
+            ok = False
+            r.error(f"modules(...) names {arg.name} twice", arg.pos, key)
+        else:
+            names.append(arg.name)
+    if ok and not names:
+        return r.error("modules() names no module", node.pos, key, RECOMPUTE_MODULES)
+    return modules_policy(names) if ok else INVALID
 
 
 def _layer_ranges(r: Reader, node: ast.Call, key: str, layers: int | None) -> Any:
@@ -304,7 +345,13 @@ def _layer_ranges(r: Reader, node: ast.Call, key: str, layers: int | None) -> An
     ok = True
     limit = layers if layers is not None else MAX_PER_LAYER
     for kwarg in node.kwargs:
-        if kwarg.key not in LAYER_CHECKPOINT_POLICIES:
+        policy = kwarg.key
+        if kwarg.key_call is not None and kwarg.key_call.name == "modules":
+            policy = _modules(r, kwarg.key_call, key)
+            if policy is INVALID:
+                ok = False
+                continue
+        elif kwarg.key not in LAYER_CHECKPOINT_POLICIES or kwarg.key_call is not None:
             ok = False
             r.error(f"unknown per-layer policy '{kwarg.key}'"
                     f"{did_you_mean(kwarg.key, LAYER_CHECKPOINT_POLICIES)}", kwarg.key_pos, key,
@@ -321,9 +368,9 @@ def _layer_ranges(r: Reader, node: ast.Call, key: str, layers: int | None) -> An
                     ok = False
                     first, pos = owner[layer]
                     r.error(f"layer {layer} is given two policies: {first} (column "
-                            f"{pos.column}) and {kwarg.key}", part.pos, key)
+                            f"{pos.column}) and {policy}", part.pos, key)
                     break
-                owner[layer] = (kwarg.key, part.pos)
+                owner[layer] = (policy, part.pos)
     if not ok:
         return INVALID
     count = layers if layers is not None else (max(owner) + 1 if owner else 0)

@@ -31,6 +31,7 @@ from ptc.plan import (
     Plan,
     RuntimeSpec,
     TrainSpec,
+    policy_modules,
 )
 from ptc.units import UNITS
 
@@ -221,7 +222,7 @@ def _init(init: InitSpec) -> str:
 def checkpoint(policy: str | tuple[str, ...]) -> str:
     """A checkpoint policy; a per-layer tuple as `layers(full = 0..39, ...)`."""
     if isinstance(policy, str):
-        return word(policy)
+        return policy if policy_modules(policy) else word(policy)
     runs: dict[str, list[str]] = {}
     start = 0
     for i in range(1, len(policy) + 1):
@@ -229,7 +230,8 @@ def checkpoint(policy: str | tuple[str, ...]) -> str:
             runs.setdefault(policy[start], []).append(
                 str(start) if i - 1 == start else f"{start}..{i - 1}")
             start = i
-    parts = [f"{_key(p)} = {r[0] if len(r) == 1 else '[' + ', '.join(r) + ']'}"
+    parts = [f"{p if policy_modules(p) else _key(p)} = "
+             f"{r[0] if len(r) == 1 else '[' + ', '.join(r) + ']'}"
              for p, r in runs.items()]
     return f"layers({', '.join(parts)})"
 

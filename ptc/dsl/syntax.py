@@ -190,6 +190,11 @@ class _Builder:
             for child in rest:
                 if isinstance(child, Tree) and child.data == "kwarg":
                     key, value = child.children
+                    if isinstance(key, Tree):  # a call as the key
+                        call = self.value(Tree("call", key.children, key.meta))
+                        kwargs.append(ast.KwArg(key=call.name, key_pos=call.pos,
+                                                value=self.value(value), key_call=call))
+                        continue
                     kwargs.append(ast.KwArg(key=str(key), key_pos=_token_pos(key),
                                             value=self.value(value)))
                 elif child is not None:

@@ -9,8 +9,9 @@ from torch import fx
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import attention_parts
+from ptc.compiler.recompute import recompute_regions
 from ptc.errors import CompileError
+from ptc.plan import RECOMPUTE_MODULES, modules_policy, policy_modules
 from ptc.passes.codegen import recompile
 from ptc.passes.functional import functionalize
 from ptc.ops.recompute import checkpoint_region, invoke_module
@@ -23,19 +24,22 @@ region is found by its `checkpoint_region` call, see `checkpoint_regions`)."""
 
 
 def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
-    """Insert checkpoint_region calls so layers (or their attention cores) recompute in backward.
+    """Insert checkpoint_region calls so each layer's recompute policy reruns its regions.
 
     The memory model (ptc.compiler.memory) prices the plan's checkpoint policy;
-    this pass makes the runtime match it. A "full" layer's nodes move into
-    one region GraphModule, a "selective" layer's attention core (scores,
-    softmax, dropout, probabilities @ values; or the fused SDPA) does; each
-    region is called through `ptc.ops.recompute.checkpoint_region`, so
-    only its inputs are kept and backward reruns its forward. Parameters the
-    region reads stay get_attr nodes of the outer graph passed in as inputs,
-    so later passes (ZeRO) still see and rewrite them; under ZeRO-3 a full
-    region therefore keeps its layer's gathered weights until backward.
-    Each layer's policy is the Decisions record's (checkpoint = "auto" is
-    resolved per stage there, before any pass).
+    this pass makes the runtime match it. Which nodes a policy recomputes is
+    `ptc.compiler.recompute.recompute_regions`' answer (a "full" layer is
+    one region, a "selective" layer's attention core is, "ops" keeps the
+    matmuls' outputs of one region, `modules(...)` recomputes the named
+    modules). Each region's nodes move into one region GraphModule called
+    through `ptc.ops.recompute.checkpoint_region`, so only its inputs (and,
+    in a saving region, its matmuls' outputs) are kept and backward reruns
+    the rest of its forward. Parameters the region reads stay get_attr nodes
+    of the outer graph passed in as inputs, so later passes (ZeRO) still see
+    and rewrite them; under ZeRO-3 a full region therefore keeps its layer's
+    gathered weights until backward. Each layer's policy is the Decisions
+    record's (checkpoint = "auto" is resolved per stage there, before any
+    pass).
     """
     layers: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -44,76 +48,69 @@ def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.Graph
                                                                        "call_function",
                                                                        "call_method"):
             layers.setdefault(info.layer, []).append(node)
-    counts = {"full": 0, "selective": 0}
+    counts: dict[str, int] = {}
     for layer, nodes in sorted(layers.items()):
         policy = decisions.policy(layer)
-        if policy == "full":
-            regions = [nodes]
-        elif policy == "selective":
-            regions = _attention_cores(nodes)
-            if not regions:
-                raise CompileError(f"checkpoint = selective: no attention found in layer {layer}")
-        else:
-            continue
+        regions = recompute_regions(nodes, policy, layer)
         for k, region in enumerate(regions):
-            _outline(gm, region, f"{REGION_PREFIX}{layer}_{policy}_{k}")
-        counts[policy] += 1
-    if counts["full"] or counts["selective"]:
+            _gather(gm, list(region.nodes))
+            _outline(gm, list(region.nodes), f"{REGION_PREFIX}{layer}_{region_tag(policy)}_{k}",
+                     saving=region.saving)
+        if regions:
+            counts[policy] = counts.get(policy, 0) + 1
+    if counts:
         gm.graph.lint()
         recompile(gm)
-        log.info("checkpointed %d layers full, %d selective", counts["full"], counts["selective"])
+        if set(counts) <= {"full", "selective"}:
+            log.info("checkpointed %d layers full, %d selective", counts.get("full", 0),
+                     counts.get("selective", 0))
+        else:
+            log.info("checkpointed layers: %s",
+                     ", ".join(f"{n} {p}" for p, n in sorted(counts.items())))
     return gm
 
 
-def _attention_cores(nodes: list[fx.Node]) -> list[list[fx.Node]]:
-    """The attention cores among a layer's nodes, each as its nodes in graph order."""
+def region_tag(policy: str) -> str:
+    """The policy as a part of a region's attribute name: `modules(core_attn, mlp)` ->
+    `modules__core_attn__mlp` (names must be identifiers)."""
+    modules = policy_modules(policy)
+    if modules is None or policy == "selective":
+        return policy
+    return "__".join(["modules", *(m for m in RECOMPUTE_MODULES if m in modules)])
+
+
+def region_layer_policy(name: str) -> tuple[int, str]:
+    """(layer, policy) of a region attribute named by this pass (`region_tag`)."""
+    layer, rest = name.removeprefix(REGION_PREFIX).split("_", 1)
+    tag = rest.rsplit("_", 1)[0]
+    if tag.startswith("modules__"):
+        return int(layer), modules_policy(tag.split("__")[1:])
+    return int(layer), tag
+
+
+def _gather(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+    """Reorder the graph so no other node lies between `nodes` (graph order): the nodes of
+    the span that read the region move after it, the others before it."""
     members = set(nodes)
-    cores = []
-    for node in nodes:
-        parts = attention_parts(node)
-        if parts is None:
-            continue
-        if parts.fused:
-            cores.append([node])
-            continue
-        # Everything between the scores matmul and the output matmul.
-        scores = _scores_node(parts)
-        down = _reach(scores, members, lambda n: n.users)
-        up = _reach(node, members, lambda n: n.all_input_nodes)
-        core = down & up
-        cores.append([n for n in nodes if n in core])
-    return cores
-
-
-def _scores_node(parts) -> fx.Node:
-    """The q @ k^T matmul node of a written-out attention."""
-    q = parts.q
-    for user in q.users:
-        if parts.k in user.all_input_nodes:
-            return user
-    # q or k went through a view on the way: search from the output back.
-    todo, seen = [parts.out], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if q in n.all_input_nodes and parts.k in n.all_input_nodes:
-            return n
-        todo.extend(n.all_input_nodes)
-    raise CompileError(f"cannot find the scores of attention {parts.out.name}")
-
-
-def _reach(node: fx.Node, members: set[fx.Node], step) -> set[fx.Node]:
-    """The members reachable from `node` (itself included) by repeatedly taking `step(n)`."""
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in out or n not in members:
-            continue
-        out.add(n)
-        todo.extend(step(n))
-    return out
+    order = list(gm.graph.nodes)
+    span = order[order.index(nodes[0]):order.index(nodes[-1]) + 1]
+    after: list[fx.Node] = []
+    reading = set(members)
+    for n in span:
+        if n in members:
+            if any(a in reading and a not in members for a in n.all_input_nodes):
+                raise CompileError(f"cannot checkpoint {nodes[0].name}..{nodes[-1].name}: "
+                                   f"{n.name} reads a node that reads the region")
+        elif any(a in reading for a in n.all_input_nodes):
+            after.append(n)
+            reading.add(n)
+    for n in span:
+        if n not in members and n not in reading:
+            nodes[0].prepend(n)
+    anchor = nodes[-1]
+    for n in after:
+        anchor.append(n)
+        anchor = n
 
 
 def _has_params(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -134,8 +131,10 @@ def _invoked(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return new
 
 
-def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
-    """Move `nodes` (graph order) into a region GraphModule called via checkpoint_region."""
+def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, *, saving: bool = False
+             ) -> None:
+    """Move `nodes` (graph order) into a region GraphModule called via checkpoint_region;
+    `saving`: the region keeps its matmuls' outputs (`ptc.compiler.recompute.Region`)."""
     # Leaf modules with parameters become functional ops on get_attr nodes of the outer graph.
     # Parameter-free ones (dropout, activations) are passed in as modules and invoked.
     nodes = [(functionalize(gm, n) if _has_params(gm, n) else _invoked(gm, n))
@@ -180,9 +179,16 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     with gm.graph.inserting_after(last):
         mod = gm.graph.get_attr(name)
     with gm.graph.inserting_after(mod):
-        call = gm.graph.call_function(checkpoint_region, (mod, *inputs))
+        call = gm.graph.call_function(checkpoint_region, (mod, *inputs),
+                                      {"save_matmuls": True} if saving else {})
     copy_meta(last, mod, kind="other", shapes=(), dtypes=(), flops=0, params=0, param_bytes=0)
-    copy_meta(last, call, flops=sum(get_info(n).flops for n in nodes if get_info(n)))
+    flops = sum(get_info(n).flops for n in nodes if get_info(n))
+    if len(outputs) == 1:
+        copy_meta(last, call, flops=flops)
+    else:  # the call's value is the tuple of the outputs
+        infos = [get_info(o) for o in outputs]
+        copy_meta(last, call, flops=flops, shapes=tuple(i.shapes[0] for i in infos),
+                  dtypes=tuple(i.dtypes[0] for i in infos))
     if len(outputs) == 1:
         outputs[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)
     else:

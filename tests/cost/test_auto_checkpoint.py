@@ -211,3 +211,42 @@ def test_auto_is_the_same_in_every_process() -> None:
     assert out[0] == out[1]
     assert out[0] == list(estimate(pp2_plan(budget=budgets()[name])).layout.checkpoint)
     assert len(set(out[0])) > 1  # a real mix, not a uniform policy
+
+
+@pytest.mark.parametrize("name", list(budgets()))
+def test_auto_over_every_policy_beats_or_equals_the_three_and_is_exact(name: str) -> None:
+    """`auto_checkpoint(..., policies=LAYER_POLICIES)`: op-level and module recompute are
+    candidates too. Its choice fits, recomputes no more than the three-policy choice, and is
+    the least recompute over every assignment of full plus one other policy per stage (what
+    it enumerates), checked by brute force per stage."""
+    from ptc.compiler.cost import policy_flops  # noqa: PLC0415
+    from ptc.compiler.estimate import auto_checkpoint  # noqa: PLC0415
+    from ptc.compiler.recompute import LAYER_POLICIES  # noqa: PLC0415
+
+    plan = pp2_plan(budget=budgets()[name])
+    profile = model_profile(SPEC, "fp32")
+    prec = plan_precision(plan, profile)
+
+    def flops(policy: tuple[str, ...]) -> float:
+        return sum(policy_flops(profile, p, 1, 32) for p in policy)
+
+    runs = [auto_checkpoint(profile, layout_of(plan, "none"), prec, 32,
+                            plan.hardware.memory_budget, LAYER_POLICIES).checkpoint
+            for _ in range(2)]
+    chosen = runs[0]
+    assert runs[0] == runs[1]
+    assert max(stage_peaks(plan, chosen)) <= plan.hardware.memory_budget
+    assert flops(chosen) <= flops(estimate(plan).layout.checkpoint)
+    others = [p for p in LAYER_POLICIES if p not in ("none", "full")]
+    layers = layout_of(plan, "none")
+    for stage in range(2):
+        own = layers.stage_layers(stage)
+        best = None
+        for other in others:
+            for mix in itertools.product(("none", "full", other), repeat=len(own)):
+                policy = list(chosen)
+                for layer, pol in zip(own, mix):
+                    policy[layer] = pol
+                if stage_peaks(plan, tuple(policy))[stage] <= plan.hardware.memory_budget:
+                    best = flops(mix) if best is None else min(best, flops(mix))
+        assert flops(tuple(chosen[i] for i in own)) == best, f"stage {stage}"

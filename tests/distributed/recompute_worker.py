@@ -27,7 +27,7 @@ class RecomputeCase:
     layout: str
     """One of LAYOUTS."""
     checkpoint: str | tuple[str, ...]
-    """"none", "selective", "full", "auto" or one policy per layer."""
+    """"none", "selective", "full", "ops", "modules(...)", "auto" or one policy per layer."""
     zero: int = 0
     """ZeRO stage (dp2 only)."""
 
@@ -77,15 +77,15 @@ def auto_budget(plan: Plan) -> float:
 
 def program_policies(program) -> tuple[str, ...]:
     """Per layer, the policy the compiled graphs apply, read off their checkpoint regions."""
-    from ptc.passes.activation_checkpoint import REGION_PREFIX
+    from ptc.passes.activation_checkpoint import region_layer_policy
     from ptc.ops.recompute import checkpoint_region
 
     policies = ["none"] * program.plan.model.layers
     for stage in program.stages:
         for node in stage.graph.graph.nodes:
             if node.op == "call_function" and node.target is checkpoint_region:
-                layer, policy, _ = node.args[0].target.removeprefix(REGION_PREFIX).split("_")
-                policies[int(layer)] = policy
+                layer, policy = region_layer_policy(node.args[0].target)
+                policies[layer] = policy
     return tuple(policies)
 
 

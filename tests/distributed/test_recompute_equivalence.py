@@ -1,7 +1,8 @@
 """Activation checkpointing on 2 gloo processes trains like plain PyTorch, under every policy.
 
 Layouts (all on 2 processes, one launch): dp 2 with ZeRO-1 and ZeRO-3, tp 2,
-pp 2 (1F1B, 2 micro-batches). Policies: full, selective, a per-layer mix,
+pp 2 (1F1B, 2 micro-batches). Policies: full, selective, ops, modules(...),
+a per-layer mix,
 and "auto" under a budget (`recompute_worker.auto_budget`) where it
 resolves to a mix that differs between the pipeline's stages. Models: the
 tiny GPT (written-out attention) and Llama (fused SDPA, grouped-query).
@@ -42,6 +43,11 @@ CASES = [
     RecomputeCase("llama", "pp2", "full"),
     RecomputeCase("llama", "pp2", "selective"),
     RecomputeCase("gpt", "pp2", "auto"),
+    RecomputeCase("gpt", "dp2", "ops", zero=1),
+    RecomputeCase("llama", "dp2", "modules(core_attn, mlp, norm, act)", zero=3),
+    RecomputeCase("gpt", "tp2", "ops"),
+    RecomputeCase("llama", "tp2", "modules(norm, act)"),
+    RecomputeCase("llama", "pp2", ("ops", "modules(mlp)", "none", "modules(norm)")),
 ]
 _run: dict = {}
 

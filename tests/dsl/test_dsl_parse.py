@@ -106,6 +106,37 @@ def test_per_layer_checkpoint_forms() -> None:
     assert listed.parallel.checkpoint == ("full",) * 8
 
 
+def test_op_level_and_module_checkpoint_forms() -> None:
+    """`ops` and `modules(...)`, whole, listed and by ranges; written canonically (the
+    modules in core_attn, mlp, norm, act order; modules(core_attn) is selective)."""
+    assert parse(edit("checkpoint = selective", "checkpoint = ops")).parallel.checkpoint == "ops"
+    mods = parse(edit("checkpoint = selective", "checkpoint = modules(act, core_attn)"))
+    assert mods.parallel.checkpoint == "modules(core_attn, act)"
+    core = parse(edit("checkpoint = selective", "checkpoint = modules(core_attn)"))
+    assert core.parallel.checkpoint == "selective"
+    ranges = parse(edit("checkpoint = selective",
+                        "checkpoint = layers(modules(mlp, norm) = 0..5, ops = [6, 7])"))
+    assert ranges.parallel.checkpoint == ("modules(mlp, norm)",) * 6 + ("ops", "ops")
+    listed = parse(edit("checkpoint = selective",
+                        "checkpoint = [" + ", ".join(["modules(mlp)", "ops"] * 4) + "]"))
+    assert listed.parallel.checkpoint == ("modules(mlp)", "ops") * 4
+    from ptc.dsl import dump_plan  # noqa: PLC0415
+
+    assert parse(dump_plan(ranges)).parallel.checkpoint == ranges.parallel.checkpoint
+
+
+def test_unknown_recompute_module_names_the_valid_ones() -> None:
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = modules(core_attn, mpl)"))
+    assert "unknown module 'mpl' in modules(...); did you mean 'mlp'?" in err.message
+    assert err.choices == ("core_attn", "mlp", "norm", "act")
+    assert (err.span.line, err.span.column) == (24, 35)
+    (err,) = errors(edit("checkpoint = selective",
+                         "checkpoint = layers(full = 0..3, modules(nrom) = 4..7)"))
+    assert "unknown module 'nrom'" in err.message and err.choices[2] == "norm"
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = modules()"))
+    assert "modules() names no module" in err.message
+
+
 def test_schedule_order_and_virtual_stages_key() -> None:
     plan = parse(edit("schedule = 1f1b", "schedule = interleaved\n  virtual_stages = 2",
                       "zero = 1", "zero = 1\n  order = (dp, tp, pp)"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
@@ -29,6 +32,7 @@ from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
 from ptc.compiler.decisions import resolve  # noqa: E402
 from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+from ptc.ops import recompute as recompute_ops  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
 from ptc.units import format_bytes  # noqa: E402
 from tests.memory.test_measured_activations import cpu_statistics_gap  # noqa: E402
@@ -42,6 +46,13 @@ SPECS = {
                        vocab=256, max_seq=64),
 }
 POLICIES = ["none", "full", "selective", ("full", "selective", "none")]
+NEW_POLICIES = ["ops", "modules(mlp)", "modules(norm)", "modules(act)",
+                "modules(core_attn, mlp, norm, act)", ("ops", "modules(norm, act)", "none")]
+"""Op-level and module recompute (`ptc.compiler.recompute`)."""
+REGIONS = {"none": 0, "full": 1, "selective": 1, "ops": 1, "modules(mlp)": 1,
+           "modules(norm)": 2, "modules(act)": 1, "modules(core_attn, mlp, norm, act)": 3,
+           "modules(norm, act)": 3}
+"""Regions per layer of the tiny models: norm, act and mlp share the MLP's input linears."""
 B, S = 2, 32
 
 
@@ -77,6 +88,27 @@ def exact_loss_and_grads(p: Plan, model, tokens, targets):
     return loss_and_grads(with_weights(capture_plan(p), model64), model64, tokens, targets)
 
 
+@contextlib.contextmanager
+def cached_by_regions(note):
+    """Call `note` on every tensor a saving region's selective checkpoint caches in forward
+    (`ptc.ops.recompute.save_matmuls_policy` deciding MUST_SAVE): what it keeps besides."""
+    original = recompute_ops.save_matmuls_policy
+
+    def policy(ctx, op, *args, **kwargs):
+        decision = original(ctx, op, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            for t in pytree.tree_leaves(ctx.op_output):
+                if isinstance(t, torch.Tensor):
+                    note(t)
+        return decision
+
+    recompute_ops.save_matmuls_policy = policy
+    try:
+        yield
+    finally:
+        recompute_ops.save_matmuls_policy = original
+
+
 def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
     """Distinct non-parameter storages autograd saves, plus the inputs each region keeps."""
     state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
@@ -95,7 +127,7 @@ def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
     hooks = [mod.register_forward_pre_hook(
         lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
         for name, mod in gm.named_children() if name.startswith(REGION_PREFIX)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = gm(tokens, targets)
     for h in hooks:
         h.remove()
@@ -104,20 +136,22 @@ def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
 
 
 @pytest.mark.parametrize("family", list(SPECS))
-@pytest.mark.parametrize("policy", POLICIES, ids=str)
+@pytest.mark.parametrize("policy", POLICIES + NEW_POLICIES, ids=str)
 def test_loss_and_gradients_match_the_uncheckpointed_graph(family, policy):
     p = plan(family, policy)
     model = build_model(p.model, device="cpu", seed=1)
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
     ref = loss_and_grads(with_weights(capture_plan(p), model), model, tokens, targets)
     gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
-    assert len(regions(gm)) == (0 if policy == "none" else 3 if isinstance(policy, str) else 2)
+    per_layer = [policy] * 3 if isinstance(policy, str) else policy
+    assert len(regions(gm)) == sum(REGIONS[pol] for pol in per_layer)
     got = loss_and_grads(gm, model, tokens, targets)
     assert_loss_and_grads_match(got, ref, exact_loss_and_grads(p, model, tokens, targets),
                                 f"{family} {policy}", tokens.numel())
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective", "ops", "modules(mlp)",
+                                    "modules(core_attn, mlp, norm, act)"])
 def test_dropout_masks_match_on_recompute(policy):
     spec = dataclasses.replace(SPECS["gpt"], dropout=0.2)
     p = plan("gpt", policy, spec=spec)
@@ -126,7 +160,8 @@ def test_dropout_masks_match_on_recompute(policy):
     torch.manual_seed(5)
     ref = loss_and_grads(with_weights(capture_plan(p), model), model, tokens, targets)
     gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
-    assert len(regions(gm)) == 3  # selective: attention's region found past nn.Dropout calls
+    # selective: attention's region found past nn.Dropout calls
+    assert len(regions(gm)) == 3 * REGIONS[policy]
     torch.manual_seed(5)
     got = loss_and_grads(gm, model, tokens, targets)
     torch.manual_seed(5)  # float64 draws the same masks
@@ -136,7 +171,7 @@ def test_dropout_masks_match_on_recompute(policy):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(SPECS))
-@pytest.mark.parametrize("policy", POLICIES, ids=str)
+@pytest.mark.parametrize("policy", POLICIES + NEW_POLICIES, ids=str)
 def test_saved_bytes_match_the_memory_model(family, policy, dtype):
     """Exact, in both dtypes: a fully recomputed layer keeps its input in the compute dtype
     whether or not a node after it saves that storage (bf16 RMSNorm saves an fp32 copy)."""
@@ -193,7 +228,7 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
         hooks += [mod.register_forward_pre_hook(
             lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
             for name, mod in stage.named_children() if name.startswith(REGION_PREFIX)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = pipeline(tokens, targets)
     for h in hooks:  # backward reruns the regions: their inputs are counted already
         h.remove()
@@ -204,7 +239,9 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("policy", ["none", "selective", "full", ("none", "full", "full", "none"),
-                                    ("full", "selective", "selective", "full")], ids=str)
+                                    ("full", "selective", "selective", "full"), "ops",
+                                    "modules(norm, act)", ("modules(mlp)", "ops", "ops", "full"),
+                                    ("none", "ops", "modules(norm)", "none")], ids=str)
 def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy, dtype):
     """pp = 2, one micro-batch in flight: each stage exactly as the model predicts.
 
@@ -350,3 +387,27 @@ def _explain_text(p: Plan) -> str:
     console = Console(width=160, record=True)
     console.print(render_explain(p))
     return console.export_text()
+
+
+@pytest.mark.parametrize("policy, module", [("modules(act)", "act"), ("modules(mlp)", "mlp"),
+                                            ("modules(core_attn, norm)", "core_attn"),
+                                            ("modules(norm)", "norm")])
+def test_a_module_the_layer_lacks_is_one_compile_error_naming_layer_and_module(policy, module):
+    """Never recompute nothing silently: two linears have no activation, MLP, attention or
+    norm."""
+    from ptc.compiler.recompute import recompute_regions  # noqa: PLC0415
+    from ptc.errors import CompileError  # noqa: PLC0415
+
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module"]
+    with pytest.raises(CompileError) as info:
+        recompute_regions(nodes, policy, 3)
+    message = str(info.value)
+    assert "\n" not in message and "layer 3" in message and f"({module})" in message
+
+
+def test_explain_names_op_level_and_module_policies():
+    spec = dataclasses.replace(SPECS["llama"], layers=4)
+    text = _explain_text(plan("llama", ("ops", "ops", "modules(core_attn, mlp)", "none"),
+                              pp=2, spec=spec))
+    assert "0-1:ops" in text and "2:modules(core_attn, mlp), 3:none" in " ".join(text.split())
