@@ -56,10 +56,11 @@ def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     from ptc.models import build_model  # noqa: PLC0415
 
-    if model is None:
-        model = build_model(plan.model, device="meta")
+    dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
+    if model is None:  # ours to change: in the compute dtype already, capture copies nothing
+        model = build_model(plan.model, device="meta").to(dtype)
     return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
-                   dtype=COMPUTE_DTYPES[plan.train.compute_dtype])
+                   dtype=dtype)
 
 
 def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:

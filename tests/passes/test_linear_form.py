@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import capture, with_weights  # noqa: E402
-from ptc.compiler.nodes import linear_out_dim, op_name  # noqa: E402
+from ptc.compiler.nodes import linear_out_dim, linear_weight, op_name  # noqa: E402
 from ptc.passes.linear_form import to_linear_form  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,3 +81,32 @@ def test_the_flatten_and_unflatten_around_conv1d_are_gone():
     up = next(n for n in gm.graph.nodes if op_name(n) == "linear")
     assert up.args[0].op == "call_module"  # the embedding: reads its [b, s, h] output directly
     assert all(op_name(u) not in ("view", "reshape") for u in up.users)
+
+
+class TransposedStyle(nn.Module):
+    """Falcon's linear: a weight stored [out, in], applied as `x @ w.T`, through the export
+    door (torch.finfo stops symbolic tracing), where `w.T` is aten's numpy_T."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.up = nn.Parameter(torch.randn(48, 32) / 32 ** 0.5)
+        self.head = nn.Linear(32 + 48, 64)
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        torch.finfo(h.dtype)
+        h = torch.cat([h, F.gelu(h @ self.up.T)], dim=-1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def test_a_product_with_a_transposed_weight_is_a_linear_of_the_stored_weight():
+    torch.manual_seed(0)
+    model = TransposedStyle()
+    gm = capture(model, micro_batch=2, seq_len=16)
+    assert to_linear_form(gm) == 1
+    up = next(n for n in gm.graph.nodes if n.op == "call_function" and linear_weight(n) == "up")
+    assert linear_out_dim(up) == 0  # stored [out, in]: tp splits its rows for a colwise split
+    tokens = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 64, (2, 16))
+    assert torch.equal(with_weights(gm, model)(tokens, targets), model(tokens, targets))

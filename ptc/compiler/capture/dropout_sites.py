@@ -50,8 +50,9 @@ def number_dropout_sites(gm: fx.GraphModule, micro_batch: int, seq_len: int) -> 
                 kwargs |= {"site": site, "full": (qs[-3], qs[-2], ks[-2])}
                 _replace(gm, node, site_attention, (), kwargs)
             site += 1
-    gm.graph.lint()
-    gm.recompile()
+    if site:  # a graph without dropout is unchanged: its code stands
+        gm.graph.lint()
+        gm.recompile()
     return site
 
 
