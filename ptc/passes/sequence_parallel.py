@@ -158,6 +158,13 @@ def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
     region = {n for n in gm.graph.nodes if prop.is_split(n)}
     for node in region:
         meta = get_info(node)
+        if meta is not None and meta.kind == "attention":
+            # Outside a tp region (its projections kept whole by a rule) the attention would
+            # see only the rank's positions: each token attending within its rank's part.
+            raise CompileError(f"sequence parallelism: {where(node)} would attend over the "
+                               "rank's part of the sequence only: its projections are not "
+                               "split over tp (a `shard ... replicate` rule keeps them whole); "
+                               "turn sequence_parallel off or let tp split this attention")
         if meta is not None and meta.kind == "softmax":
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
             if dim % len(prop.local[node][0]) == SEQ_DIM:

@@ -9,6 +9,7 @@ on several processes is in tests/distributed/test_tp_equivalence.py.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ from ptc.compiler.meta import get_info  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
-from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
+from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
+                      TrainSpec)
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp,  # noqa: E402
                                 reduce_scatter_seq, scatter_seq)
 from tests.user_models.nanogpt import nanogpt  # noqa: E402
@@ -145,6 +147,17 @@ class TestShardSequencePass:
         p = plan(GPT)
         with pytest.raises(CompileError, match="run the tensor_parallel pass first"):
             apply_pass(shard_sequence_pass, capture_plan(p), p)
+
+    @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+    def test_an_attention_kept_whole_by_a_rule_is_refused(self, model):
+        """Its input would be the rank's part of the sequence: a causal attention over it
+        (SDPA with is_causal, no mask whose shape would disagree) would train silently wrong."""
+        whole = dataclasses.replace(plan(model).parallel, shards=(
+            ShardRule(pattern="layers.*.attn.*", style="replicate"),))
+        p = dataclasses.replace(plan(model), parallel=whole)
+        with pytest.raises(CompileError, match=r"sequence parallelism: node \w+ .* in module "
+                                               r"'layers.0.attn'"):
+            lowered(p)
 
     def test_sequence_not_divisible(self):
         p = plan(GPT, tp=4, seq=14)
