@@ -24,14 +24,15 @@ every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
 `tests/tolerances.py` derives from the same run in float64. Their `labels`
 argument is left None (the model would shift ptc's targets a second time);
-the next-token loss is ptc's. All cases run on 2 gloo processes, in four
+the next-token loss is ptc's. All cases run on 2 gloo processes, in five
 launches (each within its test's time limit).
 
 Falcon picks each group's key/value head out of its fused qkv with index
 lists (tensor constants the graph keeps with their values) and writes its
 linears as `x @ w.T`; BLOOM adds an ALiBi bias built for all heads. Both
 train under tp with their attention kept whole by a `shard ... replicate`
-rule and their MLP split.
+rule and their MLP split, as does GPT-BigCode (one key/value head fused with
+the queries).
 
 OLMo 2's attention cannot be split by heads without its rules: that is a
 CompileError naming the linears, the op that mixes the heads and the `shard`
@@ -85,14 +86,20 @@ LAUNCHES = {"layouts": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
     # and offset positions (OPT, dropout 0.1 by default), partial rotary (Phi), rotary on
-    # interleaved pairs (GPT-J, Cohere), index lists picking each group's key/value head out of
-    # a fused qkv (Falcon: its `x @ w.T` linears split under tp, its attention kept whole),
-    # ALiBi built for all heads (BLOOM: its attention kept whole, its MLP split)
+    # interleaved pairs (GPT-J, Cohere)
     HFCase("gemma2", tp=2, sp=True), HFCase("qwen2_moe", tp=2), HFCase("gpt_neox", tp=2, sp=True),
     HFCase("opt", tp=2, sp=True), HFCase("opt", dp=2), HFCase("phi", tp=2), HFCase("gptj", tp=2),
-    HFCase("cohere", tp=2, sp=True), HFCase("falcon", dp=2, zero=3), HFCase("falcon", pp=2),
+    HFCase("cohere", tp=2, sp=True),
+], "families kept whole in part": [
+    # index lists picking each group's key/value head out of a fused qkv (Falcon: its
+    # `x @ w.T` linears split under tp, its attention kept whole), ALiBi built for all heads
+    # (BLOOM), one key/value head fused with the queries (GPT-BigCode): attention whole,
+    # MLP split
+    HFCase("falcon", dp=2, zero=3), HFCase("falcon", pp=2),
     HFCase("falcon", tp=2, config=_FALCON_NEW, shards=_FALCON_ATTENTION_WHOLE),
     HFCase("bloom", tp=2, shards=(("transformer.h.*.self_attention.*", "replicate"),)),
+    HFCase("gpt_bigcode", tp=2, shards=(("transformer.h.*.attn.*", "replicate"),)),
+    HFCase("gpt_bigcode", dp=2, zero=1),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

@@ -12,15 +12,20 @@ block (GPT-NeoX), learned positions with an offset and a padding row (OPT), part
 rotary and one norm for attention and MLP (Phi), rotary on interleaved pairs
 (rotate-every-two: strided slices stacked back, GPT-J and Cohere), a fused qkv
 whose one key/value head is picked by index lists (Falcon, `x[..., [-2], :]`:
-constants forward builds from Python values).
+constants forward builds from Python values) and linears written `x @ w.T`,
+ALiBi position bias (BLOOM), one key/value head fused with the queries
+(GPT-BigCode).
 """
 
-from transformers import (BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          OPTConfig, OPTForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
-                          PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM,
+                          FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
+                          GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, OPTConfig, OPTForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
@@ -127,3 +132,11 @@ def bloom(**overrides) -> BloomForCausalLM:
     return BloomForCausalLM(BloomConfig(**{"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2,
                                            "n_head": 4, "bos_token_id": 0, "eos_token_id": 0}
                                         | overrides))
+
+
+def gpt_bigcode(**overrides) -> GPTBigCodeForCausalLM:
+    """GPT-BigCode (StarCoder): multi-query attention, its one key/value head fused with the
+    queries in c_attn."""
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(**{
+        "vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": SEQ,
+        "n_inner": 64, "bos_token_id": 0, "eos_token_id": 0} | overrides))
