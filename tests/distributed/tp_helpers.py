@@ -92,6 +92,8 @@ class MemoryCase:
     dtype: str = "fp32"
     checkpoint: str | tuple[str, ...] = "none"
     """A recompute policy, or one per layer."""
+    budget: float | None = None
+    """Bytes per GPU "auto" fits in (through memory_margin); None: the whole HBM."""
 
     def __str__(self) -> str:
         ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
@@ -102,10 +104,23 @@ class MemoryCase:
 def memory_plan(case: MemoryCase, tp: int) -> Plan:
     """The plan a `MemoryCase` is measured under: one micro-batch of two samples."""
     base = tiny_plan("gpt", zero=0, dp=1, accum=1, dtype=case.dtype)
+    hw = HardwareSpec.preset("cpu", gpus_per_node=tp)
+    if case.budget is not None:
+        hw = dataclasses.replace(hw, memory_margin=hw.hbm_bytes - case.budget)
     return dataclasses.replace(
-        base, model=case.spec, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
+        base, model=case.spec, hardware=hw,
         parallel=ParallelSpec(tp=tp, sequence_parallel=case.sp and tp > 1,
                               checkpoint=case.checkpoint))
+
+
+def resolved_policies(case: MemoryCase, tp: int) -> str | tuple[str, ...]:
+    """The case's policy; for an "auto" one, the estimate's per-layer choice."""
+    from ptc.compiler.estimate import estimate
+    from ptc.plan import is_auto_checkpoint
+
+    if not is_auto_checkpoint(case.checkpoint):
+        return case.checkpoint
+    return estimate(memory_plan(case, tp)).layout.checkpoint
 
 
 def predicted_activations(case: MemoryCase, tp: int) -> float:
@@ -117,15 +132,16 @@ def predicted_activations(case: MemoryCase, tp: int) -> float:
     plan = memory_plan(case, tp)
     layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=plan.train.micro_batch,
                     microbatches=1, zero=0, sp=case.sp and tp > 1, schedule="1f1b",
-                    layers=case.spec.layers, checkpoint=case.checkpoint, overlap=True)
+                    layers=case.spec.layers, checkpoint=resolved_policies(case, tp),
+                    overlap=True)
     prec = precision(DTYPES[case.dtype].itemsize, "adamw")
     return stage_memory(model_profile(case.spec, case.dtype), layout, prec,
                         plan.train.seq_len)[0]["activations"]
 
 
-def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple[int, int]]]:
+def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     """Worker: per case, per rank, (bytes its forward keeps for backward, the CPU LayerNorm
-    gap of `cpu_statistics_gap`).
+    gap of `cpu_statistics_gap`, the per-layer policies its program applies).
 
     Counted as `tests/memory/test_measured_activations.py` does — distinct
     storages of what autograd saves, parameters and buffers left out — on
@@ -148,6 +164,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple[int
     from ptc.ops.seq_regather import SeqRegather, _SeqRef
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from recompute_worker import program_policies
     from tests.memory.measure import cached_by_regions, kept_norm_nodes
     from tests.memory.test_measured_activations import cpu_statistics_gap
 
@@ -156,7 +173,8 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple[int
         plan = memory_plan(case, tp)
         init_distributed(plan)
         groups = axis_groups(build_mesh(plan))
-        trainer = Trainer(compile_plan(plan), groups)
+        program = compile_plan(plan)
+        trainer = Trainer(program, groups)
         gm = trainer.chunks[0].gm
         state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
         saved: dict[int, int] = {}
@@ -183,7 +201,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple[int
         gap = sum(cpu_statistics_gap(1, math.prod(get_info(n).shapes[0][:-1]),
                                      DTYPES[case.dtype]) for n in kept_norm_nodes(gm))
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, (sum(saved.values()), gap))
+        dist.all_gather_object(per_rank, (sum(saved.values()), gap, program_policies(program)))
         results.append(per_rank)
     dist.destroy_process_group()
     return results
