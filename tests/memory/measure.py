@@ -1,10 +1,13 @@
 """What a run really keeps for backward: the pieces the memory tests count.
 
-Beside what autograd saves (`saved_tensors_hooks`), torch's checkpoint
-keeps each region's inputs outside those hooks, and a saving region's
-selective checkpoint caches its matmuls' outputs: `region_input_hooks` and
-`cached_by_regions` show those to a counting function. Shared by the
-single-process tests (tests/passes/test_activation_checkpoint.py) and the
+Beside what autograd saves (`saved_tensors_hooks`, which also see the
+inputs torch's checkpoint keeps for a region), a saving region's selective
+checkpoint caches its matmuls' outputs in a store of its own:
+`cached_by_regions` shows those to a counting function. The runtime binds
+floating buffers as the model made them (fp32), whatever the compute dtype:
+`as_runtime_holds` and `buffers_as_built` make a test's model or graph hold
+them so. Shared by the single-process tests
+(tests/passes/test_activation_checkpoint.py, tests/memory/) and the
 tensor-parallel workers (tests/distributed/tp_helpers.py).
 """
 
@@ -19,7 +22,6 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ptc.ops import recompute as recompute_ops
-from ptc.passes.activation_checkpoint import REGION_PREFIX
 
 
 @contextlib.contextmanager
@@ -41,17 +43,6 @@ def cached_by_regions(note: Callable[[torch.Tensor], None]):
         yield
     finally:
         recompute_ops.save_matmuls_policy = original
-
-
-def region_input_hooks(gm: nn.Module, note: Callable[[torch.Tensor], None],
-                       keep: Callable[[torch.Tensor], bool] = lambda t: True) -> list:
-    """Forward pre-hooks on `gm`'s checkpoint regions that `note` each tensor input `keep`
-    accepts (torch's checkpoint holds them outside saved_tensors_hooks); remove them before
-    backward, which reruns the regions."""
-    return [mod.register_forward_pre_hook(
-        lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor) and keep(a)]
-        and None)
-        for name, mod in gm.named_children() if name.startswith(REGION_PREFIX)]
 
 
 def as_runtime_holds(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -27,7 +27,6 @@ from ptc.compiler.stages import pipeline_stages, stage_info  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
                         split_pipeline_pass)
 from ptc.compiler.decisions import resolve  # noqa: E402
-from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
 from ptc.units import format_bytes  # noqa: E402
@@ -86,7 +85,8 @@ def exact_loss_and_grads(p: Plan, model, tokens, targets):
 
 
 def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
-    """Distinct non-parameter storages autograd saves, plus the inputs each region keeps."""
+    """Distinct non-parameter storages autograd saves (the inputs each region keeps among
+    them), plus what the saving regions cache."""
     state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
     saved: dict[int, int] = {}
 
@@ -99,14 +99,9 @@ def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
         note(t)
         return t
 
-    # torch's checkpoint keeps the region's inputs outside saved_tensors_hooks: count them here.
-    hooks = [mod.register_forward_pre_hook(
-        lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
-        for name, mod in gm.named_children() if name.startswith(REGION_PREFIX)]
+    # torch's checkpoint saves a region's inputs through these hooks too.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = gm(tokens, targets)
-    for h in hooks:
-        h.remove()
     loss.backward()
     return sum(saved.values())
 
@@ -201,12 +196,9 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
         if index < len(stages) - 1:
             hooks.append(stage.register_forward_hook(
                 lambda _m, _args, out: [note(t) for t in out] and None))
-        hooks += [mod.register_forward_pre_hook(
-            lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
-            for name, mod in stage.named_children() if name.startswith(REGION_PREFIX)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = pipeline(tokens, targets)
-    for h in hooks:  # backward reruns the regions: their inputs are counted already
+    for h in hooks:
         h.remove()
     loss.backward()
     return [sum(stage.values()) for stage in saved]
