@@ -30,6 +30,12 @@ ACTIVATIONS = ("gelu", "relu", "swiglu")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CHECKPOINT_POLICIES = ("none", "full", "selective", "ops", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective", "ops")
+AUTO_CHOICES = ("all",)
+"""What `checkpoint = auto(...)` may choose from besides auto's none / selective / full:
+`all`, every policy (op-level and module recompute too)."""
+AUTO_CHECKPOINTS = ("auto", "auto(all)")
+"""The checkpoint values the compiler resolves per stage: "auto" (none, selective, full) and
+"auto(all)" (every policy a layer can take)."""
 RECOMPUTE_MODULES = ("core_attn", "mlp", "norm", "act")
 """Parts of a layer `modules(...)` recomputes: the attention core, the MLP, the norms, the
 activation function (in this order in a policy's name)."""
@@ -80,6 +86,11 @@ def module_policy(policy: str) -> str | None:
         return None
     modules = policy_modules(policy)
     return modules_policy(modules) if modules else None
+
+
+def is_auto_checkpoint(checkpoint) -> bool:
+    """Whether the compiler chooses the policies (`AUTO_CHECKPOINTS`)."""
+    return isinstance(checkpoint, str) and checkpoint in AUTO_CHECKPOINTS
 
 
 def is_layer_policy(policy) -> bool:
@@ -406,7 +417,8 @@ class ParallelSpec(_Section):
     """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
     checkpoint: str | tuple[str, ...] = "none"
     """"none", "full", "selective", "ops", "modules(core_attn, mlp)" (any of
-    RECOMPUTE_MODULES), "auto", or one of these but "auto" per layer (see
+    RECOMPUTE_MODULES), "auto" (the compiler picks among none, selective and full),
+    "auto(all)" (among every policy), or one of these but the auto ones per layer (see
     `module_policy` for how a module set is written)."""
     overlap: bool = True
     """Overlap communication with compute."""
@@ -470,7 +482,8 @@ class ParallelSpec(_Section):
         if isinstance(self.checkpoint, str) and module_policy(self.checkpoint) is not None:
             object.__setattr__(self, "checkpoint", module_policy(self.checkpoint))
         elif isinstance(self.checkpoint, str):
-            self._choice(sink, "checkpoint", CHECKPOINT_POLICIES)
+            if not is_auto_checkpoint(self.checkpoint):
+                self._choice(sink, "checkpoint", CHECKPOINT_POLICIES)
         elif isinstance(self.checkpoint, tuple):
             # repr() keeps the sort total when entries are not all strings.
             bad = sorted({repr(c) for c in self.checkpoint if not is_layer_policy(c)})

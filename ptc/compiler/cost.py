@@ -11,8 +11,10 @@ recompute, and the communication it cannot hide).
   fp8 peak's rate R8 (the profile's `fp8_flops`, 1/t per rank), the rest at
   bf16's: a layer costs F/t/R - F8/t·(1/R - 1/R8) each way.
 - tensor parallel: two all-reduces of b·s·h elements per layer forward, two
-  backward, two more in a full recompute; with sequence parallelism each is
-  a reduce-scatter plus an all-gather of the same size. They sit on the
+  backward, two more in a full (or `ops`) recompute; with sequence parallelism
+  each is a reduce-scatter plus an all-gather of the same size, and a module
+  region that recomputes a norm's output reruns the all-gather before the
+  linears reading it (`rerun_gathers`). They sit on the
   critical path, except that with sequence parallelism and overlap they run
   under the layer's GEMMs (Megatron's tp-comm-overlap): only the excess shows.
   Key/value heads fewer than t are replicated: their projections' FLOPs are
@@ -158,8 +160,11 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
                                    lambda: _tp_collectives(boundary, layout, groups["tp"], hw, 1))
     policies = {pol for i in range(p) for pol, _ in layout.stage_policies(i)}
     # A layer rerun whole (full, ops) repeats its forward's collectives; regions of modules
-    # hold none of them.
-    tp_layer = {pol: (6 if pol in RERUN_LAYER else 4) * tp_unit for pol in policies}
+    # rerun only the sequence all-gathers they hold (a norm's, feeding its linears).
+    gather_s = _cached(memo, ("tp_ag", bb, ss, tp, groups["tp"]), lambda: (
+        comm.all_gather(boundary, groups["tp"], hw).seconds if layout.sp else 0.0))
+    tp_layer = {pol: (6 if pol in RERUN_LAYER else 4) * tp_unit
+                + rerun_gathers(profile, pol, layout.sp) * gather_s for pol in policies}
     z3 = {}
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
@@ -270,6 +275,16 @@ def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
 
 RERUN_LAYER = frozenset({"full", "ops"})
 """Policies whose recompute reruns the whole layer's ops, its collectives among them."""
+
+
+def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:
+    """Sequence all-gathers (of one b·s·h boundary each) that recomputing one layer under
+    `policy` reruns beyond those of RERUN_LAYER's whole forward: with sequence parallelism,
+    one per input of column-parallel linears its regions recompute (`norm`: each norm's
+    output is gathered again before the linears reading it); none without."""
+    if not sp or policy in RERUN_LAYER:
+        return 0
+    return profile.policy_gathers.get(policy, 0)
 
 
 def _recompute_flops(f: dict, policy: str, bb, ss, keys, layer_f, core_f, tp) -> float:

@@ -34,7 +34,7 @@ from torch import fx
 from ptc.compiler.meta import graph_info
 from ptc.errors import CompileError, PtcError
 from ptc.compiler.recompute import LAYER_POLICIES
-from ptc.plan import Plan
+from ptc.plan import Plan, is_auto_checkpoint
 
 if TYPE_CHECKING:
     from ptc.compiler.estimate import Estimate
@@ -95,12 +95,12 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
 def _policies(plan: Plan, layers: int, priced: Estimate | None) -> tuple[str, ...]:
     """Each layer's recompute policy: the plan's, or checkpoint = auto's choice."""
     ckpt = plan.parallel.checkpoint
-    if ckpt != "auto":
+    if not is_auto_checkpoint(ckpt):
         if isinstance(ckpt, str):
             return (ckpt,) * layers
         return tuple(ckpt[i] if i < len(ckpt) else "none" for i in range(layers))
     if priced is None:
-        raise CompileError("checkpoint = auto needs the cost model's estimate of the plan, "
+        raise CompileError(f"checkpoint = {ckpt} needs the cost model's estimate of the plan, "
                            "which failed (see the warning above); name a policy instead")
     if not priced.fits:
         from ptc.compiler.fit import nothing_fits_message  # noqa: PLC0415

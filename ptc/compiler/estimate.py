@@ -23,7 +23,8 @@ from ptc.compiler.layout import Layout, layout_of
 from ptc.compiler.memory import (check_policies, Precision, peak, precision, stage_host_memory, stage_memory,
                                  stage_memory_terms)
 from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
-from ptc.plan import DTYPE_BYTES, Plan
+from ptc.compiler.recompute import LAYER_POLICIES
+from ptc.plan import DTYPE_BYTES, Plan, is_auto_checkpoint
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,9 +91,10 @@ def estimate(plan: Plan) -> Estimate:
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)
     ckpt = plan.parallel.checkpoint
-    if ckpt == "auto":
+    if is_auto_checkpoint(ckpt):
         layout = auto_checkpoint(profile, layout_of(plan, "none"), prec,
-                                 plan.train.seq_len, plan.hardware.memory_budget)
+                                 plan.train.seq_len, plan.hardware.memory_budget,
+                                 auto_choices(ckpt))
     else:
         layout = layout_of(plan)
     return estimate_layout(profile, layout, plan, prec)
@@ -122,7 +124,12 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
 
 AUTO_POLICIES = ("none", "selective", "full")
 """What checkpoint = "auto" chooses from; `auto_checkpoint(..., policies=LAYER_POLICIES)`
-chooses from op-level and module recompute too."""
+(checkpoint = "auto(all)") chooses from op-level and module recompute too."""
+
+
+def auto_choices(checkpoint: str) -> tuple[str, ...]:
+    """The policies checkpoint = `checkpoint` ("auto" or "auto(all)") chooses from."""
+    return LAYER_POLICIES if checkpoint == "auto(all)" else AUTO_POLICIES
 
 
 def auto_checkpoint(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int,
@@ -152,37 +159,48 @@ def stage_mix(profile: ModelProfile, layout: Layout, stage: int, prec: Precision
     The memory model prices a stage by how many of its layers take each
     policy (`memory._stage_activations`: its layers are alike) and whether
     its first layer's checkpoint keeps its input (`memory._chunk_ends`), so
-    counts are enumerated: for every policy X of `policies` besides "none" and
-    "full" that the model can take (selective; with `LAYER_POLICIES`, also
-    ops and each `modules(...)`), in their order, all
-    (full, X) count pairs — exhaustive over the mixes of full layers with
-    layers of one other policy, not a greedy search. For each count of full
-    layers the fewest X layers that fit is the cheapest (each adds
-    recompute); an X that keeps no less than "none" is skipped. Recompute
-    per micro-batch: the forward FLOPs of the ops the policy reruns
-    (`cost.policy_flops`). Ties go to fewer full layers, then to the earlier
-    X. Full layers come first in the stage, then X ones: the earliest layers'
-    activations live longest, and a full first layer's checkpoint holds the
-    stage's input, which is kept anyway, not one more tensor between layers.
+    counts are enumerated: for every pair X, Y of `policies` besides "none"
+    that the model can take ("full" first, then in their order), all (X, Y)
+    count pairs, the other layers "none" — exhaustive over the mixes of at
+    most two recomputing policies, not a greedy search. With auto's three
+    policies these are the (full, selective) mixes. For each count of X
+    layers the fewest Y layers that fit is the cheapest (each adds
+    recompute). Recompute per micro-batch: the forward FLOPs of the ops the
+    policy reruns (`cost.policy_flops`). Ties go to fewer full layers, then to
+    the earlier X, then the earlier Y. X layers come first in the stage, then
+    Y ones (each order is priced when only one of them keeps its input): the
+    earliest layers' activations live longest, and a full first layer's
+    checkpoint holds the stage's input, which is kept anyway.
     """
     n = len(layout.stage_layers(stage))
-    others = [p for p in policies if p not in ("none", "full")
-              and p not in profile.unavailable]
-    cost = {p: policy_flops(profile, p, 1, seq_len) for p in ("full", *others)}
+    chosen = ["full", *(p for p in policies if p not in ("none", "full")
+                        and p not in profile.unavailable)]
+    cost = {p: policy_flops(profile, p, 1, seq_len) for p in chosen}
     best: tuple[tuple, tuple[str, ...]] | None = None
-    for rank, other in enumerate(others):
-        for n_full in range(n + 1):
-            if best is not None and (n_full * cost["full"], n_full) > best[0][:2]:
-                break
-            for n_other in range(n - n_full + 1):
-                mix = ("full",) * n_full + (other,) * n_other + ("none",) * (n - n_full - n_other)
-                if n_other == 0 and rank > 0:
-                    continue  # priced with the first X already
-                if _stage_peak(profile, layout, stage, mix, prec, seq_len) <= budget:
-                    key = (n_full * cost["full"] + n_other * cost[other], n_full, rank)
+
+    def fits(mix: tuple[str, ...]) -> bool:
+        return _stage_peak(profile, layout, stage, mix, prec, seq_len) <= budget
+
+    if fits(("none",) * n):
+        return ("none",) * n
+    for i, x in enumerate(chosen):
+        for j in range(i, len(chosen)):  # j == i: X alone
+            y = chosen[j]
+            for n_x in range(1, n + 1):
+                if best is not None and n_x * cost[x] > best[0][0]:
+                    break
+                for n_y in range(0 if j == i else 1, (n - n_x if j > i else 0) + 1):
+                    rest = ("none",) * (n - n_x - n_y)
+                    orders = [(x,) * n_x + (y,) * n_y + rest]
+                    if (x in profile.holds_input) != (y in profile.holds_input) and n_y:
+                        orders.append((y,) * n_y + (x,) * n_x + rest)
+                    mix = next((m for m in orders if fits(m)), None)
+                    if mix is None:
+                        continue
+                    key = (n_x * cost[x] + n_y * cost[y], mix.count("full"), i, j)
                     if best is None or key < best[0]:
                         best = (key, mix)
-                    break  # more X layers beside these full ones only recompute more
+                    break  # more Y layers beside these X ones only recompute more
     return None if best is None else best[1]
 
 

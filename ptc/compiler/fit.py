@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptc.compiler.estimate import auto_checkpoint, plan_precision
+from ptc.compiler.estimate import auto_checkpoint, auto_choices, plan_precision
 from ptc.compiler.layout import layout_of
 from ptc.compiler.memory import peak, stage_memory
 from ptc.compiler.profile import model_profile
 from ptc.compiler.search import axis_choices
 from ptc.errors import CompileError
-from ptc.plan import Plan
+from ptc.plan import Plan, is_auto_checkpoint
 from ptc.presets import GiB
 from ptc.units import format_bytes
 
 
 def _fits(plan: Plan, **layout_changes) -> bool:
     profile = model_profile(plan.model, plan.train.dtype)
-    ckpt = "full" if plan.parallel.checkpoint == "auto" else None
+    ckpt = "full" if is_auto_checkpoint(plan.parallel.checkpoint) else None
     base = layout_of(plan, ckpt)
     if (layout_changes.get("pp", base.pp), layout_changes.get("vstages", base.vstages)) \
             != (base.pp, base.vstages):  # the plan's uneven split is for its own stages
@@ -83,7 +83,7 @@ def auto_policies(plan: Plan) -> tuple[str, ...]:
     profile = model_profile(plan.model, plan.train.dtype)
     prec = plan_precision(plan, profile)
     layout = auto_checkpoint(profile, layout_of(plan, "none"), prec, plan.train.seq_len,
-                             plan.hardware.memory_budget)
+                             plan.hardware.memory_budget, auto_choices(plan.parallel.checkpoint))
     peaks = [peak(t) for t in stage_memory(profile, layout, prec, plan.train.seq_len)]
     if max(peaks) > plan.hardware.memory_budget:
         raise CompileError(nothing_fits_message(plan, peaks))

@@ -333,7 +333,9 @@ def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, se
         kv_bytes = f[f"{region}.{kv}"](bb, ss)
         return (f[f"{region}.{tp}"](bb, ss) - kv_bytes) / tt + kv_bytes / kv_div
 
-    full = split("tp", "kv") + f[f"{region}.seq"](bb, ss) / seq_div + f[f"{region}.const"](bb, ss)
+    whole = f[f"{region}.whole"](bb, ss)  # the part of seq sequence parallelism leaves whole
+    full = split("tp", "kv") + (f[f"{region}.seq"](bb, ss) - whole) / seq_div + whole \
+        + f[f"{region}.const"](bb, ss)
     if policy != "selective":
         return full
     return full - (split("core_tp", "core_kv") + f[f"{region}.core_seq"](bb, ss) / seq_div

@@ -23,7 +23,8 @@ them:
 - `const`: terms with no batch factor (a causal mask built from s): every
   rank holds them whole.
 Each class is also split by whether selective recompute (of the attention
-core: what lies between the q/k/v projections and o) drops it, and the
+core as `recompute.attention_cores` finds it: scores to probabilities @ values,
+or the fused kernel) drops it, and the
 layer's *output* (what the next layer keeps as its input under full
 recompute) is recorded separately, with the parts of the tensors crossing
 the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
@@ -48,7 +49,8 @@ from ptc.compiler.activations import saved_and_output_storages
 from ptc.compiler.meta import get_info, graph_info
 from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is_linear,
                                 node_shape)
-from ptc.compiler.recompute import EXTRA_POLICIES, is_matmul, recompute_regions
+from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
+                                    recompute_regions)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
 from ptc.errors import CompileError, PtcError
 from ptc.plan import ModelSpec, Plan
@@ -83,6 +85,11 @@ class SavedClasses:
     queries: whole on every rank when tp exceeds the key/value heads (`kv_divisor`)."""
     core_kv: sympy.Expr = sympy.Integer(0)
     """Part of `kv` that selective recompute drops."""
+    whole: sympy.Expr = sympy.Integer(0)
+    """Part of `seq` that every tp rank keeps whole even with sequence parallelism: token
+    ids and targets (the vocabulary-parallel embedding and loss read the whole sequence)
+    and a row-parallel linear's output that a saving region keeps (made before its
+    reduce-scatter)."""
 
     @property
     def total(self) -> sympy.Expr:
@@ -164,6 +171,10 @@ class ModelProfile:
     inputs, a saving region's matmul outputs), charged like `saved["layer"]`."""
     policy_flops: dict[str, sympy.Expr] = field(default_factory=dict)
     """Per policy of `policy_saved`: forward FLOPs of what it recomputes in one layer."""
+    policy_gathers: dict[str, int] = field(default_factory=dict)
+    """Per policy of `policy_saved`: the inputs of column-parallel linears one layer's regions
+    recompute (a norm's output under `norm`) — under sequence parallelism each is an
+    all-gather that backward's recompute reruns."""
     holds_input: frozenset[str] = frozenset({"full"})
     """Policies whose checkpoint keeps the layer's input (a region reads it): like "full",
     they keep what crosses into the layer whether or not a node saves it."""
@@ -267,7 +278,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     points = _points(max_seq or 64)
     samples, first = [], None
     for pb, ps in points:  # each graph measured before the next capture
-        gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype])
+        gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype],
+                     buffers_as_built=True)  # as the runtime binds them
         samples.append(_measure(gm, fp8=dtype == "fp8"))
         first = first or gm
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
@@ -297,6 +309,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
         policy_saved={p: _classes(fit, p) for p in policies},
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
+        policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
         unavailable=unavailable, params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
@@ -363,8 +376,10 @@ def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
     (tp, tp0), (seq, seq0) = split("tp"), split("seq")
     (ctp, ctp0), (cseq, cseq0) = split("core_tp"), split("core_seq")
     (kv, _), (ckv, _) = split("kv"), split("core_kv")  # their batch-free part is in `const`
+    whole, _ = split("whole")
     return SavedClasses(tp=tp, seq=seq, const=tp0 + seq0,
-                        core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0, kv=kv, core_kv=ckv)
+                        core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0, kv=kv, core_kv=ckv,
+                        whole=whole)
 
 
 def _points(max_seq: int) -> list[tuple[int, int]]:
@@ -435,22 +450,6 @@ def _kv_path(gm: torch.fx.GraphModule, sharding: Sharding, sharded: set[str]) ->
     return kv
 
 
-def _attention_core(gm: torch.fx.GraphModule, sharding: Sharding) -> set[str]:
-    """Nodes downstream of an attention's q/k/v projections and upstream of its output one."""
-    why = {n.name: sharding.why.get(path, "") for n in gm.graph.nodes if (path := is_linear(n))}
-    projections = {name for name, w in why.items() if w.startswith("attention q/k/v")}
-    outputs = {name for name, w in why.items() if w == "attention output projection"}
-    down: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.name in projections or any(a.name in down for a in n.all_input_nodes):
-            down.add(n.name)
-    up: set[str] = set()
-    for n in reversed(gm.graph.nodes):
-        if any(u.name in up or u.name in outputs for u in n.users):
-            up.add(n.name)
-    return (down & up) - projections
-
-
 def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     tensors = []
     for n in gm.graph.nodes:
@@ -464,10 +463,13 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
     """Saved bytes by region and class, and FLOPs by region, of one capture; `fp8`: as the
     float8 GEMMs of train dtype "fp8" save their inputs (`_with_fp8_copies`)."""
     sharding = infer_sharding(gm)
-    region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
+    region, sharded = _regions(gm), _tp_sharded(gm, sharding)
+    # What selective recompute reruns: the regions the activation_checkpoint pass makes.
+    core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
     kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
-           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv")}
+           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole")}
+    placeholders = _placeholders(gm)
     storages, outputs = saved_and_output_storages(gm, _inputs(gm),
                                                   held=_boundaries(gm, region))
     fp8_linears = {n.name for n in gm.graph.nodes if fp8 and is_fp8_linear(n)}
@@ -475,7 +477,7 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
         nbytes = _with_fp8_copies(st, fp8_linears)
         cls = "tp" if st.producer in sharded else "seq"
         # A graph input (targets) belongs where it is used.
-        r = region[st.savers[0] if st.producer in _placeholders(gm) and st.savers
+        r = region[st.savers[0] if st.producer in placeholders and st.savers
                    else st.producer]
         if r == "later":  # layers after the first are alike: layer 0 stands for them
             continue
@@ -489,21 +491,27 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
             targets = (r,)
         dropped = st.producer in core and all(x in core for x in st.savers)
         for target in targets:
+            if st.producer in placeholders:  # token ids, targets: whole on every tp rank
+                out[f"{target}.whole"] += nbytes
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
                 out[f"{target}.{c}"] += nbytes
                 if dropped:
                     out[f"{target}.core_{c}"] += nbytes
-    # Selective recompute keeps the core's inputs, whether or not backward saved them.
-    saved_outputs = {st.producer for st in storages if not st.internal and st.savers}
+    # Selective recompute keeps the core's inputs, whether or not backward saved them: the
+    # storages they view (a transposed v is its projection's output) that nothing saves.
+    saved_keys, added = {st.key for st in storages if st.savers}, set()
     for n in gm.graph.nodes:
-        if n.name in core or n.op in ("get_attr", "placeholder") or n.name in saved_outputs \
-                or region[n.name] == "later":
+        if n.name in core or n.op in ("get_attr", "placeholder") or region[n.name] == "later" \
+                or not any(u.name in core for u in n.users):
             continue
-        if any(u.name in core for u in n.users):
-            cls = "tp" if n.name in sharded else "seq"
-            for c in (cls, "kv") if n.name in kv_path else (cls,):
-                out[f"{region[n.name]}.core_{c}"] -= get_info(n).out_bytes
-    out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path))
+        for key, (nbytes, producer) in outputs.get(n.name, {}).items():
+            if key in saved_keys or key in added or region.get(producer) != region[n.name]:
+                continue
+            added.add(key)
+            cls = "tp" if producer in sharded else "seq"
+            for c in (cls, "kv") if producer in kv_path else (cls,):
+                out[f"{region[n.name]}.core_{c}"] -= nbytes
+    out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding))
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
@@ -535,10 +543,11 @@ def _unavailable(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str, str],
-                  sharded: set[str], kv_path: set[str]) -> dict[str, int]:
+                  sharded: set[str], kv_path: set[str], sharding: Sharding) -> dict[str, int]:
     """Per policy of EXTRA_POLICIES layer 0 can take: the bytes of the storages layer 0
-    makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`), the FLOPs it
-    recomputes (`.flops`) and whether a region reads the layer's input (`.holds`).
+    makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`, `.whole`), the
+    FLOPs it recomputes (`.flops`), whether a region reads the layer's input (`.holds`) and
+    how many inputs of column-parallel linears its regions recompute (`.gathers`).
 
     Kept: what a node outside the regions saves, each region's inputs (torch's
     checkpoint holds them) and a saving region's matmul outputs, with the
@@ -548,6 +557,8 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
     """
     nodes, out = _layer_nodes(gm, region), {}
     crossing = _boundaries(gm, region)
+    styles = _styles(gm, sharding)
+    rowwise = {name for name, style in styles.items() if style == ROWWISE}
     for policy in EXTRA_POLICIES:
         try:
             regions = recompute_regions(nodes, policy, 0)
@@ -566,18 +577,25 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
                    if (parts := attention_parts(n)) is not None and parts.fused}
         kept.update({st.key: (st.nbytes, st.producer) for st in storages
                      if st.internal and st.producer in kernels})
-        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv"), 0)
+        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv", "whole"), 0)
         for key, (nbytes, producer) in kept.items():
             if region.get(producer) != "layer":
                 continue
             terms["tp" if producer in sharded else "seq"] += nbytes
             if producer in kv_path:
                 terms["kv"] += nbytes
+            if producer in rowwise and producer in kept_nodes:  # before its reduce-scatter
+                terms["whole"] += nbytes
         out.update({f"{policy}.{c}": v for c, v in terms.items()})
         out[f"{policy}.flops"] = sum(get_info(n).flops for r in regions for n in r.nodes
                                      if get_info(n) is not None and n.name not in kept_nodes)
         out[f"{policy}.holds"] = int(bool(read & crossing) and any(
             region[name] != "layer" for name in read))
+        members = {n.name for r in regions for n in r.nodes}
+        out[f"{policy}.gathers"] = len({n.args[0].name for n in nodes
+                                        if styles.get(n.name) == COLWISE and n.name in members
+                                        and isinstance(n.args[0], torch.fx.Node)
+                                        and n.args[0].name in inside})
     return out
 
 

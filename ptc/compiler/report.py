@@ -15,7 +15,7 @@ import sympy
 from rich.console import Group
 from rich.text import Text
 
-from ptc.compiler.cost import policy_flops
+from ptc.compiler.cost import policy_flops, rerun_gathers
 from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
@@ -109,7 +109,9 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
                              plan_precision(plan, profile)).stage_memory_bytes
     b, s = layout.micro_batch, plan.train.seq_len
     ckpt = plan.parallel.checkpoint
-    how = {"auto": "auto: per stage, the least recompute that fits"}.get(ckpt, ckpt) \
+    how = {"auto": "auto: per stage, the least recompute that fits",
+           "auto(all)": "auto(all): per stage, the least recompute of any policy that fits"
+           }.get(ckpt, ckpt) \
         if isinstance(ckpt, str) else "per layer"
     table = FitTable(title=f"Activation checkpointing (checkpoint = {how}; budget "
                         f"{format_bytes(est.budget_bytes)} per GPU = HBM "
@@ -124,9 +126,13 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
                     else layout.checkpoint[n] for n in layers]
         text = _policy_runs(layers, policies)
         after = est.stage_memory_bytes[i]
+        flops = f"{sum(float(policy_flops(profile, pol, b, s)) for pol in policies):.3g}"
+        gathers = sum(rerun_gathers(profile, pol, layout.sp) for pol in policies)
+        if gathers:  # priced in tp_comm
+            flops += f", {gathers} all-gathers again"
         table.add_row(str(i), text, format_bytes(before[i]), format_bytes(after),
                       format_bytes(before[i] - after), _vs_budget(est.budget_bytes - after),
-                      f"{sum(float(policy_flops(profile, pol, b, s)) for pol in policies):.3g}")
+                      flops)
     return table
 
 

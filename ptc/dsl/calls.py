@@ -29,6 +29,7 @@ from ptc.dsl.values import (
 )
 from ptc.errors import Span, did_you_mean
 from ptc.plan import (
+    AUTO_CHOICES,
     CHECKPOINT_POLICIES,
     DTYPES,
     LAYER_CHECKPOINT_POLICIES,
@@ -272,9 +273,10 @@ def schedule(r: Reader, node: ast.Value, key: str) -> Any:
 def checkpoint(layers: int | None) -> Any:
     """A converter for `checkpoint`, knowing the model's layer count (None: unknown).
 
-    Forms: a policy name or `modules(core_attn, mlp)`; a list with one policy
-    per layer; or `layers(full = 0..39, modules(mlp) = 40..79)`, which must
-    give every layer exactly one policy and becomes the per-layer tuple.
+    Forms: a policy name or `modules(core_attn, mlp)`; `auto(all)` (the
+    compiler chooses among every policy); a list with one policy per layer; or
+    `layers(full = 0..39, modules(mlp) = 40..79)`, which must give every layer
+    exactly one policy and becomes the per-layer tuple.
     """
     policy = word(CHECKPOINT_POLICIES)
     per_layer = word(LAYER_CHECKPOINT_POLICIES)
@@ -289,6 +291,8 @@ def checkpoint(layers: int | None) -> Any:
             return policy(r, node, key)
         if isinstance(node, ast.Call) and node.name == "modules":
             return _modules(r, node, key)
+        if isinstance(node, ast.Call) and node.name == "auto":
+            return _auto(r, node, key)
         if isinstance(node, ast.List):
             if len(node.items) > MAX_PER_LAYER:
                 return r.error(f"{key} lists more than {MAX_PER_LAYER} layers", node.pos, key)
@@ -301,11 +305,32 @@ def checkpoint(layers: int | None) -> Any:
         if isinstance(node, ast.Invalid):
             return INVALID
         return r.error(f"{key} must be a policy ({', '.join(CHECKPOINT_POLICIES)}), "
-                       f"modules(core_attn, mlp, ...), a list with one policy per layer, or "
+                       f"modules(core_attn, mlp, ...), auto(all), a list with one policy per "
+                       f"layer, or "
                        f"layers(full = 0..39, ...), got {show(node)}", node.pos, key,
                        CHECKPOINT_POLICIES)
 
     return convert
+
+
+def _auto(r: Reader, node: ast.Call, key: str) -> Any:
+    """`auto(all)` -> "auto(all)": auto choosing among every policy (`plan.AUTO_CHOICES`)."""
+    valid = tuple(f"auto({c})" for c in AUTO_CHOICES)
+    for kwarg in node.kwargs:
+        return r.error(f"auto(...) takes what to choose from, e.g. auto(all), not "
+                       f"{kwarg.key} = ...", kwarg.key_pos, key, valid)
+    if len(node.args) != 1:
+        where = node.args[1].pos if len(node.args) > 1 else node.pos
+        return r.error(f"auto(...) takes one argument, e.g. auto(all); got {len(node.args)}",
+                       where, key, valid)
+    arg = node.args[0]
+    if isinstance(arg, ast.Invalid):
+        return INVALID
+    if not isinstance(arg, ast.Name) or arg.name not in AUTO_CHOICES:
+        shown = arg.name if isinstance(arg, ast.Name) else show(arg)
+        hint = did_you_mean(shown, AUTO_CHOICES) if isinstance(arg, ast.Name) else ""
+        return r.error(f"auto({shown}) is not a choice of auto(...){hint}", arg.pos, key, valid)
+    return f"auto({arg.name})"
 
 
 def _modules(r: Reader, node: ast.Call, key: str) -> Any:

@@ -31,6 +31,7 @@ from ptc.plan import (
     Plan,
     RuntimeSpec,
     TrainSpec,
+    is_auto_checkpoint,
     policy_modules,
 )
 from ptc.units import UNITS
@@ -222,7 +223,7 @@ def _init(init: InitSpec) -> str:
 def checkpoint(policy: str | tuple[str, ...]) -> str:
     """A checkpoint policy; a per-layer tuple as `layers(full = 0..39, ...)`."""
     if isinstance(policy, str):
-        return policy if policy_modules(policy) else word(policy)
+        return policy if policy_modules(policy) or is_auto_checkpoint(policy) else word(policy)
     runs: dict[str, list[str]] = {}
     start = 0
     for i in range(1, len(policy) + 1):

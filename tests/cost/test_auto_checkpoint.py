@@ -217,8 +217,8 @@ def test_auto_is_the_same_in_every_process() -> None:
 def test_auto_over_every_policy_beats_or_equals_the_three_and_is_exact(name: str) -> None:
     """`auto_checkpoint(..., policies=LAYER_POLICIES)`: op-level and module recompute are
     candidates too. Its choice fits, recomputes no more than the three-policy choice, and is
-    the least recompute over every assignment of full plus one other policy per stage (what
-    it enumerates), checked by brute force per stage."""
+    the least recompute over every assignment of every policy to a stage's layers, checked by
+    brute force per stage (it enumerates mixes of at most two recomputing policies)."""
     from ptc.compiler.cost import policy_flops  # noqa: PLC0415
     from ptc.compiler.estimate import auto_checkpoint  # noqa: PLC0415
     from ptc.compiler.recompute import LAYER_POLICIES  # noqa: PLC0415
@@ -235,18 +235,56 @@ def test_auto_over_every_policy_beats_or_equals_the_three_and_is_exact(name: str
             for _ in range(2)]
     chosen = runs[0]
     assert runs[0] == runs[1]
+    # The plan language's spelling: checkpoint = auto(all), estimated and compiled alike.
+    auto_all = pp2_plan("auto(all)", budget=budgets()[name])
+    assert estimate(auto_all).layout.checkpoint == chosen == policies(auto_all)
     assert max(stage_peaks(plan, chosen)) <= plan.hardware.memory_budget
     assert flops(chosen) <= flops(estimate(plan).layout.checkpoint)
-    others = [p for p in LAYER_POLICIES if p not in ("none", "full")]
+    usable = [p for p in LAYER_POLICIES if p not in profile.unavailable]
     layers = layout_of(plan, "none")
     for stage in range(2):
         own = layers.stage_layers(stage)
         best = None
-        for other in others:
-            for mix in itertools.product(("none", "full", other), repeat=len(own)):
-                policy = list(chosen)
-                for layer, pol in zip(own, mix):
-                    policy[layer] = pol
-                if stage_peaks(plan, tuple(policy))[stage] <= plan.hardware.memory_budget:
-                    best = flops(mix) if best is None else min(best, flops(mix))
+        for mix in itertools.product(usable, repeat=len(own)):
+            policy = list(chosen)
+            for layer, pol in zip(own, mix):
+                policy[layer] = pol
+            if stage_peaks(plan, tuple(policy))[stage] <= plan.hardware.memory_budget:
+                best = flops(mix) if best is None else min(best, flops(mix))
         assert flops(tuple(chosen[i] for i in own)) == best, f"stage {stage}"
+
+
+def test_norm_recompute_under_sequence_parallelism_prices_its_rerun_all_gathers() -> None:
+    """A region recomputing a norm's output holds the sequence all-gather before the linears
+    reading it: backward's recompute runs it again (2 per layer: attention and MLP norms);
+    without sequence parallelism that entry is an identity, and a module region without a
+    norm reruns none. `ptc explain` says so in the checkpointing table."""
+    from ptc.compiler import comm  # noqa: PLC0415
+    from ptc.compiler.topology import axis_groups  # noqa: PLC0415
+
+    spec = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+                     vocab=128, max_seq=16)
+
+    def tp_comm(policy: str, sp: bool) -> float:
+        plan = Plan(model=spec, hardware=HardwareSpec.preset("H100-SXM", gpus_per_node=2),
+                    parallel=ParallelSpec(tp=2, sequence_parallel=sp, checkpoint=policy,
+                                          overlap=False),
+                    train=TrainSpec(seq_len=16, global_batch=2, micro_batch=2))
+        return estimate(plan).breakdown["tp_comm"], plan
+
+    hw = HardwareSpec.preset("H100-SXM", gpus_per_node=2)
+    group = axis_groups({"tp": 2, "cp": 1, "pp": 1, "dp": 1}, ("tp", "cp", "dp", "pp"),
+                        hw.gpus_per_node)["tp"]
+    gather = comm.all_gather(2 * 2 * 16 * 64, group, hw).seconds  # bf16 b·s·h
+    none, _ = tp_comm("none", True)
+    norm, plan = tp_comm("modules(norm)", True)
+    assert norm - none == pytest.approx(2 * 2 * gather, rel=1e-9)
+    assert tp_comm("modules(mlp)", True)[0] == none
+    assert tp_comm("modules(norm)", False)[0] == tp_comm("none", False)[0]
+    from rich.console import Console  # noqa: PLC0415
+
+    from ptc.compiler.report import render_explain  # noqa: PLC0415
+
+    console = Console(width=200, record=True)
+    console.print(render_explain(plan))
+    assert "4 all-gathers again" in console.export_text()

@@ -42,13 +42,13 @@ start-up is paid once per launch: four launches in all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from dist_helpers import STEPS, assert_same_training, reference
-from tp_helpers import TPCase, measure_activations, run_tp_cases, tp_plan
+from tp_helpers import (MemoryCase, TPCase, measure_activations, predicted_activations,
+                        run_tp_cases, tp_plan)
 
-from ptc.compiler.layout import Layout
-from ptc.compiler.memory import precision, stage_memory
-from ptc.compiler.profile import model_profile
 from ptc.plan import ModelSpec
 from ptc.runtime.launcher import run_local
 
@@ -108,35 +108,21 @@ MEMORY_SPECS = (
     ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=1, ffn=128, vocab=128,
               max_seq=16),
 )
-MEMORY_CASES = [(spec, sp) for spec in MEMORY_SPECS for sp in (False, True)]
+MEMORY_CASES = [MemoryCase(spec, sp) for spec in MEMORY_SPECS for sp in (False, True)]
 _measured: list = []
 
 
-def _predicted(spec: ModelSpec, sp: bool, tp: int) -> float:
-    layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=2, microbatches=1, zero=0, sp=sp,
-                    schedule="1f1b", layers=spec.layers, checkpoint="none", overlap=True)
-    return stage_memory(model_profile(spec, "fp32"), layout, precision(4, "adamw"), 16)[0][
-        "activations"]
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("index", range(len(MEMORY_CASES)),
-                         ids=[f"{s.family}-kv{s.num_kv_heads}{'-sp' if sp else ''}"
-                              for s, sp in MEMORY_CASES])
-def test_saved_activations_match_the_memory_model(index: int) -> None:
-    """Per rank, within 2 % of the prediction (observed: 0.002 % without SP, 0.16 % with).
-
-    With SP the model divides the token ids and targets (int64 [b, s]) by tp
-    as it does every sequence-class tensor, while every rank keeps them
-    whole (the embedding looks up, the loss reads, the full sequence): that
-    is the whole 252-byte gap at this size.
-    """
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=str)
+def test_saved_activations_match_the_memory_model(case: MemoryCase) -> None:
+    """Per rank, exact but for the 4-byte weight total torch's cross-entropy saves (the
+    profile's) and the vocabulary-parallel loss does not; every policy, bf16 too:
+    tests/distributed/test_recompute_memory.py."""
     if not _measured:
         _measured.extend(run_local(measure_activations, 2, MEMORY_CASES, 2)[0])
-    spec, sp = MEMORY_CASES[index]
-    per_rank = _measured[index]
-    predicted = _predicted(spec, sp, 2)
-    for rank, measured in enumerate(per_rank):
-        assert measured == pytest.approx(predicted, rel=0.02), f"rank {rank}"
-    whole = _predicted(spec, False, 1)
-    assert per_rank[0] < (0.55 if sp else 0.75) * whole  # what tp (and sp) save
+    per_rank = _measured[MEMORY_CASES.index(case)]
+    predicted = predicted_activations(case, 2)
+    for rank, (measured, gap, _) in enumerate(per_rank):
+        assert 0 <= predicted - (measured + gap) <= 4, f"rank {rank}"
+    whole = predicted_activations(dataclasses.replace(case, sp=False), 1)
+    assert per_rank[0][0] < (0.55 if case.sp else 0.75) * whole  # what tp (and sp) save

@@ -8,10 +8,16 @@ of one process count in a row: process start-up is paid once per count.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan, train_cases
 
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the shared measurement helpers: tests/memory/measure.py
+    sys.path.insert(0, str(ROOT))
 
 NANOGPT = "tests.user_models.nanogpt:nanogpt"
 
@@ -77,53 +83,125 @@ def run_tp_cases(cases: list[TPCase]) -> dict:
     return train_cases(cases, tp_plan)
 
 
-def measure_activations(specs: list[tuple[ModelSpec, bool]], tp: int) -> list[list[int]]:
-    """Worker: bytes each rank's forward saves for backward, per (model, sequence_parallel) case.
+@dataclasses.dataclass(frozen=True)
+class MemoryCase:
+    """One tp layout of one model whose saved activations a rank measures."""
+
+    spec: ModelSpec
+    sp: bool
+    dtype: str = "fp32"
+    checkpoint: str | tuple[str, ...] = "none"
+    """A recompute policy, or one per layer."""
+    budget: float | None = None
+    """Bytes per GPU "auto" fits in (through memory_margin); None: the whole HBM."""
+
+    def __str__(self) -> str:
+        ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
+        return (f"{self.spec.family}-kv{self.spec.num_kv_heads}{'-sp' if self.sp else ''}"
+                f"-{self.dtype}-{ckpt}")
+
+
+def memory_plan(case: MemoryCase, tp: int) -> Plan:
+    """The plan a `MemoryCase` is measured under: one micro-batch of two samples."""
+    base = tiny_plan("gpt", zero=0, dp=1, accum=1, dtype=case.dtype)
+    hw = HardwareSpec.preset("cpu", gpus_per_node=tp)
+    if case.budget is not None:
+        hw = dataclasses.replace(hw, memory_margin=hw.hbm_bytes - case.budget)
+    return dataclasses.replace(
+        base, model=case.spec, hardware=hw,
+        parallel=ParallelSpec(tp=tp, sequence_parallel=case.sp and tp > 1,
+                              checkpoint=case.checkpoint))
+
+
+def resolved_policies(case: MemoryCase, tp: int) -> str | tuple[str, ...]:
+    """The case's policy; for an "auto" one, the estimate's per-layer choice."""
+    from ptc.compiler.estimate import estimate
+    from ptc.plan import is_auto_checkpoint
+
+    if not is_auto_checkpoint(case.checkpoint):
+        return case.checkpoint
+    return estimate(memory_plan(case, tp)).layout.checkpoint
+
+
+def predicted_activations(case: MemoryCase, tp: int) -> float:
+    """The memory model's activation bytes of one rank for `case` at tensor parallelism `tp`."""
+    from ptc.compiler.layout import Layout
+    from ptc.compiler.memory import precision, stage_memory
+    from ptc.compiler.profile import DTYPES, model_profile
+
+    plan = memory_plan(case, tp)
+    layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=plan.train.micro_batch,
+                    microbatches=1, zero=0, sp=case.sp and tp > 1, schedule="1f1b",
+                    layers=case.spec.layers, checkpoint=resolved_policies(case, tp),
+                    overlap=True)
+    prec = precision(DTYPES[case.dtype].itemsize, "adamw")
+    return stage_memory(model_profile(case.spec, case.dtype), layout, prec,
+                        plan.train.seq_len)[0]["activations"]
+
+
+def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
+    """Worker: per case, per rank, (bytes its forward keeps for backward, the CPU LayerNorm
+    gap of `cpu_statistics_gap`, the per-layer policies its program applies).
 
     Counted as `tests/memory/test_measured_activations.py` does — distinct
     storages of what autograd saves, parameters and buffers left out — on
     what the runtime really keeps: under sequence parallelism the saved
-    gathered activations are their local chunks (`SeqRegather`). Every
-    rank's figure comes back (they differ only by a few bytes).
+    gathered activations are their local chunks (`SeqRegather`), a
+    checkpoint region's inputs among them (torch's checkpoint saves them
+    through the same hooks); what a saving region caches
+    (`tests/memory/measure.py`) and the chunks a session holds count too.
+    Every rank's figure comes back.
     """
+    import math
+
     import torch
     import torch.distributed as dist
 
+    from ptc.compiler.meta import get_info
+    from ptc.compiler.profile import DTYPES
     from ptc.lower.driver import compile_plan
     from ptc.ops.comm import bind_axes
+    from ptc.ops.seq_regather import SeqRegather, _SeqRef
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
-    from ptc.ops.seq_regather import SeqRegather, _SeqRef
+    from recompute_worker import program_policies
+    from tests.memory.measure import cached_by_regions, kept_norm_nodes
+    from tests.memory.test_measured_activations import cpu_statistics_gap
 
     results = []
-    for spec, sp in specs:
-        base = tiny_plan("gpt", zero=0, dp=1, accum=1)
-        plan = dataclasses.replace(
-            base, model=spec, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
-            parallel=ParallelSpec(tp=tp, sequence_parallel=sp))
+    for case in cases:
+        plan = memory_plan(case, tp)
         init_distributed(plan)
         groups = axis_groups(build_mesh(plan))
-        trainer = Trainer(compile_plan(plan), groups)
-        state = {t.untyped_storage().data_ptr()
-                 for t in (*trainer.chunks[0].gm.parameters(), *trainer.chunks[0].gm.buffers())}
+        program = compile_plan(plan)
+        trainer = Trainer(program, groups)
+        gm = trainer.chunks[0].gm
+        state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
         saved: dict[int, int] = {}
         regather = SeqRegather()
 
-        def pack(t: torch.Tensor):
-            kept = regather.pack(t)
-            storage = (kept.chunk if isinstance(kept, _SeqRef) else t).untyped_storage()
+        def note(t: torch.Tensor) -> None:
+            storage = t.untyped_storage()
             if storage.data_ptr() not in state:
                 saved[storage.data_ptr()] = storage.nbytes()
+
+        def pack(t: torch.Tensor):
+            kept = regather.pack(t)
+            note(kept.chunk if isinstance(kept, _SeqRef) else t)
             return kept
 
         tokens, targets = trainer.data.batch(0, plan.train.micro_batch)
-        with bind_axes(groups), regather, \
+        with bind_axes(groups), regather, cached_by_regions(note), \
                 torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
             loss = trainer.chunks[0].runner.run(tokens, targets)
+        for _, chunk, _ in regather._live.values():  # the chunks the session holds
+            note(chunk)
         with bind_axes(groups):
             loss.backward()  # the graph (and every saved storage) lived until here
+        gap = sum(cpu_statistics_gap(1, math.prod(get_info(n).shapes[0][:-1]),
+                                     DTYPES[case.dtype]) for n in kept_norm_nodes(gm))
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, sum(saved.values()))
+        dist.all_gather_object(per_rank, (sum(saved.values()), gap, program_policies(program)))
         results.append(per_rank)
     dist.destroy_process_group()
     return results

@@ -137,6 +137,28 @@ def test_unknown_recompute_module_names_the_valid_ones() -> None:
     assert "modules() names no module" in err.message
 
 
+def test_auto_over_every_policy_parses_dumps_and_names_what_is_valid() -> None:
+    """`auto(all)`: the compiler chooses among every policy; it dumps as written; anything
+    else inside auto(...) is one error at its place with the valid form."""
+    from ptc.dsl import dump_plan  # noqa: PLC0415
+
+    plan = parse(edit("checkpoint = selective", "checkpoint = auto(all)"))
+    assert plan.parallel.checkpoint == "auto(all)"
+    assert "checkpoint = auto(all)" in dump_plan(plan)
+    assert parse(dump_plan(plan)).parallel.checkpoint == "auto(all)"
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = auto(al)"))
+    assert "auto(al) is not a choice of auto(...); did you mean 'all'?" in err.message
+    assert err.choices == ("auto(all)",) and (err.span.line, err.span.column) == (24, 21)
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = auto(all, ops)"))
+    assert "auto(...) takes one argument" in err.message and err.choices == ("auto(all)",)
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = auto()"))
+    assert "auto(...) takes one argument" in err.message
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = auto(every = true)"))
+    assert "auto(...) takes what to choose from" in err.message
+    (err,) = errors(edit("checkpoint = selective", "checkpoint = [auto(all), full]"))
+    assert err.choices  # per layer, a policy: auto is no layer's policy
+
+
 def test_schedule_order_and_virtual_stages_key() -> None:
     plan = parse(edit("schedule = 1f1b", "schedule = interleaved\n  virtual_stages = 2",
                       "zero = 1", "zero = 1\n  order = (dp, tp, pp)"))

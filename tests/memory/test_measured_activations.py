@@ -15,20 +15,27 @@ device, as the model predicts (`test_keyed_dropout_keeps_what_the_model_predicts
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ptc.compiler.capture import capture, with_weights
-from ptc.compiler.layout import Layout
-from ptc.compiler.memory import precision, stage_memory
-from ptc.compiler.profile import DTYPES, model_profile
-from ptc.models import build_model
-from ptc.ops.dropout import Samples, dropout_samples
-from ptc.plan import ModelSpec
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from ptc.compiler.capture import capture, with_weights  # noqa: E402
+from ptc.compiler.layout import Layout  # noqa: E402
+from ptc.compiler.memory import precision, stage_memory  # noqa: E402
+from ptc.compiler.profile import DTYPES, model_profile  # noqa: E402
+from ptc.models import build_model  # noqa: E402
+from ptc.ops.dropout import Samples, dropout_samples  # noqa: E402
+from ptc.plan import ModelSpec  # noqa: E402
+from tests.memory.measure import as_runtime_holds  # noqa: E402
 
 SPECS = {
     "gpt": ModelSpec(family="gpt", layers=3, hidden=96, heads=4, vocab=256, max_seq=64),
@@ -87,7 +94,7 @@ def predicted_activations(spec: ModelSpec, dtype: str, b: int, s: int) -> float:
 def test_activation_bytes_match_the_measurement(name, b, s, dtype):
     spec = SPECS[name]
     torch.manual_seed(0)
-    model = build_model(spec, device="cpu").to(DTYPES[dtype])
+    model = as_runtime_holds(build_model(spec, device="cpu"), DTYPES[dtype])
     tokens, targets = torch.randint(0, spec.vocab, (2, b, s))
     measured = measured_saved_bytes(model, tokens, targets)
     norms = sum(isinstance(m, nn.LayerNorm) for m in model.modules())
@@ -101,7 +108,7 @@ def test_keyed_dropout_keeps_what_the_model_predicts(dtype):
     1-byte masks, as predicted, not torch's CPU masks in the activation dtype."""
     spec = dataclasses.replace(SPECS["gpt"], dropout=0.1)
     b, s = 2, 32
-    model = build_model(spec, device="cpu", seed=0).to(DTYPES[dtype])
+    model = as_runtime_holds(build_model(spec, device="cpu", seed=0), DTYPES[dtype])
     gm = with_weights(capture(model, micro_batch=b, seq_len=s, dtype=DTYPES[dtype]), model)
     tokens, targets = torch.randint(0, spec.vocab, (2, b, s))
     with dropout_samples(Samples(seed=0, first=0)):

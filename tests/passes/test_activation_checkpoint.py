@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import sys
@@ -11,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import CheckpointPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
@@ -30,11 +27,10 @@ from ptc.compiler.stages import pipeline_stages, stage_info  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
                         split_pipeline_pass)
 from ptc.compiler.decisions import resolve  # noqa: E402
-from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
-from ptc.ops import recompute as recompute_ops  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
 from ptc.units import format_bytes  # noqa: E402
+from tests.memory.measure import buffers_as_built, cached_by_regions  # noqa: E402
 from tests.memory.test_measured_activations import cpu_statistics_gap  # noqa: E402
 from tests.tolerances import assert_loss_and_grads_match  # noqa: E402
 
@@ -88,29 +84,9 @@ def exact_loss_and_grads(p: Plan, model, tokens, targets):
     return loss_and_grads(with_weights(capture_plan(p), model64), model64, tokens, targets)
 
 
-@contextlib.contextmanager
-def cached_by_regions(note):
-    """Call `note` on every tensor a saving region's selective checkpoint caches in forward
-    (`ptc.ops.recompute.save_matmuls_policy` deciding MUST_SAVE): what it keeps besides."""
-    original = recompute_ops.save_matmuls_policy
-
-    def policy(ctx, op, *args, **kwargs):
-        decision = original(ctx, op, *args, **kwargs)
-        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-            for t in pytree.tree_leaves(ctx.op_output):
-                if isinstance(t, torch.Tensor):
-                    note(t)
-        return decision
-
-    recompute_ops.save_matmuls_policy = policy
-    try:
-        yield
-    finally:
-        recompute_ops.save_matmuls_policy = original
-
-
 def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
-    """Distinct non-parameter storages autograd saves, plus the inputs each region keeps."""
+    """Distinct non-parameter storages autograd saves (the inputs each region keeps among
+    them), plus what the saving regions cache."""
     state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
     saved: dict[int, int] = {}
 
@@ -123,14 +99,9 @@ def measured_saved_bytes(gm: fx.GraphModule, tokens, targets) -> int:
         note(t)
         return t
 
-    # torch's checkpoint keeps the region's inputs outside saved_tensors_hooks: count them here.
-    hooks = [mod.register_forward_pre_hook(
-        lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
-        for name, mod in gm.named_children() if name.startswith(REGION_PREFIX)]
+    # torch's checkpoint saves a region's inputs through these hooks too.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = gm(tokens, targets)
-    for h in hooks:
-        h.remove()
     loss.backward()
     return sum(saved.values())
 
@@ -179,7 +150,7 @@ def test_saved_bytes_match_the_memory_model(family, policy, dtype):
     model = build_model(p.model, device="cpu", seed=0).to(DTYPES[dtype])
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
     gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
-    measured = measured_saved_bytes(gm, tokens, targets)
+    measured = measured_saved_bytes(buffers_as_built(gm), tokens, targets)
     layout = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0, sp=False,
                     schedule="1f1b", layers=p.model.layers, checkpoint=policy, overlap=True)
     prec = precision(DTYPES[dtype].itemsize, "adamw")
@@ -225,12 +196,9 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
         if index < len(stages) - 1:
             hooks.append(stage.register_forward_hook(
                 lambda _m, _args, out: [note(t) for t in out] and None))
-        hooks += [mod.register_forward_pre_hook(
-            lambda _m, args: [note(a) for a in args if isinstance(a, torch.Tensor)] and None)
-            for name, mod in stage.named_children() if name.startswith(REGION_PREFIX)]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cached_by_regions(note):
         loss = pipeline(tokens, targets)
-    for h in hooks:  # backward reruns the regions: their inputs are counted already
+    for h in hooks:
         h.remove()
     loss.backward()
     return [sum(stage.values()) for stage in saved]
@@ -260,7 +228,7 @@ def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy, d
     assert [a for a in stages[0].atoms if a.startswith("layers.")] == ["layers.0", "layers.1"]
     # Apart, as the runtime reads them: one storage would count whole on both stages.
     tokens, targets = (t.clone() for t in torch.randint(0, spec.vocab, (2, B, S)))
-    measured = measured_bytes_per_stage(pipeline, tokens, targets)
+    measured = measured_bytes_per_stage(buffers_as_built(pipeline), tokens, targets)
     profile = model_profile(spec, dtype)
     layout = Layout(tp=1, pp=2, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0,
                     sp=False, schedule="1f1b", layers=4, checkpoint=policy, overlap=True)

@@ -48,7 +48,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
             dtype: torch.dtype | str = torch.float32, with_loss: bool = True,
-            leaf_modules: tuple = (), front_door: str = "auto") -> fx.GraphModule:
+            leaf_modules: tuple = (), front_door: str = "auto",
+            buffers_as_built: bool = False) -> fx.GraphModule:
     """Capture `model` at batch (micro_batch, seq_len) as an annotated GraphModule.
 
     The graph takes `tokens` (and `targets` when `with_loss`) and returns the
@@ -63,6 +64,9 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     cannot be traced but runs fine on meta tensors).
     `front_door`: "auto" (fx, then export), or "fx" / "export" to force one
     (tests use it to check that both graphs answer the same).
+    `buffers_as_built`: floating buffers keep the dtype the model made them in, as the
+    runtime binds them (a RoPE table cast to the compute dtype where it is used is then a
+    copy autograd may save: what the memory profile must see).
     Raises CaptureError, naming the module and source line, when neither
     front door can capture the model.
     """
@@ -70,7 +74,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         raise ValueError(f"front_door must be 'auto', 'fx' or 'export', got {front_door!r}")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     call = call_rule(model)
-    root = meta_model(model, dtype)
+    root = meta_model(model, dtype, buffers_as_built=buffers_as_built)
     inputs = {call.tokens: torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")}
     if call.targets:
         inputs[call.targets] = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")

@@ -20,22 +20,27 @@ from torch import fx, nn
 from ptc.compiler.devices import bind_device
 
 
-def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def meta_model(model: nn.Module, dtype: torch.dtype, *, buffers_as_built: bool = False
+               ) -> nn.Module:
     """The model itself if it is all meta in `dtype`, else a meta copy of it.
 
     Capture reads only shapes and dtypes, so a model of any size is captured
     without allocating its weights.
 
     The copy (`copy_with_tensors`) has every parameter and buffer an empty
-    meta tensor (floating ones in `dtype`).
+    meta tensor (floating ones in `dtype`; with `buffers_as_built`, buffers
+    keep their own dtype, as the runtime binds them: `ptc.runtime.init`).
     """
+    def target(t: torch.Tensor) -> torch.dtype:
+        keep = not t.is_floating_point() or (buffers_as_built and not isinstance(t, nn.Parameter))
+        return t.dtype if keep else dtype
+
     tensors = [t for m in model.modules()
                for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
-    if all(t.device.type == "meta" and (not t.is_floating_point() or t.dtype == dtype)
-           for t in tensors):
+    if all(t.device.type == "meta" and t.dtype == target(t) for t in tensors):
         return model
-    return copy_with_tensors(model, lambda t: torch.empty_like(
-        t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype))
+    return copy_with_tensors(model, lambda t: torch.empty_like(t, device="meta",
+                                                               dtype=target(t)))
 
 
 def copy_with_tensors(model: nn.Module, make) -> nn.Module:
