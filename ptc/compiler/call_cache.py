@@ -40,8 +40,17 @@ _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torc
 _MISSING = object()
 
 
-class _Unkeyable(Exception):
+class Unkeyable(Exception):
     """A value, module or call that has no signature."""
+
+
+def changes_operands(node: fx.Node) -> bool:
+    """Whether the node's call writes into an operand: an in-place call or an `out=` tensor."""
+    if "out" in node.kwargs:
+        return True
+    if node.op == "call_method":
+        return _in_place_name(node.target)
+    return node.op == "call_function" and _mutates(node.target)
 
 
 class CallCache:
@@ -75,31 +84,25 @@ class CallCache:
             return run()
         hit = self._results.get(key, _MISSING)
         if hit is not _MISSING:
-            return _fresh_tree(hit)
+            return fresh_tree(hit)
         out = run()
         if _copyable(out):
-            self._results[key] = _fresh_tree(out)
+            self._results[key] = fresh_tree(out)
         return out
 
     def key(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
         """The key of the node's call with these operands; None when it must not be cached."""
         try:
-            if "out" in kwargs:
+            if "out" in kwargs or changes_operands(node):
                 return None
             if node.op == "call_module":
                 head = ("M", self._module_sig(self.root.get_submodule(str(node.target))))
-            elif node.op == "call_method":
-                if _in_place_name(node.target):
-                    return None
-                head = ("C", node.target)
-            elif node.op == "call_function":
-                if _mutates(node.target):
-                    return None
-                head = ("F", node.target)
+            elif node.op in ("call_method", "call_function"):
+                head = ("C" if node.op == "call_method" else "F", node.target)
             else:
                 return None
             return head + (signature(args), signature(kwargs))
-        except _Unkeyable:
+        except Unkeyable:
             return None
 
     def _module_sig(self, mod: nn.Module) -> tuple:
@@ -111,7 +114,7 @@ class CallCache:
 
 
 def signature(x) -> tuple:
-    """Hashable description of a value (module docstring); raises _Unkeyable for none."""
+    """Hashable description of a value (module docstring); raises Unkeyable for none."""
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype, x.stride(), x.device.type, x.requires_grad)
     if x is None or isinstance(x, _SCALARS):
@@ -124,13 +127,13 @@ def signature(x) -> tuple:
         return (slice, signature(x.start), signature(x.stop), signature(x.step))
     if isinstance(x, nn.Module):
         return ("M", module_signature(x))
-    raise _Unkeyable(type(x).__name__)
+    raise Unkeyable(type(x).__name__)
 
 
 def module_signature(mod: nn.Module) -> tuple:
-    """Hashable description of a module (module docstring); raises _Unkeyable for none."""
+    """Hashable description of a module (module docstring); raises Unkeyable for none."""
     if mod._forward_hooks or mod._forward_pre_hooks:
-        raise _Unkeyable(f"{type(mod).__name__} has forward hooks")
+        raise Unkeyable(f"{type(mod).__name__} has forward hooks")
     if isinstance(mod, fx.GraphModule):
         return ("G", mod.training, _graph_signature(mod))
     config = []
@@ -139,7 +142,7 @@ def module_signature(mod: nn.Module) -> tuple:
             continue
         try:
             config.append((name, signature(value)))
-        except _Unkeyable:
+        except Unkeyable:
             config.append((name, id(value)))
     tensors = tuple((n, signature(t)) for n, t in (*mod._parameters.items(),
                                                     *mod._buffers.items()))
@@ -193,12 +196,12 @@ def _copyable(value) -> bool:
     of them. Any other object (a handle to a collective in flight) is one caller's own."""
     try:
         signature(value)
-    except _Unkeyable:
+    except Unkeyable:
         return False
     return True
 
 
-def _fresh_tree(value):
+def fresh_tree(value):
     """`value` with every tensor in it replaced by a new one of the same metadata."""
     return _fresh(value) if isinstance(value, torch.Tensor) else tree_map(_fresh, value)
 

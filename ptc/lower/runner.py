@@ -31,13 +31,12 @@ from typing import Any
 
 from torch import fx
 
-from ptc.compiler.call_cache import CallCache
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import update_graph_record
 from ptc.compiler.program import fix_stage_layout
 from ptc.compiler.stages import pipeline_stages, whole_graph_stage
 from ptc.errors import CompileError
-from ptc.lower.verify import verify_graph
+from ptc.lower.verify import Rerun, verify_graph
 
 Pass = Callable[..., fx.GraphModule]
 PASS_LOGGER = "ptc.passes"
@@ -98,7 +97,7 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
     log: list[str] = []
     done: list[str] = []
     index = 0
-    calls = CallCache(gm)  # meta results shared by every check of this compile
+    rerun = Rerun(gm)  # meta results shared by every check of this compile
 
     def apply(fn: Pass, graph: fx.GraphModule, stage: int | None = None) -> fx.GraphModule:
         nonlocal index
@@ -108,7 +107,7 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
         # A pass recompiles exactly the graphs it changes (DESIGN convention 1): the same
         # code object means an unchanged graph, whose shapes the last check found right.
         changed = out is not graph or out.code is not code
-        verify_graph(out, plan, after=name, shapes=changed, calls=calls)
+        verify_graph(out, plan, after=name, shapes=changed, rerun=rerun)
         index += stage is None or stage == 0
         _dump(dump_dir, index, name if stage is None else f"{name}.stage{stage}", out)
         return out

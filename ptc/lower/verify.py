@@ -13,20 +13,25 @@ Checks, each cheap enough to run between all passes:
   `ptc inspect` read). Each mesh axis is bound to a `ShapeGroup` of the
   plan's size, so collectives give the shapes that many ranks would; a
   node that records no shapes (a gather handle) is not compared. Identical
-  layers make identical calls, answered once (`ptc.compiler.call_cache`).
+  layers make identical calls, answered once (`ptc.compiler.call_cache`),
+  and a node no pass touched since the last check, reading values that
+  came out as they did then, is not re-run at all (`Rerun`): after the
+  first check a pass costs the meta re-runs of what it changed.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from ptc.compiler.call_cache import CallCache
+from ptc.compiler.call_cache import CallCache, Unkeyable, changes_operands, fresh_tree, signature
 from ptc.compiler.meta import get_info
 from ptc.errors import CompileError
 from ptc.ops.comm import ShapeGroup, bind_axes
@@ -36,12 +41,40 @@ MAX_PROBLEMS = 5
 """Problems listed in one error: the first few say which pass broke what."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A node as the last meta re-run found it: its call, its record, its value."""
+
+    target: object
+    args: tuple
+    kwargs: dict
+    info: object
+    value: object
+    signature: tuple
+
+
+class Rerun:
+    """What the meta re-runs of one compile share: call results by key, node values by node.
+
+    fx gives a node new `args`/`kwargs` objects whenever its operands change,
+    so a node with the same target and the very same operand objects as at
+    the last check, whose input nodes came out with the same metadata, has
+    the same value: it is taken from there instead of re-run.
+    """
+
+    def __init__(self, root: nn.Module):
+        self.calls = CallCache(root)
+        """Meta results by call key (identical layers: one evaluation)."""
+        self.checked: dict[fx.Node, _Checked] = {}
+        """Per node, what its last check found."""
+
+
 def verify_graph(gm: fx.GraphModule, plan: Plan, *, after: str, shapes: bool = True,
-                 calls: CallCache | None = None) -> None:
+                 rerun: Rerun | None = None) -> None:
     """Check `gm` (see the module docstring); CompileError naming the pass `after` and the node.
 
     `shapes=False` leaves out the meta re-run (the costly check), for a graph the
-    pass did not change; `calls` shares meta results between the checks of one compile.
+    pass did not change; `rerun` shares meta results between the checks of one compile.
     """
     problems: list[str] = []
     try:
@@ -53,7 +86,7 @@ def verify_graph(gm: fx.GraphModule, plan: Plan, *, after: str, shapes: bool = T
         if len(problems) >= MAX_PROBLEMS:
             break
     if not problems and shapes:
-        problems = _shape_problems(gm, plan, calls.for_root(gm) if calls else CallCache(gm))
+        problems = _shape_problems(gm, plan, rerun or Rerun(gm))
     if problems:
         raise CompileError(f"the graph after pass {after} is broken: "
                            + "; ".join(problems[:MAX_PROBLEMS]))
@@ -82,7 +115,7 @@ def _node_problems(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> list[str]:
     return out
 
 
-def _shape_problems(gm: fx.GraphModule, plan: Plan, cache: CallCache) -> list[str]:
+def _shape_problems(gm: fx.GraphModule, plan: Plan, rerun: Rerun) -> list[str]:
     """Nodes whose meta re-run disagrees with their recorded shapes or dtypes, or fails.
 
     A placeholder is given its recorded shape; one without (a non-tensor input)
@@ -91,50 +124,95 @@ def _shape_problems(gm: fx.GraphModule, plan: Plan, cache: CallCache) -> list[st
     """
     groups = {axis: ShapeGroup(plan.parallel.degree(axis)) for axis in plan.parallel.order}
     groups["dp"] = ShapeGroup(plan.grad_ranks)  # what the runtime binds "dp" to: dp·cp ranks
-    interp = _MetaInterpreter(gm)
-    unknown, problems = set(), []
+    cache = rerun.calls.for_root(gm)
+    interp = _MetaInterpreter(gm, cache)
+    unknown, same, problems = set(), set(), []
     with bind_axes(groups), torch.no_grad():
         for node in gm.graph.nodes:
             info = get_info(node)
             if node.op == "output" or any(a in unknown for a in node.all_input_nodes):
                 unknown.add(node)
                 continue
-            if node.op == "placeholder":
+            last = rerun.checked.get(node)
+            if _unchanged(node, last, same):
+                interp.env[node] = fresh_tree(last.value)
+                same.add(node)
+                if info is last.info:  # checked against this very record last time
+                    continue
+                value = interp.env[node]
+            elif node.op == "placeholder":
                 if info is None or len(info.shapes) != 1:
                     unknown.add(node)
                     continue
                 value = torch.empty(info.shapes[0], dtype=info.dtypes[0], device="meta")
             else:
-                args, kwargs = interp.fetch_args_kwargs_from_env(node)
                 try:
-                    value = cache.call(node, args, kwargs, lambda node=node, args=args,
-                                       kwargs=kwargs: getattr(interp, node.op)(node.target, args,
-                                                                              kwargs))
+                    value = interp.run_node(node)
                 except Exception as exc:  # any op's own error: the node is what is named
                     first = str(exc).splitlines()[0] if str(exc) else ""
                     problems.append(f"node {node.name} ({node.op} {_name(node)}) fails when "
                                     f"re-run: {type(exc).__name__}: {first}")
                     break
+                if changes_operands(node):  # what reads its operands from here on reads
+                    same.difference_update(node.all_input_nodes)  # them changed
             interp.env[node] = value
             problem = _disagreement(node, info, value)
             if problem:
                 problems.append(problem)
                 if len(problems) >= MAX_PROBLEMS:
                     break
+            elif node not in same:
+                _remember(rerun, node, info, value, last, same)
     return problems
 
 
-class _MetaInterpreter(fx.Interpreter):
-    """fx's Interpreter with every weight it reads (attribute or module state) on meta."""
+def _unchanged(node: fx.Node, last: _Checked | None, same: set[fx.Node]) -> bool:
+    """Whether `node` makes the call it made at its last check, on values that came out alike."""
+    return (last is not None and node.op in ("call_function", "call_method")
+            and node.target is last.target and node.args is last.args
+            and node.kwargs is last.kwargs and all(a in same for a in node.all_input_nodes))
 
-    def __init__(self, gm: fx.GraphModule):
+
+def _remember(rerun: Rerun, node: fx.Node, info, value, last: _Checked | None,
+              same: set[fx.Node]) -> None:
+    """Keep what the check of `node` found; mark it `same` when its value came out as last time."""
+    try:
+        sig = signature(value)
+    except Unkeyable:  # a handle: nothing to hand out again
+        rerun.checked.pop(node, None)
+        return
+    if last is not None and last.signature == sig:
+        same.add(node)
+    rerun.checked[node] = _Checked(node.target, node.args, node.kwargs, info, fresh_tree(value),
+                                   sig)
+
+
+class _MetaInterpreter(fx.Interpreter):
+    """fx's Interpreter with every weight it reads (attribute or module state) on meta.
+
+    A GraphModule it calls (a pipeline stage, a checkpoint region) is run node
+    by node through `cache` too, so the layers inside it cost one evaluation
+    of each distinct call.
+    """
+
+    def __init__(self, gm: fx.GraphModule, cache: CallCache):
         super().__init__(gm, garbage_collect_values=False)
+        self.cache = cache
+
+    def run_node(self, node: fx.Node):  # noqa: D102 - fx.Interpreter's
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        return self.cache.call(node, args, kwargs, lambda: getattr(self, node.op)(
+            node.target, args, kwargs))
 
     def get_attr(self, target, args, kwargs):  # noqa: D102 - fx.Interpreter's
         return _on_meta(super().get_attr(target, args, kwargs))
 
     def call_module(self, target, args, kwargs):  # noqa: D102 - fx.Interpreter's
         module = self.fetch_attr(target)
+        if isinstance(module, fx.GraphModule) and not kwargs:
+            return _MetaInterpreter(module, self.cache.for_root(module)).run(*args)
         state = {name: _on_meta(t) for name, t in itertools.chain(
             module.named_parameters(remove_duplicate=False),
             module.named_buffers(remove_duplicate=False))}
@@ -174,16 +252,23 @@ def _axis(node: fx.Node) -> str | None:
     target = node.target
     if not getattr(target, "__module__", "").startswith("ptc.ops."):
         return None
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-    if "axis" not in signature.parameters:
+    params = _axis_signature(target)
+    if params is None:
         return None
     try:
-        bound = signature.bind(*node.args, **node.kwargs)
+        bound = params.bind(*node.args, **node.kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
     axis = bound.arguments["axis"]
     return axis if isinstance(axis, str) else None
+
+
+@functools.cache
+def _axis_signature(target) -> inspect.Signature | None:
+    """The signature of a ptc op that takes an `axis`, or None (read once per op)."""
+    try:
+        params = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    return params if "axis" in params.parameters else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from ptc.compiler.meta import graph_record
 from ptc.compiler.program import stage_layout
 from ptc.errors import CompileError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
-from ptc.lower.verify import verify_graph
+from ptc.lower.verify import Rerun, verify_graph
 from ptc.ops.collectives import gather_params
 from ptc.ops.comm import ShapeGroup, bind_axes
 from ptc.ops.tp_ops import all_gather_seq, reduce_from_tp, reduce_scatter_seq, scatter_seq
@@ -91,6 +92,55 @@ def test_verifier_reruns_the_graph_on_meta_and_compares_shapes():
                                            rf"{view.name} \(call_method view\) records shapes "
                                            rf".*, a meta re-run gives"):
         verify_graph(gm, p, after="reshape_pass")
+
+
+def _checked_once(p: Plan):
+    """A captured graph and the Rerun of a first, passing check of it."""
+    gm = capture_plan(p)
+    rerun = Rerun(gm)
+    verify_graph(gm, p, after="capture", rerun=rerun)
+    assert rerun.checked  # the second check below can take nodes from the first
+    return gm, rerun
+
+
+def test_a_second_check_reruns_what_reads_a_resized_buffer():
+    """A table changed under unchanged nodes: the nodes reading it are not taken from before."""
+    p = plan(pp=1, checkpoint="none")
+    gm, rerun = _checked_once(p)
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("rope.cos"))
+    owner, _, leaf = str(attr.target).rpartition(".")
+    rows, cols = attr.meta["ptc"].shapes[0]
+    dtype = attr.meta["ptc"].dtypes[0]
+    gm.get_submodule(owner).register_buffer(leaf, torch.empty(rows, cols // 2, dtype=dtype,
+                                                              device="meta"))
+    attr.meta["ptc"] = dataclasses.replace(attr.meta["ptc"], shapes=((rows, cols // 2),))
+    with pytest.raises(CompileError, match=r"fails when re-run|a meta re-run gives"):
+        verify_graph(gm, p, after="resize_pass", rerun=rerun)
+
+
+def test_a_second_check_reruns_what_follows_a_changed_node():
+    """Only the view changed: everything after it that reads its value is re-run and disagrees."""
+    p = plan(pp=1, checkpoint="none")
+    gm, rerun = _checked_once(p)
+    view = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "view")
+    *lead, heads, dim = view.args[1:]
+    view.args = (view.args[0], *lead, dim, heads)
+    view.meta["ptc"] = dataclasses.replace(view.meta["ptc"],
+                                           shapes=((*view.meta["ptc"].shapes[0][:-2], dim, heads),))
+    with pytest.raises(CompileError, match=r"after pass reshape_pass is broken: node (?!"
+                                           + view.name + r" )\w+ .* a meta re-run gives"):
+        verify_graph(gm, p, after="reshape_pass", rerun=rerun)
+
+
+def test_a_second_check_compares_a_changed_record_with_an_unchanged_node():
+    p = plan(pp=1, checkpoint="none")
+    gm, rerun = _checked_once(p)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.meta["ptc"].shapes)
+    wrong = tuple(d + 1 for d in node.meta["ptc"].shapes[0])
+    node.meta["ptc"] = dataclasses.replace(node.meta["ptc"], shapes=(wrong,))
+    with pytest.raises(CompileError, match=rf"node {node.name} .* "
+                       + re.escape(f"records shapes ({wrong},)")):
+        verify_graph(gm, p, after="record_pass", rerun=rerun)
 
 
 @pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True, zero=3, dp=2),
