@@ -321,3 +321,31 @@ class _Pick(nn.Module):
         x = self.embed(tokens)
         torch.finfo(x.dtype)  # python the fx door cannot trace: the export door opens
         return x[..., [-2]] * x
+
+
+class _Unpacks(nn.Module):
+    """Unpacks a shape and a chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(V, H), nn.Linear(H // 2, V)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        b, s, h = x.shape
+        left, right = x.chunk(2, dim=-1)
+        logits = self.head((left * right)[..., : h // 2]).view(b * s, -1)
+        return F.cross_entropy(logits, targets.view(b * s))
+
+
+def test_unpacking_a_traced_value_takes_as_many_values_as_the_line_names():
+    """`b, s, h = x.shape` and `left, right = x.chunk(2)` trace to 3 and 2 getitems,
+    as fx's own tracer makes them."""
+    gm = capture(_Unpacks(), micro_batch=B, seq_len=S)
+    getitems = [n for n in gm.graph.nodes if n.op == "call_function"
+                and n.target.__name__ == "getitem"]
+    assert [n.args[1] for n in getitems][:5] == [0, 1, 2, 0, 1]
+    ours = [str(n.target) for n in gm.graph.nodes if n.op.startswith("call")]
+    plain = [str(n.target) for n in torch.fx.symbolic_trace(_Unpacks()).graph.nodes
+             if n.op.startswith("call")]
+    assert ours == plain
