@@ -29,7 +29,9 @@ stage's last B of the step; ZeRO-3: the graph's `gather_params` under a
 gathered activations around each forward, the sums after the last action
 (tied weights between the stages holding them, sequence-partial gradients
 over tp), the global-norm clip over dp, tp and pp counting a tied weight once,
-the NaN guard, the update of the rank's masters and the publishing of the
+the NaN guard (one all-reduce over the job; none when the job is pure data
+parallel at ZeRO-0, whose gradient all-reduce carries it: `FoldedGuard`),
+the update of the rank's masters and the publishing of the
 new weights (with optimizer offload: on the host, unit by unit, its copies
 pipelined with the CPU's step; `ptc.runtime.offload`). Under
 tensor parallelism the graphs hold the rank's tp-local slices
@@ -69,7 +71,7 @@ from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
-from ptc.runtime.health import guarded_update
+from ptc.runtime.health import FoldedGuard, guarded_update
 from ptc.runtime.init import initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
@@ -300,6 +302,8 @@ class Trainer:
                                f" but this rank's {axis} group has {size} rank(s)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.zero = plan.parallel.zero
+        self.guard = FoldedGuard(self.rank, self.dp, self.device) if self._guard_folds() else None
+        """The non-finite guard when the gradient all-reduce carries it (else None)."""
         seed_dropout(plan, self.tp_group, self.rank)
         schedule = program.schedule
         self.actions = lower(schedule)[self.pp_rank]
@@ -345,11 +349,20 @@ class Trainer:
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage_overlap(stage, layout, self.plan)
         reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
-                              self.plan.parallel.grad_comm) if self.zero < 3 else None
+                              self.plan.parallel.grad_comm, self.guard) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
                      reducer=reducer, last_backward=last, overlap=overlap)
+
+    def _guard_folds(self) -> bool:
+        """Whether the non-finite guard can ride the gradient all-reduce (`FoldedGuard`): the
+        dp group is the whole job (so tp = pp = cp = 1), at ZeRO-0, without optimizer offload,
+        with fp32 gradient buffers reduced in fp32."""
+        par = self.plan.parallel
+        return (dist.is_initialized() and self.zero == 0 and 1 < self.dp == dist.get_world_size()
+                and par.offload == "none" and par.grad_comm == "none"
+                and COMPUTE_DTYPES[self.plan.train.grad_dtype] == torch.float32)
 
     def _tied_groups(self) -> list[_Tied]:
         """A process group per tied weight and coordinate of the other axes (made by every rank)."""
@@ -387,7 +400,8 @@ class Trainer:
         `position` is the index of the step's first sample (default: step ·
         global_batch; larger once a rollback skipped data). When any rank
         sees a non-finite loss or gradient — all ranks learn it through one
-        all-reduce — no rank updates, and the stats name those ranks.
+        all-reduce, or through the gradient all-reduce (`FoldedGuard`) — no
+        rank updates, and the stats name those ranks.
         """
         train = self.plan.train
         start, waited = time.perf_counter(), comm_wait_seconds()
@@ -395,6 +409,8 @@ class Trainer:
         state = _StepState(step=step, scale=1.0 / (micro * self.dp),
                            skipped=0 if position is None else position - step * train.global_batch,
                            loss_sum=torch.zeros((), device=self.device))
+        if self.guard is not None:
+            self.guard.start(step, state.loss_sum, [u.grad for u in self.units])
         with bind_axes(self.groups):
             for action in self.actions:
                 try:
@@ -429,7 +445,7 @@ class Trainer:
             # The tp ranks of a stage compute the same loss: one of them reports it.
             share = state.loss_sum if self.tp_rank == 0 else torch.zeros_like(state.loss_sum)
             bad, norm, loss_sum = guarded_update(self.rank, step, state.loss_sum, share,
-                                                 [u.grad for u in self.units], update)
+                                                 [u.grad for u in self.units], update, self.guard)
             self.optimizer.zero_grad()
             if train.dtype == "fp8":  # the step's amaxes join the delayed-scaling history
                 for chunk in self.chunks.values():

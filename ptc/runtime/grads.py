@@ -12,7 +12,9 @@ with earlier layers:
 
 - ZeRO-0: all-reduce (sum) of the bucket's full gradient buffers, only
   after the last micro-batch of the step — earlier micro-batches just
-  accumulate.
+  accumulate. With a `FoldedGuard` (pure data parallel) the step's last
+  all-reduce also carries the non-finite guard's slots
+  (`ptc.runtime.health`), so the guard issues no collective of its own.
 - ZeRO-1: the same accumulation, then a reduce-scatter (sum) of the full
   buffers into the part of each buffer this rank updates (its shard): half
   an all-reduce's bytes, as Megatron-LM's distributed optimizer. The rest of
@@ -41,6 +43,7 @@ from ptc.compiler.overlap import OverlapPlan
 from ptc.ops.comm import (Piece, Waitable, all_reduce_bucket, group_rank, group_size,
                           reduce_scatter_bucket)
 from ptc.ops.fp8_comm import FORMATS, fp8_reduction
+from ptc.runtime.health import FoldedGuard
 from ptc.runtime.params import UnitState
 
 
@@ -49,16 +52,21 @@ class GradReducer:
 
     def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int,
                  overlap: OverlapPlan, grad_dtype: torch.dtype = torch.float32,
-                 grad_comm: str = "none"):
+                 grad_comm: str = "none", guard: FoldedGuard | None = None):
         """`grad_dtype`: what a ZeRO-2 micro-batch's gradients are summed and reduce-scattered
         in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype. `grad_comm`: "none",
-        or the float8 format the reductions move (parallel.grad_comm, `ptc.ops.fp8_comm`)."""
+        or the float8 format the reductions move (parallel.grad_comm, `ptc.ops.fp8_comm`).
+        `guard`: the non-finite guard the ZeRO-0 all-reduces carry (fp32 buffers and
+        reductions, `group` every rank of the job)."""
         self.units, self.group, self.zero = units, group, zero
         self._rank, self._world = group_rank(group), group_size(group)
         self.grad_dtype = grad_dtype
         fmt = FORMATS.get(grad_comm)
         self._all_reduce = fp8_reduction(fmt, everywhere=True) if fmt is not None else None
         self._reduce_scatter = fp8_reduction(fmt, everywhere=False) if fmt is not None else None
+        if guard is not None and (zero != 0 or fmt is not None):
+            raise ValueError("the non-finite guard rides only ZeRO-0's fp32 all-reduces")
+        self.guard = guard
         self.buckets = overlap.buckets
         self.in_flight = overlap.in_flight
         self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
@@ -118,8 +126,12 @@ class GradReducer:
         self._flushed[bucket] = True
         members = self.buckets[bucket]
         if self.zero == 0:
-            works = all_reduce_bucket([self.units[u].grad for u in members], self.group,
-                                      self._all_reduce)
+            flats = [self.units[u].grad for u in members]
+            if self.guard is not None:
+                self.guard.see(flats)
+                if all(self._flushed):  # the step's last reduction: the guard's slots ride it
+                    flats.append(self.guard.slots())
+            works = all_reduce_bucket(flats, self.group, self._all_reduce)
         elif self.zero == 1:
             works = reduce_scatter_bucket([self.units[u].grad for u in members], self.group,
                                           self._reduce_scatter)
@@ -148,3 +160,5 @@ class GradReducer:
                     self.units[unit].grad.view(self._world, -1)[self._rank].copy_(out)
                 elif self.zero == 2:
                     self.units[unit].grad.add_(out)
+            for work in works[len(self.buckets[bucket]):]:  # the guard's slots, summed in place
+                work.wait()

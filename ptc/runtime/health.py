@@ -9,6 +9,11 @@ step's loss costs no collective of its own. A rank
 deciding alone would skip a collective the others enter, and the job would
 hang. Weights are checked the same way before a checkpoint is written.
 
+A job that is pure data parallel at ZeRO-0 (`FoldedGuard`) needs not even
+that all-reduce: the same slots ride the step's last gradient all-reduce,
+and the summed gradients, the same on every rank, are checked where they
+lie — the decision is again the same everywhere.
+
 Hangs and stragglers. Every process group has a finite timeout
 (`ptc.runtime.mesh.timeout`). Under NCCL the flight recorder keeps each
 rank's last collectives and dumps them when a timeout fires
@@ -73,22 +78,89 @@ def nonfinite_ranks_and_sum(tensors: Sequence[torch.Tensor], share: torch.Tensor
     return tuple(flags[:world].nonzero().flatten().tolist()), flags[world]
 
 
+class FoldedGuard:
+    """The non-finite guard carried by the step's last gradient all-reduce: no collective of
+    its own.
+
+    For a job that is pure data parallel at ZeRO-0: gradients all-reduced
+    over a group that is every rank of the job (no tp, pp, cp, no optimizer
+    offload), in fp32 buffers and fp32 reductions, so the loss rides them
+    unrounded. Per step: `start`; the gradient reducer hands `see` each
+    bucket's buffers just before their all-reduce (this rank's own sums),
+    and appends `slots()` to the step's last all-reduce — two slots per
+    rank: 1 where that rank's loss or own gradients are non-finite, and its
+    loss (the others add zeros to it, so the job's loss sum is taken in
+    rank order, whatever order the collective adds in). After the
+    reductions every rank holds the same slots and the same summed
+    gradients, so `verdict` decides alike everywhere without a collective:
+    the bad ranks are those whose flag is set; or, when only the summed
+    gradients are non-finite (finite parts that overflow), every rank, as
+    each sees them. A check goes through a tensor's sum, as
+    `nonfinite_ranks`'.
+    """
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+        self._loss: torch.Tensor | None = None
+        self._sums: list[torch.Tensor] = []
+        self._slots: torch.Tensor | None = None
+
+    def start(self, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+        """Begin step `step` (0-based): `loss` is the tensor the rank's step loss is summed
+        into in place, `grads` its gradient buffers, which the step accumulates into and
+        then reduces. The `PTC_FAULT` nan hook (`faults`) fires here, into the rank's own
+        gradient before any reduction, where this rank's slot catches it."""
+        self._loss, self._sums, self._slots = loss, [], None
+        corrupt_gradients(self.rank, step + 1, grads)  # test hook
+
+    def see(self, flats: Sequence[torch.Tensor]) -> None:
+        """Note this rank's own sums of gradient buffers about to be all-reduced."""
+        self._sums.extend(f.sum(dtype=torch.float32) for f in flats)
+
+    def slots(self) -> torch.Tensor:
+        """The slots this rank adds to the step's last gradient all-reduce (after every
+        `see` of the step); the reduction sums them in place."""
+        loss = self._loss.detach().float()
+        slots = torch.zeros(2 * self.world, device=self.device)
+        slots[self.rank] = (~torch.isfinite(torch.stack([loss, *self._sums])).all()).float()
+        slots[self.world + self.rank] = loss
+        self._slots = slots
+        return slots
+
+    def verdict(self, grads: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], torch.Tensor]:
+        """(the ranks that saw a NaN or Inf, the job's loss sum), the same on every rank;
+        `grads`: the summed gradient buffers, once every reduction of the step is done."""
+        if self._slots is None:
+            raise RuntimeError("the step's gradient all-reduce did not carry the guard's slots")
+        slots, self._slots = self._slots, None
+        flagged = slots[:self.world] != 0
+        summed = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+        seen = torch.where(flagged.any(), flagged, ~torch.isfinite(summed).all())
+        return tuple(seen.nonzero().flatten().tolist()), slots[self.world:].sum()
+
+
 def guarded_update(rank: int, step: int, loss: torch.Tensor, share: torch.Tensor,
-                   grads: Sequence[torch.Tensor], update: Callable[[], float]
+                   grads: Sequence[torch.Tensor], update: Callable[[], float],
+                   folded: FoldedGuard | None = None
                    ) -> tuple[tuple[int, ...], float, torch.Tensor]:
     """The non-finite guard of one optimizer step: run `update` unless a rank saw NaN or Inf.
 
     Call after backward and the gradient reductions, with this rank's step
     `loss`, its `share` of the job's loss sum (its loss, or zero where
     another rank reports the same one) and its `grads`, on every rank of the
-    job (collective: one all-reduce, `nonfinite_ranks_and_sum`). `update`
-    clips, steps and publishes and returns the gradient norm; it runs on
-    every rank or on none. Returns the bad ranks (empty: the update ran),
-    the norm (NaN when skipped) and the summed loss. `step` is 0-based; the
-    `PTC_FAULT` nan hook (`faults`) fires here.
+    job (collective: one all-reduce, `nonfinite_ranks_and_sum`; none when
+    `folded`, the `FoldedGuard` the step's gradient all-reduce carried).
+    `update` clips, steps and publishes and returns the gradient norm; it
+    runs on every rank or on none. Returns the bad ranks (empty: the update
+    ran), the norm (NaN when skipped) and the summed loss. `step` is
+    0-based; the `PTC_FAULT` nan hook (`faults`) fires here (when `folded`:
+    in its `start`).
     """
-    corrupt_gradients(rank, step + 1, grads)  # test hook
-    bad, total = nonfinite_ranks_and_sum([loss, *grads], share)
+    if folded is not None:
+        bad, total = folded.verdict(grads)
+    else:
+        corrupt_gradients(rank, step + 1, grads)  # test hook
+        bad, total = nonfinite_ranks_and_sum([loss, *grads], share)
     return bad, (float("nan") if bad else update()), total
 
 

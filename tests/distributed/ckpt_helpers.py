@@ -179,6 +179,38 @@ def run_worker(plans: list[Plan], fault: str | None = None) -> list[dict]:
     return out
 
 
+def guard_worker(plan: Plan, fault: str) -> dict:
+    """Train `plan`'s steps on the Trainer under the `PTC_FAULT` `fault`, logging per step its
+    stats and the elements of every `torch.distributed.all_reduce` it issues; and the
+    elements of each gradient bucket."""
+    from ptc.runtime import faults
+
+    os.environ[faults.ENV] = fault
+    faults._fired.clear()
+    trainer = _trainer(plan)
+    issued: list[int] = []
+    real = dist.all_reduce
+
+    def logged(tensor, *args, **kwargs):
+        issued.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = logged
+    try:
+        steps = []
+        for k in range(plan.train.steps):
+            issued.clear()
+            stats = trainer.train_step(k)
+            steps.append({"nonfinite": stats.nonfinite, "loss": stats.loss,
+                          "all_reduce": list(issued)})
+    finally:
+        dist.all_reduce = real
+    buckets = [sum(trainer.units[u].spec.padded_numel for u in bucket)
+               for chunk in trainer.chunks.values() for bucket in chunk.overlap.buckets]
+    dist.destroy_process_group()
+    return {"steps": steps, "buckets": buckets}
+
+
 def rss_bytes() -> int:
     """This process's resident set size now (Linux)."""
     with open("/proc/self/statm") as f:

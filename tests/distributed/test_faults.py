@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ from ckpt_helpers import (
     GLOBAL_BATCH,
     ckpt_plan,
     damage_worker,
+    guard_worker,
     run_worker,
     with_runtime,
 )
@@ -114,6 +116,20 @@ def test_nonfinite_gradient_every_rank_takes_the_same_action_under_each_policy(t
     assert all(torch.isfinite(torch.tensor(rollback[0]["losses"])).tolist()[3:])
     store = CheckpointStore(tmp_path / "rollback")
     assert store.visible() == [6] and store.verify(6) == []  # finite weights, saved at the end
+
+
+@pytest.mark.timeout(120)
+def test_pure_data_parallel_nan_is_caught_by_the_gradient_all_reduce_and_names_its_rank():
+    # dp 2 at ZeRO-0 is the whole job: the guard rides the gradient all-reduce (FoldedGuard).
+    steps = run_local(guard_worker, 2, ckpt_plan(dp=2, zero=0, steps=4, family="gpt"),
+                      "nan:1:3")
+    assert steps[0]["steps"] == steps[1]["steps"]  # the same decisions, losses and collectives
+    got, buckets = steps[0]["steps"], steps[0]["buckets"]
+    assert [s["nonfinite"] for s in got] == [(), (), (1,), ()]
+    assert all(math.isfinite(s["loss"]) for s in got)  # the skipped step's loss still reported
+    for s in got:  # one all-reduce per bucket, the last carrying a flag and a loss per rank
+        assert len(s["all_reduce"]) == len(buckets), s["all_reduce"]
+        assert sum(s["all_reduce"]) == sum(buckets) + 2 * 2
 
 
 @pytest.mark.timeout(240)

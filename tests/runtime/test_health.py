@@ -11,7 +11,7 @@ from runtime_helpers import tiny_plan
 from ptc.errors import PtcError
 from ptc.runtime import faults
 from ptc.runtime.elastic import is_elastic_range, plan_for_world
-from ptc.runtime.health import is_timeout, nonfinite_ranks
+from ptc.runtime.health import FoldedGuard, is_timeout, nonfinite_ranks
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,6 +20,57 @@ def test_nonfinite_check_without_a_process_group():
     assert nonfinite_ranks([torch.ones(3), torch.zeros(2)]) == ()
     assert nonfinite_ranks([torch.ones(3), torch.tensor([1.0, float("nan")])]) == (0,)
     assert nonfinite_ranks([torch.tensor([float("inf"), 1.0])]) == (0,)
+
+
+def _folded_step(loss: float, grads: list[torch.Tensor], *, others: list[float],
+                 others_bad: tuple[int, ...] = (), summed: list[torch.Tensor] | None = None):
+    """One step of rank 0's FoldedGuard in a job of 1 + len(others) ranks, the all-reduce
+    played by hand: the other ranks' flags (`others_bad`) and losses added into the slots,
+    `summed` the reduced gradients (default: rank 0's own)."""
+    guard = FoldedGuard(0, 1 + len(others), torch.device("cpu"))
+    total = torch.zeros(())
+    guard.start(0, total, grads)
+    total += loss  # the step sums its losses into the tensor `start` was given, in place
+    guard.see(grads)
+    slots = guard.slots()
+    world = guard.world
+    for rank, theirs in enumerate(others, start=1):
+        slots[rank] += float(rank in others_bad)
+        slots[world + rank] += theirs
+    return guard.verdict(grads if summed is None else summed)
+
+
+def test_folded_guard_names_the_ranks_and_sums_the_loss_without_a_collective():
+    finite = [torch.ones(3), torch.zeros(2)]
+    bad, total = _folded_step(2.0, finite, others=[3.0, 4.0])
+    assert bad == () and float(total) == 9.0
+    # A non-finite loss with finite gradients is caught, and names the rank it was on.
+    bad, total = _folded_step(float("inf"), finite, others=[3.0])
+    assert bad == (0,) and not torch.isfinite(total)
+    nan = [torch.tensor([1.0, float("nan")])]
+    assert _folded_step(2.0, nan, others=[3.0])[0] == (0,)
+    # Another rank's flag arrives through the all-reduce; its NaN is in the sum too.
+    assert _folded_step(2.0, finite, others=[3.0, 4.0], others_bad=(2,), summed=nan)[0] == (2,)
+    # Only the sum is non-finite (finite parts that overflow): every rank sees it.
+    inf = [torch.tensor([float("inf")])]
+    assert _folded_step(2.0, finite, others=[3.0, 4.0], summed=inf)[0] == (0, 1, 2)
+
+
+def test_folded_guard_wants_its_slots_carried(monkeypatch):
+    guard = FoldedGuard(0, 2, torch.device("cpu"))
+    guard.start(0, torch.zeros(()), [torch.zeros(2)])
+    with pytest.raises(RuntimeError, match="did not carry the guard's slots"):
+        guard.verdict([torch.zeros(2)])
+    # The nan fault hook fires at the start, into the rank's own gradient, before its
+    # reduction: its own flag catches it.
+    monkeypatch.setenv(faults.ENV, "nan:1:3")
+    faults._fired.clear()
+    guard, grads = FoldedGuard(1, 2, torch.device("cpu")), [torch.zeros(4)]
+    guard.start(2, torch.zeros(()), grads)
+    assert torch.isnan(grads[0][0])
+    guard.see(grads)
+    assert guard.slots()[:2].tolist() == [0.0, 1.0]
+    assert guard.verdict(grads)[0] == (1,)
 
 
 def test_timeouts_are_recognised_through_the_cause_chain():
