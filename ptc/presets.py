@@ -62,6 +62,8 @@ class GpuPreset:
     """Share of peak a tuned transformer step reaches (see module docstring)."""
     host_bandwidth: float
     """Per-GPU, per-direction bandwidth to host memory (PCIe), bytes/s."""
+    dispatch_overhead: float = 0.0
+    """Host seconds to dispatch one op (see module docstring)."""
 
 
 PRESETS: dict[str, GpuPreset] = {

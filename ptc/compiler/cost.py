@@ -1,15 +1,15 @@
 """Step time: compute + exposed communication + pipeline bubble + optimizer step.
 
-Terms: F is a layer's forward FLOPs for one micro-batch (from the graph),
-R = peak · achievable_fraction the FLOP rate a tuned step reaches, T_i the
-time stage i spends on one micro-batch (its layers' forward, backward = 2F,
+Terms: F is a layer's forward FLOPs for one micro-batch (from the graph), T_i
+the time stage i spends on one micro-batch (its layers' forward, backward,
 recompute, and the communication it cannot hide).
 
-- compute: F / t / R per layer forward, 2F / t / R backward; recompute adds
-  F (full) or the attention core's FLOPs (selective). With train dtype fp8
-  the layers' float8 GEMMs (forward, and both backward products) run at the
-  fp8 peak's rate R8 (the profile's `fp8_flops`, 1/t per rank), the rest at
-  bf16's: a layer costs F/t/R - F8/t·(1/R - 1/R8) each way.
+- compute: each layer's forward and backward priced op by op from the work
+  its captured graph asks for (`ptc.compiler.compute`: GEMMs at the GEMM
+  rate, float8 ones at the fp8 rate, memory-bound ops by the bytes they move
+  at the memory bandwidth, the host's dispatch of each op), per rank as
+  tensor, sequence and context parallelism divide it; recompute adds the
+  layer's forward (full) or its attention core's forward (selective).
 - tensor parallel: two all-reduces of b·s·h elements per layer forward, two
   backward, two more in a full recompute; with sequence parallelism each is
   a reduce-scatter plus an all-gather of the same size. They sit on the
@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ptc.compiler import comm
+from ptc.compiler.compute import Split, layer_times, rates
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
                                  stage_params)
@@ -113,7 +114,6 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
     cp = layout.cp
     bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
-    rate, fp8_rate = _rates(hw, dtype)
     groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
                      lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
                                          layout.order, hw.gpus_per_node))
@@ -131,8 +131,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
             f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
             f["fp8_flops"](bb, ss) / tp))
-    # A layer's forward seconds: its float8 GEMMs at their rate, the rest at the compute rate.
-    layer_s = layer_f / rate - (fp8_f / rate - fp8_f / fp8_rate if fp8_rate else 0.0)
+    # Seconds of a layer's forward and backward, op by op (`ptc.compiler.compute`).
+    times = _cached(memo, ("times", bb, ss, tp, cp, layout.sp), lambda: layer_times(
+        profile, rates(hw, dtype), bb=bb, ss=ss, seq_len=seq_len,
+        split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp)))
 
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
@@ -163,8 +165,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     def stage(first: bool, last: bool, policies: tuple[tuple[str, int], ...]) -> _Stage:
         st = _Stage()
         for policy, count in policies:
-            work = 3 * layer_s
-            extra = {"none": 0.0, "selective": core_f / rate, "full": layer_s}[policy]
+            work = times.forward + times.backward
+            extra = {"none": 0.0, "selective": times.core, "full": times.forward}[policy]
             st.compute += count * work
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
@@ -174,9 +176,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             if z3:
                 st.dp += count * max(0.0, z3[policy] - hide)
         if first:
-            st.compute += 3 * pre_f / rate
+            st.compute += times.pre
         if last:
-            st.compute += 3 * post_f / rate
+            st.compute += times.post
         if first or last:  # vocab-parallel embedding forward, head input backward
             st.tp += tp_edge
         if not layout.overlap:
@@ -225,15 +227,6 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
                     hw_flops=(executed + recomputed) * micro_total, algorithms=algos)
 
 
-def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
-    """(FLOP/s a step reaches in the compute dtype, and in float8 GEMMs or None): train dtype
-    fp8 computes in bf16, its GEMMs at the fp8 peak (emulated without one: at bf16's)."""
-    if dtype != "fp8":
-        return hw.peak_flops[dtype] * hw.achievable_fraction, None
-    bf16 = hw.peak_flops["bf16"] * hw.achievable_fraction
-    return bf16, hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
-
-
 def offloaded_step(elements: float, hw: HardwareSpec) -> float:
     """Seconds of one offloaded optimizer step of `elements` per rank (optimizer offload).
 
@@ -255,17 +248,14 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     without any communication; plan search prices layouts fully only while
     this bound can still beat the ones it has.
     """
-    f, bb, ss = profile.fn, layout.micro_batch, seq_len
-    per_policy = {"none": 0.0, "selective": f["core_flops"](bb, ss), "full": f["flops.layer"](bb, ss)}
-    work = 3 * (layout.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
-                + f["flops.post"](bb, ss))
+    times = layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
+                        ss=layout.rank_seq(seq_len), seq_len=seq_len,
+                        split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
+                                    sp=layout.sp, cp=layout.cp))
+    per_policy = {"none": 0.0, "selective": times.core, "full": times.forward}
+    work = layout.layers * (times.forward + times.backward) + times.pre + times.post
     work += sum(per_policy[pol] * n for pol, n in layout.policy_counts())
-    rate, fp8_rate = _rates(hw, dtype)
-    if fp8_rate:  # float8 GEMMs: 3 per layer forward-and-backward, full recompute's once more
-        fp8_work = f["fp8_flops"](bb, ss) * (3 * layout.layers + dict(layout.policy_counts())
-                                             .get("full", 0))
-        work -= fp8_work * (1 - rate / fp8_rate)
-    mean_stage = work / layout.tp / layout.pp / rate
+    mean_stage = work / layout.pp
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
 
 

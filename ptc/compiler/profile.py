@@ -33,6 +33,7 @@ the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import pickle
@@ -49,6 +50,7 @@ from ptc.compiler.meta import get_info, graph_info
 from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is_linear,
                                 node_shape)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
+from ptc.compiler.work import graph_work
 from ptc.errors import PtcError
 from ptc.plan import ModelSpec, Plan
 
@@ -149,6 +151,17 @@ class ModelProfile:
     fp8_flops: sympy.Expr
     """Forward FLOPs of one layer's float8 GEMMs (`nodes.is_fp8_linear`) when profiled for
     train dtype "fp8", else 0."""
+    work: dict[str, sympy.Expr]
+    """What each region asks of the device per micro-batch (`ptc.compiler.work`), by
+    "{region}.{phase}.{quantity}.{class}": region "pre", "layer", "post", or "core" (the
+    layer's attention core, part of "layer"); phase "fwd" or "bwd"; quantity "gemm" (FLOPs),
+    "attn" (fused attention FLOPs), "mem" (bytes moved), "ops" (ops dispatched, class "all"
+    only); class "all", "tp" (the part tensor parallelism splits: between a column-parallel
+    linear and the row-parallel one that closes the block, that one included) or "kv" (the
+    part of "tp" on the key/value path, split by `kv_divisor`). Fitted for micro-batches of
+    2 and more: at one sample torch's matmul views some operands it copies at more."""
+    work_b1: dict[str, sympy.Expr]
+    """`work` at a micro-batch of one sample, polynomials in s alone."""
     params: dict[str, ParamGroups]
     """Parameters per region; "post" excludes a head tied to the embedding."""
     tied: bool
@@ -214,7 +227,7 @@ _CACHE: dict[tuple, ModelProfile] = {}
 _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
-            "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
+            "compiler/flops.py", "compiler/work.py", "compiler/nodes.py", "compiler/meta.py", "models")
 
 
 def cache_dir() -> Path:
@@ -253,20 +266,25 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     max_seq = spec.max_seq or getattr(config, "max_position_embeddings", None)
     points = _points(max_seq or 64)
     samples, first = [], None
-    for pb, ps in points:  # each graph measured before the next capture
+    work_samples: dict[tuple[int, int], dict[str, int]] = {}
+    for pb, ps in dict.fromkeys(points + _work_points(points)):  # each graph measured first
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype])
-        samples.append(_measure(gm, fp8=dtype == "fp8"))
+        if (pb, ps) in points:
+            samples.append(_measure(gm, fp8=dtype == "fp8"))
+        work_samples[pb, ps] = _work(gm)
         first = first or gm
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
-    for name, poly in fit.items():  # the seventh point checks the polynomial form
-        if poly.subs({b: pb, s: ps}) != samples[6][name]:
-            if custom:
-                raise PtcError(f"model \"{spec.factory}\": its saved activations ({name}) are "
-                               "not the polynomial in micro-batch and sequence length that "
-                               "ptc's memory model fits, so ptc cannot predict its memory or "
-                               "step time; compile, inspect and run work without predictions")
-            raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
+    bad = [name for name, poly in fit.items() if poly.subs({b: pb, s: ps}) != samples[6][name]]
+    work, work_b1, bad_work = _fit_work(points, work_samples)
+    for name in bad + bad_work:  # the last point of each fit checks its polynomial form
+        if custom:
+            what = "work on the device" if name in bad_work else "saved activations"
+            raise PtcError(f"model \"{spec.factory}\": its {what} ({name}) are "
+                           "not the polynomial in micro-batch and sequence length that "
+                           "ptc's memory and cost models fit, so ptc cannot predict its memory "
+                           "or step time; compile, inspect and run work without predictions")
+        raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
@@ -280,6 +298,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
+        work=work, work_b1=work_b1,
         params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
@@ -330,6 +349,8 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
     polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
                  fp8_flops=profile.fp8_flops,
                  boundary=profile.boundary_elements)
+    polys.update({f"work.{name}": e for name, e in profile.work.items()})
+    polys.update({f"work_b1.{name}": e for name, e in profile.work_b1.items()})
     return {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
 
 
@@ -354,9 +375,15 @@ def _points(max_seq: int) -> list[tuple[int, int]]:
 
 
 def _fit(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
-    matrix = sympy.Matrix([[m.subs({b: pb, s: ps}) for m in _MONOMIALS] for pb, ps in points])
-    coeffs = matrix.LUsolve(sympy.Matrix(values))
+    coeffs = _inverse(tuple(points)) * sympy.Matrix(values)
     return sympy.expand(sum(c * m for c, m in zip(coeffs, _MONOMIALS)))
+
+
+@functools.cache
+def _inverse(points: tuple[tuple[int, int], ...]) -> sympy.Matrix:
+    """The inverse of the monomials' values at `points` (exact rationals): shared by every
+    term fitted at the same points."""
+    return sympy.Matrix([[m.subs({b: pb, s: ps}) for m in _MONOMIALS] for pb, ps in points]).inv()
 
 
 def _regions(gm: torch.fx.GraphModule) -> dict[str, str]:
@@ -489,6 +516,66 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
                 out["kv.flops"] += info.flops
             if n.name in fp8_linears and region[n.name] == "layer":
                 out["fp8.flops"] += info.flops
+    return out
+
+
+WORK_REGIONS = ("pre", "layer", "post", "core")
+WORK_QUANTITIES = ("gemm", "attn", "mem", "ops")
+WORK_CLASSES = ("all", "tp", "kv")
+
+
+def _work_points(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Where the work terms are measured besides `points`: one sample at the check's
+    sequence length, and three samples on the grid's sequence lengths."""
+    (_, q), check = points[0], points[6]
+    return [(1, check[1]), (3, q), (3, 2 * q), (3, 3 * q)]
+
+
+def _fit_work(points: list[tuple[int, int]], samples: dict[tuple[int, int], dict[str, int]]
+              ) -> tuple[dict[str, sympy.Expr], dict[str, sympy.Expr], list[str]]:
+    """(work for b >= 2 in b and s, work for b = 1 in s, names whose check failed)."""
+    (_, q), check = points[0], points[6]
+    grid = [(pb, k * q) for pb in (2, 3) for k in (1, 2, 3)]
+    ones = [(1, k * q) for k in (1, 2, 3)]
+    work, work_b1, bad = {}, {}, []
+    for name in samples[grid[0]]:
+        key = name[len("work."):]
+        work[key] = _fit(grid, [samples[pt][name] for pt in grid])
+        work_b1[key] = _fit_s(ones, [samples[pt][name] for pt in ones])
+        if work[key].subs({b: check[0], s: check[1]}) != samples[check][name] or \
+                work_b1[key].subs(s, check[1]) != samples[1, check[1]][name]:
+            bad.append(name)
+    return work, work_b1, bad
+
+
+def _fit_s(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
+    """The polynomial of degree <= 2 in s through three points of one micro-batch."""
+    matrix = sympy.Matrix([[1, ps, ps**2] for _, ps in points])
+    coeffs = matrix.LUsolve(sympy.Matrix(values))
+    return sympy.expand(coeffs[0] + coeffs[1] * s + coeffs[2] * s**2)
+
+
+def _work(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Forward and backward device work by region and class (`ModelProfile.work`)."""
+    sharding = infer_sharding(gm)
+    region, sharded, core = _regions(gm), _tp_sharded(gm, sharding), _attention_core(gm, sharding)
+    kv_path = _kv_path(gm, sharding, sharded)
+    styles = _styles(gm, sharding)
+    split = sharded | {name for name, style in styles.items() if style == ROWWISE}
+    out = {f"work.{r}.{ph}.{q}.{c}": 0 for r in WORK_REGIONS for ph in ("fwd", "bwd")
+           for q in WORK_QUANTITIES for c in WORK_CLASSES if q != "ops" or c == "all"}
+    for name, node_work in graph_work(gm, _inputs(gm)).items():
+        r = region.get(name, "post")
+        if r == "later":
+            continue
+        targets = (r, "core") if r == "layer" and name in core else (r,)
+        classes = ("all", *(("tp",) if name in split else ()), *(("kv",) if name in kv_path else ()))
+        for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
+            values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory, "ops": w.ops}
+            for target in targets:
+                for q, value in values.items():
+                    for c in classes if q != "ops" else ("all",):
+                        out[f"work.{target}.{ph}.{q}.{c}"] += int(value)
     return out
 
 

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
+from ptc.compiler.compute import Split, layer_times, rates
 from ptc.compiler.estimate import estimate
+from ptc.compiler.profile import model_profile
 from ptc.compiler.shapes import plan_from_shape
 
 SHAPE = dict(family="gpt", layers=8, hidden=256, heads=8, vocab=512, seq_len=128,
@@ -31,9 +33,15 @@ def test_estimate_fields_are_consistent():
 
 
 def test_full_recompute_costs_one_more_forward():
-    est = estimate(_plan(num_gpus=1, tp=1, pp=1, dp=1, checkpoint="full"))
+    plan = _plan(num_gpus=1, tp=1, pp=1, dp=1, checkpoint="full")
+    est = estimate(plan)
     assert est.hw_tflops_per_gpu / est.tflops_per_gpu == pytest.approx(4 / 3, rel=0.02)
-    assert est.breakdown["recompute"] == pytest.approx(est.breakdown["compute"] / 3, rel=0.02)
+    times = layer_times(model_profile(plan.model, "bf16"), rates(plan.hardware, "bf16"),
+                        bb=1, ss=128, seq_len=128, split=Split(tp=1, kv_divisor=1, sp=False, cp=1))
+    m, layers = est.layout.microbatches, 8
+    assert est.breakdown["recompute"] == pytest.approx(m * layers * times.forward)
+    assert est.breakdown["compute"] == pytest.approx(
+        m * (layers * (times.forward + times.backward) + times.pre + times.post))
 
 
 @pytest.mark.parametrize("v", [1, 2])
