@@ -21,12 +21,17 @@ recompute, and the communication it cannot hide).
   micro-batch per chunk, 1/t of it per rank (scatter/gather, or SP). With
   overlap only the fill and drain hops are exposed; without, every one is.
   Step = m · max_i T_i + (p - 1)/v · mean_i T_i; the second part is the bubble.
-- data parallel: ZeRO-0 all-reduces the gradients; ZeRO-1/2 reduce-scatter
-  them and all-gather the updated weights; with overlap these hide behind
-  the last micro-batch's backward and the next forward. ZeRO-3 gathers each
+- data parallel: ZeRO 0-1 all-reduce the gradients, ZeRO-2 reduce-scatters
+  them, and ZeRO 1-2 all-gather the updated weights, as the runtime does; with
+  overlap the reduction hides behind the last micro-batch's backward, while the
+  gather is waited for before the step ends. ZeRO-3 gathers each
   layer's weights for every forward (the recompute forward included) and
   again for backward, and reduce-scatters its gradients, every micro-batch;
   with overlap each layer's traffic hides behind that layer's compute.
+- step sync: the guard's and the gradient norm's all-reduces, and the latency of
+  gathering ZeRO 1-2's weights unit by unit (`ptc.compiler.step_sync`).
+- on a CPU (`HardwareSpec.synchronous`) collectives run on the cores that
+  compute: nothing overlaps, whatever `overlap` says.
 - optimizer: memory-bound; it reads gradient and state and writes state and
   weight once per parameter shard, at the device memory bandwidth. With
   optimizer offload (`offloaded_step`) instead: the fp32 gradient shard down
@@ -37,6 +42,7 @@ recompute, and the communication it cannot hide).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ptc.compiler import comm
@@ -45,6 +51,7 @@ from ptc.compiler.layout import Layout
 from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
                                  stage_params)
 from ptc.compiler.profile import ModelProfile
+from ptc.compiler.step_sync import step_sync
 from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec
 
@@ -62,7 +69,8 @@ class StepCost:
     step_time: float
     """Seconds per step."""
     breakdown: dict[str, float]
-    """Seconds by part: compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer."""
+    """Seconds by part: compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer,
+    step_sync."""
     model_flops: float
     """FLOPs of one step without recompute (forward + backward = 3x forward), all GPUs."""
     hw_flops: float
@@ -111,6 +119,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     `memo`: a dict to share collective and FLOP figures between calls for the
     same plan (plan search prices thousands of layouts that repeat them).
     """
+    if hw.synchronous and layout.overlap:
+        # A CPU's collectives run on the cores that compute: nothing hides behind anything.
+        layout = dataclasses.replace(layout, overlap=False)
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
     cp = layout.cp
     bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
@@ -215,6 +226,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
         "optimizer": optimizer,
+        "step_sync": _cached(memo, ("sync", tp, cp, p, layout.dp, layout.zero), lambda: step_sync(
+            profile, layout, hw, prec, groups)),
     }
     per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
                      + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
@@ -281,20 +294,25 @@ def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: Har
     if group.size == 1:
         return 0.0
     elements = _max_stage_elements(profile, layout)
-    if layout.zero == 0:
+    if layout.zero <= 1:  # ZeRO 0-1 all-reduce the whole gradient (`ptc.runtime.grads`)
         ar = _cached(memo, ("ar", elements, group, prec.grad_wire), lambda: comm.all_reduce(
             elements * prec.grad_wire, group, hw))
         algos["dp"] = ar.algorithm
-        grad_sync, gather = ar.seconds, 0.0
+        grad_sync = ar.seconds
     else:
-        rs, ag = _cached(memo, ("rs+ag", elements, group, prec.grad_wire), lambda: (
-            comm.reduce_scatter(elements * prec.grad_wire, group, hw),
-            comm.all_gather(elements * prec.weight, group, hw)))
-        algos["dp"] = f"rs:{rs.algorithm} ag:{ag.algorithm}"
-        grad_sync, gather = rs.seconds, ag.seconds
+        rs = _cached(memo, ("rs", elements, group, prec.grad_wire), lambda: comm.reduce_scatter(
+            elements * prec.grad_wire, group, hw))
+        algos["dp"] = f"rs:{rs.algorithm}"
+        grad_sync = rs.seconds
+    gather = 0.0
+    if layout.zero >= 1:
+        ag = _cached(memo, ("ag", elements, group, prec.weight), lambda: comm.all_gather(
+            elements * prec.weight, group, hw))
+        algos["dp"] += f" ag:{ag.algorithm}"
+        gather = ag.seconds
     if not layout.overlap:
         return grad_sync + gather
-    # Buckets reduce while the last micro-batch's backward runs; the gather feeds the next forward.
+    # Buckets reduce while the last micro-batch's backward runs; the updated weights'
+    # gather is waited for before the step ends (`ptc.runtime.params.publish`).
     backward = (slowest.compute * 2 / 3 + slowest.recompute)
-    forward = slowest.compute / 3
-    return max(0.0, grad_sync - backward) + max(0.0, gather - forward)
+    return max(0.0, grad_sync - backward) + gather

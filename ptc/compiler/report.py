@@ -26,7 +26,8 @@ from ptc.compiler.views import FitTable
 from ptc.plan import Plan
 from ptc.units import format_bytes, format_seconds
 
-PARTS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+PARTS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
+         "step_sync")
 """Step-time parts in display order."""
 
 
