@@ -246,7 +246,7 @@ class HardwareSpec(_Section):
     nvlink_sharp: bool = False
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
-    """Share of peak a tuned transformer step reaches (cost model)."""
+    """Share of the dense peak a matrix product (GEMM) reaches (cost model)."""
     host_bandwidth: float = PCIE4_X16
     """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
     what optimizer offload's copies move at (default PCIe Gen4 x16)."""
