@@ -151,11 +151,18 @@ def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss:
 
 def layer_times(profile: ModelProfile, r: Rates, *, bb: int, ss: int, seq_len: int,
                 split: Split) -> LayerTimes:
-    """Seconds of each part of one micro-batch on one rank (see `LayerTimes`)."""
+    """Seconds of each part of one micro-batch on one rank (see `LayerTimes`); remembered in
+    the profile's memo (plan search asks for the same ones for thousands of layouts)."""
+    key = ("layer_times", r, bb, ss, seq_len, split)
+    if key in profile.memo:
+        return profile.memo[key]
+
     def seconds(region: str, phase: str) -> float:
         return phase_work(profile, region, phase, bb, ss, split, seq_len).seconds(r)
 
-    return LayerTimes(forward=seconds("layer", "fwd"), backward=seconds("layer", "bwd"),
-                      core=seconds("core", "fwd"),
-                      pre=seconds("pre", "fwd") + seconds("pre", "bwd"),
-                      post=seconds("post", "fwd") + seconds("post", "bwd"))
+    times = LayerTimes(forward=seconds("layer", "fwd"), backward=seconds("layer", "bwd"),
+                       core=seconds("core", "fwd"),
+                       pre=seconds("pre", "fwd") + seconds("pre", "bwd"),
+                       post=seconds("post", "fwd") + seconds("post", "bwd"))
+    profile.memo[key] = times
+    return times
