@@ -141,7 +141,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     plan = _load(args.plan, args.overrides)
     try:
-        settings = Settings(seconds=args.seconds, min_size=parse_size(args.min_size),
+        settings = Settings(seconds=args.seconds, rounds=args.rounds,
+                            min_size=parse_size(args.min_size),
                             max_size=parse_size(args.max_size), iters=args.iters,
                             warmup=args.warmup)
     except ValueError as exc:
@@ -311,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "that a plan names with hardware { profile = \"FILE\" }.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
     p.add_argument("-o", "--output", default="hw.json", help="the profile (hw.json)")
-    p.add_argument("--seconds", type=float, default=0.5,
-                   help="time each compute probe runs for (0.5)")
+    p.add_argument("--seconds", type=float, default=0.3,
+                   help="time one round of each compute probe runs for (0.3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds of the compute probes; each takes its median (5)")
     p.add_argument("--min-size", dest="min_size", default="4K",
                    help="smallest collective message (4K)")
     p.add_argument("--max-size", dest="max_size", default="16M",

@@ -24,9 +24,11 @@ A rate is read off the kernels' time, so where dispatching a probe's ops
 would take more than a tenth of it (a tiny model), the probe runs on more
 tokens (doubling, at most `MAX_SCALE` times), the widths staying the plan's.
 
-Rates are the mean over ranks of each rank's mean repetition (a rank that
-shares its cores with others is descheduled now and then, and its steps pay
-for that too). Links: on
+A round of a probe runs its repetitions on every rank at once; its time is
+the mean over the repetitions and the ranks (a rank that shares its cores
+with others is descheduled now and then, and its steps pay for that too).
+The three probes run in interleaved rounds, and each takes its median round,
+so a burst of other work on the machine moves one round, not the figure. Links: on
 every mesh axis with more than one rank, all-reduce, all-gather,
 reduce-scatter and send/recv at message sizes from `min_size` to `max_size`
 (times 4), timed as `ptc bench-comm` times them (the slowest rank's mean);
@@ -43,6 +45,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,8 +68,11 @@ KiB, MiB = 2**10, 2**20
 class Settings:
     """How long and how widely to measure."""
 
-    seconds: float = 0.5
-    """Time each compute probe runs for, about."""
+    seconds: float = 0.3
+    """Time one round of each compute probe runs for, about."""
+    rounds: int = 5
+    """Rounds of the three compute probes, interleaved; each probe's time is its median
+    round."""
     min_size: int = 4 * KiB
     """Smallest collective message, bytes."""
     max_size: int = 16 * MiB
@@ -96,17 +102,19 @@ def calibrate_worker(plan: Plan, settings: Settings) -> HardwareProfile:
         device = device_for(plan)
         dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
         shapes = probe_shapes(plan)
-        probes = {}
-        dispatch = measure_dispatch(plan, device, dtype, settings.seconds)
-        probes["dispatch"] = dispatch.record()
+        dispatch = dispatch_probe(plan, device, dtype, settings.seconds)
+        o = dispatch.run() / dispatch.work.ops  # sizes the other two probes
+        memory = memory_probe(device, dtype, shapes, settings.seconds, o)
+        gemm = gemm_probe(device, dtype, shapes, settings.seconds, o)
+        for _ in range(settings.rounds):  # interleaved: the machine's mood hits all three
+            for probe in (dispatch, memory, gemm):
+                probe.run()
+        probes = {"dispatch": dispatch.record(), "memory": memory.record(),
+                  "gemm": gemm.record()}
         o = dispatch.seconds / dispatch.work.ops
-        memory = measure_memory(device, dtype, shapes, settings.seconds, o)
-        probes["memory"] = memory.record()
         sync = device.type != "cuda"
         memory_s = memory.seconds - (memory.work.ops * o if sync else 0.0)
         bandwidth = memory.work.memory / max(memory_s, 0.1 * memory.seconds)
-        gemm = measure_gemm(device, dtype, shapes, settings.seconds, o)
-        probes["gemm"] = gemm.record()
         gemm_s = gemm.seconds - gemm.work.memory / bandwidth - (gemm.work.ops * o if sync else 0.0)
         rate = gemm.work.gemm / max(gemm_s, 0.1 * gemm.seconds)
         measurements, axes = _links(plan, device, settings, axis_groups(build_mesh(plan)))
@@ -143,20 +151,77 @@ def probe_shapes(plan: Plan) -> dict[str, int]:
             "qkv": max(1, 3 * model.hidden // tp), "ffn": max(1, ffn // tp)}
 
 
-@dataclass(frozen=True, slots=True)
-class Timed:
-    """One probe: its seconds per repetition (mean over ranks and repetitions) and what
-    one repetition asks of the device."""
+class Probe:
+    """One probe, ready to run: its function and arguments, its work per repetition, and
+    the repetitions one round runs (the same on every rank)."""
 
-    seconds: float
-    work: Work
-    repetitions: int
-    scale: int = 1
-    """Times the plan's tokens per micro-batch the probe ran with."""
+    def __init__(self, fn: Callable[..., torch.Tensor], make: Callable[[torch.device, int], tuple],
+                 device: torch.device, seconds: float, dispatch: float | None = None, *,
+                 work: Work | None = None):
+        """Count `fn(*make(device, scale))`'s work and size its rounds to about `seconds`.
 
-    def record(self) -> dict[str, float]:
+        With `dispatch` (seconds per op), the token count doubles (up to `MAX_SCALE`
+        times) while dispatching the probe's ops would take more than a tenth of one
+        repetition: a rate is read off the kernels' time, which must dominate it."""
+        self.fn, self.device = fn, device
+        self.scale = 1
+        self.work, self.args = self._count(make, work), make(device, 1)
+        first = self._first()
+        while dispatch is not None and first < 10 * self.work.ops * dispatch and \
+                self.scale < MAX_SCALE:
+            self.scale *= 2
+            self.work, self.args = self._count(make, work), make(device, self.scale)
+            first = self._first()
+        self.repetitions = int(min(2000, max(3, seconds / max(first, 1e-9))))
+        self.rounds: list[float] = []
+
+    def _once(self, args) -> None:
+        for a in args:
+            a.grad = None
+        self.fn(*args).backward()
+
+    def _count(self, make, work: Work | None) -> Work:
+        if work is not None:
+            return work
+        forward, backward = function_work(
+            lambda: self._once(make(torch.device("meta"), self.scale)))
+        total = Work()
+        total.add(forward)
+        total.add(backward)
+        return total
+
+    def _first(self) -> float:
+        self._once(self.args)  # warm up: allocations, kernel selection
+        _sync(self.device)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            self._once(self.args)
+            _sync(self.device)
+            times.append(time.perf_counter() - start)
+        return _slowest(statistics.median(times), self.device)
+
+    def run(self) -> float:
+        """One round on every rank at once: seconds per repetition, the mean over the round's
+        repetitions and over ranks (not the median: ranks sharing cores are descheduled now
+        and then, and a step pays for that as much as for the kernels)."""
+        _barrier()
+        start = time.perf_counter()
+        for _ in range(self.repetitions):
+            self._once(self.args)
+        _sync(self.device)
+        seconds = _mean((time.perf_counter() - start) / self.repetitions, self.device)
+        self.rounds.append(seconds)
+        return seconds
+
+    @property
+    def seconds(self) -> float:
+        """The median round: a burst of other work on the machine moves one round, not it."""
+        return statistics.median(self.rounds)
+
+    def record(self) -> dict[str, Any]:
         """For the profile file."""
-        return {"seconds": self.seconds, "gemm_flops": self.work.gemm,
+        return {"seconds": self.seconds, "rounds": self.rounds, "gemm_flops": self.work.gemm,
                 "bytes": self.work.memory, "ops": self.work.ops,
                 "repetitions": self.repetitions, "token_scale": self.scale}
 
@@ -176,13 +241,13 @@ def _linears(x: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, up: torch.Te
     return (F.linear(F.linear(x, up), down) + a).sum()
 
 
-def measure_dispatch(plan: Plan, device: torch.device, dtype: torch.dtype,
-                     seconds: float) -> Timed:
-    """Seconds of a one-layer model of the plan's family (GPT for a custom model) at
-    hidden size 8 and two tokens, captured and run forward and backward as the runtime
-    runs a stage graph (its generated code, its modules, autograd): its kernels do almost
-    nothing, so what it takes is dispatch. Its ops are counted from the graph as a
-    model's profile counts them (`ptc.compiler.work.graph_work`)."""
+def dispatch_probe(plan: Plan, device: torch.device, dtype: torch.dtype,
+                   seconds: float) -> Probe:
+    """A one-layer model of the plan's family (GPT for a custom model) at hidden size 8 and
+    two tokens, captured and run forward and backward as the runtime runs a stage graph
+    (its generated code, its modules, autograd): its kernels do almost nothing, so what it
+    takes is dispatch. Its ops are counted from the graph as a model's profile counts them
+    (`ptc.compiler.work.graph_work`)."""
     family = plan.model.family if plan.model.family in ("gpt", "llama") else "gpt"
     spec = ModelSpec(family=family, layers=1, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=16,
                      max_seq=2)
@@ -194,24 +259,24 @@ def measure_dispatch(plan: Plan, device: torch.device, dtype: torch.dtype,
         work.add(node_work.backward)
     runnable = with_weights(gm, build_model(spec, device=device).to(dtype))
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
-    return _timed(lambda *args: runnable(tokens, tokens), lambda dev, scale: (), device, seconds,
-                  work=work)
+    return Probe(lambda *args: runnable(tokens, tokens), lambda dev, scale: (), device, seconds,
+                 work=work)
 
 
-def measure_memory(device: torch.device, dtype: torch.dtype, shapes: dict[str, int],
-                   seconds: float, dispatch: float) -> Timed:
-    """Seconds of the chain on a rank's activations (more tokens where dispatching the
-    chain's ops would take more than a tenth of its time: `_timed`)."""
+def memory_probe(device: torch.device, dtype: torch.dtype, shapes: dict[str, int],
+                 seconds: float, dispatch: float) -> Probe:
+    """The element-wise chain on a rank's activations (more tokens where dispatching its
+    ops would take more than a tenth of its time: `Probe`)."""
     def make(dev, scale):
         return (torch.randn(shapes["tokens"] * scale, shapes["hidden"], device=dev,
                             dtype=dtype, requires_grad=True),
                 torch.randn(shapes["hidden"], device=dev, dtype=dtype, requires_grad=True))
-    return _timed(_chain, make, device, seconds, dispatch)
+    return Probe(_chain, make, device, seconds, dispatch)
 
 
-def measure_gemm(device: torch.device, dtype: torch.dtype, shapes: dict[str, int],
-                 seconds: float, dispatch: float) -> Timed:
-    """Seconds of a layer's linears at a rank's widths (more tokens as `measure_memory`)."""
+def gemm_probe(device: torch.device, dtype: torch.dtype, shapes: dict[str, int],
+               seconds: float, dispatch: float) -> Probe:
+    """A layer's linears at a rank's widths (more tokens as `memory_probe`)."""
     m, h, qkv, ffn = shapes["tokens"], shapes["hidden"], shapes["qkv"], shapes["ffn"]
 
     def make(dev, scale):
@@ -220,65 +285,11 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shapes: dict[str, int
                     ).requires_grad_()
         return (torch.randn(m * scale, h, device=dev, dtype=dtype, requires_grad=True),
                 w(qkv, h), w(h, min(h, qkv)), w(ffn, h), w(h, ffn))
-    return _timed(_linears, make, device, seconds, dispatch)
+    return Probe(_linears, make, device, seconds, dispatch)
 
 
 MAX_SCALE = 256
-"""Most times the tokens a probe may grow to (`_timed`)."""
-
-
-def _timed(fn: Callable[..., torch.Tensor], make: Callable[[torch.device, int], tuple],
-           device: torch.device, seconds: float, dispatch: float | None = None, *,
-           work: Work | None = None) -> Timed:
-    """Time fn(*make(device, scale)) forward and backward on every rank at once.
-
-    With `dispatch` (seconds per op), the token count doubles (up to `MAX_SCALE`
-    times) while dispatching the probe's ops would take more than a tenth of one
-    repetition: a rate is read off the kernels' time, which must dominate it."""
-    def once(args) -> None:
-        for a in args:
-            a.grad = None
-        fn(*args).backward()
-
-    def count(scale: int) -> Work:
-        if work is not None:
-            return work
-        forward, backward = function_work(lambda: once(make(torch.device("meta"), scale)))
-        total = Work()
-        total.add(forward)
-        total.add(backward)
-        return total
-
-    def first_time(args) -> float:
-        once(args)  # warm up: allocations, kernel selection
-        _sync(device)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            once(args)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        return _slowest(statistics.median(times), device)
-
-    scale = 1
-    counted, args = count(scale), make(device, scale)
-    first = first_time(args)
-    while dispatch is not None and first < 10 * counted.ops * dispatch and scale < MAX_SCALE:
-        scale *= 2
-        counted, args = count(scale), make(device, scale)
-        first = first_time(args)
-    reps = int(min(2000, max(3, seconds / max(first, 1e-9))))
-    times = []
-    _barrier()
-    for _ in range(reps):
-        start = time.perf_counter()
-        once(args)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    # The mean, not the median: ranks sharing cores are descheduled now and then, and a
-    # step pays for that as much as for the kernels.
-    return Timed(seconds=_mean(statistics.fmean(times), device), work=counted,
-                 repetitions=reps, scale=scale)
+"""Most times the tokens a probe may grow to (`Probe`)."""
 
 
 def _links(plan: Plan, device: torch.device, settings: Settings,

@@ -17,7 +17,7 @@ from ptc.dsl import load_plan
 from ptc.hwprofile import load_profile
 from ptc.runtime.calibrate import Settings, calibrate
 
-QUICK = Settings(seconds=0.02, min_size=4096, max_size=16384, iters=2, warmup=1)
+QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2, warmup=1)
 
 
 @pytest.mark.distributed
@@ -46,7 +46,7 @@ def test_the_command_writes_a_profile_a_plan_takes(tmp_path, capsys):
     plan_path = tmp_path / "plan.ptc"
     plan_path.write_text(PLAN)
     out = tmp_path / "hw.json"
-    assert main(["calibrate", str(plan_path), "-o", str(out), "--seconds", "0.02",
+    assert main(["calibrate", str(plan_path), "-o", str(out), "--seconds", "0.02", "--rounds", "1",
                  "--min-size", "4K", "--max-size", "4K", "--iters", "1", "--warmup", "1"]) == 0
     printed = capsys.readouterr().out
     assert "dispatch" in printed and f"wrote {out}" in printed
