@@ -23,7 +23,7 @@ from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_
 from ptc.compiler.profile import model_profile, with_model_shape
 from ptc.compiler.search import search_all
 from ptc.compiler.views import FitTable
-from ptc.hwprofile import load_profile
+from ptc.hwprofile import ProfileError, load_profile
 from ptc.plan import HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_seconds
@@ -196,7 +196,10 @@ def _rates(plan: Plan) -> FitTable:
     """The figures compute and communication are priced with, and where each comes from: the
     calibration profile the plan names, the preset, or the plan itself."""
     hw, dtype = plan.hardware, plan.train.compute_dtype
-    profile = load_profile(hw.profile) if hw.profile else None
+    try:
+        profile = load_profile(hw.profile) if hw.profile else None
+    except ProfileError:  # read when the plan was; gone since: its figures are still the plan's
+        profile = None
     from_profile = profile.overrides() if profile is not None else {}
     preset = HardwareSpec.preset(hw.gpu) if hw.gpu in PRESETS else None
 
