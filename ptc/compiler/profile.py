@@ -227,7 +227,8 @@ _CACHE: dict[tuple, ModelProfile] = {}
 _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
-            "compiler/flops.py", "compiler/work.py", "compiler/nodes.py", "compiler/meta.py", "models")
+            "compiler/flops.py", "compiler/work.py", "compiler/nodes.py", "compiler/meta.py",
+            "models")
 
 
 def cache_dir() -> Path:
@@ -569,7 +570,8 @@ def _work(gm: torch.fx.GraphModule) -> dict[str, int]:
         if r == "later":
             continue
         targets = (r, "core") if r == "layer" and name in core else (r,)
-        classes = ("all", *(("tp",) if name in split else ()), *(("kv",) if name in kv_path else ()))
+        classes = ("all", *(("tp",) if name in split else ()),
+                   *(("kv",) if name in kv_path else ()))
         for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory, "ops": w.ops}
             for target in targets:

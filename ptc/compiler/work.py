@@ -191,7 +191,8 @@ class _WorkInterpreter(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target in _SDPA and _flash(args, kwargs):
             name = self.current
-            return _FlashAttention.apply(*args[:3], lambda w, phase: self.charge_flash(name, w, phase))
+            return _FlashAttention.apply(
+                *args[:3], lambda w, phase: self.charge_flash(name, w, phase))
         return super().call_function(target, args, kwargs)
 
 

@@ -11,11 +11,12 @@ a model's graph (`ptc.compiler.work.function_work`: GEMM FLOPs, bytes moved,
 ops dispatched):
 
 - dispatch: a one-layer model of the plan's family at hidden size 8 and two
-  tokens, run as the runtime runs a stage graph, whose kernels do almost
-  nothing: seconds per op dispatched, o = t / N;
-- memory: a chain of element-wise, norm, softmax and view ops on a rank's activations (micro-batch × the
-  sequence a rank holds × hidden, the plan's compute dtype): bytes per
-  second, B = M / (t - N·o) on a CPU, M / t on a GPU;
+  tokens, run as the runtime runs a stage graph (counted by
+  `ptc.compiler.work.graph_work`), whose kernels do almost nothing: seconds
+  per op dispatched, o = t / N;
+- memory: a chain of element-wise, norm, softmax and view ops on a rank's
+  activations (micro-batch × the sequence a rank holds × hidden, the plan's
+  compute dtype): bytes per second, B = M / (t - N·o) on a CPU, M / t on a GPU;
 - GEMM: the linears of a layer at the rank's shapes (hidden to 3·hidden/tp
   and back, hidden to ffn/tp and back): FLOP/s, R = G / (t - M/B - N·o) on a
   CPU, G / (t - M/B) on a GPU.
@@ -28,8 +29,9 @@ A round of a probe runs its repetitions on every rank at once; its time is
 the mean over the repetitions and the ranks (a rank that shares its cores
 with others is descheduled now and then, and its steps pay for that too).
 The three probes run in interleaved rounds, and each takes its median round,
-so a burst of other work on the machine moves one round, not the figure. Links: on
-every mesh axis with more than one rank, all-reduce, all-gather,
+so a burst of other work on the machine moves one round, not the figure.
+
+Links: on every mesh axis with more than one rank, all-reduce, all-gather,
 reduce-scatter and send/recv at message sizes from `min_size` to `max_size`
 (times 4), timed as `ptc bench-comm` times them (the slowest rank's mean);
 each link's latency and bandwidth are fitted to them through the cost
@@ -95,7 +97,12 @@ def calibrate(plan: Plan, settings: Settings = Settings()) -> HardwareProfile:
 
 def calibrate_worker(plan: Plan, settings: Settings) -> HardwareProfile:
     """One rank's part of `calibrate` (collective over all ranks); rank 0's is the profile."""
-    from ptc.runtime.mesh import axis_groups, build_mesh, device_for, init_distributed  # noqa: PLC0415
+    from ptc.runtime.mesh import (  # noqa: PLC0415
+        axis_groups,
+        build_mesh,
+        device_for,
+        init_distributed,
+    )
 
     created = init_distributed(plan)
     try:
