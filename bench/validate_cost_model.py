@@ -18,7 +18,13 @@ row under "assumed"):
   divisor >= 2 of the layers per stage when that is <= 8, else plain 1F1B
   (Narayanan et al. used interleaving; the 2024 README does not say);
 - GPT layout as Megatron's: ffn = 4h, tied embeddings, learned positions,
-  dropout 0.1 (BLOOM: 0.0);
+  dropout 0.1 (BLOOM: 0.0); ptc's GPT writes its attention out (scores,
+  mask, softmax, dropout), as Megatron-LM's 2020-2021 code ran it;
+- 2024 README runs ran flash attention: their layers are priced as a model
+  whose attention is `scaled_dot_product_attention` (ptc's llama family
+  with GPT's LayerNorm, GELU MLP of 4h, biases and tied embeddings, all
+  heads for keys and values; rotary positions instead of learned ones, a
+  table of s·h weights fewer), so no s × s scores pass through memory;
 - overlap: off for the 2020/2021 Megatron-LM and BLOOM runs (that code
   reduced gradients after the backward pass), on for ZeRO-3 (DeepSpeed's
   overlap_comm) and for the 2024 README runs (their flags);
@@ -160,6 +166,11 @@ def build(row: dict):
         dropout=0.0 if bloom else 0.1, tp=tp, pp=pp, dp=dp, micro_batch=b, dtype=dtype,
         zero=zero, sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v, checkpoint=ckpt, overlap=overlap, **split)
+    if readme24:  # flash attention: a layer whose attention is SDPA (module docstring)
+        plan = dataclasses.replace(plan, model=dataclasses.replace(
+            plan.model, family="llama", norm="layernorm", activation="gelu", bias=True,
+            tied_embeddings=True, kv_heads=a, dropout=0.0))
+        notes.append("flash attention")
     if dtype == "fp16" and zero < 3:  # ptc's ZeRO-3 reduce-scatters in fp32 only
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, grad_dtype="fp16"))
     return plan, notes

@@ -133,6 +133,29 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
     return EXIT_FAILED if report.flagged and args.strict else EXIT_OK
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine's compute rates and links for the plan; write a hardware profile."""
+    from ptc.hwprofile import write_profile  # noqa: PLC0415
+    from ptc.runtime.bench_comm import parse_size  # noqa: PLC0415
+    from ptc.runtime.calibrate import Settings, calibrate, render_profile  # noqa: PLC0415
+
+    plan = _load(args.plan, args.overrides)
+    try:
+        settings = Settings(seconds=args.seconds, rounds=args.rounds,
+                            min_size=parse_size(args.min_size),
+                            max_size=parse_size(args.max_size), iters=args.iters,
+                            warmup=args.warmup)
+    except ValueError as exc:
+        _err.print(f"error: {exc}", markup=False)
+        return EXIT_USAGE
+    profile = calibrate(plan, settings)
+    write_profile(profile, args.output)
+    _out.print(render_profile(profile, plan), markup=False)
+    _out.print(f"wrote {args.output}; a plan takes its figures with hardware {{ profile = "
+               f"\"{args.output}\" }} (a path from the plan's folder)", markup=False)
+    return EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a plan on one process per rank through torch's elastic launcher.
 
@@ -282,6 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (5)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any axis is flagged")
+
+    p = command("calibrate", cmd_calibrate, "Measure, on the plan's device and processes, "
+                "the GEMM rate, the memory-bound rate, the per-op dispatch overhead and each "
+                "mesh axis's link latency and bandwidth; write them as a hardware profile "
+                "that a plan names with hardware { profile = \"FILE\" }.")
+    p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("-o", "--output", default="hw.json", help="the profile (hw.json)")
+    p.add_argument("--seconds", type=float, default=0.3,
+                   help="time one round of each compute probe runs for (0.3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds of the compute probes; each takes its median (5)")
+    p.add_argument("--min-size", dest="min_size", default="4K",
+                   help="smallest collective message (4K)")
+    p.add_argument("--max-size", dest="max_size", default="16M",
+                   help="largest collective message (16M; sizes step by 4x)")
+    p.add_argument("--iters", type=int, default=10, help="timed collectives per size (10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed collectives per size (3)")
 
     p = command("plan", cmd_plan, "Search every valid layout (tp/pp/dp may be auto) and "
                 "rank them by predicted step time.")

@@ -297,20 +297,31 @@ class HardwareSpec(_Section):
     nvlink_sharp: bool = False
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
-    """Share of peak a tuned transformer step reaches (cost model)."""
+    """Share of the dense peak a matrix product (GEMM) reaches (cost model)."""
     host_bandwidth: float = PCIE4_X16
     """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
     what optimizer offload's copies move at (default PCIe Gen4 x16)."""
     memory_margin: float = 0.0
     """Bytes of each accelerator's memory kept out of the budget (CUDA context, communication
     buffers, fragmentation): plans must fit in hbm_bytes - memory_margin."""
+    gemm_flops: Mapping[str, float] = field(default_factory=dict)
+    """Measured FLOP/s of matrix products per compute dtype (a calibration); a dtype not
+    given is priced at peak_flops x achievable_fraction."""
+    dispatch_overhead: float = 0.0
+    """Seconds the host spends dispatching one op (cost model): added to each op on a
+    CPU, where the host runs the kernels itself; on a GPU, which runs kernels while the
+    host queues more, the larger of it and the kernels' time counts."""
+    profile: str | None = None
+    """The calibration file (`ptc calibrate`) whose figures this hardware carries, if any."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
     @classmethod
     def preset(cls, gpu: str, *, nodes: int = 1, gpus_per_node: int | None = None,
                **overrides: Any) -> HardwareSpec:
-        """Hardware from a preset name, with any field overridden."""
+        """Hardware from a preset name, with any field overridden; `profile="hw.json"` takes
+        the figures of that calibration file (`ptc.hwprofile`) first, the other overrides
+        after it (a bad file raises `ptc.hwprofile.ProfileError`)."""
         from ptc.errors import PlanError  # noqa: PLC0415 - avoid a cycle at import
 
         if gpu not in PRESETS:
@@ -326,8 +337,10 @@ class HardwareSpec(_Section):
             intra=LinkSpec(bandwidth=p.intra_bandwidth, latency=p.intra_latency),
             inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
-            host_bandwidth=p.host_bandwidth,
+            host_bandwidth=p.host_bandwidth, dispatch_overhead=p.dispatch_overhead,
         )
+        if overrides.get("profile"):
+            values.update(profile_fields(overrides["profile"]))
         values.update(overrides)
         return cls(**values)
 
@@ -340,6 +353,13 @@ class HardwareSpec(_Section):
         self._number(sink, "achievable_fraction", strict=True)
         self._number(sink, "memory_margin")
         self._number(sink, "host_bandwidth", strict=True)
+        self._number(sink, "dispatch_overhead")
+        for dtype, value in dict(self.gemm_flops).items():
+            if dtype not in DTYPES + ("tf32",):
+                self._bad(sink, "gemm_flops", f"unknown compute dtype {dtype!r} in gemm_flops",
+                          DTYPES + ("tf32",))
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                self._bad(sink, "gemm_flops", f"gemm_flops.{dtype} must be > 0, got {value!r}")
         if isinstance(self.memory_margin, (int, float)) and isinstance(self.hbm_bytes, (int, float)) \
                 and 0 < self.hbm_bytes <= self.memory_margin:
             self._bad(sink, "memory_margin", f"memory_margin ({self.memory_margin:g} bytes) leaves "
@@ -366,6 +386,30 @@ class HardwareSpec(_Section):
     def memory_budget(self) -> float:
         """Bytes a rank's plan may use: hbm_bytes - memory_margin."""
         return self.hbm_bytes - self.memory_margin
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether the host runs the kernels itself (a CPU), rather than queueing them on an
+        accelerator that runs them while the host goes on."""
+        return self.gpu == "cpu"
+
+    def gemm_rate(self, dtype: str) -> float:
+        """FLOP/s of matrix products in `dtype`: measured, else peak x achievable_fraction."""
+        if dtype in self.gemm_flops:
+            return self.gemm_flops[dtype]
+        return self.peak_flops[dtype] * self.achievable_fraction
+
+
+def profile_fields(path: str) -> dict[str, Any]:
+    """The HardwareSpec fields a calibration file sets (`ptc.hwprofile`)."""
+    from ptc.hwprofile import load_profile  # noqa: PLC0415 - only plans naming one need it
+
+    values = load_profile(path).overrides()
+    for name in ("intra", "inter"):
+        if name in values:
+            bandwidth, latency = values[name]
+            values[name] = LinkSpec(bandwidth=bandwidth, latency=latency)
+    return values
 
 
 # ------------------------------------------------------------------ parallel

@@ -14,14 +14,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ptc"
 
-BOTTOM = ("ptc.errors", "ptc.units", "ptc.presets", "ptc.plan", "ptc.checks")
-"""The plan's own rooms: errors, units, hardware presets, dataclasses and their checks."""
+BOTTOM = ("ptc.errors", "ptc.units", "ptc.presets", "ptc.hwprofile", "ptc.plan", "ptc.checks")
+"""The plan's own rooms: errors, units, hardware presets and profiles, dataclasses and their
+checks."""
 
 ROOMS = {
     # room prefix: the ptc rooms it may import (besides itself)
     "ptc.errors": (),
     "ptc.units": (),
     "ptc.presets": ("ptc.units",),
+    "ptc.hwprofile": ("ptc.errors",),
     "ptc.checks": ("ptc.errors", "ptc.plan", "ptc.units", "ptc.presets"),
     "ptc.plan": BOTTOM,
     "ptc.dsl": BOTTOM,
@@ -34,7 +36,8 @@ ROOMS = {
 }
 """Rooms from the bottom up; `ptc.cli`, `ptc.api`, `ptc.worker` and `ptc` may import all."""
 
-TORCH_FREE = ("ptc.errors", "ptc.units", "ptc.presets", "ptc.plan", "ptc.checks", "ptc.dsl")
+TORCH_FREE = ("ptc.errors", "ptc.units", "ptc.presets", "ptc.hwprofile", "ptc.plan",
+              "ptc.checks", "ptc.dsl")
 """Rooms that must load without torch: `ptc check` answers before torch is imported."""
 
 

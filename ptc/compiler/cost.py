@@ -1,15 +1,16 @@
 """Step time: compute + exposed communication + pipeline bubble + optimizer step.
 
-Terms: F is a layer's forward FLOPs for one micro-batch (from the graph),
-R = peak · achievable_fraction the FLOP rate a tuned step reaches, T_i the
-time stage i spends on one micro-batch (its layers' forward, backward = 2F,
+Terms: F is a layer's forward FLOPs for one micro-batch (from the graph), T_i
+the time stage i spends on one micro-batch (its layers' forward, backward,
 recompute, and the communication it cannot hide).
 
-- compute: F / t / R per layer forward, 2F / t / R backward; recompute adds
-  F (full) or the attention core's FLOPs (selective). With train dtype fp8
-  the layers' float8 GEMMs (forward, and both backward products) run at the
-  fp8 peak's rate R8 (the profile's `fp8_flops`, 1/t per rank), the rest at
-  bf16's: a layer costs F/t/R - F8/t·(1/R - 1/R8) each way.
+- compute: each layer's forward and backward priced op by op from the work
+  its captured graph asks for (`ptc.compiler.compute`: GEMMs at the GEMM
+  rate, float8 ones at the fp8 rate, memory-bound ops by the bytes they move
+  at the memory bandwidth, the host's dispatch of each op), per rank as
+  tensor, sequence and context parallelism divide it; recompute adds the
+  layer's forward (full), its attention core's forward (selective), or the
+  forward of the ops another policy's regions rerun.
 - tensor parallel: two all-reduces of b·s·h elements per layer forward, two
   backward, two more in a full (or `ops`) recompute; with sequence parallelism
   each is a reduce-scatter plus an all-gather of the same size, and a module
@@ -25,10 +26,15 @@ recompute, and the communication it cannot hide).
   Step = m · max_i T_i + (p - 1)/v · mean_i T_i; the second part is the bubble.
 - data parallel: ZeRO-0 all-reduces the gradients; ZeRO-1/2 reduce-scatter
   them and all-gather the updated weights; with overlap these hide behind
-  the last micro-batch's backward and the next forward. ZeRO-3 gathers each
+  the last micro-batch's backward and the next forward (the stage's forward
+  and backward seconds as priced op by op). ZeRO-3 gathers each
   layer's weights for every forward (the recompute forward included) and
   again for backward, and reduce-scatters its gradients, every micro-batch;
   with overlap each layer's traffic hides behind that layer's compute.
+- step sync: the guard's and the gradient norm's all-reduces, and the latency of
+  gathering ZeRO 1-2's weights unit by unit (`ptc.compiler.step_sync`).
+- on a CPU (`HardwareSpec.synchronous`) collectives run on the cores that
+  compute: nothing overlaps, whatever `overlap` says.
 - optimizer: memory-bound; it reads gradient and state and writes state and
   weight once per parameter shard, at the device memory bandwidth. With
   optimizer offload (`offloaded_step`) instead: per unit (the embedding,
@@ -43,13 +49,16 @@ recompute, and the communication it cannot hide).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ptc.compiler import comm
+from ptc.compiler.compute import Split, layer_times, rates
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
                                  stage_params)
 from ptc.compiler.profile import ModelProfile
+from ptc.compiler.step_sync import step_sync
 from ptc.compiler.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec, policy_modules
 
@@ -67,7 +76,8 @@ class StepCost:
     step_time: float
     """Seconds per step."""
     breakdown: dict[str, float]
-    """Seconds by part: compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer."""
+    """Seconds by part: compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer,
+    step_sync."""
     model_flops: float
     """FLOPs of one step without recompute (forward + backward = 3x forward), all GPUs."""
     hw_flops: float
@@ -94,6 +104,8 @@ class OffloadTime:
 @dataclass(slots=True)
 class _Stage:
     compute: float = 0.0
+    forward: float = 0.0
+    """The forward part of `compute`."""
     recompute: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
@@ -131,10 +143,12 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     `memo`: a dict to share collective and FLOP figures between calls for the
     same plan (plan search prices thousands of layouts that repeat them).
     """
+    if hw.synchronous and layout.overlap:
+        # A CPU's collectives run on the cores that compute: nothing hides behind anything.
+        layout = dataclasses.replace(layout, overlap=False)
     f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
     cp = layout.cp
     bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
-    rate, fp8_rate = _rates(hw, dtype)
     groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
                      lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
                                          layout.order, hw.gpus_per_node))
@@ -152,8 +166,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
             f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
             f["fp8_flops"](bb, ss) / tp))
-    # A layer's forward seconds: its float8 GEMMs at their rate, the rest at the compute rate.
-    layer_s = layer_f / rate - (fp8_f / rate - fp8_f / fp8_rate if fp8_rate else 0.0)
+    # Seconds of a layer's forward and backward, op by op (`ptc.compiler.compute`).
+    times = _cached(memo, ("times", bb, ss, tp, cp, layout.sp), lambda: layer_times(
+        profile, rates(hw, dtype), bb=bb, ss=ss, seq_len=seq_len,
+        split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp)))
 
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
@@ -192,9 +208,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     def stage(first: bool, last: bool, policies: tuple[tuple[str, int], ...]) -> _Stage:
         st = _Stage()
         for policy, count in policies:
-            work = 3 * layer_s
-            extra = layer_s if policy == "full" else extra_f[policy] / rate
+            work = times.forward + times.backward
+            extra = times.recompute[policy]
             st.compute += count * work
+            st.forward += count * times.forward
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
             exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
@@ -203,9 +220,11 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             if z3:
                 st.dp += count * max(0.0, z3[policy] - hide)
         if first:
-            st.compute += 3 * pre_f / rate
+            st.compute += times.pre
+            st.forward += times.pre_forward
         if last:
-            st.compute += 3 * post_f / rate
+            st.compute += times.post
+            st.forward += times.post_forward
         if first or last:  # vocab-parallel embedding forward, head input backward
             st.tp += tp_edge
         if not layout.overlap:
@@ -233,7 +252,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         offload = max((offloaded_step(
             [g / layout.grad_ranks for g in _stage_units(profile, layout, i)], hw,
             weight_bytes=MASTER_BYTES if layout.zero >= 3 else prec.weight,
-            behind=slowest.compute / 3 if layout.zero >= 3 else 0.0)
+            behind=slowest.forward if layout.zero >= 3 else 0.0)
             for i in range(p)), key=lambda t: t.exposed)
         optimizer, hidden["optimizer"] = offload.exposed, offload.hidden
     else:
@@ -252,6 +271,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
         "optimizer": optimizer,
+        "step_sync": _cached(memo, ("sync", tp, cp, p, layout.dp, layout.zero), lambda: step_sync(
+            profile, layout, hw, prec, groups)),
     }
     per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
                      + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
@@ -301,15 +322,6 @@ def _recompute_flops(f: dict, policy: str, bb, ss, keys, layer_f, core_f, tp) ->
     return f[f"flops.{policy}"](bb, ss) / tp + (keys / tp if "core_attn" in modules else 0.0)
 
 
-def _rates(hw: HardwareSpec, dtype: str) -> tuple[float, float | None]:
-    """(FLOP/s a step reaches in the compute dtype, and in float8 GEMMs or None): train dtype
-    fp8 computes in bf16, its GEMMs at the fp8 peak (emulated without one: at bf16's)."""
-    if dtype != "fp8":
-        return hw.peak_flops[dtype] * hw.achievable_fraction, None
-    bf16 = hw.peak_flops["bf16"] * hw.achievable_fraction
-    return bf16, hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
-
-
 def offloaded_step(units: list[float], hw: HardwareSpec, *, weight_bytes: float,
                    behind: float = 0.0) -> OffloadTime:
     """One offloaded optimizer step of a rank whose units hold `units` elements each (its
@@ -353,16 +365,13 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     without any communication; plan search prices layouts fully only while
     this bound can still beat the ones it has.
     """
-    f, bb, ss = profile.fn, layout.micro_batch, seq_len
-    work = 3 * (layout.layers * f["flops.layer"](bb, ss) + f["flops.pre"](bb, ss)
-                + f["flops.post"](bb, ss))
-    work += sum(policy_flops(profile, pol, bb, ss) * n for pol, n in layout.policy_counts())
-    rate, fp8_rate = _rates(hw, dtype)
-    if fp8_rate:  # float8 GEMMs: 3 per layer forward-and-backward, full recompute's once more
-        fp8_work = f["fp8_flops"](bb, ss) * (3 * layout.layers + dict(layout.policy_counts())
-                                             .get("full", 0))
-        work -= fp8_work * (1 - rate / fp8_rate)
-    mean_stage = work / layout.tp / layout.pp / rate
+    times = layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
+                        ss=layout.rank_seq(seq_len), seq_len=seq_len,
+                        split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
+                                    sp=layout.sp, cp=layout.cp))
+    work = layout.layers * (times.forward + times.backward) + times.pre + times.post
+    work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts())
+    mean_stage = work / layout.pp
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
 
 
@@ -418,6 +427,6 @@ def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: Har
     if not layout.overlap:
         return grad_sync + gather
     # Buckets reduce while the last micro-batch's backward runs; the gather feeds the next forward.
-    backward = (slowest.compute * 2 / 3 + slowest.recompute)
-    forward = slowest.compute / 3
+    backward = slowest.compute - slowest.forward + slowest.recompute
+    forward = slowest.forward
     return max(0.0, grad_sync - backward) + max(0.0, gather - forward)

@@ -49,7 +49,7 @@ class Estimate:
     """Per stage: bytes by term (weights, grads, optimizer, activations, recompute, buffers)."""
     breakdown: dict[str, float]
     """Seconds by part of the step (compute, recompute, tp_comm, pp_comm, dp_comm, bubble,
-    optimizer)."""
+    optimizer, step_sync)."""
     hbm_bytes: float
     """Memory per GPU of the hardware."""
     budget_bytes: float

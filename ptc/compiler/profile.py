@@ -34,6 +34,8 @@ the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
 from __future__ import annotations
 
 import dataclasses
+import functools
+from fractions import Fraction
 import hashlib
 import os
 import pickle
@@ -52,6 +54,7 @@ from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is
 from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
+from ptc.compiler.work import graph_work
 from ptc.errors import CompileError, PtcError
 from ptc.plan import ModelSpec, Plan
 
@@ -157,6 +160,19 @@ class ModelProfile:
     fp8_flops: sympy.Expr
     """Forward FLOPs of one layer's float8 GEMMs (`nodes.is_fp8_linear`) when profiled for
     train dtype "fp8", else 0."""
+    work: dict[str, sympy.Expr]
+    """What each region asks of the device per micro-batch (`ptc.compiler.work`), by
+    "{region}.{phase}.{quantity}.{class}": region "pre", "layer", "post", "core" (the
+    layer's attention core, part of "layer") or `rerun_region(policy)` (what one layer's
+    recompute reruns under a policy of `policy_saved`, "fwd" only); phase "fwd" or "bwd";
+    quantity "gemm" (FLOPs), "attn" (fused attention FLOPs), "mem" (bytes moved), "ops" (ops
+    dispatched, class "all" only); class "all", "tp" (the part
+    tensor parallelism splits: between a column-parallel linear and the row-parallel one
+    that closes the block, that one included) or "kv" (the part of "tp" on the key/value
+    path, split by `kv_divisor`). Fitted for micro-batches of
+    2 and more: at one sample torch's matmul views some operands it copies at more."""
+    work_b1: dict[str, sympy.Expr]
+    """`work` at a micro-batch of one sample, polynomials in s alone."""
     params: dict[str, ParamGroups]
     """Parameters per region; "post" excludes a head tied to the embedding."""
     tied: bool
@@ -237,8 +253,8 @@ _CACHE: dict[tuple, ModelProfile] = {}
 _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
-            "compiler/recompute.py",
-            "compiler/flops.py", "compiler/nodes.py", "compiler/meta.py", "models")
+            "compiler/recompute.py", "compiler/flops.py", "compiler/work.py",
+            "compiler/nodes.py", "compiler/meta.py", "models")
 
 
 def cache_dir() -> Path:
@@ -277,21 +293,26 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     max_seq = spec.max_seq or getattr(config, "max_position_embeddings", None)
     points = _points(max_seq or 64)
     samples, first = [], None
-    for pb, ps in points:  # each graph measured before the next capture
+    work_samples: dict[tuple[int, int], dict[str, int]] = {}
+    for pb, ps in dict.fromkeys(points + _work_points(points)):  # each graph measured first
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype],
                      buffers_as_built=True)  # as the runtime binds them
-        samples.append(_measure(gm, fp8=dtype == "fp8"))
+        if (pb, ps) in points:
+            samples.append(_measure(gm, fp8=dtype == "fp8"))
+        work_samples[pb, ps] = _work(gm)
         first = first or gm
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
-    for name, poly in fit.items():  # the seventh point checks the polynomial form
-        if poly.subs({b: pb, s: ps}) != samples[6][name]:
-            if custom:
-                raise PtcError(f"model \"{spec.factory}\": its saved activations ({name}) are "
-                               "not the polynomial in micro-batch and sequence length that "
-                               "ptc's memory model fits, so ptc cannot predict its memory or "
-                               "step time; compile, inspect and run work without predictions")
-            raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
+    bad = [name for name, poly in fit.items() if poly.subs({b: pb, s: ps}) != samples[6][name]]
+    work, work_b1, bad_work = _fit_work(points, work_samples)
+    for name in bad + bad_work:  # the last point of each fit checks its polynomial form
+        if custom:
+            what = "work on the device" if name in bad_work else "saved activations"
+            raise PtcError(f"model \"{spec.factory}\": its {what} ({name}) are "
+                           "not the polynomial in micro-batch and sequence length that "
+                           "ptc's memory and cost models fit, so ptc cannot predict its memory "
+                           "or step time; compile, inspect and run work without predictions")
+        raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
@@ -307,6 +328,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
+        work=work, work_b1=work_b1,
         policy_saved={p: _classes(fit, p) for p in policies},
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
         policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
@@ -363,7 +385,19 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
     polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
                  fp8_flops=profile.fp8_flops,
                  boundary=profile.boundary_elements)
-    return {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
+    fns = {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
+    # The work terms are many (hundreds) and only ever priced in numbers: plain polynomials
+    # of their float coefficients, which take a fraction of lambdify's time to make.
+    fns.update({f"{prefix}.{name}": _numeric(e) for prefix, terms in
+                (("work", profile.work), ("work_b1", profile.work_b1)) for name, e in terms.items()})
+    return fns
+
+
+def _numeric(e: sympy.Expr) -> Callable[[float, float], float]:
+    """`e`, a polynomial in b and s, as a function of numbers (b, s)."""
+    terms = tuple((float(c), int(m.as_powers_dict().get(b, 0)), int(m.as_powers_dict().get(s, 0)))
+                  for m, c in sympy.expand(e).as_coefficients_dict().items())
+    return lambda bb, ss: sum(c * bb**i * ss**j for c, i, j in terms)
 
 
 def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
@@ -393,9 +427,15 @@ def _points(max_seq: int) -> list[tuple[int, int]]:
 
 
 def _fit(points: list[tuple[int, int]], values: list[int]) -> sympy.Expr:
-    matrix = sympy.Matrix([[m.subs({b: pb, s: ps}) for m in _MONOMIALS] for pb, ps in points])
-    coeffs = matrix.LUsolve(sympy.Matrix(values))
+    coeffs = _inverse(tuple(points)) * sympy.Matrix(values)
     return sympy.expand(sum(c * m for c, m in zip(coeffs, _MONOMIALS)))
+
+
+@functools.cache
+def _inverse(points: tuple[tuple[int, int], ...]) -> sympy.Matrix:
+    """The inverse of the monomials' values at `points` (exact rationals): shared by every
+    term fitted at the same points."""
+    return sympy.Matrix([[m.subs({b: pb, s: ps}) for m in _MONOMIALS] for pb, ps in points]).inv()
 
 
 def _regions(gm: torch.fx.GraphModule) -> dict[str, str]:
@@ -597,6 +637,104 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
                                         and isinstance(n.args[0], torch.fx.Node)
                                         and n.args[0].name in inside})
     return out
+
+
+WORK_REGIONS = ("pre", "layer", "post", "core")
+WORK_QUANTITIES = ("gemm", "attn", "mem", "ops")
+COUNTS = ("ops",)
+"""Quantities that count calls, taken whole on every rank (class "all" only)."""
+WORK_CLASSES = ("all", "tp", "kv")
+
+
+def _work_points(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Where the work terms are measured besides `points`: one sample at the grid's and
+    the check's sequence lengths."""
+    return [(1, ps) for ps in dict.fromkeys(ps for _, ps in points)]
+
+
+def _fit_work(points: list[tuple[int, int]], samples: dict[tuple[int, int], dict[str, int]]
+              ) -> tuple[dict[str, sympy.Expr], dict[str, sympy.Expr], list[str]]:
+    """(work for b >= 2 in b and s, work for b = 1 in s, names whose check failed): fitted
+    on `points`' grid and checked at its last point, and on one sample at the grid's three
+    sequence lengths, checked at the last point's. Solved in exact fractions (hundreds of
+    terms: sympy's own solving would take seconds)."""
+    ones = _work_points(points)
+    fits = ((points[:6], points[6], _MONOMIALS), (ones[:3], ones[3], _MONOMIALS[:3]))
+    out: tuple[dict[str, sympy.Expr], dict[str, sympy.Expr]] = ({}, {})
+    bad = []
+    for name in samples[points[0]]:
+        for (grid, check, monomials), fitted in zip(fits, out):
+            inverse = _fraction_inverse(tuple(grid), monomials)
+            values = [samples[pt][name] for pt in grid]
+            coeffs = [sum(x * v for x, v in zip(row, values)) for row in inverse]
+            if sum(c * _value(m, check) for c, m in zip(coeffs, monomials)) != samples[check][name]:
+                bad.append(name)
+            fitted[name[len("work."):]] = sympy.Add(*(sympy.Rational(c.numerator, c.denominator) * m
+                                                      for c, m in zip(coeffs, monomials)))
+    return *out, bad
+
+
+def _value(m: sympy.Expr, point: tuple[int, int]) -> int:
+    powers = m.as_powers_dict()
+    return point[0] ** int(powers.get(b, 0)) * point[1] ** int(powers.get(s, 0))
+
+
+@functools.cache
+def _fraction_inverse(points: tuple[tuple[int, int], ...], monomials: tuple[sympy.Expr, ...]
+                      ) -> list[list[Fraction]]:
+    """The inverse of `monomials`' values at `points`, in fractions."""
+    matrix = sympy.Matrix([[_value(m, pt) for m in monomials] for pt in points]).inv()
+    return [[Fraction(int(x.p), int(x.q)) for x in matrix.row(i)] for i in range(matrix.rows)]
+
+
+def _reruns(gm: torch.fx.GraphModule, region: dict[str, str]) -> dict[str, set[str]]:
+    """Per policy of EXTRA_POLICIES layer 0 can take: the nodes its recompute reruns (every
+    node of its regions but a saving region's matmuls, whose outputs are kept)."""
+    nodes, out = _layer_nodes(gm, region), {}
+    for policy in EXTRA_POLICIES:
+        try:
+            regions = recompute_regions(nodes, policy, 0)
+        except CompileError:
+            continue
+        out[policy] = {n.name for r in regions for n in r.nodes
+                       if not (r.saving and is_matmul(n))}
+    return out
+
+
+def _work(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Forward and backward device work by region and class (`ModelProfile.work`)."""
+    sharding = infer_sharding(gm)
+    region, sharded = _regions(gm), _tp_sharded(gm, sharding)
+    core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
+    reruns = _reruns(gm, region)
+    kv_path = _kv_path(gm, sharding, sharded)
+    styles = _styles(gm, sharding)
+    split = sharded | {name for name, style in styles.items() if style == ROWWISE}
+    out = {f"work.{r}.{ph}.{q}.{c}": 0 for r in WORK_REGIONS for ph in ("fwd", "bwd")
+           for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"}
+    out.update({f"work.{rerun_region(p)}.fwd.{q}.{c}": 0 for p in reruns
+                for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"})
+    for name, node_work in graph_work(gm, _inputs(gm)).items():
+        r = region.get(name, "post")
+        if r == "later":
+            continue
+        targets = (r, "core") if r == "layer" and name in core else (r,)
+        classes = ("all", *(("tp",) if name in split else ()),
+                   *(("kv",) if name in kv_path else ()))
+        reran = [rerun_region(p) for p, names in reruns.items() if name in names]
+        for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
+            values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory, "ops": w.ops}
+            for target in (*targets, *(reran if ph == "fwd" else ())):
+                for q, value in values.items():
+                    for c in classes if q not in COUNTS else ("all",):
+                        out[f"work.{target}.{ph}.{q}.{c}"] += int(value)
+    return out
+
+
+def rerun_region(policy: str) -> str:
+    """The `ModelProfile.work` region of what recomputing one layer under `policy` (one of
+    EXTRA_POLICIES) reruns, forward only."""
+    return f"rerun[{policy}]"
 
 
 def _with_fp8_copies(storage, fp8_linears: set[str]) -> int:

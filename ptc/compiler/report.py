@@ -24,10 +24,13 @@ from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_
 from ptc.compiler.profile import model_profile, with_model_shape
 from ptc.compiler.search import search_all
 from ptc.compiler.views import FitTable
-from ptc.plan import Plan
+from ptc.hwprofile import ProfileError, load_profile
+from ptc.plan import HardwareSpec, LinkSpec, Plan
+from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_seconds
 
-PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
+         "step_sync")
 """Step-time parts in display order."""
 
 
@@ -188,11 +191,64 @@ def render_explain(plan: Plan) -> Group:
     """The full explanation of one resolved plan, as a rich renderable."""
     plan = with_model_shape(plan)
     est = estimate(plan)
-    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _memory(est)]
+    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _rates(plan),
+             _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))
     return Group(*parts, _expression(plan, est), _fit_hints(plan))
+
+
+def _rates(plan: Plan) -> FitTable:
+    """The figures compute and communication are priced with, and where each comes from: the
+    calibration profile the plan names, the preset, or the plan itself."""
+    hw, dtype = plan.hardware, plan.train.compute_dtype
+    try:
+        profile = load_profile(hw.profile) if hw.profile else None
+    except ProfileError:  # read when the plan was; gone since: its figures are still the plan's
+        profile = None
+    from_profile = profile.overrides() if profile is not None else {}
+    preset = HardwareSpec.preset(hw.gpu) if hw.gpu in PRESETS else None
+
+    def origin(name: str, value) -> str:
+        given = from_profile.get(name)
+        if name in ("intra", "inter") and given is not None:
+            given = LinkSpec(bandwidth=given[0], latency=given[1])
+        if name == "gemm_flops" and given is not None:
+            return f"profile {hw.profile}" if dtype in given and given[dtype] == value else \
+                "plan"
+        if given is not None and given == value:
+            return f"profile {hw.profile}"
+        if preset is not None and getattr(preset, name) == value:
+            return f"preset {hw.gpu}"
+        return "plan"
+
+    title = "Rates the step is priced with"
+    if profile is not None:
+        info = profile.info
+        title += (f" (profile {hw.profile}: measured on {info.get('device_name', profile.device)}"
+                  f" by {info.get('world_size', 1)} processes at once, {info.get('created', '')})")
+    table = FitTable(title=title)
+    for name in ("figure", "value", "from"):
+        table.add_column(name, justify="right" if name == "value" else "left")
+    gemm_source = origin("gemm_flops", hw.gemm_flops.get(dtype)) if dtype in hw.gemm_flops \
+        else origin("achievable_fraction", hw.achievable_fraction)
+    gemm_how = "" if dtype in hw.gemm_flops else \
+        f" (peak x {hw.achievable_fraction:g})"
+    rate = hw.gemm_rate(dtype)
+    shown = f"{rate / 1e12:,.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.4g} GFLOP/s"
+    table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
+    table.add_row("memory-bound ops", f"{hw.mem_bandwidth / 1e9:,.4g} GB/s",
+                  origin("mem_bandwidth", hw.mem_bandwidth))
+    table.add_row("dispatch per op" + (" (added to each op)" if hw.synchronous else
+                                       " (hidden behind longer kernels)"),
+                  format_seconds(hw.dispatch_overhead),
+                  origin("dispatch_overhead", hw.dispatch_overhead))
+    for name in ("intra", "inter"):
+        link = getattr(hw, name)
+        table.add_row(f"{name}-node link", f"{format_seconds(link.latency)} + "
+                      f"{link.bandwidth / 1e9:,.4g} GB/s", origin(name, link))
+    return table
 
 
 def render_search(plan: Plan, top: int = 5) -> Group:

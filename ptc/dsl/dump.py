@@ -33,6 +33,7 @@ from ptc.plan import (
     TrainSpec,
     is_auto_checkpoint,
     policy_modules,
+    profile_fields,
 )
 from ptc.units import UNITS
 
@@ -48,7 +49,8 @@ _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "p
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
                     "checkpoint_interval": "time", "memory_margin": "bytes",
-                    "bucket_size": "bytes", "host_bandwidth": "bandwidth"}
+                    "bucket_size": "bytes", "host_bandwidth": "bandwidth",
+                    "dispatch_overhead": "time"}
 
 
 def dump_plan(plan: Plan) -> str:
@@ -117,14 +119,20 @@ def _hardware(hw: HardwareSpec) -> str:
     lines = [f"gpu = {word(hw.gpu)}", f"nodes = {literal(hw.nodes)}",
              f"gpus_per_node = {literal(hw.gpus_per_node)}"]
     keys = _keys_by_field(HARDWARE_KEYS)
-    reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu)
+    # Figures a profile gives are written as the profile, not one by one.
+    profiled = profile_fields(hw.profile) if hw.profile else {}
+    if hw.profile:
+        lines.append(f"profile = {quote(hw.profile)}")
+    reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu, profile=hw.profile)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
-                 "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth"):
+                 "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
+                 "gemm_flops", "dispatch_overhead"):
         value = getattr(hw, name)
-        base = getattr(reference, name) if reference else _default(HardwareSpec, name)
+        base = getattr(reference, name) if reference else profiled.get(
+            name, _default(HardwareSpec, name))
         if value == base:
             continue
-        if name == "peak_flops":
+        if name in ("peak_flops", "gemm_flops"):
             text = "flops(" + ", ".join(f"{_key(d)} = {quantity(v, 'flops')}"
                                         for d, v in dict(value).items()) + ")"
         elif name in ("intra", "inter"):

@@ -101,6 +101,10 @@ HARDWARE_KEYS: dict[str, Key] = {
     "memory_margin": Key("memory_margin", quantity("bytes"), example="memory_margin = 4 GiB"),
     "host_bandwidth": Key("host_bandwidth", quantity("bandwidth"),
                           example="host_bandwidth = 64 GB/s"),
+    "gemm": Key("gemm_flops", calls.flops, example="gemm = flops(bf16 = 700 TFLOP/s)"),
+    "dispatch_overhead": Key("dispatch_overhead", quantity("time"),
+                             example="dispatch_overhead = 8 us"),
+    "profile": Key("profile", optional(string), example='profile = "hw.json"'),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
 

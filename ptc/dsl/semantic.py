@@ -12,7 +12,9 @@ section that is already wrong.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ptc.dsl import ast, calls
@@ -33,9 +35,11 @@ from ptc.dsl.schema import (
 from ptc.dsl.source import Source
 from ptc.dsl.values import INVALID, Reader, python_value, word
 from ptc.errors import Diagnostic, PlanError, Span, did_you_mean
+from ptc.hwprofile import ProfileError, load_profile
 from ptc.plan import (
     SHARD_STYLES,
     HardwareSpec,
+    profile_fields,
     ModelSpec,
     ParallelSpec,
     Plan,
@@ -269,13 +273,50 @@ def _hardware(sec: ast.Section | None, source: Source) -> Any:
     if gpu is None:  # missing or not a known gpu: already reported
         return INVALID
     spans = read.spans
+    profiled = _profile(read, source, gpu)
     if gpu == "custom":
-        fill = _missing(sec, read, HARDWARE_KEYS, r, CUSTOM_GPU_KEYS, " when gpu = custom")
-        values = {**read.values, **fill, "spans": spans}
+        given = SectionRead(values=read.values, given=read.given | {
+            key for key, k in HARDWARE_KEYS.items() if k.field in profiled},
+            suggested=read.suggested)
+        fill = _missing(sec, given, HARDWARE_KEYS, r, CUSTOM_GPU_KEYS, " when gpu = custom")
+        values = {**profiled, **read.values, **fill, "spans": spans}
         return construct(HardwareSpec, values, source, placeholders=set(fill) | read.bad)
     assert gpu in PRESETS
-    return construct(HardwareSpec.preset, {**read.values, **fill, "spans": spans}, source,
-                     placeholders=read.bad)
+    return construct(HardwareSpec.preset, {**profiled, **read.values, **fill, "spans": spans},
+                     source, placeholders=read.bad)
+
+
+def _profile(read: SectionRead, source: Source, gpu: str) -> dict[str, Any]:
+    """The figures of the calibration file `profile = "..."` names (`ptc.hwprofile`), and
+    the path it was read from as `profile`; {} without one. A path written in the file is
+    read from the file's folder, one given on the command line from the working directory.
+    A missing or malformed file, or one measured on another kind of device, is one error at
+    the key's value."""
+    written = read.values.get("profile")
+    if not written:
+        return {}
+    span = read.spans.get("profile")
+    path = written if span is None or os.path.isabs(written) or source.file.startswith("<") \
+        else os.path.normpath(Path(source.file).parent / written)
+    read.values["profile"] = path
+    try:
+        figures = profile_fields(path)
+        device = load_profile(path).device
+    except ProfileError as exc:
+        source.sink.error(f"hardware profile {written}: {exc}", field="hardware.profile",
+                          span=span)
+        read.bad.add("profile")
+        del read.values["profile"]
+        return {}
+    if (device == "cpu") != (gpu == "cpu"):
+        kind = "a CPU" if device == "cpu" else "a GPU"
+        source.sink.error(f"hardware profile {written} was measured on {kind}, but gpu is "
+                          f"{gpu}; calibrate on the plan's device", field="hardware.profile",
+                          span=span)
+        read.bad.add("profile")
+        del read.values["profile"]
+        return {}
+    return {**figures, "profile": path}
 
 
 # ----------------------------------------------------------------- parallel

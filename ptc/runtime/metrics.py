@@ -168,6 +168,8 @@ def run_banner(program: Program) -> str:
     predicted = (f"predicted {format_bytes(est.peak_memory_bytes)} peak of "
                  f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} per step"
                  if est is not None else program.decisions.unpriced or "no prediction")
+    if est is not None and plan.hardware.profile:
+        predicted += f" (rates from {plan.hardware.profile})"
     return (f"ptc run: {model} on {plan.num_gpus} x {plan.hardware.gpu}, {layout}, "
             f"{plan.train.dtype}; {predicted}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from ptc.compiler.compute import Split, layer_times, rates
 from ptc.compiler.estimate import estimate
 from ptc.compiler.profile import model_profile, with_model_shape
 from ptc.compiler.shapes import plan_from_shape
@@ -72,13 +73,12 @@ def test_estimate_prices_each_stage():
     assert layout.chunk_layers == (3, 4, 4, 4, 4, 4, 4, 3)
     assert [len(layout.stage_layers(i)) for i in range(8)] == [3, 4, 4, 4, 4, 4, 4, 3]
 
-    f = model_profile(with_model_shape(plan).model, "bf16").fn
-    hw = plan.hardware
-    rate = hw.peak_flops["bf16"] * hw.achievable_fraction
-    b, s, m, p = 1, 64, layout.microbatches, 8
-    layer, pre, post = (f[k](b, s) for k in ("flops.layer", "flops.pre", "flops.post"))
-    stage_time = [3 * (3 * layer + pre) / rate] + [3 * 4 * layer / rate] * 6 \
-        + [3 * (3 * layer + post) / rate]
+    profile = model_profile(with_model_shape(plan).model, "bf16")
+    t = layer_times(profile, rates(plan.hardware, "bf16"), bb=1, ss=64, seq_len=64,
+                    split=Split(tp=1, kv_divisor=1, sp=False, cp=1))
+    m, p = layout.microbatches, 8
+    layer = t.forward + t.backward
+    stage_time = [3 * layer + t.pre] + [4 * layer] * 6 + [3 * layer + t.post]
     assert max(stage_time) == stage_time[1]  # a 4-layer stage, not an end, is the slowest
     # tp = dp = 1 and overlap on: compute is all a stage does; m x the slowest, plus the bubble.
     assert est.breakdown["compute"] == pytest.approx(m * max(stage_time))
@@ -97,7 +97,12 @@ def test_uneven_split_is_not_priced_as_even():
     even = estimate(_plan(32))
     assert uneven.layout.chunk_layers == (1, 5, 5, 5, 5, 5, 5, 1)
     # The 5-layer stages set the pace: slower than any stage of the even split.
-    assert uneven.breakdown["compute"] > 1.2 * even.breakdown["compute"]
+    t = layer_times(model_profile(with_model_shape(_plan(32)).model, "bf16"),
+                    rates(_plan(32).hardware, "bf16"), bb=1, ss=64, seq_len=64,
+                    split=Split(tp=1, kv_divisor=1, sp=False, cp=1))
+    m = uneven.layout.microbatches
+    assert uneven.breakdown["compute"] == pytest.approx(m * 5 * (t.forward + t.backward))
+    assert uneven.breakdown["compute"] > even.breakdown["compute"]
     assert uneven.stage_memory_bytes[1] > even.stage_memory_bytes[1]
 
 

@@ -1,0 +1,161 @@
+"""Compute priced op by op: the work each op asks for, and its seconds, against hand counts.
+
+Every expected value here is derived by hand from shapes (2·m·n·k for a
+matrix product, the bytes of an op's inputs and outputs for a memory-bound
+one), not read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+import torch
+from torch.nn import functional as F
+
+from ptc.compiler.compute import PhaseWork, Rates, Split, layer_times, phase_work, rates
+from ptc.compiler.profile import b, model_profile, s
+from ptc.compiler.work import FLASH_BACKWARD, function_work
+from ptc.plan import HardwareSpec, ModelSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def meta(*shape, grad=True, dtype=torch.float32):
+    return torch.randn(*shape, device="meta", dtype=dtype, requires_grad=grad)
+
+
+def test_an_element_wise_op_moves_its_inputs_and_output():
+    m, n = 48, 80
+    x, y = meta(m, n), meta(m, n)
+    forward, _ = function_work(lambda: x + y)
+    assert (forward.memory, forward.gemm, forward.ops) == (3 * m * n * 4, 0, 1)
+
+
+def test_a_norm_moves_its_input_weight_bias_output_and_statistics():
+    m, h = 24, 40
+    x, w, bias = meta(m, h), meta(h), meta(h)
+    forward, _ = function_work(lambda: F.layer_norm(x, (h,), w, bias))
+    # read x, weight, bias; write y and fp32 mean and rstd of each row
+    assert forward.memory == 4 * (m * h + 2 * h + m * h + 2 * m)
+
+
+def test_a_linear_is_2mnk_forward_and_twice_that_backward():
+    m, k, n = 64, 96, 160
+    x, w = meta(m, k), meta(n, k)
+    forward, backward = function_work(lambda: F.linear(x, w).sum().backward())
+    assert forward.gemm == 2 * m * n * k
+    assert backward.gemm == 2 * (2 * m * n * k)  # input gradient and weight gradient
+
+
+def test_views_move_nothing():
+    x = meta(8, 6)
+    forward, _ = function_work(lambda: x.view(6, 8).transpose(0, 1).unsqueeze(0))
+    assert forward.memory == 0 and forward.ops == 3
+
+
+def test_a_phase_costs_its_gemms_at_the_gemm_rate_and_its_bytes_at_the_memory_rate():
+    work = PhaseWork(gemm=3e12, memory=2e9, ops=1000)
+    cpu = Rates(gemm=1e12, fp8=None, memory=1e9, dispatch=1e-5, synchronous=True)
+    gpu = dataclasses.replace(cpu, synchronous=False)
+    assert work.seconds(cpu) == pytest.approx(3 + 2 + 1000 * 1e-5)
+    assert work.seconds(gpu) == pytest.approx(3 + 2)  # the host's 10 ms hide behind 5 s
+    busy_host = dataclasses.replace(gpu, dispatch=0.01)
+    assert work.seconds(busy_host) == pytest.approx(1000 * 0.01)  # 10 s of dispatch > 5 s
+
+
+def test_rates_come_from_the_hardware():
+    hw = HardwareSpec.preset("H100-SXM")
+    r = rates(hw, "bf16")
+    assert r.gemm == pytest.approx(989e12 * hw.achievable_fraction)
+    assert r.memory == hw.mem_bandwidth and not r.synchronous
+    measured = dataclasses.replace(hw, gemm_flops={"bf16": 7e14}, dispatch_overhead=4e-6)
+    assert rates(measured, "bf16").gemm == 7e14 and rates(measured, "bf16").dispatch == 4e-6
+    assert rates(HardwareSpec.preset("cpu"), "fp32").synchronous
+
+
+GPT = ModelSpec(family="gpt", layers=1, hidden=64, heads=4, vocab=128, max_seq=64)
+LLAMA = ModelSpec(family="llama", layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=128,
+                  max_seq=64)
+
+
+def test_a_gpt_layers_gemms_are_its_linears_and_its_written_out_attention():
+    h = GPT.hidden
+    work = model_profile(GPT, "fp32").work
+    # qkv (h -> 3h), out (h -> h), up (h -> 4h), down (4h -> h); q·kᵀ and p·v, 2·b·s²·h each
+    linears, attention = 2 * b * s * (3 * h * h + h * h + 4 * h * h * 2), 2 * (2 * b * s**2 * h)
+    assert sympy.expand(work["layer.fwd.gemm.all"] - (linears + attention)) == 0
+    assert sympy.expand(work["layer.bwd.gemm.all"] - 2 * (linears + attention)) == 0
+    assert sympy.expand(work["core.fwd.gemm.all"] - attention) == 0
+    assert work["layer.fwd.attn.all"] == 0  # written out: no fused attention kernel
+    assert work["layer.fwd.gemm.tp"] == work["layer.fwd.gemm.all"]  # every GEMM splits over tp
+
+
+def test_sdpa_runs_as_flash_attention():
+    h = LLAMA.hidden
+    work = model_profile(LLAMA, "fp32").work
+    flash = 4 * b * s**2 * h  # 2·(b·a·s)·s·(d + d)
+    assert sympy.expand(work["layer.fwd.attn.all"] - flash) == 0
+    assert sympy.expand(work["layer.bwd.attn.all"] - FLASH_BACKWARD * flash) == 0
+    # no s x s scores pass through memory: the layer's bytes grow with s, not s²
+    assert sympy.degree(work["layer.fwd.mem.all"], s) == 1
+
+
+def test_tensor_parallelism_splits_the_blocks_and_leaves_the_norms_whole():
+    profile = model_profile(GPT, "fp32")
+    whole, tp_part = (profile.fn[f"work.layer.fwd.mem.{c}"](2, 32) for c in ("all", "tp"))
+    assert 0 < tp_part < whole
+    one = phase_work(profile, "layer", "fwd", 2, 32, Split(1, 1, False, 1), 32)
+    two = phase_work(profile, "layer", "fwd", 2, 32, Split(2, 2, False, 1), 32)
+    two_sp = phase_work(profile, "layer", "fwd", 2, 32, Split(2, 2, True, 1), 32)
+    assert two.gemm == pytest.approx(one.gemm / 2)
+    assert two.memory == pytest.approx(whole - tp_part + tp_part / 2)  # norms replicated
+    assert two_sp.memory == pytest.approx(whole / 2)  # sequence parallel splits them too
+    assert two.ops == one.ops  # every rank dispatches every op
+
+
+def test_a_layer_costs_its_work_at_the_rates():
+    profile = model_profile(GPT, "fp32")
+    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    t = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
+    f = profile.fn
+
+    def hand(region, phase):
+        g, m, n = (f[f"work.{region}.{phase}.{q}.all"](2, 32) for q in ("gemm", "mem", "ops"))
+        return g / 2e10 + m / 5e9 + n * 8e-6
+
+    assert t.forward == pytest.approx(hand("layer", "fwd"))
+    assert t.backward == pytest.approx(hand("layer", "bwd"))
+    assert t.core == pytest.approx(hand("core", "fwd"))
+    assert t.pre == pytest.approx(hand("pre", "fwd") + hand("pre", "bwd"))
+    assert t.post == pytest.approx(hand("post", "fwd") + hand("post", "bwd"))
+
+
+def test_one_sample_micro_batches_have_their_own_terms():
+    """torch's matmul views an operand at one sample that it copies at more: the b = 1 terms
+    are fitted on their own, and they match the general ones but for those copies."""
+    profile = model_profile(GPT, "fp32")
+    f = profile.fn
+    assert f["work_b1.layer.fwd.gemm.all"](1, 48) == f["work.layer.fwd.gemm.all"](1, 48)
+    assert f["work_b1.layer.fwd.mem.all"](1, 48) <= f["work.layer.fwd.mem.all"](1, 48)
+
+
+def test_a_policy_recomputes_the_work_of_the_ops_its_regions_rerun():
+    h = GPT.hidden
+    profile = model_profile(GPT, "fp32")
+    work = profile.work
+    # `ops` keeps every matmul's output: its recompute runs no GEMM, only memory-bound ops
+    assert work["rerun[ops].fwd.gemm.all"] == 0 < work["rerun[ops].fwd.mem.all"]
+    # `modules(mlp)` reruns the MLP's up and down projections (h -> 4h -> h) and what is
+    # between them
+    assert sympy.expand(work["rerun[modules(mlp)].fwd.gemm.all"] - 2 * (2 * b * s * 4 * h * h)) == 0
+    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    t = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
+    f = profile.fn
+    mlp = sum(f[f"work.rerun[modules(mlp)].fwd.{q}.all"](2, 32) / rate
+              for q, rate in (("gemm", 2e10), ("mem", 5e9))) \
+        + f["work.rerun[modules(mlp)].fwd.ops.all"](2, 32) * 8e-6
+    assert t.recompute["modules(mlp)"] == pytest.approx(mlp)
+    assert (t.recompute["none"], t.recompute["selective"], t.recompute["full"]) == \
+        (0.0, t.core, t.forward)

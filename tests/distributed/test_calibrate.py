@@ -1,0 +1,79 @@
+"""`ptc calibrate`: a well-formed hardware profile from the plan's own processes, quickly.
+
+Probe times and collective sizes are kept tiny; what is checked is the
+file's form and that a plan takes it, never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from ckpt_helpers import ckpt_plan
+
+from ptc.cli import main
+from ptc.dsl import load_plan
+from ptc.hwprofile import load_profile
+from ptc.runtime.calibrate import Settings, calibrate
+
+QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2, warmup=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_calibrate_measures_every_rate_and_the_dp_link(tmp_path):
+    plan = ckpt_plan(dp=2, zero=1)
+    profile = calibrate(plan, QUICK)
+    assert profile.device == "cpu"
+    rate = profile.gemm_flops[plan.train.compute_dtype]
+    for value in (rate, profile.mem_bandwidth, profile.dispatch_overhead):
+        assert math.isfinite(value) and value > 0
+    assert set(profile.links) == {"intra"}  # one node: the dp axis uses the intra link
+    assert profile.links["intra"].bandwidth > 0 and profile.links["intra"].latency >= 0
+    axes = profile.info["axes"]
+    assert list(axes) == ["dp"] and axes["dp"]["ranks"] == 2 and axes["dp"]["link"] == "intra"
+    # all four operations at 4, 16 KiB
+    assert len(axes["dp"]["measured"]) == 4 * 2
+    assert profile.info["world_size"] == 2
+    for probe in ("dispatch", "memory", "gemm"):
+        assert profile.info["probes"][probe]["ops"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_the_command_writes_a_profile_a_plan_takes(tmp_path, capsys):
+    plan_path = tmp_path / "plan.ptc"
+    plan_path.write_text(PLAN)
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", str(plan_path), "-o", str(out), "--seconds", "0.02", "--rounds", "1",
+                 "--min-size", "4K", "--max-size", "4K", "--iters", "1", "--warmup", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "dispatch" in printed and f"wrote {out}" in printed
+    data = json.loads(out.read_text())
+    assert data["ptc_hardware_profile"] == 1 and data["device"] == "cpu"
+    profile = load_profile(out)
+    with_profile = load_plan(plan_path, overrides={"hardware.profile": str(out)})
+    assert with_profile.hardware.gemm_rate("fp32") == profile.gemm_flops["fp32"]
+    assert with_profile.hardware.mem_bandwidth == profile.mem_bandwidth
+    assert with_profile.hardware.dispatch_overhead == profile.dispatch_overhead
+
+
+PLAN = """\
+model gpt {
+  layers = 1
+  hidden = 16
+  heads = 2
+  vocab = 32
+  max_seq = 8
+}
+hardware {
+  gpu = cpu
+  gpus_per_node = 1
+}
+train {
+  seq_len = 8
+  global_batch = 1
+  dtype = fp32
+}
+"""
