@@ -25,6 +25,9 @@ row under "assumed"):
   with GPT's LayerNorm, GELU MLP of 4h, biases and tied embeddings, all
   heads for keys and values; rotary positions instead of learned ones, a
   table of s·h weights fewer), so no s × s scores pass through memory;
+- fused kernels (`runtime.compile`): Megatron-LM (bias-GeLU, bias-dropout-add,
+  fused LayerNorm and scale-mask-softmax since 2021, Transformer Engine's in
+  2024) and Megatron-DeepSpeed run the memory-bound ops between GEMMs fused;
 - overlap: off for the 2020/2021 Megatron-LM and BLOOM runs (that code
   reduced gradients after the backward pass), on for ZeRO-3 (DeepSpeed's
   overlap_comm) and for the 2024 README runs (their flags);
@@ -171,6 +174,9 @@ def build(row: dict):
             plan.model, family="llama", norm="layernorm", activation="gelu", bias=True,
             tied_embeddings=True, kv_heads=a, dropout=0.0))
         notes.append("flash attention")
+    # Megatron-LM and DeepSpeed run fused kernels (runtime.compile: ptc's runtime fuses the
+    # same chains of memory-bound ops).
+    plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, compile=True))
     if dtype == "fp16" and zero < 3:  # ptc's ZeRO-3 reduce-scatters in fp32 only
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, grad_dtype="fp16"))
     return plan, notes

@@ -848,7 +848,9 @@ class RuntimeSpec(_Section):
     """Print a step line every N steps."""
     compile: bool = False
     """Run each lowered stage graph through `torch.compile` (inductor): fused kernels, faster
-    steps on GPUs, and other rounding (fused ops sum in another order), so opt-in."""
+    steps on GPUs, and other rounding (fused ops sum in another order), so opt-in. The cost
+    model prices each chain of memory-bound ops between GEMMs as one kernel when set
+    (`ptc.compiler.work`), each op as its own kernel when not."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 

@@ -90,7 +90,7 @@ class _FusedDropout(torch.autograd.Function):
         raise NotImplementedError("meta stand-in: backward is not executed")
 
 
-_DROPOUT_TARGETS = (F.dropout, torch.dropout, torch.ops.aten.dropout.default, site_dropout)
+DROPOUT_TARGETS = (F.dropout, torch.dropout, torch.ops.aten.dropout.default, site_dropout)
 _SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 
 
@@ -114,7 +114,7 @@ class _SavedRecorder(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target in _SDPA_TARGETS and _flash_applies(args, kwargs):
             return _FlashAttention.apply(*args[:3])
-        if target in _DROPOUT_TARGETS and _dropout_active(args, kwargs):
+        if target in DROPOUT_TARGETS and dropout_active(args, kwargs):
             return _FusedDropout.apply(args[0])
         return super().call_function(target, args, kwargs)
 
@@ -142,7 +142,7 @@ def _flash_applies(args: Sequence, kwargs: dict) -> bool:
     return not dropout
 
 
-def _dropout_active(args: Sequence, kwargs: dict) -> bool:
+def dropout_active(args: Sequence, kwargs: dict) -> bool:
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
     train = args[2] if len(args) > 2 else kwargs.get("train", kwargs.get("training", True))
     return bool(train) and p > 0

@@ -3,6 +3,11 @@
 Terms (per rank, per micro-batch; `ModelProfile.work`, `ptc.compiler.work`):
 G the FLOPs of its GEMMs (G8 of them float8 GEMMs), A the FLOPs of fused
 attention kernels, M the bytes memory-bound ops move, N the ops dispatched.
+A runtime that fuses (`runtime.compile`: inductor, as Megatron-LM's and
+Transformer Engine's hand-fused kernels do) runs each chain of memory-bound
+ops between two GEMMs as one kernel: M is then what those kernels read and
+write (each tensor made outside the chain read once, each tensor read
+outside it written once) and N the kernels launched (`ptc.compiler.work`).
 Each physical effect has one rate (`Rates`, from the hardware section):
 
 - GEMMs run at R = `HardwareSpec.gemm_rate(dtype)` (a calibration's measured
@@ -122,10 +127,11 @@ class Split:
 
 
 def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int, split: Split,
-               seq_len: int, *, keys: bool | None = None) -> PhaseWork:
+               seq_len: int, *, fused: bool = False, keys: bool | None = None) -> PhaseWork:
     """One rank's work in `region` ("pre", "layer", "post", "core" or a policy's
     `rerun_region`) and `phase` ("fwd", "bwd") for a micro-batch of `bb` samples of `ss`
-    positions each (of `seq_len`); `keys`: whether the region holds the attention core, whose
+    positions each (of `seq_len`); `fused`: memory-bound ops as fused kernels
+    (`ptc.compiler.work`); `keys`: whether the region holds the attention core, whose
     queries meet all keys under cp (default: "layer" and "core" do)."""
     f = profile.fn
     prefix = "work_b1" if bb == 1 else "work"
@@ -149,7 +155,8 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
     if region == "layer":  # float8 GEMMs: the linears' forward, and dgrad and wgrad
         fp8 = f["fp8_flops"](bb, ss) / split.tp * (1 if phase == "fwd" else 2)
     return PhaseWork(gemm=per_rank("gemm") - fp8, fp8=fp8, attention=per_rank("attn"),
-                     memory=per_rank("mem"), ops=term("ops.all", bb, ss))
+                     memory=per_rank("fmem" if fused else "mem"),
+                     ops=term("kern.all" if fused else "ops.all", bb, ss))
 
 
 def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss: int,
@@ -161,15 +168,17 @@ def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss:
 
 
 def layer_times(profile: ModelProfile, r: Rates, *, bb: int, ss: int, seq_len: int,
-                split: Split) -> LayerTimes:
-    """Seconds of each part of one micro-batch on one rank (see `LayerTimes`); remembered in
-    the profile's memo (plan search asks for the same ones for thousands of layouts)."""
-    key = ("layer_times", r, bb, ss, seq_len, split)
+                split: Split, fused: bool = False) -> LayerTimes:
+    """Seconds of each part of one micro-batch on one rank (see `LayerTimes`), with
+    memory-bound ops as fused kernels when `fused`; remembered in the profile's memo (plan
+    search asks for the same ones for thousands of layouts)."""
+    key = ("layer_times", r, bb, ss, seq_len, split, fused)
     if key in profile.memo:
         return profile.memo[key]
 
     def seconds(region: str, phase: str, keys: bool | None = None) -> float:
-        return phase_work(profile, region, phase, bb, ss, split, seq_len, keys=keys).seconds(r)
+        return phase_work(profile, region, phase, bb, ss, split, seq_len, fused=fused,
+                          keys=keys).seconds(r)
 
     forward, core = seconds("layer", "fwd"), seconds("core", "fwd")
     recompute = {"none": 0.0, "selective": core, "full": forward}

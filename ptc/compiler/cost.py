@@ -167,9 +167,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
             f["fp8_flops"](bb, ss) / tp))
     # Seconds of a layer's forward and backward, op by op (`ptc.compiler.compute`).
-    times = _cached(memo, ("times", bb, ss, tp, cp, layout.sp), lambda: layer_times(
+    times = _cached(memo, ("times", bb, ss, tp, cp, layout.sp, layout.fused), lambda: layer_times(
         profile, rates(hw, dtype), bb=bb, ss=ss, seq_len=seq_len,
-        split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp)))
+        split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp), fused=layout.fused))
 
     # Per-layer communication, by recompute policy.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
@@ -368,7 +368,7 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     times = layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
                         ss=layout.rank_seq(seq_len), seq_len=seq_len,
                         split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
-                                    sp=layout.sp, cp=layout.cp))
+                                    sp=layout.sp, cp=layout.cp), fused=layout.fused)
     work = layout.layers * (times.forward + times.backward) + times.pre + times.post
     work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts())
     mean_stage = work / layout.pp

@@ -49,6 +49,8 @@ class Layout:
     """Mesh axes, innermost first."""
     offload: bool = False
     """fp32 masters and optimizer state in host memory, stepped on the CPU (ZeRO >= 1)."""
+    fused: bool = False
+    """Memory-bound ops run as fused kernels (`runtime.compile`; `ptc.compiler.work`)."""
     chunk_layers: tuple[int, ...] = ()
     """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank c % p) when
     they differ (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
@@ -117,4 +119,4 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,
                   order=par.order, chunk_layers=split if len(set(split)) > 1 else (),
-                  offload=par.offload == "optimizer")
+                  offload=par.offload == "optimizer", fused=plan.runtime.compile)

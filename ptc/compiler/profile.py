@@ -165,8 +165,9 @@ class ModelProfile:
     "{region}.{phase}.{quantity}.{class}": region "pre", "layer", "post", "core" (the
     layer's attention core, part of "layer") or `rerun_region(policy)` (what one layer's
     recompute reruns under a policy of `policy_saved`, "fwd" only); phase "fwd" or "bwd";
-    quantity "gemm" (FLOPs), "attn" (fused attention FLOPs), "mem" (bytes moved), "ops" (ops
-    dispatched, class "all" only); class "all", "tp" (the part
+    quantity "gemm" (FLOPs), "attn" (fused attention FLOPs), "mem" (bytes moved, each op its
+    own kernel), "fmem" (bytes moved by fused kernels), "ops" (ops dispatched) and "kern"
+    (kernels launched when fused; these two class "all" only); class "all", "tp" (the part
     tensor parallelism splits: between a column-parallel linear and the row-parallel one
     that closes the block, that one included) or "kv" (the part of "tp" on the key/value
     path, split by `kv_divisor`). Fitted for micro-batches of
@@ -640,8 +641,8 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
 
 
 WORK_REGIONS = ("pre", "layer", "post", "core")
-WORK_QUANTITIES = ("gemm", "attn", "mem", "ops")
-COUNTS = ("ops",)
+WORK_QUANTITIES = ("gemm", "attn", "mem", "fmem", "ops", "kern")
+COUNTS = ("ops", "kern")
 """Quantities that count calls, taken whole on every rank (class "all" only)."""
 WORK_CLASSES = ("all", "tp", "kv")
 
@@ -723,7 +724,8 @@ def _work(gm: torch.fx.GraphModule) -> dict[str, int]:
                    *(("kv",) if name in kv_path else ()))
         reran = [rerun_region(p) for p, names in reruns.items() if name in names]
         for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
-            values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory, "ops": w.ops}
+            values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
+                      "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
             for target in (*targets, *(reran if ph == "fwd" else ())):
                 for q, value in values.items():
                     for c in classes if q not in COUNTS else ("all",):

@@ -238,10 +238,13 @@ def _rates(plan: Plan) -> FitTable:
     rate = hw.gemm_rate(dtype)
     shown = f"{rate / 1e12:,.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.4g} GFLOP/s"
     table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
-    table.add_row("memory-bound ops", f"{hw.mem_bandwidth / 1e9:,.4g} GB/s",
-                  origin("mem_bandwidth", hw.mem_bandwidth))
-    table.add_row("dispatch per op" + (" (added to each op)" if hw.synchronous else
-                                       " (hidden behind longer kernels)"),
+    fused = plan.runtime.compile
+    table.add_row("memory-bound ops" + (" (chains fused: runtime.compile)" if fused else
+                                        " (each op a kernel)"),
+                  f"{hw.mem_bandwidth / 1e9:,.4g} GB/s", origin("mem_bandwidth", hw.mem_bandwidth))
+    unit = "kernel" if fused else "op"
+    table.add_row(f"dispatch per {unit}" + (f" (added to each {unit})" if hw.synchronous else
+                                            " (hidden behind longer kernels)"),
                   format_seconds(hw.dispatch_overhead),
                   origin("dispatch_overhead", hw.dispatch_overhead))
     for name in ("intra", "inter"):

@@ -111,7 +111,8 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
                                 microbatches=m,
                                 zero=zero, sp=sp, schedule="interleaved" if v > 1 else "1f1b",
                                 layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
-                                order=par.order, offload=par.offload != "none"))
+                                order=par.order, offload=par.offload != "none",
+                                fused=plan.runtime.compile))
     return layouts
 
 

@@ -21,11 +21,26 @@ Terms, per op (one aten call):
   `Work.memory`). With dropout it runs written out ("math"): its matrix
   products are GEMMs and its scale, mask, softmax and dropout are element-wise
   ops over the s × s scores;
+- *dropout* runs as CUDA's fused kernel (as `ptc.compiler.activations`
+  counts it): it reads its input and writes its output and a 1-byte mask,
+  and backward reads the gradient and the mask and writes one gradient (meta
+  would run it as bernoulli, div and mul with a mask in the input's dtype);
 - *memory-bound op*: any other op that is not a view: it moves the bytes of
   its tensor inputs and outputs (`Work.memory`), except that a lookup
   (embedding, index_select, gather, nll_loss) reads only the rows it gathers;
 - *view*: an op whose output aliases its input (view, transpose, expand,
   split, detach, ...): no device work.
+
+Fused kernels (`Work.fused_memory`, `Work.kernels`): a runtime that fuses
+(torch.compile's inductor; Megatron-LM's and Transformer Engine's hand-fused
+kernels: bias-GeLU, bias-dropout-add, fused LayerNorm/RMSNorm, scale-mask-
+softmax, RoPE) runs each chain of memory-bound ops between two other kernels
+(GEMMs, attention kernels, lookups) as one kernel. Such a kernel reads each
+tensor made outside it once and writes each tensor it makes that anything
+outside it reads — a later kernel, backward (what autograd saves), the step
+(gradients) — or that nothing reads at all; what only its own ops read stays
+in registers. Its bytes are charged to the ops that read and write them, one
+kernel to its first op.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ptc.compiler.activations import DROPOUT_TARGETS, dropout_active
 from ptc.compiler.flops import sdpa_flops
 
 FLASH_BACKWARD = 2.5
@@ -69,6 +85,10 @@ class Work:
     """Bytes read and written by memory-bound ops and attention kernels."""
     ops: float = 0.0
     """aten ops dispatched, views included."""
+    fused_memory: float = 0.0
+    """`memory` with memory-bound ops run as fused kernels (module docstring)."""
+    kernels: float = 0.0
+    """Kernels launched with memory-bound ops fused (module docstring)."""
 
     def add(self, other: Work, scale: float = 1.0) -> None:
         """Add `other` (times `scale`) into this."""
@@ -76,6 +96,8 @@ class Work:
         self.attention += scale * other.attention
         self.memory += scale * other.memory
         self.ops += scale * other.ops
+        self.fused_memory += scale * other.fused_memory
+        self.kernels += scale * other.kernels
 
 
 @dataclass(slots=True)
@@ -117,18 +139,118 @@ def op_work(func, args: tuple, kwargs: dict, out) -> Work:
     return Work(memory=float(sum(_nbytes(t) for t in (*tensors_in, *tensors_out))), ops=1)
 
 
-class _Recorder(TorchDispatchMode):
-    """Charges every aten call to `charge(work, phase)`."""
+@dataclass(slots=True)
+class _Op:
+    """One aten call as the fusion pass sees it."""
 
-    def __init__(self, charge: Callable[[Work, str | None], None]):
+    work: Work
+    """Its work as a kernel of its own; the fused figures are filled in by `_fuse`."""
+    charge: Callable[[Work], None]
+    """Adds work to what the op is charged to."""
+    fusable: bool
+    """A memory-bound op (not a view, GEMM, attention kernel or lookup)."""
+    backward: bool
+    reads: list[tuple[tuple, int]]
+    """(version of a view of a storage, bytes) of each tensor input."""
+    writes: list[tuple[tuple, int]]
+    """(version of a storage, bytes) of each tensor output."""
+
+
+class _Trace:
+    """aten calls in the order they run, with the storage versions they read and write."""
+
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.version: dict[int, int] = {}
+        self.keep: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
+
+    def _key(self, t: torch.Tensor) -> int:
+        self.keep.append(t)
+        return t.untyped_storage()._cdata
+
+    def add(self, work: Work, charge, *, fusable: bool, backward: bool, inputs, outputs) -> None:
+        """Record one kernel's call: its `inputs` read, then its `outputs` written."""
+        reads = []
+        for t in inputs:
+            key = self._key(t)
+            view = (key, self.version.get(key, 0), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()))
+            reads.append((view, _nbytes(t)))
+        writes = []
+        for t in outputs:
+            key = self._key(t)
+            self.version[key] = self.version.get(key, 0) + 1
+            writes.append(((key, self.version[key]), _nbytes(t)))
+        self.ops.append(_Op(work, charge, fusable, backward, reads, writes))
+
+    def finish(self) -> None:
+        """Charge every op its work, with the fused figures (module docstring)."""
+        groups: list[list[_Op]] = []
+        for op in self.ops:
+            if op.fusable and groups and groups[-1][0].fusable \
+                    and groups[-1][0].backward == op.backward:
+                groups[-1].append(op)
+            else:
+                groups.append([op])
+        group_of: dict[tuple, int] = {}
+        for i, group in enumerate(groups):
+            for op in group:
+                group_of.update((version, i) for version, _ in op.writes)
+        readers: dict[tuple, set[int]] = {}
+        for i, group in enumerate(groups):
+            for op in group:
+                for view, _ in op.reads:
+                    readers.setdefault(view[:2], set()).add(i)
+        for i, group in enumerate(groups):
+            seen: set[tuple] = set()
+            for k, op in enumerate(group):
+                if not op.fusable:
+                    op.work.fused_memory, op.work.kernels = op.work.memory, 1
+                    op.charge(op.work)
+                    continue
+                moved = 0
+                for view, nbytes in op.reads:  # made outside the kernel: read once
+                    if group_of.get(view[:2]) != i and view not in seen:
+                        seen.add(view)
+                        moved += nbytes
+                for version, nbytes in op.writes:  # read outside the kernel, or by nothing
+                    if readers.get(version, {-1}) != {i}:
+                        moved += nbytes
+                op.work.fused_memory, op.work.kernels = moved, int(k == 0)
+                op.charge(op.work)
+
+
+def _fusable(func) -> bool:
+    name = func._schema.name.split("::")[-1]
+    return not _is_view(func) and name not in _GEMMS and name not in _LOOKUPS
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten call in `trace`, charged to what `charge_to(phase)` names (None:
+    left out, as autograd's accumulation of parameter gradients)."""
+
+    def __init__(self, trace: _Trace,
+                 charge_to: Callable[[str | None], Callable[[Work], None] | None]):
         super().__init__()
-        self.charge = charge
+        self.trace, self.charge_to = trace, charge_to
         self.phase: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.charge(op_work(func, args, kwargs, out), self.phase)
+        charge = self.charge_to(self.phase)
+        if charge is None:
+            return out
+        work = op_work(func, args, kwargs, out)
+        if _is_view(func):
+            work.fused_memory = 0.0
+            charge(work)
+            return out
+        self.trace.add(work, charge, fusable=_fusable(func),
+                       backward=torch._C._current_autograd_node() is not None,
+                       inputs=[t for t in tree_leaves((args, kwargs))
+                               if isinstance(t, torch.Tensor)],
+                       outputs=[t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
         return out
 
 
@@ -136,28 +258,50 @@ class _FlashAttention(torch.autograd.Function):
     """Meta stand-in for a flash attention kernel: its output, and its work each way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, charge):  # noqa: D102 - autograd.Function protocol
+    def forward(ctx, q, k, v, record):  # noqa: D102 - autograd.Function protocol
         flops = sdpa_flops(q.shape, k.shape, v.shape)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = 4 * q.shape[:-1].numel()
         moved = _nbytes(q) + _nbytes(k) + _nbytes(v) + _nbytes(out)
-        charge(Work(attention=flops, memory=moved + lse, ops=1), "forward")
-        ctx.shapes = (q, k, v)
+        record(Work(attention=flops, memory=moved + lse, ops=1), "forward", (q, k, v), (out,))
+        ctx.save_for_backward(q, k, v, out)
         ctx.work = Work(attention=FLASH_BACKWARD * flops, memory=2 * moved + lse, ops=1)
-        ctx.charge = charge
+        ctx.record = record
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102 - autograd.Function protocol
-        ctx.charge(ctx.work, "backward")
-        q, k, v = ctx.shapes
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+        q, k, v, out = ctx.saved_tensors
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ctx.record(ctx.work, "backward", (grad, q, k, v, out), grads)
+        return *grads, None
+
+
+class _FusedDropout(torch.autograd.Function):
+    """Meta stand-in for CUDA's fused dropout (module docstring): a memory-bound kernel."""
+
+    @staticmethod
+    def forward(ctx, x, record):  # noqa: D102 - autograd.Function protocol
+        out, mask = torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        record(Work(memory=2 * _nbytes(x) + _nbytes(mask), ops=1), "forward", (x,), (out, mask),
+               fusable=True)
+        ctx.save_for_backward(mask)
+        ctx.record = record
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102 - autograd.Function protocol
+        (mask,) = ctx.saved_tensors
+        out = torch.empty_like(grad)
+        ctx.record(Work(memory=2 * _nbytes(grad) + _nbytes(mask), ops=1), "backward",
+                   (grad, mask), (out,), fusable=True)
+        return out, None
 
 
 class _WorkInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, recorder: _Recorder, charge_flash):
+    def __init__(self, gm: torch.fx.GraphModule, recorder: _Recorder, record_kernel):
         super().__init__(gm, garbage_collect_values=False)
-        self.recorder, self.charge_flash = recorder, charge_flash
+        self.recorder, self.record_kernel = recorder, record_kernel
         self.current: str | None = None
         self.owner: dict[int, str] = {}  # autograd node sequence number -> graph node name
 
@@ -188,12 +332,23 @@ class _WorkInterpreter(torch.fx.Interpreter):
             self.owner[seq] = name
             stack.extend(f for f, _ in node.next_functions)
 
+    def _kernel_recorder(self):
+        """Records a stand-in kernel's call, charged to the node being interpreted now."""
+        name = self.current
+        return lambda *args, **kwargs: self.record_kernel(name, *args, **kwargs)
+
     def call_function(self, target, args, kwargs):
         if target in _SDPA and _flash(args, kwargs):
-            name = self.current
-            return _FlashAttention.apply(
-                *args[:3], lambda w, phase: self.charge_flash(name, w, phase))
+            return _FlashAttention.apply(*args[:3], self._kernel_recorder())
+        if target in DROPOUT_TARGETS and dropout_active(args, kwargs):
+            return _FusedDropout.apply(args[0], self._kernel_recorder())
         return super().call_function(target, args, kwargs)
+
+    def call_module(self, target, args, kwargs):
+        mod = self.fetch_attr(target)
+        if isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0:
+            return _FusedDropout.apply(args[0], self._kernel_recorder())
+        return super().call_module(target, args, kwargs)
 
 
 def _flash(args: Sequence, kwargs: dict) -> bool:
@@ -221,23 +376,29 @@ def graph_work(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict
             return None
         return interp.owner.get(an._sequence_nr(), output)
 
-    def charge(work: Work, phase: str | None) -> None:
-        name = (interp.current or output) if phase == "forward" else node_of_backward()
+    def to(name: str | None, phase: str | None) -> Callable[[Work], None] | None:
         if name is None:
-            return
+            return None
         entry = works.setdefault(name, NodeWork())
-        (entry.forward if phase == "forward" else entry.backward).add(work)
+        return (entry.forward if phase == "forward" else entry.backward).add
 
-    def charge_flash(name: str, work: Work, phase: str) -> None:
-        entry = works.setdefault(name, NodeWork())
-        (entry.forward if phase == "forward" else entry.backward).add(work)
+    def charge_to(phase: str | None) -> Callable[[Work], None] | None:
+        return to((interp.current or output) if phase == "forward" else node_of_backward(),
+                  phase)
 
-    recorder = _Recorder(charge)
-    interp = _WorkInterpreter(gm, recorder, charge_flash)
+    def record_kernel(name: str, work: Work, phase: str, inputs, outputs, *,
+                      fusable: bool = False) -> None:
+        trace.add(work, to(name, phase), fusable=fusable, backward=phase == "backward",
+                  inputs=inputs, outputs=outputs)
+
+    trace = _Trace()
+    recorder = _Recorder(trace, charge_to)
+    interp = _WorkInterpreter(gm, recorder, record_kernel)
     with torch.enable_grad(), recorder:
         loss = interp.run(*inputs)
         recorder.phase = None
         loss.backward()
+    trace.finish()
     return works
 
 
@@ -246,10 +407,12 @@ def function_work(fn: Callable[[], object]) -> tuple[Work, Work]:
     op before the first backward op counts as forward (the calibration probes)."""
     forward, backward = Work(), Work()
 
-    def charge(work: Work, phase: str | None) -> None:
+    def charge_to(phase: str | None) -> Callable[[Work], None]:
         running_backward = torch._C._current_autograd_node() is not None
-        (backward if running_backward else forward).add(work)
+        return (backward if running_backward else forward).add
 
-    with _Recorder(charge):
+    trace = _Trace()
+    with _Recorder(trace, charge_to):
         fn()
+    trace.finish()
     return forward, backward

@@ -141,6 +141,68 @@ def test_one_sample_micro_batches_have_their_own_terms():
     assert f["work_b1.layer.fwd.mem.all"](1, 48) <= f["work.layer.fwd.mem.all"](1, 48)
 
 
+def test_a_chain_of_element_wise_ops_fuses_into_one_kernel_moving_its_ends_once():
+    m, n = 48, 80
+    x, y = meta(m, n, grad=False), meta(m, n, grad=False)
+    forward, _ = function_work(lambda: ((x + y) * 2).relu())
+    # three ops, each its own kernel: read and write every tensor; fused: read x and y, write
+    # the result, once
+    assert forward.memory == (3 + 2 + 2) * m * n * 4 and forward.ops == 3
+    assert forward.fused_memory == 3 * m * n * 4 and forward.kernels == 1
+
+
+def test_a_gemm_ends_a_fused_kernel_and_what_backward_reads_is_written():
+    m, k, n = 32, 64, 96
+    x, w = meta(m, k), meta(n, k)
+
+    def layer():
+        h = F.linear(x, w)
+        return F.gelu(h * 3).sum().backward()
+
+    forward, _ = function_work(layer)
+    # the mul reads the GEMM's output; its own output is gelu's input, which gelu's backward
+    # reads: written; gelu's output only the sum reads (fused away); the sum writes a scalar
+    assert forward.kernels == 2  # the GEMM, then one kernel for mul, gelu and sum
+    assert forward.fused_memory == (m * n + m * n + 1) * 4
+
+
+def test_dropout_runs_as_one_fused_kernel_with_a_one_byte_mask():
+    """GPT with dropout against without, fp32, fused: dropout joins the chain it sits in."""
+    h, a = GPT.hidden, GPT.heads
+    work = model_profile(dataclasses.replace(GPT, dropout=0.1), "fp32").work
+    plain = model_profile(GPT, "fp32").work
+
+    def extra(phase):
+        return sympy.expand(work[f"layer.{phase}.fmem.all"] - plain[f"layer.{phase}.fmem.all"])
+
+    # forward: the probabilities' dropout writes its output (p @ v reads it) beside the
+    # softmax's (its backward reads that), and a 1-byte mask; the two dropouts after the
+    # row-parallel linears write only their masks (the residual add beside them reads the
+    # output)
+    assert extra("fwd") == sympy.expand(b * a * s**2 * (4 + 1) + 2 * b * s * h)
+    # backward: each reads its mask; after those two linears the gradient is a tensor of its
+    # own (without dropout the add hands its input gradient on unchanged)
+    assert extra("bwd") == sympy.expand(b * a * s**2 + 2 * b * s * h * (1 + 4))
+    assert work["layer.fwd.kern.all"] == plain["layer.fwd.kern.all"]
+
+
+def test_fused_pricing_follows_runtime_compile():
+    profile = model_profile(GPT, "fp32")
+    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    eager = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
+    fused = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1),
+                        fused=True)
+    f = profile.fn
+
+    def hand(q_mem, q_ops):
+        g, m, n = (f[f"work.layer.fwd.{q}.all"](2, 32) for q in ("gemm", q_mem, q_ops))
+        return g / 2e10 + m / 5e9 + n * 8e-6
+
+    assert eager.forward == pytest.approx(hand("mem", "ops"))
+    assert fused.forward == pytest.approx(hand("fmem", "kern"))
+    assert fused.forward < eager.forward
+
+
 def test_a_policy_recomputes_the_work_of_the_ops_its_regions_rerun():
     h = GPT.hidden
     profile = model_profile(GPT, "fp32")
