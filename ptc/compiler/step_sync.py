@@ -5,7 +5,10 @@ After the last backward and before the next forward the runtime
 with nothing to hide behind:
 
 - the non-finite guard: one all-reduce over every rank of a flag per rank and
-  the loss (`ptc.runtime.health.nonfinite_ranks_and_sum`);
+  the loss (`ptc.runtime.health.nonfinite_ranks_and_sum`), except where it
+  rides the step's last gradient all-reduce (`guard_folds`: pure data
+  parallel at ZeRO-0, fp32 gradients reduced in fp32, no offload;
+  `ptc.runtime.health.FoldedGuard`), a few bytes more on that all-reduce;
 - the gradient norm for clipping: one all-reduce of a scalar over dp·cp when
   ZeRO shards the gradients (stage >= 1), and one over tp and one over pp
   when they are larger than 1 (`ptc.runtime.optimizer.ShardedOptimizer`);
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from ptc.compiler import comm
 from ptc.compiler.layout import Layout
-from ptc.compiler.memory import Precision
+from ptc.compiler.memory import MAIN_GRAD_BYTES, Precision
 from ptc.compiler.profile import ModelProfile
 from ptc.compiler.topology import AxisGroup
 from ptc.plan import HardwareSpec
@@ -44,13 +47,22 @@ def step_sync(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     """Seconds per step of the collectives above (see the module docstring); `groups` are
     the mesh axes' placements (`ptc.compiler.topology.axis_groups`)."""
     world = world_group(layout, hw.gpus_per_node)
-    seconds = comm.all_reduce(FLAG_BYTES * (world.size + 1), world, hw).seconds
+    seconds = 0.0 if guard_folds(layout, prec) else \
+        comm.all_reduce(FLAG_BYTES * (world.size + 1), world, hw).seconds
     norm_groups = [groups["grad"]] if layout.zero >= 1 else []
     norm_groups += [groups[axis] for axis in ("tp", "pp")]
     seconds += sum(comm.all_reduce(FLAG_BYTES, g, hw).seconds for g in norm_groups)
     if layout.zero in (1, 2) and groups["grad"].size > 1:
         seconds += _unit_gathers(profile, layout, hw, prec, groups["grad"])
     return seconds
+
+
+def guard_folds(layout: Layout, prec: Precision) -> bool:
+    """Whether the runtime folds the non-finite guard into the gradient all-reduce
+    (`ptc.runtime.executor.Trainer._guard_folds`): the dp group is the whole job, ZeRO-0,
+    no optimizer offload, fp32 gradient buffers reduced in fp32."""
+    return (layout.zero == 0 and layout.dp > 1 and layout.tp * layout.cp * layout.pp == 1
+            and not layout.offload and prec.grad == prec.grad_wire == MAIN_GRAD_BYTES)
 
 
 def _unit_gathers(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,

@@ -72,6 +72,24 @@ def test_a_step_pays_for_the_guard_the_norm_and_each_units_gather():
     assert est.breakdown["step_sync"] > 9 * link.latency
 
 
+def test_pure_data_parallel_zero0_folds_the_guard_into_the_gradient_all_reduce():
+    """ZeRO-0 on dp = 4 with fp32 gradients: the guard rides the gradient all-reduce
+    (`FoldedGuard`), so the step has no collective of its own left; with bf16 gradients, or
+    with tp, it keeps its own all-reduce over every rank."""
+    kw = dict(family="gpt", layers=2, hidden=64, heads=4, vocab=128, seq_len=32,
+              global_batch=8, gpu="cpu", num_gpus=4, zero=0, dtype="bf16")
+    folded = plan_from_shape(dp=4, **kw)
+    assert folded.train.grad_dtype == "fp32"
+    assert estimate(folded).breakdown["step_sync"] == 0
+    hw, world = HardwareSpec.preset("cpu"), AxisGroup("world", 4, 1, 4)
+    bf16_grads = dataclasses.replace(folded, train=dataclasses.replace(folded.train,
+                                                                       grad_dtype="bf16"))
+    assert estimate(bf16_grads).breakdown["step_sync"] == pytest.approx(
+        all_reduce(4 * 5, world, hw).seconds)
+    tp2 = estimate(plan_from_shape(dp=2, tp=2, **kw)).breakdown["step_sync"]
+    assert tp2 > all_reduce(4 * 5, world, hw).seconds
+
+
 def test_on_a_cpu_communication_hides_behind_nothing():
     kw = dict(family="gpt", layers=2, hidden=64, heads=4, vocab=128, seq_len=32, global_batch=8,
               num_gpus=4, dp=4, zero=0, dtype="fp32")
