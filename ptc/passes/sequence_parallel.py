@@ -155,8 +155,9 @@ def _swap(gm: fx.GraphModule, node: fx.Node, op, b: int, s: int) -> None:
 
 def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
     """Nodes whose output is split along the sequence; check each keeps the split."""
-    region = {n for n in gm.graph.nodes if prop.is_split(n)}
-    for node in region:
+    ordered = [n for n in gm.graph.nodes if prop.is_split(n)]
+    region = set(ordered)
+    for node in ordered:  # graph order: the first offending node is the one named
         meta = get_info(node)
         if meta is not None and meta.kind == "attention":
             # Outside a tp region (its projections kept whole by a rule) the attention would
