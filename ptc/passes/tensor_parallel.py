@@ -514,7 +514,7 @@ def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> s
                                    "reaches the graph's output without being reduced")
             if user not in rewrite.stops and not is_shape_only(user):
                 todo.append(user)
-    for node in region:
+    for node in (n for n in gm.graph.nodes if n in region):  # graph order: the first is named
         if prop.is_split(node):
             _check_reduction(node, prop)
         elif not all(is_shape_only(u) for u in node.users):
