@@ -47,8 +47,9 @@ def step_sync(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     """Seconds per step of the collectives above (see the module docstring); `groups` are
     the mesh axes' placements (`ptc.compiler.topology.axis_groups`)."""
     world = world_group(layout, hw.gpus_per_node)
-    seconds = 0.0 if guard_folds(layout, prec) else \
-        comm.all_reduce(FLAG_BYTES * (world.size + 1), world, hw).seconds
+    folded = guard_folds(zero=layout.zero, dp=layout.dp, world=world.size,
+                         offload=layout.offload, grad_bytes=prec.grad, wire_bytes=prec.grad_wire)
+    seconds = 0.0 if folded else comm.all_reduce(FLAG_BYTES * (world.size + 1), world, hw).seconds
     norm_groups = [groups["grad"]] if layout.zero >= 1 else []
     norm_groups += [groups[axis] for axis in ("tp", "pp")]
     seconds += sum(comm.all_reduce(FLAG_BYTES, g, hw).seconds for g in norm_groups)
@@ -57,12 +58,14 @@ def step_sync(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     return seconds
 
 
-def guard_folds(layout: Layout, prec: Precision) -> bool:
-    """Whether the runtime folds the non-finite guard into the gradient all-reduce
-    (`ptc.runtime.executor.Trainer._guard_folds`): the dp group is the whole job, ZeRO-0,
-    no optimizer offload, fp32 gradient buffers reduced in fp32."""
-    return (layout.zero == 0 and layout.dp > 1 and layout.tp * layout.cp * layout.pp == 1
-            and not layout.offload and prec.grad == prec.grad_wire == MAIN_GRAD_BYTES)
+def guard_folds(*, zero: int, dp: int, world: int, offload: bool, grad_bytes: int,
+                wire_bytes: int) -> bool:
+    """Whether the non-finite guard rides the gradient all-reduce
+    (`ptc.runtime.health.FoldedGuard`): the dp group is the whole job of `world` ranks, at
+    ZeRO-0, without optimizer offload, fp32 gradient buffers reduced in fp32. The cost model
+    and the runtime's Trainer both ask here."""
+    return (zero == 0 and 1 < dp == world and not offload
+            and grad_bytes == wire_bytes == MAIN_GRAD_BYTES)
 
 
 def _unit_gathers(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,

@@ -62,6 +62,7 @@ from ptc.compiler.overlap import OverlapPlan, stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo
+from ptc.compiler.step_sync import guard_folds
 from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
@@ -69,6 +70,7 @@ from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.fp8_linear import advance_amax_history
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
+from ptc.plan import DTYPE_BYTES
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import FoldedGuard, guarded_update
@@ -356,13 +358,13 @@ class Trainer:
                      reducer=reducer, last_backward=last, overlap=overlap)
 
     def _guard_folds(self) -> bool:
-        """Whether the non-finite guard can ride the gradient all-reduce (`FoldedGuard`): the
-        dp group is the whole job (so tp = pp = cp = 1), at ZeRO-0, without optimizer offload,
-        with fp32 gradient buffers reduced in fp32."""
-        par = self.plan.parallel
-        return (dist.is_initialized() and self.zero == 0 and 1 < self.dp == dist.get_world_size()
-                and par.offload == "none" and par.grad_comm == "none"
-                and COMPUTE_DTYPES[self.plan.train.grad_dtype] == torch.float32)
+        """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as
+        `ptc.compiler.step_sync.guard_folds` decides for the cost model too."""
+        plan = self.plan
+        return dist.is_initialized() and guard_folds(
+            zero=self.zero, dp=self.dp, world=dist.get_world_size(),
+            offload=plan.parallel.offload != "none",
+            grad_bytes=DTYPE_BYTES[plan.train.grad_dtype], wire_bytes=plan.grad_wire_bytes)
 
     def _tied_groups(self) -> list[_Tied]:
         """A process group per tied weight and coordinate of the other axes (made by every rank)."""
