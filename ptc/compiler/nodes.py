@@ -48,17 +48,25 @@ NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "fused_rms_
 SOFTMAX_OPS = frozenset({"softmax", "log_softmax", "safe_softmax"})
 DROPOUT_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "dropout_",
                          "site_dropout"})
-ACTIVATION_OPS = frozenset({"gelu", "relu", "silu", "sigmoid", "tanh", "mish", "leaky_relu",
-                            "elu", "softplus", "gelu_", "relu_", "silu_"})
+
+
+def _with_in_place(names: set[str]) -> frozenset[str]:
+    """`names` and their in-place forms (`clamp_` of `clamp`): the same op on the same
+    elements, written into its input (HF OLMo clips q, k and v with `clamp_`)."""
+    return frozenset(names | {name + "_" for name in names})
+
+
+ACTIVATION_OPS = _with_in_place({"gelu", "relu", "silu", "sigmoid", "tanh", "mish", "leaky_relu",
+                                 "elu", "softplus"})
 LOSS_OPS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_forward",
                       "nll_loss_nd", "nll_loss2d_forward", "mse_loss"})
-POINTWISE_OPS = frozenset({
+POINTWISE_OPS = _with_in_place({
     "add", "sub", "mul", "div", "truediv", "floordiv", "pow", "rsqrt", "sqrt", "exp", "log",
     "neg", "abs", "reciprocal", "square", "sin", "cos", "erf", "addcmul", "addcdiv", "lerp",
-    "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill", "rsub",
-    "radd", "rmul", "iadd", "imul", "isub", "itruediv", "add_", "mul_", "sub_", "div_",
-    "masked_fill_", "exp2", "log1p", "expm1", "sign", "fmod", "remainder", "copysign",
-    "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and",
+    "clamp", "clip", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill",
+    "rsub", "radd", "rmul", "iadd", "imul", "isub", "itruediv", "exp2", "log1p", "expm1",
+    "sign", "fmod", "remainder", "copysign", "logical_not", "logical_and", "logical_or",
+    "bitwise_not", "bitwise_and",
 })
 REDUCTION_OPS = frozenset({"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max",
                            "min", "norm", "logsumexp", "argmax", "argmin", "prod", "any", "all"})

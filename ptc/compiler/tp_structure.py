@@ -58,7 +58,9 @@ _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
     "neg", "mul", "add", "sub", "repeat_interleave", "repeat", "unflatten", "movedim",
     "swapaxes", "view_as", "reshape_as", "slice", "select",
     # a per-head q/k norm (Qwen3, Gemma 3): its arithmetic; its reductions pass `_per_head`
-    "pow", "rsqrt", "sqrt", "div", "truediv", "reciprocal"}
+    "pow", "rsqrt", "sqrt", "div", "truediv", "reciprocal",
+    # clipping q, k and v to a bound (OLMo's clip_qkv), in place or not
+    "clamp", "clamp_", "clip", "clip_"}
 # Normalisations a trace may pass when they reduce only within one head (`_per_head`).
 _HEAD_REDUCTIONS = frozenset({"mean", "var", "sum", "norm", "rms_norm", "layer_norm"})
 # Ops between an MLP's projections: elementwise only.

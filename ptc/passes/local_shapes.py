@@ -179,7 +179,8 @@ class _Propagator:
             if len(b) != len(s) or len(diff) > 1 or (
                     diff and self._local_size(b[diff[0]]) != s[diff[0]]):
                 raise CompileError(f"{self.what}: {where(node)} has local shape {s}, which is "
-                                   f"not its shape {b} with one dimension divided by {self.k}")
+                                   f"not its shape {b} with one dimension divided by {self.k}"
+                                   f"{self.advice(node)}")
         meta = get_info(node)
         if meta is None:
             return
@@ -230,7 +231,7 @@ class _Propagator:
                 self._fix_mix(node)
         except _Unfollowable as exc:
             raise CompileError(f"{self.what}: {where(node)} reshapes a split tensor in a way "
-                               f"the pass cannot follow: {exc}") from None
+                               f"the pass cannot follow: {exc}{self.advice(node)}") from None
 
     def _tensor_arg(self, node: fx.Node) -> fx.Node | None:
         x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))

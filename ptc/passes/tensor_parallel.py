@@ -491,12 +491,18 @@ def _set_param(gm: fx.GraphModule, names: list[str], shape: tuple[int, ...]) -> 
 
 
 def _keep_whole_rule(node: fx.Node) -> str:
-    """The shard rule that keeps the linears of `node`'s module whole (its layers' too)."""
+    """The shard rule that keeps whole the linears of the innermost module around `node`
+    that has any (its layers' too): StableLM's per-head q norm names its attention."""
     info = get_info(node)
     if info is None or not info.module_path:
         return ""
-    return (f"; to keep module {info.module_path!r} whole add to the parallel section: "
-            f"shard \"{layer_glob(info.module_path)}.*\" replicate")
+    linear_paths = [meta.module_path for n in node.graph.nodes
+                    if (meta := get_info(n)) is not None and meta.kind == "linear"]
+    path = info.module_path
+    while "." in path and not any(p.startswith(path + ".") for p in linear_paths):
+        path = path.rpartition(".")[0]
+    return (f"; to keep module {path!r} whole add to the parallel section: "
+            f"shard \"{layer_glob(path)}.*\" replicate")
 
 
 def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> set[fx.Node]:

@@ -24,8 +24,16 @@ every step and every parameter after 5 AdamW steps equal eager training of
 that module from the same weights on the same samples, within the bounds
 `tests/tolerances.py` derives from the same run in float64. Their `labels`
 argument is left None (the model would shift ptc's targets a second time);
-the next-token loss is ptc's. All cases run on 2 gloo processes, in five
+the next-token loss is ptc's. All cases run on 2 gloo processes, in six
 launches (each within its test's time limit).
+
+More families train under tp (most with sequence parallelism), pp or ZeRO-3:
+sliding-window attention (Mistral, Gemma 3, Cohere 2, EXAONE 4), biased projections
+(StarCoder2), scalar multipliers (Granite), q/k/v clipped in place (OLMo: `clamp_`
+keeps the heads apart), ALiBi built per head (MPT), squared-ReLU MLPs (Nemotron),
+per-head q/k LayerNorms (Persimmon), layers without rotary (SmolLM3) and learned
+positions (BioGPT). StableLM, whose per-head norms are one module per head, trains
+with its attention kept whole by a rule; without it, a CompileError names that rule.
 
 Falcon picks each group's key/value head out of its fused qkv with index
 lists (tensor constants the graph keeps with their values) and writes its
@@ -100,6 +108,20 @@ LAUNCHES = {"layouts": [
     HFCase("bloom", tp=2, shards=(("transformer.h.*.self_attention.*", "replicate"),)),
     HFCase("gpt_bigcode", tp=2, shards=(("transformer.h.*.attn.*", "replicate"),)),
     HFCase("gpt_bigcode", dp=2, zero=1),
+], "more families": [
+    # a sliding window (Mistral; Gemma 3, Cohere 2 alternating it with full layers; EXAONE 4),
+    # biases and LayerNorm (StarCoder2), scalar multipliers (Granite), q/k/v clipped in
+    # place (OLMo), per-head ALiBi (MPT), squared ReLU and LayerNorm1P (Nemotron), per-head
+    # q/k LayerNorms after a fused qkv (Persimmon), layers without rotary (SmolLM3),
+    # scaled embeddings and learned positions (BioGPT)
+    HFCase("mistral", tp=2, sp=True), HFCase("gemma3", tp=2, sp=True), HFCase("gemma3", pp=2),
+    HFCase("cohere2", tp=2, sp=True), HFCase("exaone4", tp=2), HFCase("starcoder2", tp=2, sp=True),
+    HFCase("granite", pp=2), HFCase("olmo", tp=2), HFCase("olmo", dp=2, zero=3),
+    HFCase("mpt", tp=2, sp=True), HFCase("nemotron", tp=2, sp=True),
+    HFCase("persimmon", tp=2, sp=True), HFCase("smollm3", pp=2, checkpoint="full"),
+    HFCase("biogpt", tp=2, sp=True),
+    # per-head q/k norms as one module per head: the attention kept whole, the MLP split
+    HFCase("stablelm", tp=2, shards=(("model.layers.*.self_attn.*", "replicate"),)),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),
@@ -141,6 +163,18 @@ def test_a_bias_built_for_all_heads_is_refused_naming_the_op_and_the_rule() -> N
                                            r"module 'transformer.h.0.self_attention' whole add "
                                            r"to the parallel section: shard "
                                            r"\"transformer.h.\*.self_attention.\*\" replicate$"):
+        compile_plan(hf_plan(case), model=hf_module(case))
+
+
+def test_heads_split_into_one_module_each_are_refused_naming_the_attention_rule() -> None:
+    """StableLM norms each head with its own module: the rule keeps the attention whole."""
+    case = HFCase("stablelm", tp=2)
+    with pytest.raises(CompileError, match=r"node split \(split\) in module "
+                                           r"'model.layers.0.self_attn.q_layernorm' .* cannot "
+                                           r"follow: split size 1 is not divisible by 2; to keep "
+                                           r"module 'model.layers.0.self_attn' whole add to the "
+                                           r"parallel section: shard "
+                                           r"\"model.layers.\*.self_attn.\*\" replicate$"):
         compile_plan(hf_plan(case), model=hf_module(case))
 
 

@@ -14,18 +14,31 @@ rotary and one norm for attention and MLP (Phi), rotary on interleaved pairs
 whose one key/value head is picked by index lists (Falcon, `x[..., [-2], :]`:
 constants forward builds from Python values) and linears written `x @ w.T`,
 ALiBi position bias (BLOOM), one key/value head fused with the queries
-(GPT-BigCode).
+(GPT-BigCode). More decoders, each with something of its own: a sliding window
+over half the sequence (Mistral; Gemma 3 and Cohere 2 alternating it with full
+layers; EXAONE 4), biased projections and LayerNorm (StarCoder2), scalar
+multipliers on embeddings, residuals, scores and logits (Granite), q, k and v
+clipped in place and a norm without weights (OLMo), ALiBi built per head (MPT),
+squared-ReLU MLP and LayerNorm1P (Nemotron), per-head q/k LayerNorms after a
+fused qkv (Persimmon), per-head q/k norms as one module per head (StableLM),
+layers without rotary (SmolLM3), scaled embeddings and learned positions (BioGPT).
 """
 
-from transformers import (BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM,
-                          FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+from transformers import (BioGptConfig, BioGptForCausalLM, BloomConfig, BloomForCausalLM,
+                          Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
+                          Exaone4Config, Exaone4ForCausalLM, FalconConfig, FalconForCausalLM,
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                           GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
                           GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, OPTConfig, OPTForCausalLM, Phi3Config,
+                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          MptConfig, MptForCausalLM, NemotronConfig, NemotronForCausalLM,
+                          Olmo2Config, Olmo2ForCausalLM, OlmoConfig, OlmoForCausalLM, OPTConfig,
+                          OPTForCausalLM, PersimmonConfig, PersimmonForCausalLM, Phi3Config,
                           Phi3ForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, StableLmConfig,
+                          StableLmForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
@@ -140,3 +153,92 @@ def gpt_bigcode(**overrides) -> GPTBigCodeForCausalLM:
     return GPTBigCodeForCausalLM(GPTBigCodeConfig(**{
         "vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": SEQ,
         "n_inner": 64, "bos_token_id": 0, "eos_token_id": 0} | overrides))
+
+
+
+_WINDOW = {"sliding_window": SEQ // 2}
+"""A sliding window over half the sequence: the mask differs from the causal one."""
+
+
+def mistral(**overrides) -> MistralForCausalLM:
+    """Mistral: Llama's layout attending over a sliding window."""
+    return MistralForCausalLM(MistralConfig(**_DECODER | _WINDOW | overrides))
+
+
+def gemma3(**overrides) -> Gemma3ForCausalLM:
+    """Gemma 3 (text): sliding-window and full layers with their own rotary tables,
+    per-head q/k norms, GeGLU, embeddings scaled by sqrt(h)."""
+    return Gemma3ForCausalLM(Gemma3TextConfig(**_DECODER | _WINDOW | {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window_pattern": 2} | overrides))
+
+
+def cohere2(**overrides) -> Cohere2ForCausalLM:
+    """Cohere 2 (Command R7B): sliding-window layers with interleaved rotary, full layers
+    without it, attention and MLP in parallel."""
+    return Cohere2ForCausalLM(Cohere2Config(**_DECODER | _WINDOW | {"sliding_window_pattern": 2}
+                                            | overrides))
+
+
+def exaone4(**overrides) -> Exaone4ForCausalLM:
+    """EXAONE 4: norms after attention and MLP, per-head q/k norms, sliding-window layers."""
+    return Exaone4ForCausalLM(Exaone4Config(**_DECODER | _WINDOW | {"head_dim": 8,
+                                                                    "pad_token_id": 1}
+                                            | overrides))
+
+
+def starcoder2(**overrides) -> Starcoder2ForCausalLM:
+    """StarCoder2: biased projections, LayerNorm, a GELU MLP, grouped-query attention."""
+    return Starcoder2ForCausalLM(Starcoder2Config(**_DECODER | _WINDOW | {
+        "residual_dropout": 0.0, "embedding_dropout": 0.0} | overrides))
+
+
+def granite(**overrides) -> GraniteForCausalLM:
+    """Granite: scalar multipliers on the embeddings, residual branches, attention scores
+    and logits."""
+    return GraniteForCausalLM(GraniteConfig(**_DECODER | {
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
+        "attention_multiplier": 0.3} | overrides))
+
+
+def olmo(**overrides) -> OlmoForCausalLM:
+    """OLMo: q, k and v clipped in place (`clamp_`), LayerNorm without weights."""
+    return OlmoForCausalLM(OlmoConfig(**_DECODER | {"clip_qkv": 2.0, "pad_token_id": 1}
+                                      | overrides))
+
+
+def mpt(**overrides) -> MptForCausalLM:
+    """MPT: ALiBi built per head and added to the scores, a fused qkv, no biases."""
+    return MptForCausalLM(MptConfig(**{"vocab_size": VOCAB, "d_model": 32, "n_heads": 4,
+                                       "n_layers": 2, "expansion_ratio": 2, "max_seq_len": SEQ}
+                                    | overrides))
+
+
+def nemotron(**overrides) -> NemotronForCausalLM:
+    """Nemotron: a squared-ReLU MLP without gate, LayerNorm1P (1 + w), partial rotary."""
+    return NemotronForCausalLM(NemotronConfig(**_DECODER | {"head_dim": 8} | overrides))
+
+
+def persimmon(**overrides) -> PersimmonForCausalLM:
+    """Persimmon: a fused qkv viewed per head, per-head q/k LayerNorms, partial rotary."""
+    return PersimmonForCausalLM(PersimmonConfig(**_DECODER | {"qk_layernorm": True}
+                                                | overrides))
+
+
+def stablelm(**overrides) -> StableLmForCausalLM:
+    """StableLM: per-head q/k LayerNorms, one module per head (the heads split apart and
+    concatenated back), attention and MLP in parallel, partial rotary."""
+    return StableLmForCausalLM(StableLmConfig(**_DECODER | {
+        "qk_layernorm": True, "use_parallel_residual": True} | overrides))
+
+
+def smollm3(**overrides) -> SmolLM3ForCausalLM:
+    """SmolLM3: every second layer without rotary (NoPE)."""
+    return SmolLM3ForCausalLM(SmolLM3Config(**_DECODER | {"no_rope_layer_interval": 2,
+                                                          "pad_token_id": 1} | overrides))
+
+
+def biogpt(**overrides) -> BioGptForCausalLM:
+    """BioGPT: embeddings scaled by sqrt(h), learned positions offset by 2, LayerNorm."""
+    return BioGptForCausalLM(BioGptConfig(**_DECODER | {
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 1}
+        | overrides))
