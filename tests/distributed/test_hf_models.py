@@ -120,6 +120,13 @@ LAUNCHES = {"layouts": [
     HFCase("mpt", tp=2, sp=True), HFCase("nemotron", tp=2, sp=True),
     HFCase("persimmon", tp=2, sp=True), HFCase("smollm3", pp=2, checkpoint="full"),
     HFCase("biogpt", tp=2, sp=True),
+    # their own dropout sites on: residual, embedding and attention (StarCoder2), hidden and
+    # attention probabilities (BioGPT)
+    HFCase("starcoder2", tp=2, sp=True, config=(("residual_dropout", 0.1),
+                                                ("embedding_dropout", 0.1),
+                                                ("attention_dropout", 0.1))),
+    HFCase("biogpt", dp=2, zero=3, config=(("hidden_dropout_prob", 0.1),
+                                           ("attention_probs_dropout_prob", 0.1))),
     # per-head q/k norms as one module per head: the attention kept whole, the MLP split
     HFCase("stablelm", tp=2, shards=(("model.layers.*.self_attn.*", "replicate"),)),
 ], "bf16": [
