@@ -90,7 +90,9 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     float64 the weights are the fp32 ones converted (exactly): the same
     computation, rounded 2^29 times finer. In bfloat16, ptc's bf16 recipe: the
     model computes in bf16 and AdamW updates fp32 masters of its weights, which
-    the run returns. Each step's learning rate and
+    the run returns; with `train.grad_dtype = bf16` each micro-batch's bf16 gradients are
+    summed into `.grad` in turn, as plain PyTorch accumulates them (ptc's 16-bit buffers round
+    as many sums). Each step's learning rate and
     clipped gradients are kept, and `nudge` displaces the weights after each
     step, for the tolerances (`tests/tolerances.py`).
     """
@@ -121,20 +123,18 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # tensors the model creates (masks) in the run's dtype too
     try:
+        # bf16 gradient buffers: the gradients of each micro-batch summed into the model's
+        # bf16 `.grad`, as plain PyTorch accumulates them; otherwise the whole batch at once.
+        chunk = train.micro_batch if train.grad_dtype == "bf16" else train.global_batch
         for step in range(train.steps):
-            tokens, targets = source.batch(step * train.global_batch, train.global_batch)
-            with keyed_dropout(plan.runtime.seed, step * train.global_batch,
-                               (train.global_batch, train.seq_len)):
-                if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
-                    out = model(tokens, **{rule.targets: targets}, **rule.concrete)
-                    loss = out.loss if hasattr(out, "loss") else out[1]
-                else:  # logits, or transformers' output with .logits (labels stay None)
-                    out = model(tokens, **rule.concrete)
-                    logits = out.logits if hasattr(out, "logits") else out
-                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             opt.zero_grad()
             model.zero_grad()
-            loss.backward()
+            loss = 0.0
+            for first in range(step * train.global_batch, (step + 1) * train.global_batch, chunk):
+                part = _eager_loss(model, rule, source, plan, first, chunk) \
+                    * (chunk / train.global_batch)
+                part.backward()
+                loss += part.detach()
             if masters is not None:  # the bf16 gradients into the fp32 masters
                 for name, p in model.named_parameters():
                     masters[name].grad = p.grad.float()
@@ -155,6 +155,19 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
     finally:
         torch.set_default_dtype(default)
     return Run(losses, {n: p.detach().clone() for n, p in trained.items()}, steps)
+
+
+def _eager_loss(model, rule, source, plan: Plan, first: int, count: int) -> torch.Tensor:
+    """The mean next-token loss of samples [first, first + count) in eager PyTorch, with
+    ptc's dropout masks, called as capture calls the model (`rule`)."""
+    tokens, targets = source.batch(first, count)
+    with keyed_dropout(plan.runtime.seed, first, (count, plan.train.seq_len)):
+        if rule.targets is not None:  # forward(idx, targets) -> (logits, loss) or .loss
+            out = model(tokens, **{rule.targets: targets}, **rule.concrete)
+            return out.loss if hasattr(out, "loss") else out[1]
+        out = model(tokens, **rule.concrete)  # logits, or an output with .logits (labels None)
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 @contextlib.contextmanager
