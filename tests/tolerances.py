@@ -27,9 +27,14 @@ recipe (the model computing in bf16, AdamW on fp32 masters of its weights):
 a loss computed in bf16 is also allowed K of its own ulps (K · eps_bf16 · |e|):
 two bf16 results cannot be asked to agree closer than their spacing. Those
 element bounds come out as wide as bf16's largest deviation, so a bf16 run is
-held to a second, tighter test per tensor: its RMS distance from e at most K
-times the eager bf16 run's (`assert_params_match`): the same recipe computed in
-another order is as far from exact, give or take the K spread.
+held to a second, tighter test per tensor: its median distance from e at most
+K times the eager bf16 run's (`assert_params_match`): the same recipe computed
+in another order is as far from exact, give or take the K spread. The median,
+not the RMS: an element whose gradient is as small as bf16's rounding noise may
+step the other way in any correct run (its element bound allows it), and in a
+32-element norm weight one such element alone set the RMS of correct runs at
+6-7 times eager's (GPT-2 under several layouts, on one CPU); a shift shared by
+the typical element still moves the median.
 
 Training (`Reference`, N AdamW steps). The loss of every step is a mean over
 the n tokens of the global batch: `rounding_bound` with u = sqrt(n), step by
@@ -277,17 +282,17 @@ def assert_losses_match(got: list[float], ref: Reference, what: str, steps: rang
             f"{ref.tokens} tokens)"
 
 
-def _rms(x: torch.Tensor) -> float:
-    return x.double().pow(2).mean().sqrt().item()
-
-
 def _assert_as_far_from_exact(got: torch.Tensor, run: torch.Tensor, exact: torch.Tensor,
                               steps: int, what: str) -> None:
-    """RMS|got − exact| <= K · max(RMS|run − exact|, steps · eps32 · max|exact|)."""
-    mine, theirs = _rms(got.double() - exact), _rms(run.double() - exact)
+    """median|got − exact| <= K · max(median|run − exact|, steps · eps32 · max|exact|)."""
+    mine, theirs = _median_abs(got.double() - exact), _median_abs(run.double() - exact)
     bound = K * max(theirs, steps * EPS32 * exact.abs().max().item())
-    assert mine <= bound, (f"{what}: RMS distance from the fp64 run {mine:.3g}, the eager run's "
-                           f"{theirs:.3g}: more than {K:g} times as far")
+    assert mine <= bound, (f"{what}: median distance from the fp64 run {mine:.3g}, the eager "
+                           f"run's {theirs:.3g}: more than {K:g} times as far")
+
+
+def _median_abs(x: torch.Tensor) -> float:
+    return x.abs().flatten().median().item()
 
 
 def assert_params_match(got: dict[str, torch.Tensor], ref: Reference, what: str) -> None:

@@ -9,10 +9,10 @@ accumulating the same micro-batches' gradients in its bf16 `.grad`: four bf16
 gradients summed with three roundings, as ptc sums them (two per rank, then
 over dp), in another order. (Against the whole batch's gradient from one
 backward, rounded once, the comparison depended on the CPU's kernels: 4.2 times
-eager's distance at one bias on one machine, under 4 on another.) The bounds
+eager's RMS distance at one bias on one machine, under 4 on another.) The bounds
 are the ones `tests/tolerances.py` derives for every bf16 layout from that
 run's distance to fp64 (a bf16 loss allowed K of its own ulps, each tensor's
-RMS distance from fp64 held to K times the eager run's). The bytes each rank then holds equal the Program's
+median distance from fp64 held to K times the eager run's). The bytes each rank then holds equal the Program's
 count and the memory model's terms: bf16 buffers plus the fp32 copy (ZeRO
 0-1), fp32 shards (ZeRO-2).
 """
