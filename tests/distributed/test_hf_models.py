@@ -152,42 +152,40 @@ def test_trains_like_eager_pytorch(launch: str, case: HFCase) -> None:
     assert_same_training(got, reference(hf_plan(case), hf_module(case)), what=str(case))
 
 
-def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
-    case = HFCase("olmo2", tp=2)
-    with pytest.raises(CompileError, match=r"linear 'model.layers.0.self_attn.q_proj' \(node "
-                                           r"\w+\) \(and 1 more like it\): .* through mean .*"
-                                           r"'model.layers.0.self_attn.q_norm'.*\n.*shard "
-                                           r"\"model.layers.\*.self_attn.q_proj\" replicate"):
+def _assert_refused(case: HFCase, pattern: str) -> None:
+    """Compiling `case` is a CompileError whose text matches `pattern`."""
+    with pytest.raises(CompileError, match=pattern):
         compile_plan(hf_plan(case), model=hf_module(case))
+
+
+def test_a_norm_across_heads_is_refused_naming_the_op_and_the_rule() -> None:
+    _assert_refused(HFCase("olmo2", tp=2), r"linear 'model.layers.0.self_attn.q_proj' \(node "
+                    r"\w+\) \(and 1 more like it\): .* through mean .*"
+                    r"'model.layers.0.self_attn.q_norm'.*\n.*shard "
+                    r"\"model.layers.\*.self_attn.q_proj\" replicate")
 
 
 def test_a_bias_built_for_all_heads_is_refused_naming_the_op_and_the_rule() -> None:
     """BLOOM's ALiBi bias has every head's rows; the rank's scores have its own heads."""
-    case = HFCase("bloom", tp=2)
-    with pytest.raises(CompileError, match=r"node baddbmm \(baddbmm\) in module "
-                                           r"'transformer.h.0.self_attention' at .*modeling_bloom"
-                                           r".*cannot run on the rank-local shapes.*; to keep "
-                                           r"module 'transformer.h.0.self_attention' whole add "
-                                           r"to the parallel section: shard "
-                                           r"\"transformer.h.\*.self_attention.\*\" replicate$"):
-        compile_plan(hf_plan(case), model=hf_module(case))
+    _assert_refused(HFCase("bloom", tp=2), r"node baddbmm \(baddbmm\) in module "
+                    r"'transformer.h.0.self_attention' at .*modeling_bloom"
+                    r".*cannot run on the rank-local shapes.*; to keep "
+                    r"module 'transformer.h.0.self_attention' whole add "
+                    r"to the parallel section: shard "
+                    r"\"transformer.h.\*.self_attention.\*\" replicate$")
 
 
 def test_heads_split_into_one_module_each_are_refused_naming_the_attention_rule() -> None:
     """StableLM norms each head with its own module: the rule keeps the attention whole."""
-    case = HFCase("stablelm", tp=2)
-    with pytest.raises(CompileError, match=r"node split \(split\) in module "
-                                           r"'model.layers.0.self_attn.q_layernorm' .* cannot "
-                                           r"follow: split size 1 is not divisible by 2; to keep "
-                                           r"module 'model.layers.0.self_attn' whole add to the "
-                                           r"parallel section: shard "
-                                           r"\"model.layers.\*.self_attn.\*\" replicate$"):
-        compile_plan(hf_plan(case), model=hf_module(case))
+    _assert_refused(HFCase("stablelm", tp=2), r"node split \(split\) in module "
+                    r"'model.layers.0.self_attn.q_layernorm' .* cannot "
+                    r"follow: split size 1 is not divisible by 2; to keep "
+                    r"module 'model.layers.0.self_attn' whole add to the "
+                    r"parallel section: shard "
+                    r"\"model.layers.\*.self_attn.\*\" replicate$")
 
 
 def test_sequence_parallel_mixture_of_experts_is_refused_in_one_line() -> None:
     """The experts see the tokens reordered by expert: no sequence dim to split there."""
-    case = HFCase("mixtral", tp=2, sp=True)
-    with pytest.raises(CompileError, match=r"mixture-of-experts block routes its tokens "
-                                           r"reordered\); turn sequence_parallel off"):
-        compile_plan(hf_plan(case), model=hf_module(case))
+    _assert_refused(HFCase("mixtral", tp=2, sp=True), r"mixture-of-experts block routes its tokens "
+                    r"reordered\); turn sequence_parallel off")
