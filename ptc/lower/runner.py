@@ -32,6 +32,7 @@ from typing import Any
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.graph_code import code_version
 from ptc.compiler.meta import update_graph_record
 from ptc.compiler.program import fix_stage_layout
 from ptc.compiler.stages import pipeline_stages, whole_graph_stage
@@ -102,11 +103,11 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
     def apply(fn: Pass, graph: fx.GraphModule, stage: int | None = None) -> fx.GraphModule:
         nonlocal index
         name = fn.__name__
-        code = graph.code
+        version = code_version(graph)
         out = _run_one(fn, graph, decisions, dict((knobs or {}).get(name, {})), done, log)
-        # A pass recompiles exactly the graphs it changes (DESIGN convention 1): the same
-        # code object means an unchanged graph, whose shapes the last check found right.
-        changed = out is not graph or out.code is not code
+        # A pass recompiles exactly the graphs it changes (DESIGN convention 1): no recompile
+        # means an unchanged graph, whose shapes the last check found right.
+        changed = out is not graph or code_version(out) != version
         verify_graph(out, plan, after=name, shapes=changed, rerun=rerun)
         index += stage is None or stage == 0
         _dump(dump_dir, index, name if stage is None else f"{name}.stage{stage}", out)

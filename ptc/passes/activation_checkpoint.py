@@ -12,9 +12,9 @@ from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.recompute import recompute_regions
 from ptc.errors import CompileError
 from ptc.plan import RECOMPUTE_MODULES, modules_policy, policy_modules
-from ptc.passes.codegen import recompile
 from ptc.passes.functional import functionalize
 from ptc.ops.recompute import checkpoint_region, invoke_module
+from ptc.compiler.graph_code import graph_module
 
 log = logging.getLogger("ptc.passes")
 
@@ -60,7 +60,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.Graph
             counts[policy] = counts.get(policy, 0) + 1
     if counts:
         gm.graph.lint()
-        recompile(gm)
+        gm.recompile()
         if set(counts) <= {"full", "selective"}:
             log.info("checkpointed %d layers full, %d selective", counts.get("full", 0),
                      counts.get("selective", 0))
@@ -173,7 +173,7 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, *, saving: boo
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[o] for o in outputs) if len(outputs) > 1 else env[outputs[0]])
-    region = fx.GraphModule(gm, sub, "CheckpointRegion")
+    region = graph_module(gm, sub, "CheckpointRegion")
     gm.add_submodule(name, region)
 
     with gm.graph.inserting_after(last):

@@ -38,7 +38,6 @@ from ptc.compiler.meta import copy_meta, get_info, update_graph_record
 from ptc.compiler.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan, plan_buckets, resolve_bucket_bytes
 from ptc.compiler.program import ParamLayout, shard_unit, stage_layout
 from ptc.errors import CompileError
-from ptc.passes.codegen import recompile
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
@@ -77,7 +76,7 @@ def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,
     fused = _fuse_tp(gm, plan) if on else 0  # lints and recompiles the graphs it fuses in
     if changed:
         gm.graph.lint()
-        recompile(gm)
+        gm.recompile()
     each = tuple(sum(GRAD_BYTES * layout.units[u].padded_numel for u in b) for b in buckets)
     update_graph_record(gm, overlap=OverlapPlan(
         overlap=on, bucket_bytes=size, buckets=tuple(buckets), bucket_bytes_each=each,

@@ -26,7 +26,6 @@ from torch import fx
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta
 from ptc.compiler.nodes import is_fp8_linear, op_name
-from ptc.passes.codegen import recompile
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
@@ -75,7 +74,7 @@ def quantize_gemms_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
         done += 1
     if done:
         gm.graph.lint()
-        recompile(gm)
+        gm.recompile()
     log.info("inserted %d fp8_linear (%s scaling%s)", done, train.fp8_scaling,
              ", emulated" if train.fp8_emulate else "")
     return gm

@@ -52,8 +52,8 @@ from ptc.compiler.program import used_params
 from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_info,
                                  StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
-from ptc.passes.codegen import code_kept
 from ptc.plan import ParallelSpec, Plan
+from ptc.compiler.graph_code import graph_module
 
 log = logging.getLogger("ptc.passes.pipeline_split")
 
@@ -384,7 +384,7 @@ def _stage_module(gm: fx.GraphModule, graph: fx.Graph, c: int) -> fx.GraphModule
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr") and node.target not in root:
             root[node.target] = copy.deepcopy(_fetch(gm, str(node.target)), memo)
-    return fx.GraphModule(root, graph, f"Stage{c}")
+    return graph_module(root, graph, f"Stage{c}")
 
 
 def _tied_params(gm: fx.GraphModule, stage_of: dict[fx.Node, int]
@@ -431,9 +431,7 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
             values[b.name] = graph.call_function(operator.getitem, (call, i))
             copy_meta(call, values[b.name], kind="view", shapes=(b.shape,), dtypes=(b.dtype,))
     graph.lint()
-    with code_kept(stages):  # each stage's code was generated when it was built
-        pipeline = fx.GraphModule({f"stage_{c}": s for c, s in enumerate(stages)}, graph,
-                                  "Pipeline")
+    pipeline = graph_module({f"stage_{c}": s for c, s in enumerate(stages)}, graph, "Pipeline")
     pipeline.meta.update(gm.meta)
     tied: dict[str, list[int]] = {}
     for stage in stages:

@@ -36,7 +36,6 @@ from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_of, op_name
 from ptc.compiler.stages import pipeline_stages
 from ptc.passes.activation_checkpoint import checkpoint_regions
-from ptc.passes.codegen import recompile
 from ptc.passes.functional import param_node
 from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
                                 column_parallel_linears_seq, copy_to_tp)
@@ -72,7 +71,7 @@ def fuse_column_parallel_linears(gm: fx.GraphModule) -> int:
         fused = sum(_fuse(graph, entry, linears) for entry, linears in _entries(graph))
         if fused:
             graph.graph.lint()
-            recompile(graph)
+            graph.recompile()
         total += fused
     return total
 

@@ -31,7 +31,6 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
                                   stage_layout, used_params)
 from ptc.errors import CompileError
-from ptc.passes.codegen import recompile
 from ptc.passes.functional import functional_op, replace_call
 from ptc.ops.collectives import gather_params, gather_params_start
 
@@ -61,7 +60,7 @@ def shard_params_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModul
     _drop_params(gm, layout)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
-    recompile(gm)
+    gm.recompile()
     log.info("inserted %d gather_params", len(gathers))
     return gm
 

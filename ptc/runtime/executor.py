@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ptc.compiler.devices import bind_device
+from ptc.compiler.graph_code import with_code
 from ptc.compiler.meta import get_info
 from ptc.compiler.overlap import OverlapPlan, stage_overlap
 from ptc.compiler.program import COMPUTE_DTYPES, Program
@@ -149,7 +150,7 @@ class GraphRunner:
 
     def __init__(self, gm: fx.GraphModule, rank: int, *, compiled: bool = False):
         """`compiled`: run the graph through `torch.compile` (runtime.compile)."""
-        self.gm, self.rank, self.compiled = gm, rank, compiled
+        self.gm, self.rank, self.compiled = with_code(gm), rank, compiled
         self._code = gm.forward.__func__.__code__
         self._nodes = list(gm.graph.nodes)
         # not gm(...): fx's wrapper drops the traceback that names the failing node

@@ -39,6 +39,7 @@ from ptc.compiler.capture.normalise import normalise_io
 from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
 from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
 from ptc.errors import CaptureError
+from ptc.compiler.graph_code import graph_module
 
 __all__ = ["capture", "with_weights"]
 
@@ -90,7 +91,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     lost = [name for name, value in constants.items() if value.is_meta]
     if lost:
         raise CaptureError(lost_constant_message(model, graph, lost))
-    gm = fx.GraphModule(owner, graph, type(model).__name__)
+    gm = graph_module(owner, graph, type(model).__name__)
     keep_tied_names(gm, root)
     blocks, num_layers = find_blocks(root)
     set_graph_record(gm, GraphRecord(capture=CaptureInfo(

@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from ptc.compiler.devices import bind_device
+from ptc.compiler.graph_code import graph_module
 
 
 def meta_model(model: nn.Module, dtype: torch.dtype, *, buffers_as_built: bool = False
@@ -77,7 +78,7 @@ def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     val_map: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         val_map[node] = graph.node_copy(node, val_map.__getitem__)
-    bound = fx.GraphModule(model, graph, type(gm).__name__)
+    bound = graph_module(model, graph, type(gm).__name__)
     bound.meta.update(gm.meta)
     bind_device(bound, next((t.device for t in model.parameters()), torch.device("cpu")))
     return bound
