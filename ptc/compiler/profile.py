@@ -37,6 +37,7 @@ import dataclasses
 import functools
 from fractions import Fraction
 import hashlib
+import inspect
 import os
 import pickle
 from collections.abc import Callable
@@ -224,12 +225,17 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
 
     Kept in memory for the process and on disk (see `cache_dir`) across
     processes, keyed by the shape and by the source of everything that
-    shapes a profile, so editing a model or the capture invalidates it.
+    shapes a profile, so editing a model or the capture invalidates it. A
+    model that cannot be profiled is kept too, as its PtcError: profiling
+    captures it a dozen times, and every rank and every estimate would
+    pay that again to learn the same.
     """
     key = (_shape_key(spec), dtype)
     if key not in _CACHE:
         _CACHE[key] = _load_or_capture(spec, dtype, key)
     profile = _CACHE[key]
+    if isinstance(profile, Unprofiled):
+        raise PtcError(profile.reason)
     layers = profile.shape.layers if profile.shape is not None else spec.layers
     return dataclasses.replace(profile, layers=layers)
 
@@ -250,7 +256,14 @@ def resolved_model(spec: ModelSpec, dtype: str) -> ModelSpec:
     return model_profile(spec, dtype).shape
 
 
-_CACHE: dict[tuple, ModelProfile] = {}
+@dataclass(frozen=True, slots=True)
+class Unprofiled:
+    """What `model_profile` keeps for a model it cannot profile: the reason, said again."""
+
+    reason: str
+
+
+_CACHE: dict[tuple, ModelProfile | Unprofiled] = {}
 _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
@@ -264,22 +277,43 @@ def cache_dir() -> Path:
     return Path(base) if base else Path.home() / ".cache" / "ptc" / "profiles"
 
 
-def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile:
+def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile | Unprofiled:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(repr((key, torch.__version__)).encode())
     for name in _SOURCES:
         for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
             digest.update(path.read_bytes())
+    digest.update(_factory_source(spec))
     path = cache_dir() / f"{digest.hexdigest()[:32]}.pkl"
     if path.exists():
         stored = pickle.loads(path.read_bytes())
+        if isinstance(stored, Unprofiled):
+            return stored
         return dataclasses.replace(stored, fn=_functions(stored), memo={})
-    profile = _profile_one_layer(spec, dtype)
+    try:
+        profile = _profile_one_layer(spec, dtype)
+    except PtcError as exc:
+        profile = Unprofiled(str(exc))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(pickle.dumps(dataclasses.replace(profile, fn={}, memo={})))
+    tmp.write_bytes(pickle.dumps(profile if isinstance(profile, Unprofiled)
+                                 else dataclasses.replace(profile, fn={}, memo={})))
     tmp.replace(path)  # atomic: a concurrent reader sees the old file or the whole new one
     return profile
+
+
+def _factory_source(spec: ModelSpec) -> bytes:
+    """The source file of a custom model's factory (empty where there is none): editing the
+    user's model invalidates its kept profile, or the reason it had none."""
+    from ptc.models.build import resolve_factory  # noqa: PLC0415 - the model zoo
+
+    if spec.family != "custom" or not spec.factory:
+        return b""
+    try:
+        path = inspect.getsourcefile(resolve_factory(spec.factory))
+    except (TypeError, PtcError):  # a builtin, or nothing to import: the profile says why
+        return b""
+    return Path(path).read_bytes() if path else b""
 
 
 def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
@@ -301,7 +335,10 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
         if (pb, ps) in points:
             samples.append(_measure(gm, fp8=dtype == "fp8"))
         work_samples[pb, ps] = _work(gm)
-        first = first or gm
+        if first is None:  # a custom model whose shape cannot be read says so before the rest
+            first, sharding = gm, infer_sharding(gm)
+            shape = graph_shape(gm, dataclasses.replace(spec, max_seq=max_seq), sharding) \
+                if custom else spec
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
     bad = [name for name, poly in fit.items() if poly.subs({b: pb, s: ps}) != samples[6][name]]
@@ -309,18 +346,15 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     for name in bad + bad_work:  # the last point of each fit checks its polynomial form
         if custom:
             what = "work on the device" if name in bad_work else "saved activations"
-            raise PtcError(f"model \"{spec.factory}\": its {what} ({name}) are "
+            raise PtcError(f"model \"{spec.factory}\": its {what} ({name}) is "
                            "not the polynomial in micro-batch and sequence length that "
                            "ptc's memory and cost models fit, so ptc cannot predict its memory "
                            "or step time; compile, inspect and run work without predictions")
         raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
-    sharding = infer_sharding(first)
     params, tied_elements = _param_groups(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
     policies = [p for p in EXTRA_POLICIES if f"{p}.tp" in fit]
     unavailable = _unavailable(first)
-    shape = graph_shape(first, dataclasses.replace(spec, max_seq=max_seq), sharding) \
-        if custom else spec
     profile = ModelProfile(
         layers=1, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.num_kv_heads,
         vocab=shape.vocab,

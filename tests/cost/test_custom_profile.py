@@ -59,3 +59,41 @@ def test_checkpoint_auto_works_for_a_transformers_model():
     program = ptc.compile(None, plan)
     assert program.decisions.estimate is not None
     assert set(program.decisions.checkpoint) <= {"none", "selective", "full"}
+
+
+def test_a_model_that_cannot_be_profiled_is_profiled_once_until_its_source_changes(
+        tmp_path, monkeypatch):
+    # Profiling captures a model a dozen times: the reason it failed is kept like a profile
+    # (every rank and every estimate would otherwise pay it again), and its factory's source
+    # is part of the key, so a fixed model is profiled afresh.
+    from ptc.compiler import profile
+    from ptc.errors import PtcError
+
+    (tmp_path / "scratch_model.py").write_text("import torch\n"
+                                               "def build():\n"
+                                               "    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(profile, "_CACHE", {})
+    calls = []
+
+    def refuse(spec, dtype):
+        calls.append(spec.factory)
+        raise PtcError(f"model \"{spec.factory}\": no token embedding found")
+
+    monkeypatch.setattr(profile, "_profile_one_layer", refuse)
+    spec = ModelSpec(family="custom", factory="scratch_model:build")
+    for _ in range(2):
+        with pytest.raises(PtcError, match="no token embedding found"):
+            profile.model_profile(spec, "fp32")
+    monkeypatch.setattr(profile, "_CACHE", {})  # another process: the one on disk
+    with pytest.raises(PtcError, match="no token embedding found"):
+        profile.model_profile(spec, "fp32")
+    assert calls == ["scratch_model:build"]
+    (tmp_path / "scratch_model.py").write_text("import torch\n"
+                                               "def build():\n"
+                                               "    return torch.nn.Linear(2, 3)\n")
+    monkeypatch.setattr(profile, "_CACHE", {})
+    with pytest.raises(PtcError):
+        profile.model_profile(spec, "fp32")
+    assert len(calls) == 2

@@ -22,23 +22,32 @@ clipped in place and a norm without weights (OLMo), ALiBi built per head (MPT),
 squared-ReLU MLP and LayerNorm1P (Nemotron), per-head q/k LayerNorms after a
 fused qkv (Persimmon), per-head q/k norms as one module per head (StableLM),
 layers without rotary (SmolLM3), scaled embeddings and learned positions (BioGPT).
+And GeGLU with (1 + w) norms (Gemma), a qkv laid out in groups (CodeGen), interleaved
+rotary (ERNIE 4.5), per-head norms after rotary (Hunyuan), squared ReLU (Arcee), experts
+behind routers of their own (Qwen3-MoE, GPT-OSS with attention sinks, PhiMoE), local
+attention (GPT-Neo).
 """
 
-from transformers import (BioGptConfig, BioGptForCausalLM, BloomConfig, BloomForCausalLM,
+from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptForCausalLM,
+                          BloomConfig, BloomForCausalLM, CodeGenConfig, CodeGenForCausalLM,
                           Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
-                          Exaone4Config, Exaone4ForCausalLM, FalconConfig, FalconForCausalLM,
-                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          Ernie4_5Config, Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM,
+                          FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM,
                           GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
-                          GPTJConfig, GPTJForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          MptConfig, MptForCausalLM, NemotronConfig, NemotronForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, OlmoConfig, OlmoForCausalLM, OPTConfig,
-                          OPTForCausalLM, PersimmonConfig, PersimmonForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
+                          GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
+                          GraniteConfig, GraniteForCausalLM, HunYuanDenseV1Config,
+                          HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, MptConfig,
+                          MptForCausalLM, NemotronConfig, NemotronForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, OlmoConfig, OlmoForCausalLM, OPTConfig, OPTForCausalLM,
+                          PersimmonConfig, PersimmonForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PhiConfig, PhiForCausalLM, PhimoeConfig, PhimoeForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, StableLmConfig,
-                          StableLmForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM, StableLmConfig, StableLmForCausalLM,
+                          Starcoder2Config, Starcoder2ForCausalLM)
 
 VOCAB, SEQ = 64, 16
 
@@ -242,3 +251,61 @@ def biogpt(**overrides) -> BioGptForCausalLM:
     return BioGptForCausalLM(BioGptConfig(**_DECODER | {
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 1}
         | overrides))
+
+
+def gemma(**overrides) -> GemmaForCausalLM:
+    """Gemma: GeGLU with tanh GELU, RMSNorm scaling by (1 + w), embeddings scaled by sqrt(h)."""
+    return GemmaForCausalLM(GemmaConfig(**_DECODER | {"head_dim": 8} | overrides))
+
+
+def codegen(**overrides) -> CodeGenForCausalLM:
+    """CodeGen: one qkv projection laid out in 4 groups of (q, v, k) rows, rotary on
+    interleaved pairs of part of each head, attention and MLP in parallel."""
+    return CodeGenForCausalLM(CodeGenConfig(**{
+        "vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4,
+        "n_positions": SEQ, "n_ctx": SEQ, "bos_token_id": 0, "eos_token_id": 0} | overrides))
+
+
+def ernie4_5(**overrides) -> Ernie4_5ForCausalLM:
+    """ERNIE 4.5: Llama's layout with rotary on interleaved pairs."""
+    return Ernie4_5ForCausalLM(Ernie4_5Config(**_DECODER | {"head_dim": 8} | overrides))
+
+
+def hunyuan(**overrides) -> HunYuanDenseV1ForCausalLM:
+    """Hunyuan (dense): an RMSNorm over each query and key head after rotary."""
+    return HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**_DECODER | {"head_dim": 8}
+                                                          | overrides))
+
+
+def arcee(**overrides) -> ArceeForCausalLM:
+    """Arcee (AFM): a squared-ReLU MLP without gate on Llama's attention."""
+    return ArceeForCausalLM(ArceeConfig(**_DECODER | overrides))
+
+
+def qwen3_moe(**overrides) -> Qwen3MoeForCausalLM:
+    """Qwen3-MoE: per-head q/k norms, experts behind a top-2 softmax router."""
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_DECODER | {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16} | overrides))
+
+
+def gpt_neo(**overrides) -> GPTNeoForCausalLM:
+    """GPT-Neo: global and local (windowed) attention layers in turn, scores not scaled."""
+    return GPTNeoForCausalLM(GPTNeoConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+        "attention_types": [[["global", "local"], 1]], "window_size": SEQ // 2,
+        "max_position_embeddings": SEQ, "bos_token_id": 0, "eos_token_id": 0} | overrides))
+
+
+def gpt_oss(**overrides) -> GptOssForCausalLM:
+    """GPT-OSS: attention sinks, sliding and full layers in turn, experts with a clamped
+    SwiGLU behind a top-2 router."""
+    return GptOssForCausalLM(GptOssConfig(**_DECODER | {
+        "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": SEQ // 2}
+        | overrides))
+
+
+def phimoe(**overrides) -> PhimoeForCausalLM:
+    """PhiMoE: experts behind a sparsemixer router, LayerNorm."""
+    return PhimoeForCausalLM(PhimoeConfig(**_DECODER | {
+        "num_local_experts": 4, "num_experts_per_tok": 2} | overrides))
