@@ -349,3 +349,23 @@ def test_unpacking_a_traced_value_takes_as_many_values_as_the_line_names():
     plain = [str(n.target) for n in torch.fx.symbolic_trace(_Unpacks()).graph.nodes
              if n.op.startswith("call")]
     assert ours == plain
+
+
+class _FlagsThroughKwargs(nn.Module):
+    """A forward that takes use_cache only through **kwargs, as GraniteMoE's does."""
+
+    def __init__(self, config_flags: dict):
+        super().__init__()
+        self.config = type("Config", (), config_flags)()
+
+    def forward(self, input_ids, labels=None, **kwargs):  # noqa: D102 - a test model's
+        return input_ids
+
+
+def test_flags_a_forward_takes_through_kwargs_are_set_where_its_config_defines_them():
+    from ptc.compiler.capture.call import call_rule
+
+    rule = call_rule(_FlagsThroughKwargs({"use_cache": True, "output_attentions": True}))
+    assert rule.concrete == {"labels": None, "use_cache": False, "output_attentions": False}
+    # a module without such a config gets nothing it might not accept
+    assert call_rule(_FlagsThroughKwargs({})).concrete == {"labels": None}

@@ -24,8 +24,8 @@ fused qkv (Persimmon), per-head q/k norms as one module per head (StableLM),
 layers without rotary (SmolLM3), scaled embeddings and learned positions (BioGPT).
 And GeGLU with (1 + w) norms (Gemma), a qkv laid out in groups (CodeGen), interleaved
 rotary (ERNIE 4.5), per-head norms after rotary (Hunyuan), squared ReLU (Arcee), experts
-behind routers of their own (Qwen3-MoE, GPT-OSS with attention sinks, PhiMoE), local
-attention (GPT-Neo).
+behind routers of their own (Qwen3-MoE, GPT-OSS with attention sinks, PhiMoE, GraniteMoE,
+whose forward takes `use_cache` through **kwargs), local attention (GPT-Neo).
 """
 
 from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptForCausalLM,
@@ -37,13 +37,14 @@ from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptFor
                           GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
                           GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                           GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
-                          GraniteConfig, GraniteForCausalLM, HunYuanDenseV1Config,
-                          HunYuanDenseV1ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, MptConfig,
-                          MptForCausalLM, NemotronConfig, NemotronForCausalLM, Olmo2Config,
-                          Olmo2ForCausalLM, OlmoConfig, OlmoForCausalLM, OPTConfig, OPTForCausalLM,
-                          PersimmonConfig, PersimmonForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          PhiConfig, PhiForCausalLM, PhimoeConfig, PhimoeForCausalLM, Qwen2Config,
+                          GraniteConfig, GraniteForCausalLM, GraniteMoeConfig,
+                          GraniteMoeForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, MptConfig, MptForCausalLM,
+                          NemotronConfig, NemotronForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          OlmoConfig, OlmoForCausalLM, OPTConfig, OPTForCausalLM, PersimmonConfig,
+                          PersimmonForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
+                          PhiForCausalLM, PhimoeConfig, PhimoeForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM, StableLmConfig, StableLmForCausalLM,
@@ -308,4 +309,11 @@ def gpt_oss(**overrides) -> GptOssForCausalLM:
 def phimoe(**overrides) -> PhimoeForCausalLM:
     """PhiMoE: experts behind a sparsemixer router, LayerNorm."""
     return PhimoeForCausalLM(PhimoeConfig(**_DECODER | {
+        "num_local_experts": 4, "num_experts_per_tok": 2} | overrides))
+
+
+def granitemoe(**overrides) -> GraniteMoeForCausalLM:
+    """GraniteMoE: Granite's scalar multipliers, experts behind a top-2 router, and a forward
+    that takes `use_cache` only through **kwargs."""
+    return GraniteMoeForCausalLM(GraniteMoeConfig(**_DECODER | {
         "num_local_experts": 4, "num_experts_per_tok": 2} | overrides))

@@ -12,7 +12,10 @@ ptc's own next-token loss is appended to the logits. Every other
 parameter is *concrete*: fixed to a value for the whole capture —
 `use_cache`, `output_attentions`, `output_hidden_states` to False, any
 other to its default (e.g. `attention_mask=None`, `past_key_values=None`,
-`labels=None`). A parameter without default is an error.
+`labels=None`). A parameter without default is an error. A forward that
+takes these flags only through `**kwargs` (GraniteMoE's) is still given
+those its model's `config` defines: otherwise it would return its key/value
+cache with the logits.
 
 Job: read forward's signature into a `CallRule`; nothing here traces.
 """
@@ -48,8 +51,8 @@ def call_rule(model: nn.Module) -> CallRule:
     alike; raises CaptureError when forward takes nothing or needs an
     argument capture cannot supply.
     """
-    params = [p for p in inspect.signature(model.forward).parameters.values()
-              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    signature = inspect.signature(model.forward).parameters.values()
+    params = [p for p in signature if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if not params:
         raise CaptureError(f"{type(model).__name__}.forward takes no argument; capture "
                            "calls forward(tokens[b, s]) (and targets, if it takes them)")
@@ -68,4 +71,8 @@ def call_rule(model: nn.Module) -> CallRule:
                 f"cannot supply: it calls forward(tokens[, {'/'.join(TARGET_NAMES)}]). "
                 f"Give {p.name!r} a default, or wrap the model in a module whose forward "
                 "takes tokens")
+    if any(p.kind == p.VAR_KEYWORD for p in signature):
+        config = getattr(model, "config", None)
+        concrete |= {name: value for name, value in FLAG_OVERRIDES.items()
+                     if name not in concrete and hasattr(config, name)}
     return CallRule(params[0].name, targets, concrete)
