@@ -36,7 +36,8 @@ positions (BioGPT). StableLM, whose per-head norms are one module per head, trai
 with its attention kept whole by a rule; without it, a CompileError names that rule.
 And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GPT-Neo,
 GPT-OSS (attention sinks), PhiMoE (these three train though ptc cannot price them) and
-GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off).
+GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off), GLM,
+LFM2 (short convolutions) and Mamba (a state-space scan, no attention).
 
 Falcon picks each group's key/value head out of its fused qkv with index
 lists (tensor constants the graph keeps with their values) and writes its
@@ -137,12 +138,17 @@ LAUNCHES = {"layouts": [
     # interleaved rotary (ERNIE 4.5), per-head q/k norms after rotary (Hunyuan), squared
     # ReLU without gate (Arcee), Qwen3-MoE's experts, local attention layers (GPT-Neo),
     # attention sinks and clamped SwiGLU experts (GPT-OSS), a sparsemixer router (PhiMoE);
-    # ptc cannot price these three (it says so in one line) but trains them; GraniteMoE,
-    # whose forward takes `use_cache` only through **kwargs
+    # ptc cannot price these three (it says so in one line) but trains them
     HFCase("gemma", tp=2, sp=True), HFCase("codegen", tp=2), HFCase("ernie4_5", tp=2, sp=True),
     HFCase("hunyuan", tp=2, sp=True), HFCase("arcee", tp=2, sp=True), HFCase("qwen3_moe", tp=2),
     HFCase("gpt_neo", pp=2), HFCase("gpt_oss", dp=2, zero=3), HFCase("phimoe", pp=2),
-    HFCase("codegen", dp=2, zero=3), HFCase("granitemoe", tp=2), HFCase("granitemoe", pp=2),
+    HFCase("codegen", dp=2, zero=3),
+], "and beyond": [
+    # GraniteMoE, whose forward takes `use_cache` only through **kwargs; GLM's fused gate_up
+    # and half-head rotary, LFM2's convolutions, Mamba's scan (no attention at all)
+    HFCase("granitemoe", tp=2), HFCase("granitemoe", pp=2),
+    HFCase("glm", tp=2, sp=True), HFCase("lfm2", pp=2), HFCase("mamba", pp=2),
+    HFCase("mamba", dp=2, zero=3),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

@@ -25,7 +25,9 @@ layers without rotary (SmolLM3), scaled embeddings and learned positions (BioGPT
 And GeGLU with (1 + w) norms (Gemma), a qkv laid out in groups (CodeGen), interleaved
 rotary (ERNIE 4.5), per-head norms after rotary (Hunyuan), squared ReLU (Arcee), experts
 behind routers of their own (Qwen3-MoE, GPT-OSS with attention sinks, PhiMoE, GraniteMoE,
-whose forward takes `use_cache` through **kwargs), local attention (GPT-Neo).
+whose forward takes `use_cache` through **kwargs), local attention (GPT-Neo), a fused
+gate_up with half-head interleaved rotary (GLM), short convolutions beside attention
+(LFM2), and no attention at all: a state-space scan (Mamba).
 """
 
 from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptForCausalLM,
@@ -34,15 +36,16 @@ from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptFor
                           Ernie4_5Config, Ernie4_5ForCausalLM, Exaone4Config, Exaone4ForCausalLM,
                           FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM,
-                          GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
-                          GPTJConfig, GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
-                          GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
-                          GraniteConfig, GraniteForCausalLM, GraniteMoeConfig,
+                          GlmConfig, GlmForCausalLM, GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig,
+                          GPTBigCodeForCausalLM, GPTJConfig, GPTJForCausalLM, GPTNeoConfig,
+                          GPTNeoForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig,
+                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, GraniteMoeConfig,
                           GraniteMoeForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, MptConfig, MptForCausalLM,
-                          NemotronConfig, NemotronForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          OlmoConfig, OlmoForCausalLM, OPTConfig, OPTForCausalLM, PersimmonConfig,
+                          Lfm2Config, Lfm2ForCausalLM, LlamaConfig, LlamaForCausalLM, MambaConfig,
+                          MambaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, MptConfig, MptForCausalLM, NemotronConfig,
+                          NemotronForCausalLM, Olmo2Config, Olmo2ForCausalLM, OlmoConfig,
+                          OlmoForCausalLM, OPTConfig, OPTForCausalLM, PersimmonConfig,
                           PersimmonForCausalLM, Phi3Config, Phi3ForCausalLM, PhiConfig,
                           PhiForCausalLM, PhimoeConfig, PhimoeForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
@@ -317,3 +320,22 @@ def granitemoe(**overrides) -> GraniteMoeForCausalLM:
     that takes `use_cache` only through **kwargs."""
     return GraniteMoeForCausalLM(GraniteMoeConfig(**_DECODER | {
         "num_local_experts": 4, "num_experts_per_tok": 2} | overrides))
+
+
+def glm(**overrides) -> GlmForCausalLM:
+    """GLM: a fused gate_up projection, rotary on interleaved pairs of half of each head."""
+    return GlmForCausalLM(GlmConfig(**_DECODER | {"head_dim": 8, "pad_token_id": 1}
+                                    | overrides))
+
+
+def mamba(**overrides) -> MambaForCausalLM:
+    """Mamba: no attention, a selective state-space scan over the sequence (a loop on CPU)."""
+    return MambaForCausalLM(MambaConfig(**{
+        "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1} | overrides))
+
+
+def lfm2(**overrides) -> Lfm2ForCausalLM:
+    """LFM2: gated short convolutions in some layers, attention in the others."""
+    return Lfm2ForCausalLM(Lfm2Config(**_DECODER | {
+        "layer_types": ["conv", "full_attention"], "pad_token_id": 1} | overrides))
