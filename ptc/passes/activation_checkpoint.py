@@ -8,13 +8,13 @@ import operator
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.graph_code import graph_module
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.recompute import recompute_regions
 from ptc.errors import CompileError
 from ptc.plan import RECOMPUTE_MODULES, modules_policy, policy_modules
 from ptc.passes.functional import functionalize
 from ptc.ops.recompute import checkpoint_region, invoke_module
-from ptc.compiler.graph_code import graph_module
 
 log = logging.getLogger("ptc.passes")
 

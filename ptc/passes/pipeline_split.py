@@ -46,6 +46,7 @@ from torch import fx, nn
 
 from ptc.compiler.balance import AtomCost, Split, balance, price_atoms
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.graph_code import graph_module
 from ptc.compiler.meta import copy_meta, get_info, graph_info, update_graph_record
 from ptc.compiler.nodes import module_path
 from ptc.compiler.program import used_params
@@ -53,7 +54,6 @@ from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_in
                                  StageInfo, stage_info)
 from ptc.errors import CompileError, did_you_mean
 from ptc.plan import ParallelSpec, Plan
-from ptc.compiler.graph_code import graph_module
 
 log = logging.getLogger("ptc.passes.pipeline_split")
 

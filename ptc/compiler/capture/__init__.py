@@ -37,9 +37,9 @@ from ptc.compiler.capture.messages import (data_dependent_message, lost_constant
                                            meta_failure_message, untraceable_message)
 from ptc.compiler.capture.normalise import normalise_io
 from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
+from ptc.compiler.graph_code import graph_module
 from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
 from ptc.errors import CaptureError
-from ptc.compiler.graph_code import graph_module
 
 __all__ = ["capture", "with_weights"]
 
