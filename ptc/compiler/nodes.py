@@ -121,6 +121,17 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target)).lstrip("_")
 
 
+def where(node: fx.Node) -> str:
+    """"node N (op) in module M at file:line" for messages."""
+    meta = get_info(node)
+    text = f"node {node.name} ({op_name(node)})"
+    if meta is not None and meta.module_path:
+        text += f" in module {meta.module_path!r}"
+    if meta is not None and meta.source:
+        text += f" at {meta.source}"
+    return text
+
+
 # ----------------------------------------------------------- module lookup
 
 

@@ -34,12 +34,13 @@ import torch
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.masks import MaskReader
 from ptc.compiler.meta import copy_meta, get_info, graph_info
-from ptc.compiler.nodes import LOSS_OPS, attention_parts, op_name
+from ptc.compiler.nodes import LOSS_OPS, attention_parts, op_name, where
 from ptc.errors import CompileError
 from ptc.ops.context import context_attention, context_chunks
 from ptc.ops.dropout import site_dropout
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
 
 log = logging.getLogger("ptc.passes.context_parallel")
 
@@ -194,28 +195,10 @@ def _fused_kwargs(node: fx.Node) -> dict:
 
 
 def _is_constant_causal(mask: fx.Node) -> bool:
-    """Whether `mask` is computed from constants alone (no input, weight or buffer: a Hugging
-    Face model's mask built from its position ids) and equals the causal mask: True (or 0)
-    where the key's position is at most the query's, False (or -inf) elsewhere."""
-    nodes = _ancestors(mask)
-    if any(n.op != "call_function" for n in nodes):
-        return False
-    values: dict[fx.Node, object] = {}
-    on_cpu = lambda a: torch.device("cpu") if isinstance(a, torch.device) else a  # noqa: E731
-    try:
-        with torch.no_grad():
-            for n in nodes:
-                if _reads_metadata(n):  # x.device, x.dtype: the mask is made where x is
-                    meta = get_info(n.args[0])
-                    values[n] = torch.device("cpu") if n.args[1] == "device" else meta.dtypes[0]
-                    continue
-                args = fx.node.map_arg(n.args, values.__getitem__)
-                kwargs = fx.node.map_arg(n.kwargs, values.__getitem__)
-                values[n] = n.target(*fx.node.map_aggregate(args, on_cpu),
-                                     **fx.node.map_aggregate(kwargs, on_cpu))
-    except Exception:  # noqa: BLE001 - a mask ptc cannot evaluate is not known to be causal
-        return False
-    value = values[mask]
+    """Whether `mask` is constant (ptc.compiler.masks: a Hugging Face model's mask built from
+    its position ids) and equals the causal mask: True (or 0) where the key's position is at
+    most the query's, False (or -inf) elsewhere."""
+    value = MaskReader().constant_value(mask)
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or \
             value.shape[-1] != value.shape[-2]:
         return False
@@ -226,28 +209,6 @@ def _is_constant_causal(mask: fx.Node) -> bool:
     kept = value == 0
     masked = torch.isneginf(value) | (value <= torch.finfo(value.dtype).min)
     return bool((kept == causal).all() and (masked == ~causal).all())
-
-
-def _reads_metadata(node: fx.Node) -> bool:
-    """Whether the node is `x.device` or `x.dtype` (not x's values)."""
-    return node.op == "call_function" and node.target is getattr and \
-        node.args[1] in ("device", "dtype")
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    """`node` and every node it is computed from (not through `x.device` / `x.dtype`), in
-    graph order."""
-    seen, stack = {node}, [node]
-    while stack:
-        current = stack.pop()
-        if _reads_metadata(current):
-            continue
-        for arg in current.all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
 
 
 def _written_kwargs(out: fx.Node, parts) -> dict:

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 from ptc.compiler import flops as flops_mod
 from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import copy_meta, get_info, update_info
-from ptc.compiler.nodes import ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, op_name
+from ptc.compiler.nodes import ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, op_name, where
 from ptc.errors import CompileError
 from ptc.ops.comm import ShapeGroup, bind_axes
 
@@ -72,17 +72,6 @@ class Propagation:
 def is_shape_only(node: fx.Node) -> bool:
     """Whether the node reads only its input's metadata (size, dtype, *_like creation)."""
     return node.op in ("call_function", "call_method") and op_name(node) in _SHAPE_ONLY
-
-
-def where(node: fx.Node) -> str:
-    """"node N (op) in module M at file:line" for messages."""
-    meta = get_info(node)
-    text = f"node {node.name} ({op_name(node)})"
-    if meta is not None and meta.module_path:
-        text += f" in module {meta.module_path!r}"
-    if meta is not None and meta.source:
-        text += f" at {meta.source}"
-    return text
 
 
 def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(),

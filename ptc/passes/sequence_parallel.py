@@ -29,12 +29,12 @@ from torch import fx
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
-from ptc.compiler.nodes import module_of, params_behind
+from ptc.compiler.nodes import module_of, params_behind, where
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
                             scatter_seq)
 from ptc.passes.functional import functionalize
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
 
 log = logging.getLogger("ptc.passes.sequence_parallel")
 

@@ -37,14 +37,14 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
 from ptc.compiler.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
                                 linear_out_dim, linear_weight, module_of, op_name, param_source,
-                                params_behind)
+                                params_behind, where)
 from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
                             vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, where
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding, layer_glob
 
 log = logging.getLogger("ptc.passes.tensor_parallel")

@@ -85,22 +85,6 @@ class _TinyAttentionLM(nn.Module):
         return self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
 
 
-class _Bidirectional(_TinyAttentionLM):
-    """A language model whose attention sees the future: not causal, so cp must refuse it."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
-        q, k, v = self.heads(self.embed(tokens))
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.head(y.transpose(1, 2).reshape(b, s, 32))
-
-
-def test_attention_that_is_not_causal_is_refused() -> None:
-    p = plan()  # its checks; the graph is the module's
-    with pytest.raises(CompileError, match="is not causal attention"):
-        apply_pass(split_context_pass, capture_plan(p, _Bidirectional()), p)
-
-
 class _MaskedAttention(_TinyAttentionLM):
     """Attention through a boolean mask the model builds from constants: `window` = None
     gives the causal mask (cp splits it), a window gives a sliding-window one (refused)."""

@@ -34,10 +34,12 @@ from ptc.compiler.capture.dropout_sites import number_dropout_sites
 from ptc.compiler.capture.export_door import export_graph
 from ptc.compiler.capture.fx_door import fx_graph
 from ptc.compiler.capture.messages import (data_dependent_message, lost_constant_message,
-                                           meta_failure_message, untraceable_message)
+                                           meta_failure_message, not_causal_message,
+                                           untraceable_message)
 from ptc.compiler.capture.normalise import normalise_io
 from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
 from ptc.compiler.graph_code import graph_module
+from ptc.compiler.masks import MaskReader
 from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
 from ptc.errors import CaptureError
 
@@ -69,7 +71,8 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     runtime binds them (a RoPE table cast to the compute dtype where it is used is then a
     copy autograd may save: what the memory profile must see).
     Raises CaptureError, naming the module and source line, when neither
-    front door can capture the model.
+    front door can capture the model, or (with a loss: ptc trains next-token
+    prediction) when an attention lets a position see later tokens.
     """
     if front_door not in ("auto", "fx", "export"):
         raise ValueError(f"front_door must be 'auto', 'fx' or 'export', got {front_door!r}")
@@ -99,8 +102,22 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
         blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants)))
     annotate_graph(gm, root, evaluator, blocks, dtype)
+    if with_loss:
+        _refuse_a_model_that_sees_later_tokens(gm, model)
     number_dropout_sites(gm, micro_batch, seq_len)
     return gm
+
+
+def _refuse_a_model_that_sees_later_tokens(gm: fx.GraphModule, model: nn.Module) -> None:
+    """CaptureError at the first attention whose mask lets a query see a later key: trained
+    on next tokens, such a model would learn to copy its input (ptc.compiler.masks). Masks
+    kept as buffers are read from `model` where it holds them off the meta device."""
+    reader = MaskReader({name: value for name, value in model.named_buffers()
+                         if not value.is_meta})
+    for node in gm.graph.nodes:
+        why = reader.later_keys_seen(node)
+        if why is not None:
+            raise CaptureError(not_causal_message(type(model).__name__, node, why))
 
 
 def _open_a_door(model, root, call, inputs, leaf_modules, front_door):

@@ -144,3 +144,11 @@ def lost_constant_message(model: nn.Module, graph: torch.fx.Graph, names: list[s
             f"at {where} (such as an index list, x[..., [-2]]; {len(names)} in all); capture "
             "runs on the meta device, where its values are lost; write it as a slice "
             "(x[..., -2:-1]) or a registered buffer")
+
+
+def not_causal_message(model_name: str, node: torch.fx.Node, why: str) -> str:
+    """An attention that lets a position see later tokens: where, why, and what would train."""
+    return (f"{model_name} is not a causal language model: the attention at {nodes.where(node)} "
+            f"lets a position see later tokens ({why}); ptc trains next-token prediction, "
+            "where position t may see tokens 0..t only. Give it a decoder (a ...ForCausalLM) "
+            "or mask the attention causally (is_causal=True, or a mask that hides later keys)")
