@@ -33,7 +33,9 @@ the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 from fractions import Fraction
 import hashlib
@@ -268,7 +270,8 @@ _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `_measure`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
             "compiler/recompute.py", "compiler/flops.py", "compiler/work.py",
-            "compiler/nodes.py", "compiler/meta.py", "models")
+            "compiler/nodes.py", "compiler/meta.py", "compiler/masks.py",
+            "compiler/tp_structure.py", "models")
 
 
 def cache_dir() -> Path:
@@ -286,20 +289,45 @@ def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile | 
     digest.update(_factory_source(spec))
     path = cache_dir() / f"{digest.hexdigest()[:32]}.pkl"
     if path.exists():
-        stored = pickle.loads(path.read_bytes())
-        if isinstance(stored, Unprofiled):
-            return stored
-        return dataclasses.replace(stored, fn=_functions(stored), memo={})
-    try:
-        profile = _profile_one_layer(spec, dtype)
-    except PtcError as exc:
-        profile = Unprofiled(str(exc))
+        return _read(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(pickle.dumps(profile if isinstance(profile, Unprofiled)
-                                 else dataclasses.replace(profile, fn={}, memo={})))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the whole new one
+    with _only_one_profiler(path.with_suffix(".lock")):
+        if path.exists():  # another process profiled it while this one waited
+            return _read(path)
+        try:
+            profile = _profile_one_layer(spec, dtype)
+        except PtcError as exc:
+            profile = Unprofiled(str(exc))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(profile if isinstance(profile, Unprofiled)
+                                     else dataclasses.replace(profile, fn={}, memo={})))
+        tmp.replace(path)  # atomic: a concurrent reader sees no file or the whole new one
     return profile
+
+
+def _read(path: Path) -> ModelProfile | Unprofiled:
+    stored = pickle.loads(path.read_bytes())
+    if isinstance(stored, Unprofiled):
+        return stored
+    return dataclasses.replace(stored, fn=_functions(stored), memo={})
+
+
+@contextlib.contextmanager
+def _only_one_profiler(lock_path: Path):
+    """Hold an exclusive lock on `lock_path` while profiling: the ranks of a host start
+    together and would each profile the same model (seconds of CPU apiece); the first
+    profiles, the others wait and read its file. Where the file system has no locks,
+    each profiles for itself, as before."""
+    with open(lock_path, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _factory_source(spec: ModelSpec) -> bytes:

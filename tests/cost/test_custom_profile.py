@@ -11,6 +11,8 @@ fit the profile's polynomial form is refused in one line, not mispredicted.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,3 +99,30 @@ def test_a_model_that_cannot_be_profiled_is_profiled_once_until_its_source_chang
     with pytest.raises(PtcError):
         profile.model_profile(spec, "fp32")
     assert len(calls) == 2
+
+
+def test_processes_that_start_together_profile_a_model_once(tmp_path):
+    # The ranks of a host start together and would each profile the same model: the first
+    # profiles under a lock, the others wait for it and read its file. The factory is slow
+    # (3 s) so that both processes reach the cache while the first is still profiling.
+    (tmp_path / "counted_model.py").write_text(
+        "import os, time\n"
+        "from tests.user_models.nanogpt import nanogpt\n"
+        "def build():\n"
+        "    with open(os.environ['PTC_TEST_CALLS'], 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        "    time.sleep(3)\n"
+        "    return nanogpt(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=16)\n")
+    calls = tmp_path / "calls"
+    env = dict(os.environ, PTC_CACHE_DIR=str(tmp_path / "cache"), PTC_TEST_CALLS=str(calls),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    script = ("from ptc.compiler.profile import model_profile\n"
+              "from ptc.plan import ModelSpec\n"
+              "spec = ModelSpec(family='custom', factory='counted_model:build', max_seq=16)\n"
+              "print(model_profile(spec, 'fp32').shape.hidden)\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert [out.strip() for out, _ in outputs] == ["16", "16"]
+    assert len(set(calls.read_text().split())) == 1, "one process profiled, the other read it"
