@@ -218,3 +218,35 @@ def test_fp8_compute_without_float8_matmuls_is_refused_unless_emulated(tmp_path,
     err = _refused("check", _plan(tmp_path, train__dtype="fp8"), capsys)
     assert err[0].endswith("error: train dtype fp8 has no fp8 peak in hardware cpu; give one "
                            "in peak, or set train.fp8_emulate = true [train.dtype]")
+
+
+def test_a_custom_model_that_sees_later_tokens_is_refused_before_any_process_starts(
+        tmp_path, capsys, monkeypatch):
+    # The factory's model is captured in the launcher: an attention without a causal mask
+    # (an encoder) would learn to copy the next token, so `ptc run` refuses it, not rank 0.
+    (tmp_path / "encoder.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.nn import functional as F\n"
+        "class Encoder(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.qkv = nn.Embedding(512, 16), nn.Linear(16, 48)\n"
+        "        self.head = nn.Linear(16, 512)\n"
+        "    def forward(self, tokens):\n"
+        "        b, s = tokens.shape\n"
+        "        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)\n"
+        "        y = F.scaled_dot_product_attention(q, k, v)\n"
+        "        return self.head(y.transpose(1, 2).reshape(b, s, 16))\n"
+        "def build(max_seq=None):\n"
+        "    return Encoder()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
+    text = 'model "encoder:build" { }\n' + TINY.read_text()[TINY.read_text().index("hardware {"):]
+    (tmp_path / "plan.ptc").write_text(text)
+    for command in ("check", "run"):
+        err = _refused(command, tmp_path / "plan.ptc", capsys)
+        assert err[0].startswith(f"{tmp_path / 'plan.ptc'}:1:7: error: Encoder is not a causal "
+                                 "language model: the attention at node ")
+        assert "encoder.py:12 lets a position see later tokens" in err[0]
+        assert err[0].endswith("[model.factory]")

@@ -58,7 +58,7 @@ from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
 from ptc.compiler.work import graph_work
-from ptc.errors import CompileError, PtcError
+from ptc.errors import CaptureError, CompileError, PtcError
 from ptc.plan import ModelSpec, Plan
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
@@ -230,7 +230,8 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
     shapes a profile, so editing a model or the capture invalidates it. A
     model that cannot be profiled is kept too, as its PtcError: profiling
     captures it a dozen times, and every rank and every estimate would
-    pay that again to learn the same.
+    pay that again to learn the same. A model that cannot be captured
+    raises its CaptureError (at the first capture), and nothing is kept.
     """
     key = (_shape_key(spec), dtype)
     if key not in _CACHE:
@@ -296,6 +297,8 @@ def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile | 
             return _read(path)
         try:
             profile = _profile_one_layer(spec, dtype)
+        except CaptureError:
+            raise  # not a profile's failure: the model cannot be trained at all
         except PtcError as exc:
             profile = Unprofiled(str(exc))
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

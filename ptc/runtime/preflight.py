@@ -12,16 +12,17 @@ checkpoint_dir` when the value came from the command line):
   asked, nothing is made);
 - the wandb package is installed when `runtime.wandb` names a project
   (looked up, not imported: importing it takes seconds);
-- a custom model's factory imports;
+- a custom model's factory imports, and the model it builds can be captured and
+  trained (an encoder whose attention sees later tokens cannot);
 - train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
   8.9+), unless train.fp8_emulate asks for emulation;
 - train.dtype is not fp16: fp16 training needs loss scaling, which ptc's
   runtime does not do (gradients below fp16's smallest number would become
   zero); fp16 plans are priced by `ptc explain` and `ptc plan`, not run;
 - the plan fits memory: the predicted peak of every pipeline stage is
-  within the budget (built-in families, whose prediction is analytic),
-  else an error naming the stage, the bytes over and what would fit
-  (`allow_oom` turns it into a warning).
+  within the budget (built-in families, and custom models that ptc can
+  profile), else an error naming the stage, the bytes over and what would
+  fit (`allow_oom` turns it into a warning).
 
 The file and folder checks come first and need neither torch nor sympy: when
 one fails, the answer comes before torch would have finished importing.
@@ -67,6 +68,8 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
         problem = _factory_problem(plan.model.factory) if factory else None
         if problem:
             found.append(where.error("model", "factory", problem))
+        elif factory and plan.is_resolved:
+            found += _custom_model(plan, where, allow_oom)
     elif plan.is_resolved:
         found += _memory(plan, where, allow_oom)
     return found
@@ -178,9 +181,23 @@ def _factory_problem(factory: str) -> str | None:
     return None
 
 
+def _custom_model(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
+    """A custom model's capture and memory problems: the factory's model is captured and
+    profiled here (the workers read the kept profile), so a model ptc cannot train is
+    refused before any process starts; one ptc can train but not price is not checked."""
+    from ptc.errors import CaptureError  # noqa: PLC0415
+
+    try:
+        return _memory(plan, where, allow_oom)
+    except CaptureError as exc:
+        return [where.error("model", "factory", str(exc))]
+    except (PtcError, ValueError):  # no profile: the run says so in its opening line
+        return []
+
+
 def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
     """One diagnostic per pipeline stage whose predicted peak exceeds the budget."""
-    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - only for built-in families
+    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
     from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel  # noqa: PLC0415
 
     est = estimate(plan)
