@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from ptc.compiler.call_cache import changes_operands
 from ptc.compiler.meta import get_info
 
 # ------------------------------------------------------------------ op names
@@ -130,6 +131,13 @@ def where(node: fx.Node) -> str:
     if meta is not None and meta.source:
         text += f" at {meta.source}"
     return text
+
+
+def has_effect(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep `node` though nothing reads its result: fx's
+    impure nodes, and calls that write into an operand (`x.clamp_(-c, c)`, `out=`), whose
+    effect is the operand's new value. Pass it as `eliminate_dead_code(is_impure_node=...)`."""
+    return node.is_impure() or changes_operands(node)
 
 
 # ----------------------------------------------------------- module lookup

@@ -135,7 +135,7 @@ def _shape_problems(gm: fx.GraphModule, plan: Plan, rerun: Rerun) -> list[str]:
                 continue
             last = rerun.checked.get(node)
             if _unchanged(node, last, same):
-                interp.env[node] = fresh_tree(last.value)
+                interp.env[node] = last.value  # shared: no call writes into it (run_node)
                 same.add(node)
                 if info is last.info:  # checked against this very record last time
                     continue
@@ -183,8 +183,7 @@ def _remember(rerun: Rerun, node: fx.Node, info, value, last: _Checked | None,
         return
     if last is not None and last.signature == sig:
         same.add(node)
-    rerun.checked[node] = _Checked(node.target, node.args, node.kwargs, info, fresh_tree(value),
-                                   sig)
+    rerun.checked[node] = _Checked(node.target, node.args, node.kwargs, info, value, sig)
 
 
 class _MetaInterpreter(fx.Interpreter):
@@ -202,6 +201,9 @@ class _MetaInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node):  # noqa: D102 - fx.Interpreter's
         if node.op not in ("call_function", "call_method", "call_module"):
             return super().run_node(node)
+        if changes_operands(node):  # it writes into its operands: into copies of their own,
+            for arg in node.all_input_nodes:  # never into values other checks share
+                self.env[arg] = fresh_tree(self.env[arg])
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         return self.cache.call(node, args, kwargs, lambda: getattr(self, node.op)(
             node.target, args, kwargs))

@@ -36,7 +36,7 @@ from torch import fx
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.masks import MaskReader
 from ptc.compiler.meta import copy_meta, get_info, graph_info
-from ptc.compiler.nodes import LOSS_OPS, attention_parts, op_name, where
+from ptc.compiler.nodes import LOSS_OPS, attention_parts, has_effect, op_name, where
 from ptc.errors import CompileError
 from ptc.ops.context import context_attention, context_chunks
 from ptc.ops.dropout import site_dropout
@@ -80,7 +80,7 @@ def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
         raise CompileError("context parallelism: the model has no attention ptc can find")
     for node in attentions:
         _gather_keys(gm, node)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=has_effect)
     entered = _enter_inputs(gm, capture.micro_batch, capture.seq_len)
     mixes = 0
 

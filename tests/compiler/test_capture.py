@@ -180,6 +180,43 @@ class TestLossMatchesEager:
         torch.testing.assert_close(with_weights(gm, real)(tokens), real(tokens))
 
 
+class _InPlace(nn.Module):
+    """A forward that writes into a tensor (its result unused) and reads the tensor after."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed, self.head = nn.Embedding(V, S), nn.Linear(S, V)  # hidden = seq: square
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * 2.0
+        if self.kind == "clamp_":  # as OLMo clips q, k and v
+            x.clamp_(-0.1, 0.1)
+        elif self.kind == "mul_ of a slice":  # writes into x through a view
+            x[..., :4].mul_(0.0)
+        elif self.kind == "transpose_":  # other strides, the same [b, 16, 16] shape
+            x.transpose_(1, 2)
+        elif self.kind == "unsqueeze_ read before and after":
+            before = x + 1.0
+            x.unsqueeze_(0)
+            x = x[0] + before
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["clamp_", "mul_ of a slice", "transpose_",
+                                  "unsqueeze_ read before and after"])
+@pytest.mark.parametrize("door", ["fx", "export"])
+def test_a_call_that_writes_into_a_tensor_is_kept_and_read_after(kind, door):
+    """Its result is unused, but its effect is not: dead-code elimination keeps it, and the
+    shapes of what reads the tensor after it are evaluated after it. The graph runs the
+    same ops as eager in the same order, so the losses agree to float32 rounding."""
+    model = _InPlace(kind)
+    gm = capture(model, micro_batch=B, seq_len=S, front_door=door)
+    tokens, targets = tokens_and_targets()
+    expected = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(with_weights(gm, model)(tokens, targets), expected)
+
+
 class TestUserModels:
     def test_nanogpt_through_fx_with_its_own_loss(self):
         with torch.device("meta"):

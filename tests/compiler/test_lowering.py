@@ -12,6 +12,7 @@ import torch
 import ptc
 import ptc.compiler.estimate as estimate_module
 from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
+from ptc.compiler.capture import capture
 from ptc.compiler.meta import graph_record
 from ptc.compiler.program import stage_layout
 from ptc.errors import CompileError
@@ -210,3 +211,27 @@ def test_a_custom_model_takes_its_vocabulary_from_the_captured_logits():
     with pytest.raises(CompileError, match=r"model.vocab = 100, but GPT's logits have only 64 "
                                            r"columns: ids up to 99 would fall outside"):
         compile_plan(dataclasses.replace(p, model=dataclasses.replace(no_vocab, vocab=100)))
+
+
+class _InPlaceView(torch.nn.Module):
+    """A call that changes its operand's strides in place (x.transpose_ of a square [s, h])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * 2.0
+        x.transpose_(1, 2)  # seq_len = hidden = 16: the same shape, other strides
+        return self.head(x)
+
+
+def test_a_call_that_writes_into_its_operand_leaves_the_kept_values_alone():
+    """Checks share the values they keep; the in-place call changes a copy of its own."""
+    p = plan(pp=1, checkpoint="none")
+    gm = capture(_InPlaceView(), micro_batch=1, seq_len=16, front_door="fx")
+    rerun = Rerun(gm)
+    for after in ("capture", "a pass that changed nothing"):
+        verify_graph(gm, p, after=after, rerun=rerun)
+    scaled = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.mul)
+    assert rerun.checked[scaled].value.stride() == (256, 16, 1)  # as the multiply made it

@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from ptc.compiler import flops as flops_mod
 from ptc.compiler import nodes
-from ptc.compiler.call_cache import CallCache
+from ptc.compiler.call_cache import CallCache, changes_operands
 
 
 class Evaluator:
@@ -62,7 +62,7 @@ class Evaluator:
             if n in memo:
                 todo.pop()
                 continue
-            missing = [a for a in n.all_input_nodes if a not in memo]
+            missing = [a for a in _reads(n) if a not in memo]
             if missing:
                 todo.extend(missing)
                 continue
@@ -112,6 +112,15 @@ class Evaluator:
         if node.op == "call_method":
             return (lambda obj, *a, **k: getattr(obj, node.target)(*a, **k)), False
         return node.target, nodes.op_name(node) == "einsum"
+
+
+def _reads(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node`'s value depends on: its inputs, and the calls before it that write
+    into one of them (after `x.unsqueeze_(0)`, every later reader of x sees [1, ...])."""
+    inputs = node.all_input_nodes
+    writers = [user for a in inputs for user in a.users
+               if user is not node and user < node and changes_operands(user)]
+    return [*inputs, *writers]
 
 
 def _call(fn, count: bool, args: tuple, kwargs: dict) -> tuple[object, int | None]:

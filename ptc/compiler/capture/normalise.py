@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_unflatten
 from ptc.compiler.capture.call import CallRule
 from ptc.compiler.capture.evaluate import Evaluator
 from ptc.compiler.capture.messages import no_logits_message
+from ptc.compiler.nodes import has_effect
 from ptc.errors import CaptureError
 
 # Nodes that only re-check what capture already specialised (concrete args,
@@ -86,7 +87,7 @@ def normalise_io(graph: fx.Graph, call: CallRule, evaluator: Evaluator, out_spec
                                                  evaluator, b, s))
         result = logits
     out_node.args = (result,)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=has_effect)  # an in-place call's effect stays
     for node in list(graph.nodes):
         if node.op == "placeholder" and node is not tokens and not node.users \
                 and not (with_loss and node is targets):
