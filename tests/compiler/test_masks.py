@@ -149,3 +149,21 @@ def test_a_bidirectional_hugging_face_encoder_is_refused() -> None:
     with pytest.raises(CaptureError, match=r"BertForMaskedLM is not a causal language model: "
                                            r"the attention at .* in module 'bert\.encoder"):
         capture(transformers.BertForMaskedLM(config), micro_batch=B, seq_len=S)
+
+
+def test_identical_layers_have_their_mask_evaluated_once(monkeypatch) -> None:
+    """Each layer of ptc's GPT builds its own causal mask (ones_like(scores).triu(1)): the
+    reader evaluates the first and answers the other three from it."""
+    evaluated = []
+    evaluate_all = MaskReader._evaluate_all
+    monkeypatch.setattr(MaskReader, "_evaluate_all",
+                        lambda self, node: evaluated.append(node) or evaluate_all(self, node))
+    model = build_model(ModelSpec(family="gpt", layers=4, hidden=16, heads=2, vocab=32,
+                                  max_seq=S))
+    gm = capture(model, micro_batch=B, seq_len=S)  # its own check: one evaluation too
+    assert len(evaluated) == 1
+    evaluated.clear()
+    attentions = [n for n in gm.graph.nodes if attention_parts(n) is not None]
+    reader = MaskReader()
+    assert [reader.later_keys_seen(n) for n in attentions] == [None] * 4
+    assert len(evaluated) == 1
