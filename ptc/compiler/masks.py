@@ -31,7 +31,8 @@ import torch
 from torch import fx
 
 from ptc.compiler.meta import get_info
-from ptc.compiler.nodes import CREATION_OPS, MATMUL_OPS, SOFTMAX_OPS, attention_parts, op_name
+from ptc.compiler.nodes import (CREATION_OPS, MATMUL_OPS, AttentionParts, attention_parts,
+                                get_attr_value, node_shape, op_name)
 
 _FUSED_ARGS = {
     "scaled_dot_product_attention": ((3, "attn_mask"), (5, "is_causal")),
@@ -78,7 +79,7 @@ class MaskReader:
         parts = attention_parts(node)
         if parts is None or not _over_one_sequence(parts):
             return None
-        masks = _fused_masks(node) if parts.fused else _written_masks(node)
+        masks = _fused_masks(node) if parts.fused else _written_masks(parts)
         if masks is None or masks == [_CAUSAL]:
             return None
         key = (_scores_size(parts), tuple((how, self._signature(m)) for how, m in masks))
@@ -92,7 +93,7 @@ class MaskReader:
         parts = attention_parts(node)
         if parts is None:
             return None
-        masks = _fused_masks(node) if parts.fused else _written_masks(node)
+        masks = _fused_masks(node) if parts.fused else _written_masks(parts)
         return None if masks is None else self._hidden(parts, masks)
 
     def constant_value(self, node) -> object | None:
@@ -145,7 +146,7 @@ class MaskReader:
         def ref(a):
             if a in index:
                 return ("node", index[a])
-            return ("shape", _shape(a), tuple(get_info(a).dtypes) if get_info(a) else ())
+            return ("shape", node_shape(a), tuple(get_info(a).dtypes) if get_info(a) else ())
 
         return tuple((n.op, str(n.target), repr(fx.node.map_arg(n.args, ref)),
                       repr(fx.node.map_arg(n.kwargs, ref))) for n in chain)
@@ -192,13 +193,12 @@ def _fused_masks(node: fx.Node) -> list[tuple[str, object]] | None:
     return masks
 
 
-def _written_masks(node: fx.Node) -> list[tuple[str, object]] | None:
+def _written_masks(parts: AttentionParts) -> list[tuple[str, object]] | None:
     """How the masked_fills and added masks between a written-out attention's score
     matmul and its softmax hide keys: (how, mask) pairs; None when a fill is not one that
-    hides."""
-    current = _softmax_of(node)
-    masks = []
-    while current is not None and op_name(current) not in MATMUL_OPS:
+    hides, or the way back to the score matmul leaves the first arguments."""
+    current, masks = parts.scores, []
+    while op_name(current) not in MATMUL_OPS:
         name = op_name(current)
         if name in ("masked_fill", "masked_fill_"):
             if not _is_hiding(current.args[2]):
@@ -208,22 +208,10 @@ def _written_masks(node: fx.Node) -> list[tuple[str, object]] | None:
             masks.append(("added" if name != "sub" else "subtracted", current.args[1]))
         elif name in ("where", "where_"):
             return None  # the scores are not its first argument: not followed here
-        current = current.args[0] if current.args and \
-            isinstance(current.args[0], fx.Node) else None
-    return masks
-
-
-def _softmax_of(out: fx.Node) -> fx.Node | None:
-    """The input of the softmax whose probabilities the attention's `out` multiplies."""
-    probs = out.args[0] if op_name(out) not in ("baddbmm", "addmm", "addbmm") else out.args[1]
-    for _ in range(8):
-        if not isinstance(probs, fx.Node):
+        if not current.args or not isinstance(current.args[0], fx.Node):
             return None
-        if op_name(probs) in SOFTMAX_OPS or probs.op == "call_module" and \
-                "softmax" in op_name(probs).lower():
-            return probs.args[0] if isinstance(probs.args[0], fx.Node) else None
-        probs = probs.args[0] if probs.args else None
-    return None
+        current = current.args[0]
+    return masks
 
 
 def _is_hiding(fill) -> bool:
@@ -235,16 +223,16 @@ def _later(size: tuple[int, int]) -> torch.Tensor:
     return torch.ones(size, dtype=torch.bool).triu(1)
 
 
-def _scores_size(parts) -> tuple[int, int] | None:
+def _scores_size(parts: AttentionParts) -> tuple[int, int] | None:
     """(queries, keys) of the attention, from the meta shapes of q and k."""
-    q, k = _shape(parts.q), _shape(parts.k)
+    q, k = node_shape(parts.q), node_shape(parts.k)
     if q is None or k is None or len(q) < 2 or len(k) < 2:
         return None
     keys = k[-2] if parts.fused else k[-1]  # written out: k is already transposed
     return torch.Size((q[-2], keys))
 
 
-def _over_one_sequence(parts) -> bool:
+def _over_one_sequence(parts: AttentionParts) -> bool:
     """Whether queries and keys are the same number of positions (self-attention)."""
     size = _scores_size(parts)
     return size is not None and size[0] == size[1] and size[0] > 1
@@ -259,7 +247,7 @@ class _NotConstant(Exception):
 
 def _evaluate(node: fx.Node, values: dict[fx.Node, object], buffers) -> object:
     if node.op == "get_attr":
-        value = _attr(node)
+        value = get_attr_value(node)
         if isinstance(value, torch.Tensor) and value.is_meta:
             value = buffers.get(str(node.target), value)
         if isinstance(value, torch.Tensor) and (value.is_meta or value.requires_grad):
@@ -288,7 +276,7 @@ def _reads_shape_only(node: fx.Node) -> bool:
 
 def _stand_in(node) -> torch.Tensor:
     """A CPU tensor of the node's captured shape and dtype (values unread: a broadcast)."""
-    shape = _shape(node)
+    shape = node_shape(node)
     info = get_info(node) if isinstance(node, fx.Node) else None
     if shape is None or info is None or not info.dtypes:
         raise _NotConstant
@@ -312,22 +300,8 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return sorted(seen, key=order.__getitem__)
 
 
-def _attr(node: fx.Node):
-    obj = node.graph.owning_module
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _on_cpu(a):
     return torch.device("cpu") if isinstance(a, torch.device) else a
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    info = get_info(node) if isinstance(node, fx.Node) else None
-    if info is None or len(info.shapes) != 1:
-        return None
-    return tuple(info.shapes[0])
 
 
 def _arg(node: fx.Node, index: int | None, name: str):

@@ -455,6 +455,8 @@ class AttentionParts:
     out: fx.Node
     fused: bool
     """True for scaled_dot_product_attention, False for matmul-softmax-matmul."""
+    scores: fx.Node | None = None
+    """Written out: the softmax's input (the scores after scaling and masking); else None."""
 
 
 def _back(node, through: frozenset[str], hops: int = 8):
@@ -512,7 +514,7 @@ def attention_parts(node: fx.Node) -> AttentionParts | None:
     qk = _matmul_operands(scores)
     if qk is None:
         return None
-    return AttentionParts(qk[0], qk[1], operands[1], node, False)
+    return AttentionParts(qk[0], qk[1], operands[1], node, False, probs.args[0])
 
 
 def is_attention(node: fx.Node) -> bool:
