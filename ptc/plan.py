@@ -567,67 +567,93 @@ class ParallelSpec(_Section):
                      ) -> tuple[int, ...] | None:
         """Layers each of the pp·v pipeline stages holds, stage 0 first (resolved pp only).
 
-        `first_stage_layers` / `last_stage_layers` fix the first and last stage;
-        else the cuts `stage_boundaries` pins at a layer ("layers.20": stage k
-        starts at layer 20) fix theirs. The layers between two fixed cuts are
-        shared evenly by the stages there, the later ones taking one more when
-        they do not divide. Every stage holds at least one layer. A problem is
-        recorded in `sink` (and None returned), or raised as a PlanError.
+        `first_stage_layers` / `last_stage_layers` fix what the first and last
+        pipeline rank hold, as Megatron-LM's `--decoder-first/last-pipeline-num-layers`
+        do: under interleaving that rank's v stages share its count. Else the
+        cuts `stage_boundaries` pins at a layer ("layers.20": stage k starts at
+        layer 20) fix theirs. Layers not fixed are shared evenly by the stages
+        left, the later ones taking one more when they do not divide. Every
+        stage holds at least one layer. A problem is recorded in `sink` (and
+        None returned), or raised as a PlanError.
         """
         own = sink is None
         sink = self._sink() if own else sink
-        counts = self._split_layers(sink, layers)
+        given = {name: n for name, n in (("first_stage_layers", self.first_stage_layers),
+                                         ("last_stage_layers", self.last_stage_layers))
+                 if n is not None}
+        counts = self._split_ends(sink, layers, given) if given else \
+            self._split_at_boundaries(sink, layers)
         if own:
             sink.raise_if_errors()
         return counts
 
-    def _split_layers(self, sink: DiagnosticSink, layers: int) -> tuple[int, ...] | None:
+    def _split_ends(self, sink: DiagnosticSink, layers: int, given: dict[str, int]
+                    ) -> tuple[int, ...] | None:
+        """Per stage layers of first/last_stage_layers (see `stage_layers`)."""
+        pp, v = self.pp, self.virtual_stages
+        name = next(iter(given))
+        said = " + ".join(f"{n}({c})" for n, c in given.items())
+        rest = layers - sum(given.values())
+        ranks = {"first_stage_layers": 0, "last_stage_layers": pp - 1}
+        others = pp - len(given)
+        if pp < 2:
+            self._bad(sink, name, f"{name} needs a pipeline; pp({pp})")
+            return None
+        if others == 0 and rest != 0:
+            self._bad(sink, name, f"{said} = {layers - rest} != layers({layers}): with pp({pp}) the "
+                      f"first and last rank hold every layer")
+            return None
+        for end, count in given.items():
+            if count < v:
+                self._bad(sink, end, f"{end}({count}) leaves one of that rank's "
+                          f"virtual_stages({v}) without a layer")
+                return None
+        if rest < others * v:
+            self._bad(sink, name, f"{said} leave {rest} of layers({layers}) for the other "
+                      f"{others * v} of pp({pp}) * virtual_stages({v}) = {pp * v} stages; "
+                      f"each stage needs at least one layer")
+            return None
+        counts = [0] * (pp * v)
+        fixed = {ranks[end]: count for end, count in given.items()}
+        for rank, count in fixed.items():
+            _share(counts, [rank + j * pp for j in range(v)], count)
+        if others:
+            _share(counts, [c for c in range(pp * v) if c % pp not in fixed], rest)
+        return tuple(counts)
+
+    def _split_at_boundaries(self, sink: DiagnosticSink, layers: int
+                             ) -> tuple[int, ...] | None:
+        """Per stage layers of the cuts `stage_boundaries` pins at layers (`stage_layers`)."""
         stages = self.pp * self.virtual_stages
         shape = f"pp({self.pp}) * virtual_stages({self.virtual_stages}) = {stages} stages"
         starts = {0: 0, stages: layers}  # stage -> its first layer ("stage" `stages`: the end)
-        ends = {"first_stage_layers": self.first_stage_layers,
-                "last_stage_layers": self.last_stage_layers}
-        given = {name: n for name, n in ends.items() if n is not None}
-        if given:
-            name = next(iter(given))
-            said = " + ".join(f"{n}({c})" for n, c in given.items())
-            used = sum(given.values())
-            if stages < 2:
-                self._bad(sink, name, f"{name} needs a pipeline; {shape}")
+        for stage, cut in enumerate(self.stage_boundaries, start=1):
+            if cut is None:
+                continue
+            index = _layer_index(cut)
+            if index is None or not 0 < index < layers:
+                why = "names no layer" if index is None else f"is not inside layers({layers})"
+                self._bad(sink, "stage_boundaries", f"stage_boundaries: cut {cut!r} (stage "
+                          f"{stage}) {why}; the cost model prices stages by their layers")
                 return None
-            if stages == 2 and len(given) == 2 and used != layers:
-                self._bad(sink, name, f"{said} = {used} != layers({layers}) with {shape}")
-                return None
-            if self.first_stage_layers is not None:
-                starts[1] = self.first_stage_layers
-            if self.last_stage_layers is not None:
-                starts[stages - 1] = layers - self.last_stage_layers
-            if not _each_stage_has_layers(starts):
-                self._bad(sink, name, f"{said} leave {layers - used} of layers({layers}) for "
-                          f"the other {stages - len(given)} of {shape}; each stage needs at "
-                          f"least one layer")
-                return None
-        else:
-            for stage, cut in enumerate(self.stage_boundaries, start=1):
-                if cut is None:
-                    continue
-                index = _layer_index(cut)
-                if index is None or not 0 < index < layers:
-                    why = "names no layer" if index is None else f"is not inside layers({layers})"
-                    self._bad(sink, "stage_boundaries", f"stage_boundaries: cut {cut!r} (stage "
-                              f"{stage}) {why}; the cost model prices stages by their layers")
-                    return None
-                starts[stage] = index
-            if not _each_stage_has_layers(starts):
-                self._bad(sink, "stage_boundaries", f"stage_boundaries {list(self.stage_boundaries)}"
-                          f" leave a stage of {shape} without a layer of layers({layers})")
-                return None
+            starts[stage] = index
+        if not _each_stage_has_layers(starts):
+            self._bad(sink, "stage_boundaries", f"stage_boundaries {list(self.stage_boundaries)}"
+                      f" leave a stage of {shape} without a layer of layers({layers})")
+            return None
         pinned = sorted(starts.items())
         counts: list[int] = []
         for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]):
             base, extra = divmod(l1 - l0, s1 - s0)
             counts += [base + (i >= s1 - s0 - extra) for i in range(s1 - s0)]
         return tuple(counts)
+
+
+def _share(counts: list[int], stages: list[int], layers: int) -> None:
+    """Give `stages` (in layer order) `layers` evenly, the later ones one more where uneven."""
+    base, extra = divmod(layers, len(stages))
+    for i, stage in enumerate(stages):
+        counts[stage] = base + (i >= len(stages) - extra)
 
 
 # --------------------------------------------------------------------- train

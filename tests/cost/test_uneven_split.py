@@ -19,6 +19,20 @@ SHAPE = dict(family="gpt", hidden=128, heads=4, vocab=256, seq_len=64, gpu="H100
              num_gpus=8, tp=1, pp=8, dp=1, global_batch=16, dtype="bf16")
 
 
+def test_the_end_counts_are_the_first_and_last_ranks_under_interleaving():
+    # Llama 3 405B's split: 126 layers on pp 16, one layer fewer on the first and last rank.
+    par = _plan(126, pp=16, dp=1, num_gpus=16, schedule="interleaved", virtual_stages=2,
+                first_stage_layers=7, last_stage_layers=7).parallel
+    counts = par.stage_layers(126)
+    per_rank = [counts[r] + counts[r + 16] for r in range(16)]
+    assert per_rank == [7] + [8] * 14 + [7]
+    assert (counts[0], counts[16]) == (3, 4) and (counts[15], counts[31]) == (3, 4)
+    with pytest.raises(PlanError, match=r"parallel\.first_stage_layers: error: "
+                                        r"first_stage_layers\(1\) leaves one of that rank's "
+                                        r"virtual_stages\(2\) without a layer"):
+        _plan(32, schedule="interleaved", virtual_stages=2, first_stage_layers=1)
+
+
 def _plan(layers: int, **kw):
     return plan_from_shape(**{**SHAPE, "layers": layers, **kw})
 
@@ -107,8 +121,10 @@ def test_uneven_split_is_not_priced_as_even():
 
 
 def test_interleaved_chunks_split_unevenly():
-    plan = _plan(32, schedule="interleaved", virtual_stages=2, first_stage_layers=1,
-                 last_stage_layers=3)
+    # The first rank holds 3 layers in its 2 virtual stages, the last 5 (Megatron-LM's
+    # first/last pipeline stage counts): 1 + 2 and 2 + 3, the later stage taking one more.
+    plan = _plan(32, schedule="interleaved", virtual_stages=2, first_stage_layers=3,
+                 last_stage_layers=5)
     layout = estimate(plan).layout
     assert layout.chunk_layers == (1,) + (2,) * 14 + (3,)
     assert [list(r) for r in layout.chunks(0)] == [[0], [15, 16]]

@@ -186,8 +186,8 @@ def test_first_and_last_stage_layers_split_unevenly() -> None:
     (err,) = errors(edit("zero = 1", "zero = 1\n  first_stage_layers = 3\n"
                                      "  last_stage_layers = 4"))
     assert err.field == "parallel.first_stage_layers"
-    assert err.message == ("first_stage_layers(3) + last_stage_layers(4) = 7 != layers(8) with "
-                           "pp(2) * virtual_stages(1) = 2 stages")
+    assert err.message == ("first_stage_layers(3) + last_stage_layers(4) = 7 != layers(8): with "
+                           "pp(2) the first and last rank hold every layer")
     assert (err.span.line, err.span.column) == (23, 24)
 
 

@@ -269,6 +269,17 @@ class TestBalance:
         assert layers == [["layers.0"], ["layers.1", "layers.2"], ["layers.3", "layers.4",
                                                                    "layers.5"], ["layers.6"]]
 
+    def test_under_interleaving_the_end_counts_are_the_ranks(self) -> None:
+        # pp 2, v 2: rank 0 runs stages 0 and 2 and holds first_stage_layers between them.
+        plan = make_plan(pp=2, v=2, layers=8)
+        plan = dataclasses.replace(plan, model=model_spec(layers=7), parallel=dataclasses.replace(
+            plan.parallel, first_stage_layers=3))
+        _, pipeline = split(plan)
+        counts = [sum(a.startswith("layers.") for a in stage_info(s).atoms)
+                  for _, s in pipeline_stages(pipeline)]
+        assert counts == [1, 2, 2, 2]
+        assert counts[0] + counts[2] == 3
+
     @pytest.mark.parametrize("knobs,needle", [
         ({"boundaries": ["layer.3"]}, r"no graph piece named 'layer.3'.*did you mean"),
         ({"boundaries": ["layers.1", "layers.2"]}, r"boundaries lists 2 cuts; 2 stages have 1"),
