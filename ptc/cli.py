@@ -65,12 +65,21 @@ def _preflight(plan, args: argparse.Namespace) -> None:
     print the warnings."""
     from ptc.runtime.preflight import preflight  # noqa: PLC0415 - reads files, imports torch
 
-    found = preflight(plan, overrides=args.overrides, allow_oom=getattr(args, "allow_oom", False))
+    found = preflight(plan, overrides=args.overrides, allow_oom=getattr(args, "allow_oom", False),
+                      compiler=_compile)
     for warning in (d for d in found if d.severity == "warning"):
         _err.print(warning.render(), markup=False)
     errors = [d for d in found if d.severity == "error"]
     if errors:
         raise PlanError(errors)
+
+
+def _compile(plan):
+    """`compile_plan(plan)`, imported when called: a plan refused by the file checks is
+    answered before torch is imported."""
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415 - imports torch
+
+    return compile_plan(plan)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

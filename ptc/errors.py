@@ -80,7 +80,17 @@ class CaptureError(PtcError):
 
 
 class CompileError(PtcError):
-    """A compiler pass failed; the message names the pass and the node."""
+    """A compiler pass failed; the message names the pass and the node.
+
+    `pass_name`: the pass that failed, where one did; `field`: the plan field
+    ("parallel.tp") that asked for that pass, where the driver knows it, so a
+    check before the run can point at it.
+    """
+
+    def __init__(self, message: str, *, pass_name: str | None = None,
+                 field: str | None = None):
+        super().__init__(message)
+        self.pass_name, self.field = pass_name, field
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ import torch
 from ptc.cli import main
 from ptc.compiler.estimate import estimate
 from ptc.dsl import load_plan
+from ptc.errors import PtcError
 from ptc.models import build_model
 from ptc.units import format_bytes
 
@@ -250,3 +251,44 @@ def test_a_custom_model_that_sees_later_tokens_is_refused_before_any_process_sta
                                  "language model: the attention at node ")
         assert "encoder.py:12 lets a position see later tokens" in err[0]
         assert err[0].endswith("[model.factory]")
+
+
+def test_a_custom_model_tensor_parallelism_cannot_split_is_refused_before_any_process_starts(
+        tmp_path, capsys, monkeypatch):
+    # The launcher compiles a custom model under the plan's layout before the ranks do: a
+    # norm over the whole query projection mixes the heads, so tp = 2 cannot split the
+    # attention, and `ptc check` and `ptc run` say so at the field that asked for it.
+    (tmp_path / "mixed.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.nn import functional as F\n"
+        "class Mixed(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.qkv = nn.Embedding(512, 16), nn.Linear(16, 48)\n"
+        "        self.q_norm, self.out = nn.LayerNorm(16), nn.Linear(16, 16)\n"
+        "        self.head = nn.Linear(16, 512)\n"
+        "    def forward(self, tokens):\n"
+        "        b, s = tokens.shape\n"
+        "        q, k, v = self.qkv(self.embed(tokens)).chunk(3, dim=-1)\n"
+        "        q = self.q_norm(q)\n"
+        "        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in (q, k, v))\n"
+        "        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "        return self.head(self.out(y.transpose(1, 2).reshape(b, s, 16)))\n"
+        "def build(max_seq=None):\n"
+        "    return Mixed()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
+    text = TINY.read_text()
+    text = 'model "mixed:build" { }\n' + text[text.index("hardware {"):]
+    (tmp_path / "plan.ptc").write_text(text.replace("tp = 1", "tp = 2").replace("dp = 8", "dp = 4"))
+    line = _line_of(tmp_path / "plan.ptc", "tp = 2")
+    for command in ("check", "run"):
+        err = "\n".join(_refused(command, tmp_path / "plan.ptc", capsys))
+        assert err.startswith(f"{tmp_path / 'plan.ptc'}:{line}:8: error: pass shard_tensors_pass "
+                              "failed")
+        assert "through LayerNorm (node q_norm in module 'q_norm'), which mixes the heads" in err
+        assert 'shard "qkv" replicate' in err and "[parallel.tp]" in err
+    # It has no stack of layers to price: the estimate says so (it no longer fails inside).
+    with pytest.raises(PtcError, match=r"ptc finds no stack of like layers .* in Mixed"):
+        estimate(load_plan(tmp_path / "plan.ptc"))

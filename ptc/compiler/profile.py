@@ -367,6 +367,12 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
             samples.append(_measure(gm, fp8=dtype == "fp8"))
         work_samples[pb, ps] = _work(gm)
         if first is None:  # a custom model whose shape cannot be read says so before the rest
+            if custom and not graph_info(gm).num_layers:
+                raise PtcError(f"model \"{spec.factory}\": ptc finds no stack of like layers "
+                               f"(a ModuleList of blocks) in {type(model).__name__}, and its "
+                               "memory and cost models price a model layer by layer, so ptc "
+                               "cannot predict its memory or step time; compile, inspect and "
+                               "run work without predictions")
             first, sharding = gm, infer_sharding(gm)
             shape = graph_shape(gm, dataclasses.replace(spec, max_seq=max_seq), sharding) \
                 if custom else spec

@@ -39,6 +39,14 @@ pipeline_split | activation_checkpoint, zero, comm_overlap. fp8_compute runs aft
 split so its GEMMs take the rank's shard; activation_checkpoint runs before zero so zero sees
 the parameters its regions read; comm_overlap runs last, on every collective."""
 
+PLAN_FIELDS = {
+    "split_context_pass": "parallel.cp", "shard_tensors_pass": "parallel.tp",
+    "shard_sequence_pass": "parallel.sequence_parallel", "quantize_gemms_pass": "train.dtype",
+    "split_pipeline_pass": "parallel.pp", "checkpoint_layers_pass": "parallel.checkpoint",
+    "shard_params_pass": "parallel.zero", "overlap_collectives_pass": "parallel.overlap",
+}
+"""The plan field that asks for each pass: where a check before the run points at its error."""
+
 NEEDED_BY = {
     "split_context_pass": lambda plan: plan.parallel.cp > 1 and "cp > 1",
     "shard_tensors_pass": lambda plan: plan.parallel.tp > 1 and "tp > 1",
@@ -97,8 +105,12 @@ def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
           disabled: Sequence[str] = ()) -> tuple[Decisions, Lowered]:
     """Resolve `plan` for the captured graph `gm` and run `passes` on it (the runner's result)."""
     decisions = resolve(gm, plan)
-    return decisions, run_passes(gm, decisions, passes, knobs=knobs,
-                                 disabled=_allowed_to_disable(plan, disabled))
+    try:
+        return decisions, run_passes(gm, decisions, passes, knobs=knobs,
+                                     disabled=_allowed_to_disable(plan, disabled))
+    except CompileError as exc:
+        exc.field = exc.field or PLAN_FIELDS.get(exc.pass_name)
+        raise
 
 
 def pass_list(*passes: Pass) -> PassList:

@@ -151,7 +151,7 @@ def _run_one(fn: Pass, gm: fx.GraphModule, decisions: Decisions, knobs: dict[str
     except Exception as exc:
         after = ", ".join(done) if done else "capture only"
         raise CompileError(f"pass {name} failed (passes run before it: {after}): "
-                           f"{type(exc).__name__}: {exc}") from exc
+                           f"{type(exc).__name__}: {exc}", pass_name=name) from exc
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -13,7 +13,10 @@ checkpoint_dir` when the value came from the command line):
 - the wandb package is installed when `runtime.wandb` names a project
   (looked up, not imported: importing it takes seconds);
 - a custom model's factory imports, and the model it builds can be captured and
-  trained (an encoder whose attention sees later tokens cannot);
+  trained (an encoder whose attention sees later tokens cannot) and compiled
+  under the plan's layout (an attention whose heads a norm mixes cannot be
+  split by tensor parallelism without a shard rule), the error at the plan
+  field that asked for the failing pass;
 - train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
   8.9+), unless train.fp8_emulate asks for emulation;
 - train.dtype is not fp16: fp16 training needs loss scaling, which ptc's
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ptc.errors import Diagnostic, PtcError, Span
@@ -43,13 +46,16 @@ from ptc.units import format_bytes
 
 
 def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
-              vocab: int | None = None, factory: bool = True) -> list[Diagnostic]:
+              vocab: int | None = None, factory: bool = True,
+              compiler: Callable[[Plan], object] | None = None) -> list[Diagnostic]:
     """Every problem the run would meet that can be seen now (the module docstring).
 
     `overrides`: the "section.key" fields set on the command line, named by flag;
     `vocab`: the vocabulary token ids must stay below (default: the plan's model);
     `factory`: whether the workers build the model from its factory (not when they are
-    sent the user's module).
+    sent the user's module); `compiler`: what the workers will compile the plan with
+    (`compile_plan`): a custom model is compiled here first, so a structure the passes
+    cannot split is refused before any process starts.
     """
     where = _Where(plan, overrides)
     found = _files_and_folders(plan, where, vocab)
@@ -69,7 +75,7 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
         if problem:
             found.append(where.error("model", "factory", problem))
         elif factory and plan.is_resolved:
-            found += _custom_model(plan, where, allow_oom)
+            found += _custom_model(plan, where, allow_oom, compiler)
     elif plan.is_resolved:
         found += _memory(plan, where, allow_oom)
     return found
@@ -181,18 +187,30 @@ def _factory_problem(factory: str) -> str | None:
     return None
 
 
-def _custom_model(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
-    """A custom model's capture and memory problems: the factory's model is captured and
-    profiled here (the workers read the kept profile), so a model ptc cannot train is
-    refused before any process starts; one ptc can train but not price is not checked."""
-    from ptc.errors import CaptureError  # noqa: PLC0415
+def _custom_model(plan: Plan, where: _Where, allow_oom: bool,
+                  compiler: Callable[[Plan], object] | None) -> list[Diagnostic]:
+    """A custom model's capture, compile and memory problems: the factory's model is
+    captured and profiled here (the workers read the kept profile) and, given the
+    `compiler`, compiled, so a model ptc cannot train under the plan's layout is refused
+    before any process starts; one ptc can train but not price is not memory-checked."""
+    from ptc.errors import CaptureError, CompileError  # noqa: PLC0415
 
     try:
-        return _memory(plan, where, allow_oom)
+        found = _memory(plan, where, allow_oom)
     except CaptureError as exc:
         return [where.error("model", "factory", str(exc))]
     except (PtcError, ValueError):  # no profile: the run says so in its opening line
-        return []
+        found = []
+    if compiler is None:
+        return found
+    try:
+        compiler(plan)
+    except CaptureError as exc:
+        return [*found, where.error("model", "factory", str(exc))]
+    except CompileError as exc:  # at the plan field that asked for the failing pass
+        section, key = (exc.field or "model.factory").split(".", 1)
+        return [*found, where.error(section, key, str(exc))]
+    return found
 
 
 def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:

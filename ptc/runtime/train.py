@@ -129,7 +129,8 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     program = plan_or_program if isinstance(plan_or_program, Program) else None
     vocab = program.vocab if program is not None else plan.model.vocab
     found = [d for d in preflight(plan, allow_oom=allow_oom, vocab=vocab,
-                                  factory=program is None or program.model is None)
+                                  factory=program is None or program.model is None,
+                                  compiler=compiler if program is None else None)
              if d.severity == "error"]
     if found:
         raise PlanError(found)
