@@ -60,6 +60,18 @@ def _refused(command: str, plan: Path, capsys, *flags: str) -> list[str]:
     return captured.err.splitlines()
 
 
+def _custom_plan(tmp_path: Path, monkeypatch, factory: str, *edits: tuple[str, str]) -> None:
+    """tmp_path/plan.ptc: the tiny plan around `factory` (a module in tmp_path), `edits`
+    (old, new) applied; profiles kept in tmp_path."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
+    text = TINY.read_text()
+    text = f'model "{factory}" {{ }}\n' + text[text.index("hardware {"):]
+    for old, new in edits:
+        text = text.replace(old, new)
+    (tmp_path / "plan.ptc").write_text(text)
+
+
 def _line_of(plan: Path, needle: str) -> int:
     return next(i for i, line in enumerate(plan.read_text().splitlines(), 1) if needle in line)
 
@@ -241,10 +253,7 @@ def test_a_custom_model_that_sees_later_tokens_is_refused_before_any_process_sta
         "        return self.head(y.transpose(1, 2).reshape(b, s, 16))\n"
         "def build(max_seq=None):\n"
         "    return Encoder()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
-    text = 'model "encoder:build" { }\n' + TINY.read_text()[TINY.read_text().index("hardware {"):]
-    (tmp_path / "plan.ptc").write_text(text)
+    _custom_plan(tmp_path, monkeypatch, "encoder:build")
     for command in ("check", "run"):
         err = _refused(command, tmp_path / "plan.ptc", capsys)
         assert err[0].startswith(f"{tmp_path / 'plan.ptc'}:1:7: error: Encoder is not a causal "
@@ -277,11 +286,7 @@ def test_a_custom_model_tensor_parallelism_cannot_split_is_refused_before_any_pr
         "        return self.head(self.out(y.transpose(1, 2).reshape(b, s, 16)))\n"
         "def build(max_seq=None):\n"
         "    return Mixed()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PTC_CACHE_DIR", str(tmp_path / "cache"))
-    text = TINY.read_text()
-    text = 'model "mixed:build" { }\n' + text[text.index("hardware {"):]
-    (tmp_path / "plan.ptc").write_text(text.replace("tp = 1", "tp = 2").replace("dp = 8", "dp = 4"))
+    _custom_plan(tmp_path, monkeypatch, "mixed:build", ("tp = 1", "tp = 2"), ("dp = 8", "dp = 4"))
     line = _line_of(tmp_path / "plan.ptc", "tp = 2")
     for command in ("check", "run"):
         err = "\n".join(_refused(command, tmp_path / "plan.ptc", capsys))
