@@ -67,7 +67,8 @@ POINTWISE_OPS = _with_in_place({
     "clamp", "clip", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill",
     "rsub", "radd", "rmul", "iadd", "imul", "isub", "itruediv", "exp2", "log1p", "expm1",
     "sign", "fmod", "remainder", "copysign", "logical_not", "logical_and", "logical_or",
-    "bitwise_not", "bitwise_and",
+    "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor",
+    "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal",
 })
 REDUCTION_OPS = frozenset({"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max",
                            "min", "norm", "logsumexp", "argmax", "argmin", "prod", "any", "all"})
@@ -274,18 +275,18 @@ def param_source(node) -> str | None:
 
 
 def params_behind(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
-    """For every node that is a weight seen through views, casts and elementwise
-    arithmetic on weights alone (a parameter, its transpose, Gemma's 1 + w), the names of
-    the parameters it reads: a gradient arriving there reaches them unchanged in kind.
-    Lookups, collectives and whatever depends on a graph input are left out. One pass in
-    graph order."""
+    """For every node computed from weights alone (a parameter, its transpose, Gemma's
+    1 + w, xIELU's softplus(alpha)), the names of the parameters it reads: a gradient
+    arriving there reaches them, so where such a node is read decides how their gradient
+    is summed. Whatever depends on a graph input is left out, and so are ptc's own ops
+    (collectives). One pass in graph order."""
     out: dict[fx.Node, tuple[str, ...]] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             name = param_source(n)
             out[n] = (name,) if name is not None else ()
         elif n.op in ("call_function", "call_method") and n.all_input_nodes and \
-                op_name(n) in TRANSPARENT_OPS | POINTWISE_OPS and \
+                not getattr(n.target, "__module__", "").startswith("ptc.") and \
                 all(a in out for a in n.all_input_nodes):
             out[n] = tuple(dict.fromkeys(x for a in n.all_input_nodes for x in out[a]))
     return out
@@ -605,6 +606,8 @@ def classify(node: fx.Node) -> str:
         return "attention"
     if name in LINEAR_OPS or (name in MATMUL_OPS | GROUPED_MM_OPS and linear_weight(node)):
         return "linear"
+    if name in _MIN_MAX and len(node.args) > 1 and node_shape(node.args[1]) is not None:
+        return "pointwise"  # torch.min(x, other): elementwise, not a reduction over a dim
     for kind, names in _NAME_KINDS:
         if name in names:
             return kind
@@ -632,6 +635,8 @@ def module_kind(cls: type | str) -> str:
     return "other"
 
 
+_MIN_MAX = frozenset({"min", "max"})
+"""Reductions (`x.max(dim)`) that are elementwise when their second operand is a tensor."""
 _NAME_KINDS = (("matmul", MATMUL_OPS), ("embedding", EMBEDDING_OPS), ("norm", NORM_OPS),
                ("softmax", SOFTMAX_OPS), ("dropout", DROPOUT_OPS),
                ("activation", ACTIVATION_OPS), ("loss", LOSS_OPS),

@@ -1,5 +1,7 @@
 """Predicates answer the same on an fx graph and on an exported (aten) graph."""
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -148,3 +150,35 @@ class WithSubclass(nn.Module):
 def test_linear_subclass_and_tied_head(door):
     gm = capture(WithSubclass(), micro_batch=B, seq_len=S, front_door=door)
     assert found(gm, nodes.is_linear) == ["proj", "head"]
+
+
+def test_min_and_max_of_two_tensors_and_comparisons_are_elementwise():
+    # xIELU's torch.min(x, eps) and x > 0: elementwise, so a tp split passes through them;
+    # x.max(-1) reduces over a dimension.
+    graph = torch.fx.Graph()
+    x, eps = graph.placeholder("x"), graph.placeholder("eps")
+    for placeholder in (x, eps):
+        placeholder.meta["val"] = torch.empty(2, 3, device="meta")
+    made = [graph.call_function(torch.min, (x, eps)), graph.call_method("max", (x, -1)),
+            graph.call_function(operator.gt, (x, 0))]
+    graph.output(tuple(made))
+    assert [nodes.classify(n) for n in made] == ["pointwise", "reduction", "pointwise"]
+
+
+class LearnedActivation(nn.Module):
+    """x · softplus(alpha): a parameter seen through an activation, as xIELU's."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * nn.functional.softplus(self.alpha)
+
+
+def test_a_parameter_seen_through_an_activation_is_behind_it():
+    # Where softplus(alpha) is read decides how alpha's gradient is summed over tp: a read
+    # inside a split region makes it partial (left out, each rank kept its own part).
+    gm = torch.fx.symbolic_trace(LearnedActivation())
+    behind = {n.name: names for n, names in nodes.params_behind(gm).items()}
+    assert behind == {"alpha": ("alpha",), "softplus": ("alpha",)}

@@ -37,7 +37,10 @@ with its attention kept whole by a rule; without it, a CompileError names that r
 And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GPT-Neo,
 GPT-OSS (attention sinks), PhiMoE (these three train though ptc cannot price them) and
 GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off), GLM,
-LFM2 (short convolutions) and Mamba (a state-space scan, no attention).
+LFM2 (short convolutions) and Mamba (a state-space scan, no attention). Newer ones:
+DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts) under pp and ZeRO-3,
+GLM-4, Apertus (xIELU: learned scalars through softplus, read on the split MLP activations,
+so their gradient is summed over tp), NanoChat, OLMoE, BitNet and VaultGemma.
 
 Falcon picks each group's key/value head out of its fused qkv with index
 lists (tensor constants the graph keeps with their values) and writes its
@@ -149,6 +152,15 @@ LAUNCHES = {"layouts": [
     HFCase("granitemoe", tp=2), HFCase("granitemoe", pp=2),
     HFCase("glm", tp=2, sp=True), HFCase("lfm2", pp=2), HFCase("mamba", pp=2),
     HFCase("mamba", dp=2, zero=3),
+], "newer families": [
+    # multi-head latent attention and sigmoid-routed experts (DeepSeek-V3: tp cannot split
+    # its attention), sandwich norms (GLM-4), xIELU (Apertus), squared ReLU with q/k norms
+    # without weights (NanoChat), experts with q/k norms across the heads (OLMoE), norms
+    # inside attention and MLP (BitNet), Gemma without soft-capping (VaultGemma)
+    HFCase("deepseek_v3", pp=2), HFCase("deepseek_v3", dp=2, zero=3),
+    HFCase("glm4", tp=2, sp=True), HFCase("apertus", tp=2, sp=True),
+    HFCase("nanochat", tp=2, sp=True), HFCase("olmoe", pp=2), HFCase("bitnet", dp=2, zero=3),
+    HFCase("vaultgemma", tp=2, sp=True),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

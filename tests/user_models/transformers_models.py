@@ -27,9 +27,18 @@ rotary (ERNIE 4.5), per-head norms after rotary (Hunyuan), squared ReLU (Arcee),
 behind routers of their own (Qwen3-MoE, GPT-OSS with attention sinks, PhiMoE, GraniteMoE,
 whose forward takes `use_cache` through **kwargs), local attention (GPT-Neo), a fused
 gate_up with half-head interleaved rotary (GLM), short convolutions beside attention
-(LFM2), and no attention at all: a state-space scan (Mamba).
+(LFM2), and no attention at all: a state-space scan (Mamba). Newer ones: multi-head latent
+attention (low-rank queries and keys/values, rotary on a slice of each head) with a dense
+first layer and sigmoid-routed experts beside shared ones (DeepSeek-V3), norms after
+attention and MLP as well as before (GLM-4), the xIELU activation (Apertus), squared-ReLU
+MLPs and q/k norms without weights (NanoChat), experts with q/k norms (OLMoE), norms inside
+attention and MLP (BitNet), and a Gemma without soft-capping (VaultGemma).
 """
 
+from transformers import (ApertusConfig, ApertusForCausalLM, BitNetConfig, BitNetForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM, Glm4Config, Glm4ForCausalLM,
+                          NanoChatConfig, NanoChatForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          VaultGemmaConfig, VaultGemmaForCausalLM)
 from transformers import (ArceeConfig, ArceeForCausalLM, BioGptConfig, BioGptForCausalLM,
                           BloomConfig, BloomForCausalLM, CodeGenConfig, CodeGenForCausalLM,
                           Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
@@ -339,3 +348,49 @@ def lfm2(**overrides) -> Lfm2ForCausalLM:
     """LFM2: gated short convolutions in some layers, attention in the others."""
     return Lfm2ForCausalLM(Lfm2Config(**_DECODER | {
         "layer_types": ["conv", "full_attention"], "pad_token_id": 1} | overrides))
+
+
+_NO_PAD = {"pad_token_id": None}
+
+
+def deepseek_v3(**overrides) -> DeepseekV3ForCausalLM:
+    """DeepSeek-V3: multi-head latent attention (queries and keys/values through low-rank
+    projections, rotary on a slice of each head), a dense first layer, then experts behind
+    a sigmoid router beside a shared expert."""
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**_DECODER | _NO_PAD | {
+        "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_group": 1,
+        "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4, "v_head_dim": 8} | overrides))
+
+
+def glm4(**overrides) -> Glm4ForCausalLM:
+    """GLM-4: GLM's layer with norms after attention and MLP as well as before."""
+    return Glm4ForCausalLM(Glm4Config(**_DECODER | _NO_PAD | overrides))
+
+
+def apertus(**overrides) -> ApertusForCausalLM:
+    """Apertus: an MLP with the xIELU activation (learned parameters) and no gate."""
+    return ApertusForCausalLM(ApertusConfig(**_DECODER | _NO_PAD | overrides))
+
+
+def nanochat(**overrides) -> NanoChatForCausalLM:
+    """NanoChat: squared-ReLU MLPs, q/k norms without weights."""
+    return NanoChatForCausalLM(NanoChatConfig(**_DECODER | _NO_PAD | overrides))
+
+
+def olmoe(**overrides) -> OlmoeForCausalLM:
+    """OLMoE: q/k norms across the heads, experts behind a top-2 softmax router."""
+    return OlmoeForCausalLM(OlmoeConfig(**_DECODER | _NO_PAD | {
+        "num_experts": 4, "num_experts_per_tok": 2} | overrides))
+
+
+def bitnet(**overrides) -> BitNetForCausalLM:
+    """BitNet: norms inside attention (before o_proj) and inside the MLP (before down)."""
+    return BitNetForCausalLM(BitNetConfig(**_DECODER | _NO_PAD | overrides))
+
+
+def vaultgemma(**overrides) -> VaultGemmaForCausalLM:
+    """VaultGemma: Gemma's layer (GeGLU, (1 + w) norms, scaled embeddings)."""
+    return VaultGemmaForCausalLM(VaultGemmaConfig(**_DECODER | _NO_PAD | {"head_dim": 8}
+                                                  | overrides))
