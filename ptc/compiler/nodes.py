@@ -43,6 +43,14 @@ ATTENTION_OPS = frozenset({"scaled_dot_product_attention",
                            "scaled_dot_product_efficient_attention",
                            "scaled_dot_product_cudnn_attention", "site_attention",
                            "context_attention"})
+ALONG_DIM_OPS = {"softmax": ("dim", 1), "log_softmax": ("dim", 1), "cumsum": ("dim", 1),
+                 "cumprod": ("dim", 1), "cummax": ("dim", 1), "cummin": ("dim", 1),
+                 "logcumsumexp": ("dim", 1), "diff": ("dim", 2), "sort": ("dim", 1),
+                 "argsort": ("dim", 1), "topk": ("dim", 2), "roll": ("dims", 2),
+                 "flip": ("dims", 1)}
+"""Ops that combine or reorder the elements along one dim: (keyword, argument index) of it."""
+CONVOLUTION_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d"})
+"""Ops that combine neighbouring elements of their spatial dims (a causal convolution)."""
 EMBEDDING_OPS = frozenset({"embedding"})
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "fused_rms_norm",
                       "group_norm", "native_group_norm", "batch_norm", "native_batch_norm"})
@@ -132,6 +140,23 @@ def where(node: fx.Node) -> str:
     if meta is not None and meta.source:
         text += f" at {meta.source}"
     return text
+
+
+def mixes_along(node: fx.Node, x: fx.Node, dim: int) -> bool:
+    """Whether `node` combines or reorders the elements of its input `x` along `dim`: a
+    softmax, cumulative op, sort or roll along it (or along an unnamed dim), a convolution.
+    Such an op is wrong on a rank's part of that dim."""
+    name = op_name(node).lower()
+    if name in CONVOLUTION_OPS:
+        return True
+    if name not in ALONG_DIM_OPS or node.args[:1] != (x,):
+        return False
+    key, index = ALONG_DIM_OPS[name]
+    dims = node.kwargs.get(key, node.args[index] if len(node.args) > index else None)
+    if dims is None:  # flatten-then-sort, or torch's default of the last dim
+        return True
+    rank = len(get_info(x).shapes[0])
+    return dim in {d % rank for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
 
 
 def has_effect(node: fx.Node) -> bool:

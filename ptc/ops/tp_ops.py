@@ -13,6 +13,7 @@ docstring says what backward does):
 | `all_gather_seq`      | all-gather along the sequence  | reduce-scatter along it       |
 | `reduce_scatter_seq`  | reduce-scatter along sequence  | all-gather along it           |
 | `scatter_seq`         | keep this rank's sequence chunk| all-gather along it           |
+| `gather_seq`          | all-gather along the sequence  | keep this rank's chunk        |
 
 `column_parallel_linears` (`column_parallel_linears_seq`) is `copy_to_tp`
 (`all_gather_seq`) fused with the column-parallel linears that read its
@@ -120,7 +121,7 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if world == 1:
         return x
     if x.shape[dim] % world:
-        raise ValueError(f"scatter_seq: dim {dim} of size {x.shape[dim]} is not divisible "
+        raise ValueError(f"a sequence chunk: dim {dim} of size {x.shape[dim]} is not divisible "
                          f"by the {world} ranks")
     return x.chunk(world, dim)[group_rank(group)].contiguous()
 
@@ -261,6 +262,17 @@ class _ScatterSeq(torch.autograd.Function):
         return _gather(grad, ctx.dim, axis_group(ctx.axis)), None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):  # noqa: D102
+        ctx.dim, ctx.axis = dim, axis
+        return _gather(x, dim, axis_group(axis))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _chunk(grad, ctx.dim, axis_group(ctx.axis)), None, None
+
+
 @_collective("all-gather", "reduce-scatter")
 def all_gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     """Leave a sequence-parallel region: join every rank's sequence chunk along `dim`.
@@ -294,6 +306,20 @@ def scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     producer sees the gradient of the whole sequence.
     """
     return _ScatterSeq.apply(x, dim, axis)
+
+
+@_collective("all-gather", "split")
+def gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
+    """Give an op that mixes positions (an attention whose projections a rule keeps whole)
+    the whole sequence from a sequence-parallel region.
+
+    Forward: all-gather along `dim` over `axis`. Backward: keep this rank's
+    chunk of the gradient, with no sum: what runs on the gathered tensor
+    runs whole and alike on every rank, so each rank's gradient there is
+    already the whole one (unlike `all_gather_seq`, whose users are
+    column-parallel and give partial gradients).
+    """
+    return _GatherSeq.apply(x, dim, axis)
 
 
 # ------------------------------------- column-parallel linears, overlapped in backward

@@ -28,19 +28,19 @@ otherwise train something else.
 from __future__ import annotations
 
 import logging
-import operator
 
 import torch
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.masks import MaskReader
-from ptc.compiler.meta import copy_meta, get_info, graph_info
-from ptc.compiler.nodes import LOSS_OPS, attention_parts, has_effect, op_name, where
+from ptc.compiler.meta import copy_meta, graph_info
+from ptc.compiler.nodes import LOSS_OPS, attention_parts, has_effect, mixes_along, op_name, where
 from ptc.errors import CompileError
 from ptc.ops.context import context_attention, context_chunks
 from ptc.ops.dropout import site_dropout
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
+from ptc.passes.local_shapes import (Propagation, fold_sizes, is_shape_only, propagate,
+                                     shape_of)
 
 log = logging.getLogger("ptc.passes.context_parallel")
 
@@ -52,16 +52,6 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _TRANSPOSES = frozenset({"transpose", "permute", "t"})
 _SCALES = frozenset({"mul", "truediv", "div"})
 _MASK_FILLS = frozenset({"masked_fill", "masked_fill_"})
-_ALONG_DIM = {"cumsum": ("dim", 1), "cumprod": ("dim", 1), "cummax": ("dim", 1),
-              "cummin": ("dim", 1), "logcumsumexp": ("dim", 1), "diff": ("dim", 2),
-              "sort": ("dim", 1), "argsort": ("dim", 1), "topk": ("dim", 2),
-              "roll": ("dims", 2), "flip": ("dims", 1)}
-"""Ops that mix positions along one dim (keyword, argument index): wrong on a rank's chunks
-when that dim is the split sequence."""
-_CONVOLUTIONS = frozenset({"conv1d", "conv2d", "convolution", "conv_transpose1d"})
-"""Ops that mix neighbouring positions of their spatial dims (a causal convolution)."""
-
-
 def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
     """Split every sample's sequence over cp and gather keys and values at each attention.
 
@@ -74,7 +64,7 @@ def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     capture = graph_info(gm)
     if not capture.with_loss:
         raise CompileError("context parallelism needs a graph that computes its loss")
-    folded = _fold_sizes(gm)
+    folded = fold_sizes(gm)
     attentions = [node for node in list(gm.graph.nodes) if attention_parts(node) is not None]
     if not attentions:
         raise CompileError("context parallelism: the model has no attention ptc can find")
@@ -102,58 +92,6 @@ def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
              "enter through context_chunks; %d dropout sites keep their chunks of the mask",
              folded, len(attentions), entered, mixes, sites)
     return gm
-
-
-def _fold_sizes(gm: fx.GraphModule) -> int:
-    """Replace sizes read off tensors (x.size(1), x.shape[1], x.shape) by their values at
-    capture: the sequence they measure is the whole one, whatever part a rank holds.
-
-    The graph runs only at the plan's micro-batch shape, so the values are the
-    ones it always reads. Shape arguments of views then hold the whole size,
-    which `ptc.passes.local_shapes` rewrites for the rank's part.
-    """
-    values: dict[fx.Node, object] = {}
-    for node in gm.graph.nodes:
-        value = _size_value(node, values)
-        if value is not None:
-            values[node] = value
-    for node, value in values.items():
-        for user in list(node.users):
-            user.args = _substitute(user.args, node, value)
-            user.kwargs = _substitute(user.kwargs, node, value)
-    for node in reversed(list(values)):
-        if not node.users:
-            gm.graph.erase_node(node)
-    return len(values)
-
-
-def _size_value(node: fx.Node, values: dict[fx.Node, object]):
-    """The int (or tuple of ints) a shape-reading node gives at capture, else None."""
-    name = op_name(node)
-    if node.op == "call_method" and name == "size" or \
-            node.op == "call_function" and node.target is torch.Tensor.size:
-        x, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"))
-        shape = _shape_of(x)
-        if shape is None:
-            return None
-        return shape if dim is None else shape[dim]
-    if node.op == "call_function" and node.target is getattr and node.args[1] == "shape":
-        return _shape_of(node.args[0])
-    if node.op == "call_function" and node.target is operator.getitem and \
-            node.args[0] in values and isinstance(values[node.args[0]], tuple):
-        return values[node.args[0]][node.args[1]]
-    return None
-
-
-def _shape_of(x) -> tuple[int, ...] | None:
-    meta = get_info(x) if isinstance(x, fx.Node) else None
-    if meta is None or len(meta.shapes) != 1:
-        return None
-    return tuple(meta.shapes[0])
-
-
-def _substitute(args, node: fx.Node, value):
-    return fx.node.map_aggregate(args, lambda a: value if a is node else a)
 
 
 # ------------------------------------------------------------------ attention
@@ -281,7 +219,7 @@ def _enter_inputs(gm: fx.GraphModule, micro_batch: int, seq_len: int) -> int:
     """Put context_chunks between each [b, s] input and its users; how many inputs."""
     entered = 0
     for node in list(gm.graph.nodes):
-        shape = _shape_of(node) if node.op == "placeholder" else None
+        shape = shape_of(node) if node.op == "placeholder" else None
         if shape is None or len(shape) < 2 or shape[:2] != (micro_batch, seq_len) \
                 or not node.users:
             continue
@@ -306,18 +244,11 @@ def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
     for node in gm.graph.nodes:
         if not prop.is_split(node):
             continue
-        meta = get_info(node)
-        if meta is not None and meta.kind == "softmax":
-            dim = _softmax_dim(node)
-            rank = len(prop.local[node][0])
-            if dim is not None and dim % rank == _split_dim(prop, node):
-                raise CompileError(f"context parallelism: {where(node)} normalises over the "
-                                   "sequence, which is split over cp")
         for user in node.users:
             if user.op == "output":
                 raise CompileError(f"context parallelism: {where(node)} reaches the graph "
                                    "output split along the sequence")
-            if _mixes_positions(user, node, _split_dim(prop, node)):
+            if mixes_along(user, node, _split_dim(prop, node)):
                 raise CompileError(f"context parallelism: {where(user)} mixes positions along "
                                    "the sequence, which is split over cp (each rank would see "
                                    "only its chunks); cp splits models whose only mixing of "
@@ -329,21 +260,6 @@ def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
             raise CompileError(f"context parallelism: {where(user)} turns a tensor split "
                                f"along the sequence into one that is not ({node.name}: "
                                f"{prop.local[node]}); it reduces over the sequence")
-
-
-def _mixes_positions(user: fx.Node, split: fx.Node, dim: int) -> bool:
-    """Whether `user` combines positions of its split input `split` along its split `dim`."""
-    name = op_name(user).lower()
-    if name in _CONVOLUTIONS:
-        return True
-    if name not in _ALONG_DIM or user.args[:1] != (split,):
-        return False
-    key, index = _ALONG_DIM[name]
-    dims = user.kwargs.get(key, user.args[index] if len(user.args) > index else None)
-    if dims is None:  # flatten-then-sort, or torch's default of the last dim
-        return True
-    rank = len(get_info(split).shapes[0])
-    return dim in {d % rank for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
 
 
 def _mean_loss(node: fx.Node) -> bool:

@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_leaves
 from ptc.compiler import flops as flops_mod
 from ptc.compiler.call_cache import CallCache
 from ptc.compiler.meta import copy_meta, get_info, update_info
-from ptc.compiler.nodes import ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, op_name, where
+from ptc.compiler.nodes import (ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, mixes_along,
+                                op_name, where)
 from ptc.errors import CompileError
 from ptc.ops.comm import ShapeGroup, bind_axes
 
@@ -79,7 +80,8 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
               on_mix: MixFix | None = None, what: str = "tensor parallelism",
               padded: Mapping[int, int] | None = None,
               axes: Mapping[str, int] | None = None,
-              advice: Callable[[fx.Node], str] | None = None) -> Propagation:
+              advice: Callable[[fx.Node], str] | None = None,
+              on_gather: MixFix | None = None) -> Propagation:
     """Run `gm` on meta with its current (local) parameters; fix shape arguments; update meta.
 
     `k`: the degree a split dim is divided by. `padded`: sizes that become a
@@ -92,13 +94,17 @@ def propagate(gm: fx.GraphModule, *, k: int, prefer: frozenset[int] = frozenset(
     context-parallel ops of a cp-split graph). `on_mix`: called when an elementwise
     op meets a split and a whole operand of the same size on the split dim
     (the whole one must be split too); without it that is a CompileError.
+    `on_gather`: called for each split input of an op that combines elements
+    along its split dim (an attention, a matmul over it, a softmax, cumsum or
+    convolution along it), which then runs on whole inputs; without it such
+    ops run on the local parts.
     Raises CompileError naming the node, its module and source line when an
     op cannot run on the local shapes, followed by `advice(node)` (a fix).
     """
     shapes = {axis: ShapeGroup(size) for axis, size in (axes or {}).items()}
     with bind_axes(shapes):
         return _Propagator(gm, k, prefer, pick_last, dict(rules or {}), on_mix, what,
-                           dict(padded or {}), advice).run()
+                           dict(padded or {}), advice, on_gather).run()
 
 
 class _Unfollowable(Exception):
@@ -106,9 +112,10 @@ class _Unfollowable(Exception):
 
 
 class _Propagator:
-    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what, padded, advice):
+    def __init__(self, gm, k, prefer, pick_last, rules, on_mix, what, padded, advice, on_gather):
         self.gm, self.k, self.prefer, self.pick_last = gm, k, prefer, pick_last
         self.rules, self.on_mix, self.what, self.padded = rules, on_mix, what, padded
+        self.on_gather = on_gather
         self.advice = advice or (lambda node: "")
         self.interp = fx.Interpreter(gm, garbage_collect_values=False)
         self.env = self.interp.env
@@ -208,6 +215,8 @@ class _Propagator:
     def _fix(self, node: fx.Node) -> None:
         name = op_name(node)
         try:
+            if self.on_gather is not None:
+                self._gather_mixed(node)
             if name in _RESHAPES:
                 self._fix_reshape(node)
             elif name in _SPLITS:
@@ -370,6 +379,43 @@ class _Propagator:
                 expected[offset + d] = li[d]
         self._write_sizes(node, slot, tuple(expected))
 
+    def _split_inputs(self, node: fx.Node) -> dict[fx.Node, int]:
+        """The node's split tensor inputs, each with its split dim."""
+        split = {}
+        for a in node.all_input_nodes:
+            if isinstance(self.env.get(a), torch.Tensor) and self.result.before.get(a):
+                bi, li = self._before_local(a)
+                if bi != li:
+                    split[a] = self._split_dim(bi, li)
+        return split
+
+    def _gather_mixed(self, node: fx.Node) -> None:
+        """Give an op that combines elements along a split dim its inputs whole
+        (`on_gather`), so that it runs, and what follows it, on whole tensors."""
+        split = self._split_inputs(node)
+        if not split or not self._combines_along(node, split):
+            return
+        for a, dim in split.items():
+            whole = self.on_gather(node, a, dim)
+            self.result.before[whole] = self.result.before[a]
+            self._evaluate(whole)
+            node.replace_input_with(a, whole)
+
+    def _combines_along(self, node: fx.Node, split: dict[fx.Node, int]) -> bool:
+        """Whether the op mixes elements along one of its inputs' split dims: the positions
+        of an attention's queries, keys or mask; a matmul's contraction dim or its second
+        operand's columns (the first operand's rows and the batch dims pass through); a
+        softmax, cumulative op or convolution along it (`nodes.mixes_along`)."""
+        name = op_name(node)
+        ndim = {a: self.env[a].dim() for a in split}
+        if name in ATTENTION_OPS:
+            return any(d >= ndim[a] - 2 for a, d in split.items())
+        if name in ("matmul", "bmm"):
+            first = node.args[0]
+            return any(d >= ndim[a] - 2 and not (a is first and d == ndim[a] - 2)
+                       for a, d in split.items())
+        return any(mixes_along(node, a, d) for a, d in split.items())
+
     def _fix_mix(self, node: fx.Node) -> None:
         """Split a whole operand of an op whose other operand is split on a dim they pair:
         any dim of an elementwise op, a leading dim of a matmul or an attention (heads)."""
@@ -408,6 +454,62 @@ class _Propagator:
             self.result.before[part] = (li[:own] + (size * self.k,) + li[own + 1:],)
             self._evaluate(part)
             node.replace_input_with(a, part)
+
+
+def fold_sizes(gm: fx.GraphModule) -> int:
+    """Replace sizes read off tensors (x.size(1), x.shape[1], x.shape) by the values their
+    metadata holds before a pass splits them: the sequence they measure is the whole one,
+    whatever part a rank holds. Returns how many were folded.
+
+    So a position table or an `arange` built from the sequence length spans the whole
+    sequence (and enters the split through `on_mix`), not the first rank's part on every
+    rank. The graph runs only at the plan's micro-batch shape, so the values are the ones
+    it always reads. Shape arguments of views then hold the whole size, which `propagate`
+    rewrites for the rank's part.
+    """
+    values: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        value = _size_value(node, values)
+        if value is not None:
+            values[node] = value
+    for node, value in values.items():
+        for user in list(node.users):
+            user.args = _substitute(user.args, node, value)
+            user.kwargs = _substitute(user.kwargs, node, value)
+    for node in reversed(list(values)):
+        if not node.users:
+            gm.graph.erase_node(node)
+    return len(values)
+
+
+def _size_value(node: fx.Node, values: dict[fx.Node, object]):
+    """The int (or tuple of ints) a shape-reading node gives at capture, else None."""
+    name = op_name(node)
+    if node.op == "call_method" and name == "size" or \
+            node.op == "call_function" and node.target is torch.Tensor.size:
+        x, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"))
+        shape = shape_of(x)
+        if shape is None:
+            return None
+        return shape if dim is None else shape[dim]
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "shape":
+        return shape_of(node.args[0])
+    if node.op == "call_function" and node.target is operator.getitem and \
+            node.args[0] in values and isinstance(values[node.args[0]], tuple):
+        return values[node.args[0]][node.args[1]]
+    return None
+
+
+def shape_of(x) -> tuple[int, ...] | None:
+    """The shape a single-tensor node's metadata holds (None: not a node of one tensor)."""
+    meta = get_info(x) if isinstance(x, fx.Node) else None
+    if meta is None or len(meta.shapes) != 1:
+        return None
+    return tuple(meta.shapes[0])
+
+
+def _substitute(args, node: fx.Node, value):
+    return fx.node.map_aggregate(args, lambda a: value if a is node else a)
 
 
 def _shapes_of(node: fx.Node) -> tuple[tuple[int, ...], ...]:

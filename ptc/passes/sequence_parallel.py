@@ -8,7 +8,15 @@ column-parallel region into `all_gather_seq`, and each `reduce_from_tp`
 after a row-parallel one (and the vocabulary-parallel embedding) into
 `reduce_scatter_seq`. A replicated tensor that meets the split sequence
 (learned positions added to the token embedding) enters through
-`scatter_seq`. Parameters used on the split sequence (norm weights, the
+`scatter_seq`. An op outside the tp regions that mixes positions (an
+attention whose projections a `shard ... replicate` rule keeps whole, a
+convolution along the sequence) gets its split inputs whole through
+`gather_seq` and runs whole, alike on every rank, until its output meets
+the split sequence again (`scatter_seq`). Sizes the model reads off its
+tensors are folded to the whole sequence first, so that a table sliced to
+the sequence length (rotary angles) spans all of it and enters the split
+through `scatter_seq`, not as the first rank's rows on every rank.
+Parameters used on the split sequence (norm weights, the
 row-parallel biases) see only part of the tokens on each rank: the pass
 lists them in the tensor-parallel layout (`partial_grads`) and the
 runtime sums their gradients over tp once per step, in one collective
@@ -31,10 +39,10 @@ from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
 from ptc.compiler.nodes import module_of, params_behind, where
 from ptc.errors import CompileError
-from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp, reduce_scatter_seq,
-                            scatter_seq)
+from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq, reduce_from_tp,
+                            reduce_scatter_seq, scatter_seq)
 from ptc.passes.functional import functionalize
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
+from ptc.passes.local_shapes import Propagation, fold_sizes, is_shape_only, propagate
 
 log = logging.getLogger("ptc.passes.sequence_parallel")
 
@@ -55,6 +63,7 @@ def _rules():
         all_gather_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, k_),
         reduce_scatter_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, 1 / k_),
         scatter_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, 1 / k_),
+        gather_seq: lambda k_, x, dim=SEQ_DIM, axis="tp": _resized(x, dim, k_),
     }
 
 
@@ -78,7 +87,8 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     if seq_len % tp:
         raise CompileError(f"sequence parallelism: the {seq_len} positions a rank holds are "
                            f"not divisible by tp = {tp}")
-    counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0}
+    fold_sizes(gm)  # a table sliced to the sequence length spans the whole sequence
+    counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0, "gather_seq": 0}
     split = _split_activations(gm)
     for node in list(gm.graph.nodes):
         if node.target is copy_to_tp and node.args[0] in split:
@@ -88,16 +98,17 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
             _swap(gm, node, reduce_scatter_seq, capture.micro_batch, seq_len)
             counts["reduce_scatter_seq"] += 1
 
-    def scatter(user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
+    def insert(op, user: fx.Node, x: fx.Node, dim: int) -> fx.Node:
         with gm.graph.inserting_before(user):
-            node = gm.graph.call_function(scatter_seq, (whole, dim))
-        copy_meta(whole, node, kind="other", **_FREE)
-        counts["scatter_seq"] += 1
+            node = gm.graph.call_function(op, (x, dim))
+        copy_meta(x, node, kind="other", **_FREE)
+        counts[op.__name__] += 1
         return node
 
     prop = propagate(gm, k=tp, prefer=frozenset({seq_len}), pick_last=True,
-                     rules=_rules(), on_mix=scatter, what="sequence parallelism",
-                     axes={"cp": plan.parallel.cp})
+                     rules=_rules(), on_mix=lambda *a: insert(scatter_seq, *a),
+                     on_gather=lambda *a: insert(gather_seq, *a),
+                     what="sequence parallelism", axes={"cp": plan.parallel.cp})
     region = _region(gm, prop)
     partial = _sequence_params(gm, region)
     partial = tuple(dict.fromkeys(tp_layout.partial_grads + partial))  # with the tp pass's
@@ -105,9 +116,10 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     gm.graph.lint()
     gm.recompile()
     log.info("inserted %d all_gather_seq, %d reduce_scatter_seq, %d scatter_seq (replacing tp "
-             "all-reduces); %d parameters of the split sequence get their gradients summed over "
-             "tp once per step", counts["all_gather_seq"], counts["reduce_scatter_seq"],
-             counts["scatter_seq"], len(partial))
+             "all-reduces), %d gather_seq; %d parameters of the split sequence get their "
+             "gradients summed over tp once per step", counts["all_gather_seq"],
+             counts["reduce_scatter_seq"], counts["scatter_seq"], counts["gather_seq"],
+             len(partial))
     return gm
 
 
@@ -158,24 +170,12 @@ def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
     ordered = [n for n in gm.graph.nodes if prop.is_split(n)]
     region = set(ordered)
     for node in ordered:  # graph order: the first offending node is the one named
-        meta = get_info(node)
-        if meta is not None and meta.kind == "attention":
-            # Outside a tp region (its projections kept whole by a rule) the attention would
-            # see only the rank's positions: each token attending within its rank's part.
-            raise CompileError(f"sequence parallelism: {where(node)} would attend over the "
-                               "rank's part of the sequence only: its projections are not "
-                               "split over tp (a `shard ... replicate` rule keeps them whole); "
-                               "turn sequence_parallel off or let tp split this attention")
-        if meta is not None and meta.kind == "softmax":
-            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-            if dim % len(prop.local[node][0]) == SEQ_DIM:
-                raise CompileError(f"sequence parallelism: {where(node)} normalises over the "
-                                   "sequence, which is split over tp")
         for user in node.users:
             if user.op == "output":
                 raise CompileError(f"sequence parallelism: {where(node)} reaches the graph "
                                    "output split along the sequence")
-            if user not in region and not is_shape_only(user) and user.target is not all_gather_seq:
+            if user not in region and not is_shape_only(user) and \
+                    user.target not in (all_gather_seq, gather_seq):
                 raise CompileError(f"sequence parallelism: {where(user)} turns a tensor split "
                                    f"along the sequence into one that is not ({node.name}: "
                                    f"{prop.local[node]}); it reduces over the sequence")

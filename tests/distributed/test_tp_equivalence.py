@@ -55,6 +55,9 @@ from ptc.runtime.launcher import run_local
 pytestmark = pytest.mark.distributed
 
 FAMILIES = ("gpt", "llama", "nanogpt")
+WHOLE_ATTENTION = {"llama": "layers.*.attn.*", "gpt+dropout": "layers.*.attn.*",
+                   "nanogpt+dropout": "transformer.h.*.attn.*"}
+"""The modules of each family's attention."""
 
 LAUNCHES = {
     "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)]
@@ -63,7 +66,12 @@ LAUNCHES = {
            # dropout on: each sample's masks, sliced to the rank's heads or sequence chunk
            + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)]
            # one key/value head for two ranks: replicated, each rank takes it where q meets it
-           + [TPCase("llama+kv1", 2, True)],
+           + [TPCase("llama+kv1", 2, True)]
+           # an attention kept whole by a rule: its q, k, v gathered along the sequence, its
+           # output scattered back (fused SDPA with rotary; written out with dropout; SDPA
+           # with dropout)
+           + [TPCase(f, 2, True, shards=((WHOLE_ATTENTION[f], "replicate"),))
+              for f in ("llama", "gpt+dropout", "nanogpt+dropout")],
     "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)]
            + [TPCase("gpt+dropout", 4, False)]
            # 2 key/value heads over 4 ranks: each head shared by two ranks' query heads
@@ -93,8 +101,11 @@ def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
     assert len(got["losses"]) == STEPS
     assert got["log"][0].startswith("shard_tensors_pass: inserted")
     assert any(m.startswith("shard_sequence_pass") for m in got["log"]) == case.sp
-    if case.shards:  # the replicated embedding's output is split once, at layer 0's residual add
+    rules = dict(case.shards)
+    if "embed" in rules:  # the replicated embedding's output is split once, at layer 0's residual add
         assert any(" 1 scatter_seq" in m and "4 all_gather_seq" in m for m in got["log"])
+    if WHOLE_ATTENTION.get(case.family) in rules:  # q, k, v of each of the two layers
+        assert any(", 6 gather_seq" in m for m in got["log"])
     # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward).
     assert any("tp input-gradient reductions overlap weight gradients" in m for m in got["log"])
     assert_same_training(got, reference(tp_plan(case)), what=str(case))

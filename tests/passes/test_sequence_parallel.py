@@ -30,8 +30,8 @@ from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
-from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, reduce_from_tp,  # noqa: E402
-                                reduce_scatter_seq, scatter_seq)
+from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq,  # noqa: E402
+                            reduce_from_tp, reduce_scatter_seq, scatter_seq)
 from tests.user_models.nanogpt import nanogpt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,13 +107,13 @@ class TestShardSequencePass:
         assert get_info(scattered).shapes == ((2, 8, 32),)
         assert get_info(node(gm, "head")).shapes == ((2, 16, 32),)
 
-    def test_sequence_lengths_read_off_split_tensors_are_rewritten(self):
-        """GPT reads (b, s) off the norm's output, which is now s / tp long."""
+    def test_sequence_lengths_read_off_split_tensors_are_the_whole_sequence(self):
+        """GPT reads (b, s) off the norm's output, which is now s / tp long; s is folded to
+        the 16 positions it measured, which the gathered q, k, v hold."""
         gm = lowered(plan(GPT))
         view = node(gm, "view")
-        s = view.args[2]
-        assert s.target is operator.mul and s.args[1] == 2
-        assert s.args[0].name == "getitem_1"
+        assert view.args[1:] == (2, 16, 2, 8)  # (b, s, heads / tp, d)
+        assert not any(n.op == "call_method" and n.target == "size" for n in gm.graph.nodes)
 
     def test_llama_needs_no_scatter(self):
         gm = lowered(plan(LLAMA))
@@ -130,8 +130,8 @@ class TestShardSequencePass:
             model = nanogpt(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=16)
         gm = lowered(plan(GPT), capture(model, micro_batch=2, seq_len=16))
         assert len(calls(gm, scatter_seq)) == 1  # wpe(pos) added to the split token embedding
-        merge = node(gm, "view_3")  # y.view(B, T, C): T * 2 (gathered), C // 2 (tp heads)
-        assert merge.args[2].target is operator.mul
+        merge = node(gm, "view_3")  # y.view(B, T, C): T whole (gathered), C // 2 (tp heads)
+        assert merge.args[1:3] == (2, 16)
         assert merge.args[3].target is operator.floordiv
 
     def test_off_without_the_option_or_with_tp1(self):
@@ -149,15 +149,39 @@ class TestShardSequencePass:
             apply_pass(shard_sequence_pass, capture_plan(p), p)
 
     @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
-    def test_an_attention_kept_whole_by_a_rule_is_refused(self, model):
-        """Its input would be the rank's part of the sequence: a causal attention over it
-        (SDPA with is_causal, no mask whose shape would disagree) would train silently wrong."""
+    def test_an_attention_kept_whole_by_a_rule_runs_on_the_gathered_sequence(self, model):
+        """Its q, k and v come from the rank's part of the sequence: each is gathered whole
+        (gather_seq) before the attention, which would otherwise attend within the part, and
+        the output projection's result enters the split sequence again (scatter_seq)."""
         whole = dataclasses.replace(plan(model).parallel, shards=(
             ShardRule(pattern="layers.*.attn.*", style="replicate"),))
         p = dataclasses.replace(plan(model), parallel=whole)
-        with pytest.raises(CompileError, match=r"sequence parallelism: node \w+ .* in module "
-                                               r"'layers.0.attn'"):
-            lowered(p)
+        gm = lowered(p)
+        gathers = calls(gm, gather_seq)
+        assert len(gathers) == 3 * model.layers
+        for g in gathers:  # whole along the sequence: 16 positions of [b, heads, s, d]
+            assert 16 in get_info(g).shapes[0] and get_info(g.args[0]).shapes[0] != \
+                get_info(g).shapes[0]
+        outputs = [n for n in calls(gm, scatter_seq) if "attn.o" in str(n.args[0].target)]
+        assert len(outputs) == model.layers
+        partial = graph_record(gm).tensor_parallel.partial_grads
+        # q, k, v read the rank's tokens (their gradients summed over tp); o runs whole.
+        assert "layers.0.attn.o.weight" not in partial
+        assert any(name.startswith("layers.0.attn.q") for name in partial)
+
+    def test_a_table_sliced_to_the_sequence_length_spans_the_whole_sequence(self):
+        """Llama's rotary tables are narrowed to the length of q; q holds the rank's part of
+        the sequence, but the rank's part of the table is not its first rows: the length
+        is folded to the whole sequence and the table enters through scatter_seq."""
+        whole = dataclasses.replace(plan(LLAMA).parallel, shards=(
+            ShardRule(pattern="layers.*.attn.*", style="replicate"),))
+        p = dataclasses.replace(plan(LLAMA), parallel=whole)
+        gm = lowered(p)
+        narrows = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.narrow]
+        assert narrows and all(n.args[3] == 16 for n in narrows)
+        assert all(any(u.target is scatter_seq for u in n.users)
+                   or any(v.target is scatter_seq for u in n.users for v in u.users)
+                   for n in narrows)
 
     def test_sequence_not_divisible(self):
         p = plan(GPT, tp=4, seq=14)
