@@ -258,13 +258,18 @@ def all_gather_flat(flat: torch.Tensor, group: Group,
     return Work(_all_gather(out, flat, group=group, async_op=True), out, flat)
 
 
-def reduce_scatter_flat(flat: torch.Tensor, group: Group) -> Work:
-    """Start summing 1-D `flat` [world * n] over ranks; rank r keeps elements [r*n, (r+1)*n)."""
+def reduce_scatter_flat(flat: torch.Tensor, group: Group,
+                        out: torch.Tensor | None = None) -> Work:
+    """Start summing 1-D `flat` [world * n] over ranks; rank r keeps elements [r*n, (r+1)*n).
+
+    `out`, when given, receives the result (it must not alias `flat`).
+    """
     world = group_size(group)
     if world == 1:
-        return Work(None, flat)
+        return Work(None, flat if out is None else out.copy_(flat))
     note("reduce_scatter", group, flat)
-    out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+    if out is None:
+        out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
     if isinstance(group, ShapeGroup):
         return Work(None, out)
     return Work(_reduce_scatter(out, flat, group=group, async_op=True), out, flat)

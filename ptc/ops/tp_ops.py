@@ -68,14 +68,28 @@ class _Pending:
     """A collective in flight on a tensor moved to dim 0 and flattened: `wait()` gives the
     result as a `shape` tensor with its dim 0 moved back to `dim`."""
 
-    __slots__ = ("_work", "_shape", "_dim")
+    __slots__ = ("_work", "_shape", "_dim", "_result")
 
-    def __init__(self, work: Work, shape: tuple[int, ...], dim: int):
-        self._work, self._shape, self._dim = work, shape, dim
+    def __init__(self, work: Work, shape: tuple[int, ...], dim: int,
+                 result: torch.Tensor | None = None):
+        self._work, self._shape, self._dim, self._result = work, shape, dim, result
 
     def wait(self) -> torch.Tensor:
-        """Block until done; the result, contiguous, with `dim` where it was."""
-        return self._work.wait().view(self._shape).movedim(0, self._dim).contiguous()
+        """Block until done; the result, contiguous, with `dim` where it was, and a tensor of
+        its own (not a view of the flat buffer: a model may add to it in place)."""
+        flat = self._work.wait()
+        if self._result is not None:
+            return self._result
+        return flat.view(self._shape).movedim(0, self._dim).contiguous()
+
+
+def _result_buffer(x: torch.Tensor, shape: tuple[int, ...], dim: int) -> torch.Tensor | None:
+    """The tensor a collective can write its result into directly, when moving dim 0 of
+    `shape` back to `dim` keeps the memory layout (every dim before `dim` has size 1)."""
+    moved_back = (*shape[1:dim + 1], shape[0], *shape[dim + 1:])
+    if any(size != 1 for size in moved_back[:dim]):
+        return None
+    return torch.empty(moved_back, dtype=x.dtype, device=x.device)
 
 
 def _start_gather(x: torch.Tensor, dim: int, group) -> _Pending | torch.Tensor:
@@ -84,8 +98,11 @@ def _start_gather(x: torch.Tensor, dim: int, group) -> _Pending | torch.Tensor:
     if world == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
-    work = all_gather_flat(moved.reshape(-1), group)
-    return _Pending(work, (world * moved.shape[0], *moved.shape[1:]), dim)
+    shape = (world * moved.shape[0], *moved.shape[1:])
+    result = _result_buffer(x, shape, dim)
+    work = all_gather_flat(moved.reshape(-1), group,
+                           out=result.view(-1) if result is not None else None)
+    return _Pending(work, shape, dim, result)
 
 
 def _start_reduce_scatter(x: torch.Tensor, dim: int, group) -> _Pending | torch.Tensor:
@@ -97,8 +114,11 @@ def _start_reduce_scatter(x: torch.Tensor, dim: int, group) -> _Pending | torch.
     if moved.shape[0] % world:
         raise ValueError(f"reduce_scatter_seq: dim {dim} of size {moved.shape[0]} is not "
                          f"divisible by the {world} ranks")
-    work = reduce_scatter_flat(moved.reshape(-1), group)
-    return _Pending(work, (moved.shape[0] // world, *moved.shape[1:]), dim)
+    shape = (moved.shape[0] // world, *moved.shape[1:])
+    result = _result_buffer(x, shape, dim)
+    work = reduce_scatter_flat(moved.reshape(-1), group,
+                               out=result.view(-1) if result is not None else None)
+    return _Pending(work, shape, dim, result)
 
 
 def _done(pending: _Pending | torch.Tensor) -> torch.Tensor:
@@ -123,7 +143,8 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[dim] % world:
         raise ValueError(f"a sequence chunk: dim {dim} of size {x.shape[dim]} is not divisible "
                          f"by the {world} ranks")
-    return x.chunk(world, dim)[group_rank(group)].contiguous()
+    # A tensor of its own, not a view of x: a model may add to it in place.
+    return x.chunk(world, dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------------ tensor parallel

@@ -49,6 +49,9 @@ _RESHAPES = frozenset({"view", "reshape", "unsafe_view"})
 _SPLITS = frozenset({"split", "split_with_sizes"})
 _BATCHED_OPS = ATTENTION_OPS | {"matmul", "bmm"}
 """Ops that pair their operands' leading (batch, heads) dims, as elementwise ops pair all."""
+_PRODUCTS = {"matmul": (0, 1), "bmm": (0, 1), "mm": (0, 1), "baddbmm": (1, 2), "addmm": (1, 2),
+             "addbmm": (1, 2)}
+"""Matrix products: the argument positions of their first and second operand."""
 _SHAPE_ONLY = frozenset({"size", "dim", "getattr"}) | {c for c in CREATION_OPS if c.endswith("_like")}
 """Ops whose output depends only on their input's shape/dtype/device, never on its values."""
 
@@ -410,10 +413,10 @@ class _Propagator:
         ndim = {a: self.env[a].dim() for a in split}
         if name in ATTENTION_OPS:
             return any(d >= ndim[a] - 2 for a, d in split.items())
-        if name in ("matmul", "bmm"):
-            first = node.args[0]
+        if name in _PRODUCTS:  # (first, second) operand positions; baddbmm adds args[0]
+            first, second = (node.args[i] for i in _PRODUCTS[name])
             return any(d >= ndim[a] - 2 and not (a is first and d == ndim[a] - 2)
-                       for a, d in split.items())
+                       for a, d in split.items() if a in (first, second))
         return any(mixes_along(node, a, d) for a, d in split.items())
 
     def _fix_mix(self, node: fx.Node) -> None:

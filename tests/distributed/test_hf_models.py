@@ -47,7 +47,9 @@ lists (tensor constants the graph keeps with their values) and writes its
 linears as `x @ w.T`; BLOOM adds an ALiBi bias built for all heads. Both
 train under tp with their attention kept whole by a `shard ... replicate`
 rule and their MLP split, as does GPT-BigCode (one key/value head fused with
-the queries).
+the queries). With sequence parallelism too (BLOOM, Falcon), the attention kept
+whole gets its inputs gathered along the sequence and its output scattered
+back, as does Mamba's mixer (a convolution along the sequence) kept whole.
 
 OLMo 2's attention cannot be split by heads without its rules: that is a
 CompileError naming the linears, the op that mixes the heads and the `shard`
@@ -115,6 +117,10 @@ LAUNCHES = {"layouts": [
     HFCase("bloom", tp=2, shards=(("transformer.h.*.self_attention.*", "replicate"),)),
     HFCase("gpt_bigcode", tp=2, shards=(("transformer.h.*.attn.*", "replicate"),)),
     HFCase("gpt_bigcode", dp=2, zero=1),
+    # with sequence parallelism: the whole attention's inputs gathered along the sequence,
+    # its output scattered back (Falcon adds the MLP's output to it in place)
+    HFCase("bloom", tp=2, sp=True, shards=(("transformer.h.*.self_attention.*", "replicate"),)),
+    HFCase("falcon", tp=2, sp=True, config=_FALCON_NEW, shards=_FALCON_ATTENTION_WHOLE),
 ], "more families": [
     # a sliding window (Mistral; Gemma 3, Cohere 2 alternating it with full layers; EXAONE 4),
     # biases and LayerNorm (StarCoder2), scalar multipliers (Granite), q/k/v clipped in
@@ -152,6 +158,9 @@ LAUNCHES = {"layouts": [
     HFCase("granitemoe", tp=2), HFCase("granitemoe", pp=2),
     HFCase("glm", tp=2, sp=True), HFCase("lfm2", pp=2), HFCase("mamba", pp=2),
     HFCase("mamba", dp=2, zero=3),
+    # its mixer kept whole under sequence parallelism: the convolution along the sequence
+    # gets it whole
+    HFCase("mamba", tp=2, sp=True, shards=(("backbone.layers.*.mixer*", "replicate"),)),
 ], "newer families": [
     # multi-head latent attention and sigmoid-routed experts (DeepSeek-V3: tp cannot split
     # its attention), sandwich norms (GLM-4), xIELU (Apertus), squared ReLU with q/k norms

@@ -341,9 +341,14 @@ class TestOpInOneProcess:
         monkeypatch.setattr(tp_ops, "axis_group", lambda axis: "tp group")
         monkeypatch.setattr(tp_ops, "group_size", lambda group: 2)
         monkeypatch.setattr(tp_ops, "all_reduce_flat", lambda f, g: Fake("all-reduce", f))
-        monkeypatch.setattr(tp_ops, "all_gather_flat", lambda f, g: Fake("gather", f.repeat(2)))
+        def into(out, value):  # the result written where the caller asked, as the real ops do
+            return value if out is None else out.copy_(value)
+
+        monkeypatch.setattr(tp_ops, "all_gather_flat",
+                            lambda f, g, out=None: Fake("gather", into(out, f.repeat(2))))
         monkeypatch.setattr(tp_ops, "reduce_scatter_flat",
-                            lambda f, g: Fake("reduce-scatter", f[:f.numel() // 2]))
+                            lambda f, g, out=None: Fake("reduce-scatter",
+                                                        into(out, f[:f.numel() // 2])))
         monkeypatch.setattr(tp_ops, "_weight_grad", weight_grad)
         x, weights, biases = self._inputs(torch.float32)
         outs = op(x, tuple(weights), tuple(biases))
