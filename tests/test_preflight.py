@@ -297,27 +297,3 @@ def test_a_custom_model_tensor_parallelism_cannot_split_is_refused_before_any_pr
     # It has no stack of layers to price: the estimate says so (it no longer fails inside).
     with pytest.raises(PtcError, match=r"ptc finds no stack of like layers .* in Mixed"):
         estimate(load_plan(tmp_path / "plan.ptc"))
-
-
-def test_a_custom_model_with_a_frozen_parameter_is_refused_before_any_process_starts(
-        tmp_path, capsys, monkeypatch):
-    # ptc's optimizer steps every parameter: weight decay would move a requires_grad=False
-    # one (ERNIE 4.5 MoE's routing bias), which eager AdamW leaves alone.
-    (tmp_path / "frozen.py").write_text(
-        "import torch\n"
-        "from torch import nn\n"
-        "from ptc.models import build_model\n"
-        "from ptc.plan import ModelSpec\n"
-        "def build(max_seq=None):\n"
-        "    model = build_model(ModelSpec(family='gpt', layers=2, hidden=16, heads=2,\n"
-        "                                  vocab=512, max_seq=64))\n"
-        "    model.register_parameter('bias', nn.Parameter(torch.ones(16), requires_grad=False))\n"
-        "    return model\n")
-    _custom_plan(tmp_path, monkeypatch, "frozen:build")
-    for command in ("check", "run"):
-        err = _refused(command, tmp_path / "plan.ptc", capsys)
-        assert err[0].endswith("has parameters that are not trained: bias has requires_grad = "
-                               "False, and ptc trains every parameter (AdamW's weight decay "
-                               "would change it); register it as a buffer "
-                               "(module.register_buffer) to keep it fixed, or set "
-                               "requires_grad = True to train it [model.factory]")

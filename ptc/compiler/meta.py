@@ -105,6 +105,9 @@ class CaptureInfo:
     """Number of repeated blocks."""
     vocab: int | None
     """Last dimension of the logits."""
+    frozen: tuple[str, ...] = ()
+    """Parameters the model does not train (requires_grad = False), by every name the model
+    holds them under: the optimizer keeps their values (`ShardedOptimizer`)."""
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Tensors the model's forward creates from Python values (`torch.tensor([-2])`), which
     the export door lifts into the graph as buffers, by buffer name: their real values

@@ -283,6 +283,11 @@ class Program:
         return graph_record(self.stages[0].graph).capture.vocab
 
     @property
+    def frozen(self) -> frozenset[str]:
+        """Names of the parameters the model does not train (requires_grad = False)."""
+        return frozenset(graph_record(self.stages[0].graph).capture.frozen)
+
+    @property
     def predicted_step_time(self) -> float | None:
         """The cost model's step time in seconds, when the plan was priced."""
         return self.decisions.predicted_step_time

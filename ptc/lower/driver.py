@@ -22,7 +22,7 @@ from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, fix_stage_layo
                                   stage_layout)
 from ptc.compiler.schedule import schedule_for
 from ptc.compiler.stages import stage_info, whole_graph_stage
-from ptc.errors import CaptureError, CompileError
+from ptc.errors import CompileError
 from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
 from ptc.lower.verify import verify_graph
 from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, quantize_gemms_pass,
@@ -67,22 +67,8 @@ def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
     dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
     if model is None:  # ours to change: in the compute dtype already, capture copies nothing
         model = build_model(plan.model, device="meta").to(dtype)
-    _refuse_frozen_parameters(model)
     return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
                    dtype=dtype)
-
-
-def _refuse_frozen_parameters(model: nn.Module) -> None:
-    """CaptureError when a parameter has requires_grad = False: ptc's optimizer updates every
-    parameter (weight decay included), so a frozen one would be trained, not kept."""
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        more = f" (and {len(frozen) - 1} more)" if len(frozen) > 1 else ""
-        raise CaptureError(
-            f"{type(model).__name__} has parameters that are not trained: {frozen[0]}{more} "
-            "has requires_grad = False, and ptc trains every parameter (AdamW's weight decay "
-            "would change it); register it as a buffer (module.register_buffer) to keep it "
-            "fixed, or set requires_grad = True to train it")
 
 
 def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:

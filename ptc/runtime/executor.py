@@ -82,7 +82,7 @@ from ptc.runtime.offload import HostOptimizer, offload_masters
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
 from ptc.runtime.params import (UnitState, bind_buffers, build_units, fill_main_grads,
-                                held_bytes, publish)
+                                held_bytes, publish, slot_ranges)
 from ptc.runtime.tp_state import (join_over_tp, partial_grad_ranges, rank_values, replicated_ranges,
                                   seed_dropout, sum_partial_grads)
 
@@ -327,7 +327,9 @@ class Trainer:
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
-                self.units, tp, zero=self.zero, rank=self.dp_rank))
+                self.units, tp, zero=self.zero, rank=self.dp_rank),
+            frozen=slot_ranges(self.units, lambda slot: not program.frozen.isdisjoint(
+                slot.aliases), whole=self.zero == 0, rank=self.dp_rank))
         self.partial = [] if tp is None else partial_grad_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()

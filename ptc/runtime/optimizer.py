@@ -6,6 +6,13 @@ The update itself is `torch.optim.AdamW` (or SGD) run on the flat master
 buffers: AdamW is elementwise, so updating a flat shard gives the same
 numbers as updating the full model's parameters one by one.
 
+Parameters the model does not train (requires_grad = False) keep their
+values: their elements of each master (`frozen` ranges) get no gradient
+(zeroed before the norm, which then counts only the trained parameters, as
+`clip_grad_norm_` over those with a gradient does) and are restored after
+each update (AdamW's weight decay would shrink them), as eager PyTorch
+leaves a parameter without a gradient alone.
+
 Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
 all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced; under
 tensor parallelism also over tp, with parameters replicated over tp counted
@@ -41,11 +48,14 @@ class ShardedOptimizer:
     def __init__(self, units: list[UnitState], spec: OptimizerSpec,
                  group: dist.ProcessGroup | None, *, sharded: bool,
                  tp_group: dist.ProcessGroup | None = None,
-                 replicated: list[list[tuple[int, int]]] | None = None):
+                 replicated: list[list[tuple[int, int]]] | None = None,
+                 frozen: list[list[tuple[int, int]]] | None = None):
         self.units, self.group, self.sharded = units, group, sharded
         self.tp_group = tp_group
         self.replicated = replicated or [[] for _ in units]
         """Per unit, master element ranges of parameters replicated over tp (ptc.runtime.tp_state)."""
+        self.frozen = frozen or [[] for _ in units]
+        """Per unit, master element ranges of parameters the model does not train."""
         self.spec = spec
         self.inner = self._optimizer([u.master for u in units])
         """The optimizer of every master; its `state` is the one state of all (checkpoints)."""
@@ -102,12 +112,23 @@ class ShardedOptimizer:
             return norm, None
         return norm, (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
 
+    def drop_frozen_grads(self, grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Zero the gradient of every parameter the model does not train, in `grads[i]` of
+        unit i (default each master's `.grad`): before the norm, which then counts the
+        trained parameters alone, and before the update."""
+        for g, ranges in zip([u.master.grad for u in self.units] if grads is None else grads,
+                             self.frozen):
+            for a, b in ranges:
+                g[a:b].zero_()
+
     def clip(self, max_norm: float | None, *, uncounted: Collection[int] = (),
              pp_group: dist.ProcessGroup | None = None) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
-        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled.
+        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled. The gradients
+        of parameters the model does not train are dropped first.
         """
+        self.drop_frozen_grads()
         norm, scale = self.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group)
         if scale is not None:
             for unit in self.units:
@@ -115,11 +136,18 @@ class ShardedOptimizer:
         return float(norm)
 
     def step(self, lr: float, unit: int | None = None) -> None:
-        """One update at learning rate `lr` of every master, or of unit `unit`'s alone."""
+        """One update at learning rate `lr` of every master, or of unit `unit`'s alone; the
+        elements of parameters the model does not train keep their values."""
         optimizer = self.inner if unit is None else self._one(unit)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        stepped = range(len(self.units)) if unit is None else (unit,)
+        kept = [(self.units[i].master[a:b], self.units[i].master[a:b].clone())
+                for i in stepped for a, b in self.frozen[i]]
         optimizer.step()
+        with torch.no_grad():
+            for view, value in kept:
+                view.copy_(value)
 
     def _one(self, index: int) -> torch.optim.Optimizer:
         """An optimizer of unit `index`'s master alone, sharing the state of `inner`."""

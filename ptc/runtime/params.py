@@ -26,7 +26,7 @@ zero and stay zero (zero gradient, zero weight decay).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +58,25 @@ class UnitState:
     shard: torch.Tensor | None = None
     """ZeRO-3 with optimizer offload: the graph's fp32 parameter shard on the device, which
     the update refreshes from the host master (without offload the master is that shard)."""
+
+
+def slot_ranges(units: list[UnitState], keep: Callable[[ParamSlot], bool], *, whole: bool,
+                rank: int) -> list[list[tuple[int, int]]]:
+    """Per unit, the ranges of the slots `keep` accepts within the whole flat buffer or the
+    dp shard `rank`, relative to that buffer's start (padding is never included)."""
+    out = []
+    for unit in units:
+        n = unit.spec.shard_numel
+        base, end = (0, unit.spec.padded_numel) if whole else (rank * n, (rank + 1) * n)
+        ranges = []
+        for slot in unit.slots:
+            if not keep(slot):
+                continue
+            a, b = max(slot.offset, base), min(slot.offset + slot.numel, end)
+            if a < b:
+                ranges.append((a - base, b - base))
+        out.append(ranges)
+    return out
 
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,

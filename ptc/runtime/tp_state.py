@@ -32,7 +32,7 @@ from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.ops.comm import all_reduce_bucket, group_size
 from ptc.plan import Plan
 from ptc.runtime.init import initial_params
-from ptc.runtime.params import UnitState
+from ptc.runtime.params import UnitState, slot_ranges
 
 
 def local_initial_values(plan: Plan, layout: ParamLayout, tp: TensorParallelLayout,
@@ -69,7 +69,7 @@ def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero:
     The master is the unit's whole flat buffer at ZeRO-0 and dp shard `rank`
     from ZeRO-1 on (padding is zero and needs no range).
     """
-    return _slot_ranges(units, lambda slot: slot.name not in tp.params, whole=zero == 0,
+    return slot_ranges(units, lambda slot: slot.name not in tp.params, whole=zero == 0,
                         rank=rank)
 
 
@@ -78,7 +78,7 @@ def partial_grad_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zer
     """Per unit, the ranges of its gradient buffer (whole at ZeRO 0-1, dp shard `rank` from
     ZeRO-2) that hold parameters with partial gradients per tp rank (`tp.partial_grads`)."""
     partial = set(tp.partial_grads)
-    return _slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases),
+    return slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases),
                         whole=zero < 2, rank=rank)
 
 
@@ -93,25 +93,6 @@ def sum_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]
     if pieces and group_size(group) > 1:
         for work in all_reduce_bucket(pieces, group):
             work.wait()
-
-
-def _slot_ranges(units: list[UnitState], keep, *, whole: bool,
-                 rank: int) -> list[list[tuple[int, int]]]:
-    """Per unit, the ranges of the slots `keep` accepts within the whole flat buffer or the
-    dp shard `rank`, relative to that buffer's start (padding is never included)."""
-    out = []
-    for unit in units:
-        n = unit.spec.shard_numel
-        base, end = (0, unit.spec.padded_numel) if whole else (rank * n, (rank + 1) * n)
-        ranges = []
-        for slot in unit.slots:
-            if not keep(slot):
-                continue
-            a, b = max(slot.offset, base), min(slot.offset + slot.numel, end)
-            if a < b:
-                ranges.append((a - base, b - base))
-        out.append(ranges)
-    return out
 
 
 def join_over_tp(values: Mapping[str, torch.Tensor], tp: TensorParallelLayout,

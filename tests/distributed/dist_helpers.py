@@ -137,12 +137,14 @@ def reference_run(plan: Plan, dtype: torch.dtype = torch.float32,
                 loss += part.detach()
             if masters is not None:  # the bf16 gradients into the fp32 masters
                 for name, p in model.named_parameters():
-                    masters[name].grad = p.grad.float()
+                    masters[name].grad = p.grad.float() if p.grad is not None else None
             torch.nn.utils.clip_grad_norm_(trained.values(), train.grad_clip)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            steps.append(Step(lr, {n: p.grad.clone() for n, p in trained.items()}))
+            # A parameter the model does not train has no gradient: AdamW leaves it alone.
+            steps.append(Step(lr, {n: p.grad.clone() if p.grad is not None else
+                                   torch.zeros_like(p) for n, p in trained.items()}))
             opt.step()
             with torch.no_grad():
                 if nudge is not None:

@@ -51,6 +51,10 @@ the queries). With sequence parallelism too (BLOOM, Falcon), the attention kept
 whole gets its inputs gathered along the sequence and its output scattered
 back, as does Mamba's mixer (a convolution along the sequence) kept whole.
 
+A Llama with its embedding, its first attention and its last norm frozen
+(requires_grad = False) fine-tunes as eager PyTorch does: those parameters
+keep their values under ZeRO 1-3, tp + sp and pp, in fp32 and bf16.
+
 OLMo 2's attention cannot be split by heads without its rules: that is a
 CompileError naming the linears, the op that mixes the heads and the `shard`
 rule that keeps them whole; BLOOM's is a CompileError naming the op where
@@ -170,6 +174,11 @@ LAUNCHES = {"layouts": [
     HFCase("glm4", tp=2, sp=True), HFCase("apertus", tp=2, sp=True),
     HFCase("nanochat", tp=2, sp=True), HFCase("olmoe", pp=2), HFCase("bitnet", dp=2, zero=3),
     HFCase("vaultgemma", tp=2, sp=True),
+], "frozen": [
+    # parameters with requires_grad = False keep their values (no gradient, no weight decay)
+    HFCase("llama_partly_frozen", dp=2, zero=1), HFCase("llama_partly_frozen", dp=2, zero=3),
+    HFCase("llama_partly_frozen", tp=2, sp=True), HFCase("llama_partly_frozen", pp=2),
+    HFCase("llama_partly_frozen", dp=2, zero=2, dtype="bf16"),
 ], "bf16": [
     # bf16 plans (bf16 compute, fp32 masters) against the same recipe in eager PyTorch
     HFCase("llama", tp=2, config=_MQA, dtype="bf16"), HFCase("llama", dp=2, zero=3, dtype="bf16"),

@@ -75,6 +75,16 @@ def llama(**overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**_DECODER | overrides))
 
 
+def llama_partly_frozen(**overrides) -> LlamaForCausalLM:
+    """Llama fine-tuned with parts frozen (requires_grad = False): the token embedding, the
+    first layer's attention projections and the last norm's weight."""
+    model = llama(**overrides)
+    model.get_input_embeddings().requires_grad_(False)
+    model.model.layers[0].self_attn.requires_grad_(False)
+    model.model.norm.weight.requires_grad_(False)
+    return model
+
+
 def qwen2(**overrides) -> Qwen2ForCausalLM:
     """Qwen2: Llama's layout with biases on the q, k and v projections."""
     return Qwen2ForCausalLM(Qwen2Config(**_DECODER | overrides))

@@ -100,7 +100,9 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
     set_graph_record(gm, GraphRecord(capture=CaptureInfo(
         front_door=door, model_class=type(model).__name__, micro_batch=micro_batch,
         seq_len=seq_len, dtype=dtype, with_loss=with_loss, model_loss=model_loss,
-        blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants)))
+        blocks_path=blocks, num_layers=num_layers, vocab=vocab, constants=constants,
+        frozen=tuple(name for name, p in model.named_parameters(remove_duplicate=False)
+                     if not p.requires_grad))))
     annotate_graph(gm, root, evaluator, blocks, dtype)
     if with_loss:
         _refuse_a_model_that_sees_later_tokens(gm, model)
