@@ -60,7 +60,7 @@ from ptc.compiler.devices import bind_device
 from ptc.compiler.graph_code import with_code
 from ptc.compiler.meta import get_info
 from ptc.compiler.overlap import OverlapPlan, stage_overlap
-from ptc.compiler.program import COMPUTE_DTYPES, Program
+from ptc.compiler.program import COMPUTE_DTYPES, ParamSlot, Program
 from ptc.compiler.schedule import Action, lower
 from ptc.compiler.stages import StageInfo
 from ptc.compiler.step_sync import guard_folds
@@ -81,8 +81,8 @@ from ptc.runtime.mesh import timeout
 from ptc.runtime.offload import HostOptimizer, offload_masters
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
-from ptc.runtime.params import (UnitState, bind_buffers, build_units, fill_main_grads,
-                                held_bytes, publish, slot_ranges)
+from ptc.runtime.params import (UnitState, bind_buffers, build_units, drop_grads,
+                                fill_main_grads, held_bytes, publish, slot_ranges)
 from ptc.runtime.tp_state import (join_over_tp, partial_grad_ranges, rank_values, replicated_ranges,
                                   seed_dropout, sum_partial_grads)
 
@@ -328,8 +328,12 @@ class Trainer:
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank),
-            frozen=slot_ranges(self.units, lambda slot: not program.frozen.isdisjoint(
-                slot.aliases), whole=self.zero == 0, rank=self.dp_rank))
+            frozen=slot_ranges(self.units, self._frozen, whole=self.zero == 0,
+                               rank=self.dp_rank))
+        self.frozen_grads = slot_ranges(self.units, self._frozen, whole=self.zero < 2,
+                                        rank=self.dp_rank)
+        """Per unit, the ranges of its gradient buffer that hold parameters the model does
+        not train (whole at ZeRO 0-1, the dp shard from ZeRO-2)."""
         self.partial = [] if tp is None else partial_grad_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()
@@ -431,6 +435,7 @@ class Trainer:
             for tied in self.tied:
                 tied.sum_grads()
             sum_partial_grads(self.units, self.partial, self.tp_group)
+            drop_grads(self.units, self.frozen_grads)
             fill_main_grads(self.units, rank=self.dp_rank, world=self.dp)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
@@ -459,6 +464,10 @@ class Trainer:
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited)
+
+    def _frozen(self, slot: ParamSlot) -> bool:
+        """Whether the model does not train the parameter in `slot` (requires_grad = False)."""
+        return not self.program.frozen.isdisjoint(slot.aliases)
 
     @property
     def _uncounted(self) -> set[int]:

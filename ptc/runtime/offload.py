@@ -94,7 +94,6 @@ class HostOptimizer:
         Call after the step's reductions, where the non-offloaded run clips
         and steps; `uncounted` and `pp_group` as in `ShardedOptimizer.grad_norm`.
         """
-        optimizer.drop_frozen_grads(self.sources)
         arrived = [self.down.copy(unit.master.grad, source, after=self.sent[i])
                    for i, (unit, source) in enumerate(zip(self.units, self.sources))]
         norm, scale = optimizer.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group,

@@ -7,11 +7,11 @@ buffers: AdamW is elementwise, so updating a flat shard gives the same
 numbers as updating the full model's parameters one by one.
 
 Parameters the model does not train (requires_grad = False) keep their
-values: their elements of each master (`frozen` ranges) get no gradient
-(zeroed before the norm, which then counts only the trained parameters, as
-`clip_grad_norm_` over those with a gradient does) and are restored after
-each update (AdamW's weight decay would shrink them), as eager PyTorch
-leaves a parameter without a gradient alone.
+values: the trainer zeroes their gradients (`params.drop_grads`), so the
+norm counts only the trained parameters, as `clip_grad_norm_` over those
+with a gradient does, and their elements of each master (`frozen` ranges)
+are restored after each update (AdamW's weight decay would shrink them), as
+eager PyTorch leaves a parameter without a gradient alone.
 
 Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
 all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced; under
@@ -112,23 +112,12 @@ class ShardedOptimizer:
             return norm, None
         return norm, (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
 
-    def drop_frozen_grads(self, grads: Sequence[torch.Tensor] | None = None) -> None:
-        """Zero the gradient of every parameter the model does not train, in `grads[i]` of
-        unit i (default each master's `.grad`): before the norm, which then counts the
-        trained parameters alone, and before the update."""
-        for g, ranges in zip([u.master.grad for u in self.units] if grads is None else grads,
-                             self.frozen):
-            for a, b in ranges:
-                g[a:b].zero_()
-
     def clip(self, max_norm: float | None, *, uncounted: Collection[int] = (),
              pp_group: dist.ProcessGroup | None = None) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
-        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled. The gradients
-        of parameters the model does not train are dropped first.
+        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled.
         """
-        self.drop_frozen_grads()
         norm, scale = self.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group)
         if scale is not None:
             for unit in self.units:

@@ -114,6 +114,16 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
     return units
 
 
+def drop_grads(units: Iterable[UnitState], ranges: list[list[tuple[int, int]]]) -> None:
+    """Zero `ranges[i]` of unit i's gradient buffer: the gradients of parameters the model
+    does not train (requires_grad = False), which eager PyTorch never computes; call once
+    the step's sums are complete, before anything reads them (the guard, the norm)."""
+    with torch.no_grad():
+        for unit, spans in zip(units, ranges):
+            for a, b in spans:
+                unit.grad[a:b].zero_()
+
+
 def fill_main_grads(units: Iterable[UnitState], *, rank: int, world: int) -> None:
     """Copy each 16-bit gradient (the part this rank updates) into its fp32 `main`, which
     the optimizer, the clip and the norm read; call once the step's sums are complete."""
