@@ -32,9 +32,9 @@ from ptc.plan import AUTO, Plan
 CHECKPOINTS = ("none", "selective", "full")
 """Uniform checkpoint policies the search tries."""
 MAX_MICRO_BATCH = 64
+"""Largest micro-batch tried; larger ones only add activation memory."""
 MAX_CP = 16
 """Largest context-parallel degree `cp = auto` tries."""
-"""Largest micro-batch tried; larger ones only add activation memory."""
 
 
 @dataclass(frozen=True, slots=True)
