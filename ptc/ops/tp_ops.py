@@ -261,37 +261,18 @@ class _AllGatherSeq(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, axis_group(ctx.axis)), None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):  # noqa: D102
-        ctx.dim, ctx.axis = dim, axis
-        return _reduce_scatter(x, dim, axis_group(axis))
+class _SeqMove(torch.autograd.Function):
+    """A sequence op whose forward is `forward(x, dim, group)` and whose backward is
+    `backward(grad, dim, group)` (`_gather`, `_reduce_scatter` or `_chunk`)."""
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return _gather(grad, ctx.dim, axis_group(ctx.axis)), None, None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):  # noqa: D102
-        ctx.dim, ctx.axis = dim, axis
-        return _chunk(x, dim, axis_group(axis))
+    def forward(ctx, x, dim, axis, forward, backward):  # noqa: D102
+        ctx.dim, ctx.axis, ctx.move_back = dim, axis, backward
+        return forward(x, dim, axis_group(axis))
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        return _gather(grad, ctx.dim, axis_group(ctx.axis)), None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis):  # noqa: D102
-        ctx.dim, ctx.axis = dim, axis
-        return _gather(x, dim, axis_group(axis))
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return _chunk(grad, ctx.dim, axis_group(ctx.axis)), None, None
+        return ctx.move_back(grad, ctx.dim, axis_group(ctx.axis)), None, None, None, None
 
 
 @_collective("all-gather", "reduce-scatter")
@@ -315,7 +296,7 @@ def reduce_scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.T
     its chunk of the summed sequence. Backward: all-gather of the gradient
     along `dim`.
     """
-    return _ReduceScatterSeq.apply(x, dim, axis)
+    return _SeqMove.apply(x, dim, axis, _reduce_scatter, _gather)
 
 
 @_collective("split", "all-gather")
@@ -326,7 +307,7 @@ def scatter_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     Backward: all-gather of the gradient along `dim`, so the replicated
     producer sees the gradient of the whole sequence.
     """
-    return _ScatterSeq.apply(x, dim, axis)
+    return _SeqMove.apply(x, dim, axis, _chunk, _gather)
 
 
 @_collective("all-gather", "split")
@@ -340,7 +321,7 @@ def gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     already the whole one (unlike `all_gather_seq`, whose users are
     column-parallel and give partial gradients).
     """
-    return _GatherSeq.apply(x, dim, axis)
+    return _SeqMove.apply(x, dim, axis, _gather, _chunk)
 
 
 # ------------------------------------- column-parallel linears, overlapped in backward

@@ -324,13 +324,17 @@ class Trainer:
             self.units, self.device, self.group, rank=self.dp_rank, world=self.dp) \
             if plan.parallel.offload == "optimizer" else None
         """With optimizer offload: the update on the host and its copies (`ptc.runtime.offload`)."""
+        names = program.frozen
+
+        def frozen(slot: ParamSlot) -> bool:  # a parameter the model does not train
+            return not names.isdisjoint(slot.aliases)
+
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank),
-            frozen=slot_ranges(self.units, self._frozen, whole=self.zero == 0,
-                               rank=self.dp_rank))
-        self.frozen_grads = slot_ranges(self.units, self._frozen, whole=self.zero < 2,
+            frozen=slot_ranges(self.units, frozen, whole=self.zero == 0, rank=self.dp_rank))
+        self.frozen_grads = slot_ranges(self.units, frozen, whole=self.zero < 2,
                                         rank=self.dp_rank)
         """Per unit, the ranges of its gradient buffer that hold parameters the model does
         not train (whole at ZeRO 0-1, the dp shard from ZeRO-2)."""
@@ -464,10 +468,6 @@ class Trainer:
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited)
-
-    def _frozen(self, slot: ParamSlot) -> bool:
-        """Whether the model does not train the parameter in `slot` (requires_grad = False)."""
-        return not self.program.frozen.isdisjoint(slot.aliases)
 
     @property
     def _uncounted(self) -> set[int]:
