@@ -129,11 +129,11 @@ def _kept_share(plan: Plan) -> tuple[Callable[[str], float], Callable[[str], flo
     profiled has its layers charged all their bytes (an upper bound).
     """
     from ptc.compiler.memory import layer_activation_bytes  # noqa: PLC0415 - sympy (slow)
-    from ptc.compiler.profile import model_profile, with_model_shape  # noqa: PLC0415
+    from ptc.compiler.profile import plan_profile, with_model_shape  # noqa: PLC0415
 
     try:
         plan = with_model_shape(plan)
-        profile = model_profile(plan.model, plan.train.dtype)
+        profile = plan_profile(plan)
     except (PtcError, ValueError):
         return (lambda policy: 1.0), (lambda policy: 1.0)
     from ptc.compiler.cost import policy_flops  # noqa: PLC0415

@@ -22,7 +22,7 @@ from ptc.compiler.cost import StepCost, policy_flops, step_cost
 from ptc.compiler.layout import Layout, layout_of
 from ptc.compiler.memory import (check_policies, Precision, peak, precision, stage_host_memory, stage_memory,
                                  stage_memory_terms)
-from ptc.compiler.profile import ModelProfile, model_profile, with_model_shape
+from ptc.compiler.profile import ModelProfile, plan_profile, with_model_shape
 from ptc.compiler.recompute import LAYER_POLICIES
 from ptc.plan import DTYPE_BYTES, Plan, is_auto_checkpoint
 
@@ -88,7 +88,7 @@ def estimate(plan: Plan) -> Estimate:
     if not plan.is_resolved:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
     plan = with_model_shape(plan)
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     prec = plan_precision(plan, profile)
     ckpt = plan.parallel.checkpoint
     if is_auto_checkpoint(ckpt):

@@ -21,7 +21,7 @@ import dataclasses
 from ptc.compiler.estimate import auto_checkpoint, auto_choices, plan_precision
 from ptc.compiler.layout import layout_of
 from ptc.compiler.memory import peak, stage_memory
-from ptc.compiler.profile import model_profile
+from ptc.compiler.profile import plan_profile
 from ptc.compiler.search import axis_choices
 from ptc.errors import CompileError
 from ptc.plan import Plan, is_auto_checkpoint
@@ -30,7 +30,7 @@ from ptc.units import format_bytes
 
 
 def _fits(plan: Plan, **layout_changes) -> bool:
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     ckpt = "full" if is_auto_checkpoint(plan.parallel.checkpoint) else None
     base = layout_of(plan, ckpt)
     if (layout_changes.get("pp", base.pp), layout_changes.get("vstages", base.vstages)) \
@@ -80,7 +80,7 @@ def auto_policies(plan: Plan) -> tuple[str, ...]:
     layer fully recomputed: compiling such a plan would only fail later, out
     of memory, so it stops here with the numbers and what would fit.
     """
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     prec = plan_precision(plan, profile)
     layout = auto_checkpoint(profile, layout_of(plan, "none"), prec, plan.train.seq_len,
                              plan.hardware.memory_budget, auto_choices(plan.parallel.checkpoint))

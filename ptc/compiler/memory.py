@@ -338,7 +338,9 @@ def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, se
         + f[f"{region}.const"](bb, ss)
     if policy != "selective":
         return full
-    return full - (split("core_tp", "core_kv") + f[f"{region}.core_seq"](bb, ss) / seq_div
+    core_whole = f[f"{region}.core_whole"](bb, ss)
+    return full - (split("core_tp", "core_kv")
+                   + (f[f"{region}.core_seq"](bb, ss) - core_whole) / seq_div + core_whole
                    + f[f"{region}.core_const"](bb, ss))
 
 

@@ -52,14 +52,14 @@ import torch.fx
 
 from ptc.compiler.activations import saved_and_output_storages
 from ptc.compiler.meta import get_info, graph_info
-from ptc.compiler.nodes import (attention_parts, is_embedding, is_fp8_linear, is_linear,
-                                node_shape)
+from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, POINTWISE_OPS, attention_parts,
+                                is_embedding, is_fp8_linear, is_linear, node_shape, op_name)
 from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
 from ptc.compiler.work import graph_work
 from ptc.errors import CaptureError, CompileError, PtcError
-from ptc.plan import ModelSpec, Plan
+from ptc.plan import ModelSpec, Plan, ShardRule
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
 """Micro-batch and sequence length symbols of every profile polynomial."""
@@ -93,9 +93,12 @@ class SavedClasses:
     """Part of `kv` that selective recompute drops."""
     whole: sympy.Expr = sympy.Integer(0)
     """Part of `seq` that every tp rank keeps whole even with sequence parallelism: token
-    ids and targets (the vocabulary-parallel embedding and loss read the whole sequence)
-    and a row-parallel linear's output that a saving region keeps (made before its
-    reduce-scatter)."""
+    ids and targets (the vocabulary-parallel embedding and loss read the whole sequence),
+    a row-parallel linear's output that a saving region keeps (made before its
+    reduce-scatter), and what a module kept whole by a rule saves where it mixes positions
+    (`_whole_under_sp`)."""
+    core_whole: sympy.Expr = sympy.Integer(0)
+    """Part of `whole` that selective recompute drops (a whole attention's scores)."""
 
     @property
     def total(self) -> sympy.Expr:
@@ -222,8 +225,11 @@ def _shape_key(spec: ModelSpec) -> tuple:
                  if f.name not in ("layers", "spans", "kwargs"))
 
 
-def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
-    """The profile of `spec` at compute `dtype` ("bf16", ...); captured once per model shape.
+def model_profile(spec: ModelSpec, dtype: str,
+                  shards: tuple[ShardRule, ...] = ()) -> ModelProfile:
+    """The profile of `spec` at compute `dtype` ("bf16", ...) with the plan's `shard` rules
+    deciding how tensor parallelism splits the linears they match (`plan_profile`); captured
+    once per model shape and rules.
 
     Kept in memory for the process and on disk (see `cache_dir`) across
     processes, keyed by the shape and by the source of everything that
@@ -233,14 +239,24 @@ def model_profile(spec: ModelSpec, dtype: str) -> ModelProfile:
     pay that again to learn the same. A model that cannot be captured
     raises its CaptureError (at the first capture), and nothing is kept.
     """
-    key = (_shape_key(spec), dtype)
+    key = (_shape_key(spec), dtype) + ((_rules_key(shards),) if shards else ())
     if key not in _CACHE:
-        _CACHE[key] = _load_or_capture(spec, dtype, key)
+        _CACHE[key] = _load_or_capture(spec, dtype, shards, key)
     profile = _CACHE[key]
     if isinstance(profile, Unprofiled):
         raise PtcError(profile.reason)
     layers = profile.shape.layers if profile.shape is not None else spec.layers
     return dataclasses.replace(profile, layers=layers)
+
+
+def plan_profile(plan: Plan) -> ModelProfile:
+    """The profile the memory and cost models read for `plan`: its model at its compute
+    dtype, split as its shard rules say."""
+    return model_profile(plan.model, plan.train.dtype, plan.parallel.shards)
+
+
+def _rules_key(shards: tuple[ShardRule, ...]) -> tuple:
+    return tuple((rule.pattern, rule.style) for rule in shards)
 
 
 def with_model_shape(plan: Plan) -> Plan:
@@ -281,7 +297,8 @@ def cache_dir() -> Path:
     return Path(base) if base else Path.home() / ".cache" / "ptc" / "profiles"
 
 
-def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile | Unprofiled:
+def _load_or_capture(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
+                     key: tuple) -> ModelProfile | Unprofiled:
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(repr((key, torch.__version__)).encode())
     for name in _SOURCES:
@@ -296,7 +313,7 @@ def _load_or_capture(spec: ModelSpec, dtype: str, key: tuple) -> ModelProfile | 
         if path.exists():  # another process profiled it while this one waited
             return _read(path)
         try:
-            profile = _profile_one_layer(spec, dtype)
+            profile = _profile_one_layer(spec, dtype, shards)
         except CaptureError:
             raise  # not a profile's failure: the model cannot be trained at all
         except PtcError as exc:
@@ -347,9 +364,11 @@ def _factory_source(spec: ModelSpec) -> bytes:
     return Path(path).read_bytes() if path else b""
 
 
-def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
+def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
+                       ) -> ModelProfile:
     """Capture the model at seven (b, s) points and fit every term; a built-in family with
-    one layer, a custom model whole (its first layer stands for the others)."""
+    one layer, a custom model whole (its first layer stands for the others). `shards`: the
+    rules that override how tensor parallelism splits a linear (`infer_sharding`)."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     from ptc.models import build_model  # noqa: PLC0415
 
@@ -363,9 +382,10 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
     for pb, ps in dict.fromkeys(points + _work_points(points)):  # each graph measured first
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype],
                      buffers_as_built=True)  # as the runtime binds them
+        split = infer_sharding(gm, shards)
         if (pb, ps) in points:
-            samples.append(_measure(gm, fp8=dtype == "fp8"))
-        work_samples[pb, ps] = _work(gm)
+            samples.append(_measure(gm, split, fp8=dtype == "fp8"))
+        work_samples[pb, ps] = _work(gm, split)
         if first is None:  # a custom model whose shape cannot be read says so before the rest
             if custom and not graph_info(gm).num_layers:
                 raise PtcError(f"model \"{spec.factory}\": ptc finds no stack of like layers "
@@ -373,8 +393,9 @@ def _profile_one_layer(spec: ModelSpec, dtype: str) -> ModelProfile:
                                "memory and cost models price a model layer by layer, so ptc "
                                "cannot predict its memory or step time; compile, inspect and "
                                "run work without predictions")
-            first, sharding = gm, infer_sharding(gm)
-            shape = graph_shape(gm, dataclasses.replace(spec, max_seq=max_seq), sharding) \
+            first, sharding = gm, split
+            shape = graph_shape(gm, dataclasses.replace(spec, max_seq=max_seq),
+                                infer_sharding(gm)) \
                 if custom else spec
     fit = {name: _fit(points[:6], [smp[name] for smp in samples[:6]]) for name in samples[0]}
     pb, ps = points[6]
@@ -482,10 +503,10 @@ def _classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
     (tp, tp0), (seq, seq0) = split("tp"), split("seq")
     (ctp, ctp0), (cseq, cseq0) = split("core_tp"), split("core_seq")
     (kv, _), (ckv, _) = split("kv"), split("core_kv")  # their batch-free part is in `const`
-    whole, _ = split("whole")
+    (whole, _), (cwhole, _) = split("whole"), split("core_whole")
     return SavedClasses(tp=tp, seq=seq, const=tp0 + seq0,
                         core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0, kv=kv, core_kv=ckv,
-                        whole=whole)
+                        whole=whole, core_whole=cwhole)
 
 
 def _points(max_seq: int) -> list[tuple[int, int]]:
@@ -562,6 +583,42 @@ def _kv_path(gm: torch.fx.GraphModule, sharding: Sharding, sharded: set[str]) ->
     return kv
 
 
+def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
+    """Nodes outside the tp regions that sequence parallelism runs on the whole sequence,
+    as `ptc.passes.sequence_parallel` lowers them: an op that mixes positions (an attention,
+    a product of two activations, a convolution) on activations a rule keeps whole gets them
+    gathered, and what follows it stays whole until an elementwise op meets the split
+    sequence again (the residual add, where the whole operand is scattered)."""
+    data: set[str] = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    whole: set[str] = set()
+    for n in gm.graph.nodes:
+        inputs = [a.name for a in n.all_input_nodes if a.name in data]
+        if not inputs or n.op == "output":
+            continue
+        data.add(n.name)
+        if n.name in sharded:
+            continue
+        name = op_name(n)
+        if any(a in whole for a in inputs):
+            if name not in POINTWISE_OPS or all(a in whole or a in sharded for a in inputs):
+                whole.add(n.name)
+        elif name in ATTENTION_OPS or name in CONVOLUTION_OPS or (
+                name in _ACTIVATION_PRODUCTS and len(inputs) >= 2):
+            whole.add(n.name)
+    return whole
+
+
+_ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
+"""Products that mix positions when both operands are activations (scores, probs @ v)."""
+
+
+def _saved_whole(storage, whole: set[str]) -> bool:
+    """Whether sequence parallelism keeps `storage` whole: made by a node it runs whole, or
+    saved only by such nodes (which read it gathered)."""
+    return storage.producer in whole or (
+        bool(storage.savers) and all(x in whole for x in storage.savers))
+
+
 def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     tensors = []
     for n in gm.graph.nodes:
@@ -571,16 +628,18 @@ def _inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return tensors
 
 
-def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
-    """Saved bytes by region and class, and FLOPs by region, of one capture; `fp8`: as the
-    float8 GEMMs of train dtype "fp8" save their inputs (`_with_fp8_copies`)."""
-    sharding = infer_sharding(gm)
+def _measure(gm: torch.fx.GraphModule, sharding: Sharding, *,
+             fp8: bool = False) -> dict[str, int]:
+    """Saved bytes by region and class, and FLOPs by region, of one capture split as
+    `sharding` says; `fp8`: as the float8 GEMMs of train dtype "fp8" save their inputs
+    (`_with_fp8_copies`)."""
     region, sharded = _regions(gm), _tp_sharded(gm, sharding)
     # What selective recompute reruns: the regions the activation_checkpoint pass makes.
     core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
     kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
-           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole")}
+           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole", "core_whole")}
+    whole = _whole_under_sp(gm, sharded)
     placeholders = _placeholders(gm)
     storages, outputs = saved_and_output_storages(gm, _inputs(gm),
                                                   held=_boundaries(gm, region))
@@ -602,9 +661,12 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
         else:
             targets = (r,)
         dropped = st.producer in core and all(x in core for x in st.savers)
+        kept_whole = st.producer in placeholders or _saved_whole(st, whole)
         for target in targets:
-            if st.producer in placeholders:  # token ids, targets: whole on every tp rank
+            if kept_whole:  # token ids, targets, a whole module's: whole on every tp rank
                 out[f"{target}.whole"] += nbytes
+                if dropped:
+                    out[f"{target}.core_whole"] += nbytes
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
                 out[f"{target}.{c}"] += nbytes
                 if dropped:
@@ -623,7 +685,12 @@ def _measure(gm: torch.fx.GraphModule, *, fp8: bool = False) -> dict[str, int]:
             cls = "tp" if producer in sharded else "seq"
             for c in (cls, "kv") if producer in kv_path else (cls,):
                 out[f"{region[n.name]}.core_{c}"] -= nbytes
-    out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding))
+            if producer in whole or any(u.name in whole for u in n.users if u.name in core):
+                out[f"{region[n.name]}.core_whole"] -= nbytes
+    whole_keys = {st.key for st in storages if _saved_whole(st, whole)} | {
+        key for name in whole for key in outputs.get(name, {})}
+    out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding,
+                             whole_keys))
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
@@ -655,7 +722,8 @@ def _unavailable(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str, str],
-                  sharded: set[str], kv_path: set[str], sharding: Sharding) -> dict[str, int]:
+                  sharded: set[str], kv_path: set[str], sharding: Sharding,
+                  whole_keys: set[int]) -> dict[str, int]:
     """Per policy of EXTRA_POLICIES layer 0 can take: the bytes of the storages layer 0
     makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`, `.whole`), the
     FLOPs it recomputes (`.flops`), whether a region reads the layer's input (`.holds`) and
@@ -689,14 +757,16 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
                    if (parts := attention_parts(n)) is not None and parts.fused}
         kept.update({st.key: (st.nbytes, st.producer) for st in storages
                      if st.internal and st.producer in kernels})
-        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv", "whole"), 0)
+        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv", "whole",
+                               "core_whole"), 0)
         for key, (nbytes, producer) in kept.items():
             if region.get(producer) != "layer":
                 continue
             terms["tp" if producer in sharded else "seq"] += nbytes
             if producer in kv_path:
                 terms["kv"] += nbytes
-            if producer in rowwise and producer in kept_nodes:  # before its reduce-scatter
+            if (producer in rowwise and producer in kept_nodes  # before its reduce-scatter
+                    or key in whole_keys):  # a whole module's (`_whole_under_sp`)
                 terms["whole"] += nbytes
         out.update({f"{policy}.{c}": v for c, v in terms.items()})
         out[f"{policy}.flops"] = sum(get_info(n).flops for r in regions for n in r.nodes
@@ -773,9 +843,9 @@ def _reruns(gm: torch.fx.GraphModule, region: dict[str, str]) -> dict[str, set[s
     return out
 
 
-def _work(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Forward and backward device work by region and class (`ModelProfile.work`)."""
-    sharding = infer_sharding(gm)
+def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
+    """Forward and backward device work by region and class (`ModelProfile.work`), split
+    as `sharding` says."""
     region, sharded = _regions(gm), _tp_sharded(gm, sharding)
     core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
     reruns = _reruns(gm, region)
@@ -876,6 +946,7 @@ def _param_groups(gm: torch.fx.GraphModule,
         g = groups[where]
         g[0 if split else 1] += numel
         g[2] += 1
-        if any(name.rpartition(".")[0] in sharding.kv_projections for name in names):
+        if split and any(name.rpartition(".")[0] in sharding.kv_projections
+                         for name in names):
             g[3] += numel
     return {r: ParamGroups(*g) for r, g in groups.items()}, tied_elements

@@ -21,7 +21,7 @@ from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import TERMS, stage_memory_expr
 from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_buckets
-from ptc.compiler.profile import model_profile, with_model_shape
+from ptc.compiler.profile import plan_profile, with_model_shape
 from ptc.compiler.search import search_all
 from ptc.compiler.views import FitTable
 from ptc.hwprofile import ProfileError, load_profile
@@ -107,7 +107,7 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
     it is what checkpoint = "auto" fits each stage to.
     """
     layout = est.layout
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     before = estimate_layout(profile, replace(layout, checkpoint="none"), plan,
                              plan_precision(plan, profile)).stage_memory_bytes
     b, s = layout.micro_batch, plan.train.seq_len
@@ -170,7 +170,7 @@ def _vs_budget(headroom: float) -> str:
 
 
 def _expression(plan: Plan, est: Estimate) -> Text:
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     stage = est.stage_memory_bytes.index(est.peak_memory_bytes)
     terms = stage_memory_expr(profile, est.layout, plan_precision(plan, profile), stage)
     lines = [f"Memory of stage {stage} in bytes (b micro-batch, s sequence, t tp, d dp, "
@@ -281,7 +281,7 @@ def _overlap(plan: Plan, est: Estimate) -> FitTable:
     Runs of buckets that carry one layer each collapse into one row.
     """
     layout, par = est.layout, plan.parallel
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     link = dp_link(plan)
     by_stage = {stage: predicted_buckets(plan, profile, layout, stage)
                 for stage in sorted({0, layout.pp - 1})}

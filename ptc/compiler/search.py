@@ -26,7 +26,7 @@ from ptc.compiler.cost import compute_floor, step_cost
 from ptc.compiler.estimate import Estimate, estimate_layout, plan_precision
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import peak, stage_memory_terms
-from ptc.compiler.profile import model_profile, with_model_shape
+from ptc.compiler.profile import plan_profile, with_model_shape
 from ptc.plan import AUTO, Plan
 
 CHECKPOINTS = ("none", "selective", "full")
@@ -137,7 +137,7 @@ def to_plan(plan: Plan, layout: Layout) -> Plan:
 def search_all(plan: Plan, top: int = 5) -> SearchResult:
     """Enumerate, filter by memory, rank by step time; the `top` fastest become Plans."""
     plan = with_model_shape(plan)
-    profile = model_profile(plan.model, plan.train.dtype)
+    profile = plan_profile(plan)
     prec = plan_precision(plan, profile)
     budget, seq, dtype = plan.hardware.memory_budget, plan.train.seq_len, plan.train.dtype
     layouts = enumerate_layouts(plan)

@@ -45,7 +45,7 @@ from ptc.compiler.meta import get_info, graph_info
 from ptc.compiler.nodes import (DROPOUT_OPS, TRANSPARENT_OPS, attention_parts, is_embedding,
                                 is_linear, node_shape, op_name)
 from ptc.errors import CompileError
-from ptc.plan import Plan
+from ptc.plan import Plan, ShardRule
 
 COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
 CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
@@ -86,8 +86,9 @@ class Sharding:
     kv_replicated: set[str] = field(default_factory=set)
     """Key/value projections kept whole because tp exceeds their heads: each rank computes
     them all and keeps the heads its queries read where they meet (`ops.tp_ops.tp_part`)."""
-    losses: list[fx.Node] = field(default_factory=list)
-    """Cross-entropy nodes whose logits come from a vocabulary-parallel head."""
+    loss_heads: dict[fx.Node, str] = field(default_factory=dict)
+    """Cross-entropy node -> the module path of the linear its logits come from (the loss
+    is vocabulary-parallel while that head's style is "vocab")."""
 
     def nodes_of(self, gm: fx.GraphModule, style: str) -> list[fx.Node]:
         """Linear / embedding nodes whose module has `style`, in graph order."""
@@ -98,10 +99,14 @@ def _module(node: fx.Node) -> str | None:
     return is_linear(node) or is_embedding(node)
 
 
-def infer_sharding(gm: fx.GraphModule) -> Sharding:
-    """The split the graph's structure implies, without rules; linears it cannot place are
-    left out (the memory and cost profiles read it: `ptc.compiler.profile`)."""
-    return _Finder(gm, 1).infer()
+def infer_sharding(gm: fx.GraphModule, rules: tuple[ShardRule, ...] = ()) -> Sharding:
+    """The split the graph's structure implies, overridden by `rules` where they match (a
+    plan's `shard` rules); linears it cannot place are left out. What the memory and cost
+    profiles read (`ptc.compiler.profile`): a linear a rule keeps whole is held and
+    computed whole on every rank there, as in the lowered graph."""
+    found = _Finder(gm, 1).infer()
+    _override(gm, found, rules, {})
+    return found
 
 
 def find_sharding(gm: fx.GraphModule, plan: Plan) -> Sharding:
@@ -148,7 +153,7 @@ class _Finder:
             if len(head) == 1:
                 path = self.linears[head[0]]
                 found.styles[path], found.why[path] = VOCAB, "LM head (its logits reach the loss)"
-                found.losses.append(node)
+                found.loss_heads[node] = path
 
     def _per_logit(self, node: fx.Node) -> bool:
         """Whether `node` transforms each logit by itself: an elementwise op whose other
@@ -474,6 +479,32 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
     """Override inferred styles with the plan's shard rules; fail on what stays unknown."""
     rules = plan.parallel.shards
     paths = {p for n in gm.graph.nodes if (p := _module(n))}
+    used = _override(gm, found, rules, failures)
+    unused = [r.pattern for r in rules if r.pattern not in used]
+    if unused:
+        raise CompileError(f"shard rules match no linear, embedding or norm: {unused}; "
+                           f"modules are named like {sorted(paths)[:4]}")
+    missing = {p: why for p, why in failures.items() if p not in found.styles}
+    if missing:
+        lines, by_rule = [], {}
+        for path in sorted(missing, key=_layer_order):
+            by_rule.setdefault(layer_glob(path), []).append(path)
+        for rule, paths in by_rule.items():
+            path = paths[0]
+            node = next(n for n in gm.graph.nodes if is_linear(n) == path)
+            more = f" (and {len(paths) - 1} more like it)" if len(paths) > 1 else ""
+            lines.append(f"  linear {path!r} (node {node.name}){more}: {missing[path]}\n"
+                         f"    to keep it whole add to the parallel section: "
+                         f"shard \"{rule}\" replicate   (or colwise / rowwise)")
+        raise CompileError("tensor parallelism cannot infer how to split:\n" + "\n".join(lines))
+
+
+def _override(gm: fx.GraphModule, found: Sharding, rules: tuple[ShardRule, ...],
+              failures: dict[str, str]) -> set[str]:
+    """Give each linear, embedding and norm the style of the last rule matching its path
+    (a norm: replicate only); the patterns that matched. A path a rule places leaves
+    `failures`."""
+    paths = {p for n in gm.graph.nodes if (p := _module(n))}
     embeddings = {p for n in gm.graph.nodes if (p := is_embedding(n))}
     heads = {p for p, s in found.styles.items() if s == VOCAB and p not in embeddings}
     others = {get_info(n).module_path for n in gm.graph.nodes
@@ -499,20 +530,4 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
         found.styles[path], found.why[path] = style, f"rule \"{rule.pattern}\" {rule.style}"
         found.kv_replicated.discard(path)
         failures.pop(path, None)
-    unused = [r.pattern for r in rules if r.pattern not in used]
-    if unused:
-        raise CompileError(f"shard rules match no linear, embedding or norm: {unused}; "
-                           f"modules are named like {sorted(paths)[:4]}")
-    missing = {p: why for p, why in failures.items() if p not in found.styles}
-    if missing:
-        lines, by_rule = [], {}
-        for path in sorted(missing, key=_layer_order):
-            by_rule.setdefault(layer_glob(path), []).append(path)
-        for rule, paths in by_rule.items():
-            path = paths[0]
-            node = next(n for n in gm.graph.nodes if is_linear(n) == path)
-            more = f" (and {len(paths) - 1} more like it)" if len(paths) > 1 else ""
-            lines.append(f"  linear {path!r} (node {node.name}){more}: {missing[path]}\n"
-                         f"    to keep it whole add to the parallel section: "
-                         f"shard \"{rule}\" replicate   (or colwise / rowwise)")
-        raise CompileError("tensor parallelism cannot infer how to split:\n" + "\n".join(lines))
+    return used

@@ -143,8 +143,22 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[dim] % world:
         raise ValueError(f"a sequence chunk: dim {dim} of size {x.shape[dim]} is not divisible "
                          f"by the {world} ranks")
+    chunk = x.chunk(world, dim)[group_rank(group)]
+    if not x.requires_grad:  # a table: its view, as the model's own slice of it would be
+        return chunk
     # A tensor of its own, not a view of x: a model may add to it in place.
-    return x.chunk(world, dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
+    return chunk.clone(memory_format=torch.contiguous_format)
+
+
+def _gather_in_layout(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`_gather` with the result laid out in memory as x is (a transposed view stays one):
+    the op reading it then makes what it would make from x (an attention kernel's output
+    strides follow its query's), and no copy appears where the model reshapes it."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost in memory first
+    if order == list(range(x.dim())) or not x.permute(order).is_contiguous():
+        return _gather(x, dim, group)
+    whole = _gather(x.permute(order), order.index(dim), group)
+    return whole.permute([order.index(d) for d in range(x.dim())])
 
 
 # ------------------------------------------------------------ tensor parallel
@@ -321,7 +335,7 @@ def gather_seq(x: torch.Tensor, dim: int = 1, axis: str = TP) -> torch.Tensor:
     already the whole one (unlike `all_gather_seq`, whose users are
     column-parallel and give partial gradients).
     """
-    return _SeqMove.apply(x, dim, axis, _gather, _chunk)
+    return _SeqMove.apply(x, dim, axis, _gather_in_layout, _chunk)
 
 
 # ------------------------------------- column-parallel linears, overlapped in backward

@@ -107,16 +107,17 @@ class _Rewrite:
         self.parts: list[fx.Node] = []  # the tp_part nodes `take_part` made
         self.rowwise = sharding.nodes_of(gm, ROWWISE)
         vocab = sharding.nodes_of(gm, VOCAB)
-        self.losses = [loss for loss in sharding.losses if _loss_logits_source(loss, vocab)]
-        heads = {_loss_logits_source(loss, vocab) for loss in self.losses}
-        self.heads = [n for n in vocab if n in heads]
-        self.embeddings = [n for n in vocab if n not in heads]
+        heads = {path for path in sharding.loss_heads.values()
+                 if sharding.styles.get(path) == VOCAB}  # a rule may have kept one whole
+        self.losses = [loss for loss, head in sharding.loss_heads.items() if head in heads]
+        self.heads = [n for n in vocab if is_linear(n) in heads]
+        self.embeddings = [n for n in vocab if n not in self.heads]
         self.counts = {"copy_to_tp": 0, "reduce_from_tp": 0}
         self.padded: dict[int, int] = {}  # a padded vocabulary's size -> its rows per rank
         self.starts: list[fx.Node] = []  # nodes whose output is split
         self.stops: set[fx.Node] = set()  # nodes that consume split inputs
         for node in vocab:
-            if node not in heads and not _is_embedding_call(gm, node):
+            if node not in self.heads and not _is_embedding_call(gm, node):
                 raise CompileError(f"tensor parallelism: {where(node)} is marked vocab-parallel, "
                                    "but only token embeddings and the linear whose logits reach "
                                    "the cross-entropy can be")
@@ -346,18 +347,6 @@ def _is_embedding_call(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(str(node.target)), nn.Embedding)
     return op_name(node) == "embedding"
-
-
-def _loss_logits_source(loss: fx.Node, candidates: list[fx.Node]) -> fx.Node | None:
-    """The candidate linear whose output the loss's logits are (through views)."""
-    node = loss.args[0]
-    for _ in range(16):
-        if node in candidates:
-            return node
-        if not isinstance(node, fx.Node) or not node.args:
-            return None
-        node = node.args[0]
-    return None
 
 
 def _linear_params(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None, int]:

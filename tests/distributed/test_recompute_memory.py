@@ -7,15 +7,16 @@ the checkpoint regions' inputs, what a saving region's selective checkpoint
 caches), for GPT (written-out attention, LayerNorm, GELU) and Llama (fused
 attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32 and bf16, tp 2 with
 and without sequence parallelism, under none, selective, full, ops, each
-recompute module alone and all four; and `checkpoint = auto(all)` under a budget that makes it mix
-op-level and module recompute.
+recompute module alone and all four; `checkpoint = auto(all)` under a budget that makes it mix
+op-level and module recompute; and modules `shard ... replicate` rules keep whole (an MLP,
+an attention, the head), whose activations every rank keeps whole.
 
 The prediction is `stage_memory(...)["activations"]` of the same plan. It
 is exact but for two known terms: the CPU LayerNorm statistics of
 `cpu_statistics_gap` (added to the measurement), and the weight total
 torch's cross-entropy saves (one scalar of the compute dtype, 4 or 2 bytes),
 which the profile counts and the vocabulary-parallel loss of tp does not
-keep. Under sequence parallelism two things stay whole on every rank and the
+keep (a head kept whole keeps torch's loss, and the scalar). Under sequence parallelism two things stay whole on every rank and the
 model says so (`SavedClasses.whole`): token ids and targets, and the output
 of a row-parallel linear that a saving region (`ops`, `act`) keeps, made
 before its reduce-scatter.
@@ -58,6 +59,19 @@ def auto_all_case(spec: ModelSpec, sp: bool) -> MemoryCase:
 
 AUTO_CASES = [auto_all_case(spec, sp) for spec in SPECS for sp in (False, True)]
 CASES += AUTO_CASES
+WHOLE = {"mlp": (("layers.*.mlp.*", "replicate"),),
+         "attention": (("layers.*.attn.*", "replicate"),),
+         "head": (("head", "replicate"), ("embed", "replicate"))}
+"""Shard rules keeping modules whole on every tp rank: held, saved and computed whole."""
+CASES += [MemoryCase(spec, sp, dtype, policy, shards=WHOLE[what]) for spec in SPECS
+          for what, sp, dtype, policy in (("mlp", False, "fp32", "none"),
+                                          ("mlp", True, "bf16", "selective"),
+                                          ("attention", False, "bf16", "none"),
+                                          ("attention", False, "fp32", "full"),
+                                          ("attention", True, "fp32", "none"),
+                                          ("attention", True, "bf16", "selective"),
+                                          ("attention", True, "fp32", "modules(mlp)"),
+                                          ("head", False, "fp32", "selective"))]
 LOSS_SCALAR = {"fp32": 4, "bf16": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""
@@ -68,8 +82,9 @@ _measured: list = []
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_saved_activations_per_rank_match_the_memory_model(case: MemoryCase) -> None:
     predicted = predicted_activations(case, 2)
+    scalar = 0 if ("head", "replicate") in case.shards else LOSS_SCALAR[case.dtype]
     for rank, (measured, gap, _) in enumerate(_measured_case(case)):
-        assert predicted - (measured + gap) == LOSS_SCALAR[case.dtype], \
+        assert predicted - (measured + gap) == scalar, \
             f"{case} rank {rank}: predicted {predicted}, measured {measured} + {gap}"
 
 

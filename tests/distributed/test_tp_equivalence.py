@@ -63,6 +63,8 @@ LAUNCHES = {
     "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)]
            # a replicated embedding: its output enters the split sequence through scatter_seq
            + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))]
+           # the head kept whole: logits whole on every rank, torch's own loss
+           + [TPCase("llama", 2, False, shards=(("head", "replicate"),))]
            # dropout on: each sample's masks, sliced to the rank's heads or sequence chunk
            + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)]
            # one key/value head for two ranks: replicated, each rank takes it where q meets it

@@ -94,11 +94,14 @@ class MemoryCase:
     """A recompute policy, or one per layer."""
     budget: float | None = None
     """Bytes per GPU "auto" fits in (through memory_margin); None: the whole HBM."""
+    shards: tuple[tuple[str, str], ...] = ()
+    """(pattern, style) of the plan's shard rules: modules kept whole or split by hand."""
 
     def __str__(self) -> str:
         ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
+        rules = "".join(f"-{pattern}={style}" for pattern, style in self.shards)
         return (f"{self.spec.family}-kv{self.spec.num_kv_heads}{'-sp' if self.sp else ''}"
-                f"-{self.dtype}-{ckpt}")
+                f"-{self.dtype}-{ckpt}{rules}")
 
 
 def memory_plan(case: MemoryCase, tp: int) -> Plan:
@@ -110,7 +113,9 @@ def memory_plan(case: MemoryCase, tp: int) -> Plan:
     return dataclasses.replace(
         base, model=case.spec, hardware=hw,
         parallel=ParallelSpec(tp=tp, sequence_parallel=case.sp and tp > 1,
-                              checkpoint=case.checkpoint))
+                              checkpoint=case.checkpoint,
+                              shards=tuple(ShardRule(pattern=pattern, style=style)
+                                           for pattern, style in case.shards)))
 
 
 def resolved_policies(case: MemoryCase, tp: int) -> str | tuple[str, ...]:
@@ -127,7 +132,7 @@ def predicted_activations(case: MemoryCase, tp: int) -> float:
     """The memory model's activation bytes of one rank for `case` at tensor parallelism `tp`."""
     from ptc.compiler.layout import Layout
     from ptc.compiler.memory import precision, stage_memory
-    from ptc.compiler.profile import DTYPES, model_profile
+    from ptc.compiler.profile import DTYPES, plan_profile
 
     plan = memory_plan(case, tp)
     layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=plan.train.micro_batch,
@@ -135,7 +140,7 @@ def predicted_activations(case: MemoryCase, tp: int) -> float:
                     layers=case.spec.layers, checkpoint=resolved_policies(case, tp),
                     overlap=True)
     prec = precision(DTYPES[case.dtype].itemsize, "adamw")
-    return stage_memory(model_profile(case.spec, case.dtype), layout, prec,
+    return stage_memory(plan_profile(plan), layout, prec,
                         plan.train.seq_len)[0]["activations"]
 
 

@@ -79,22 +79,32 @@ def test_tensor_parallel_keeps_norms_whole():
     assert layer.replicated == 4 * GPT.hidden + 2 * GPT.hidden
 
 
+RULES = {"inferred": (), "mlp whole": (("layers.*.mlp.*", "replicate"),),
+         "attention whole": (("layers.*.attn.*", "replicate"),),
+         "head whole": (("head", "replicate"),)}
+"""Shard rules over the tiny Llama's modules: none, a block kept whole, the vocabulary head
+kept whole."""
+
+
+@pytest.mark.parametrize("rules", RULES.values(), ids=RULES.keys())
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_rank_weights_equal_the_lowered_graph(tp):
+def test_tp_rank_weights_equal_the_lowered_graph(tp, rules):
     """Per tp rank, the predicted weights are the lowered graph's parameters: with 2
-    key/value heads, split at tp 2 and replicated whole on every rank at tp 4."""
-    from ptc.lower.driver import compile_plan  # noqa: PLC0415 - the whole compiler
-    from ptc.plan import HardwareSpec, ParallelSpec, Plan, TrainSpec  # noqa: PLC0415
+    key/value heads, split at tp 2 and replicated whole on every rank at tp 4; a linear a
+    `shard ... replicate` rule keeps whole is whole in both."""
+    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - the whole compiler
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
+    from ptc.plan import (HardwareSpec, ParallelSpec, Plan, ShardRule,  # noqa: PLC0415
+                          TrainSpec)
 
     spec = dataclasses.replace(LLAMA, heads=8)
+    shards = tuple(ShardRule(pattern=p, style=s) for p, s in rules)
     plan = Plan(model=spec, hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
-                parallel=ParallelSpec(tp=tp), train=TrainSpec(seq_len=16, global_batch=2,
-                                                              micro_batch=2, dtype="fp32"))
+                parallel=ParallelSpec(tp=tp, shards=shards),
+                train=TrainSpec(seq_len=16, global_batch=2, micro_batch=2, dtype="fp32"))
     program = compile_plan(plan)
     held = 4 * program.layout.numel  # fp32, one stage
-    terms = stage_memory(model_profile(spec, "fp32"), _layout(spec.layers, tp=tp),
-                         precision(4, "adamw"), 16)[0]
-    assert terms["weights"] == held
+    assert estimate(plan).memory_terms[0]["weights"] == held
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
