@@ -25,7 +25,9 @@ sets the pace).
 How parallelism divides the work: tensor parallelism splits the "tp" class
 (from a column-parallel linear to the row-parallel one that closes the block)
 by t, its key/value part by `kv_divisor`; the rest is replicated over tp,
-unless sequence parallelism splits it along the sequence (1/t). Context
+unless sequence parallelism splits it along the sequence (1/t), all but the
+"whole" class: a module a rule keeps whole, run on the whole sequence where it
+mixes positions. Context
 parallelism gives each rank s/cp positions, whose queries meet all s keys:
 the attention core's work is 1/cp of the whole sequence's. Every rank
 dispatches every op.
@@ -142,14 +144,15 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
         return f[f"{prefix}.{region}.{phase}.{name}"](b_, s_)
 
     def per_rank(quantity: str) -> float:
-        whole, tp, kv = (term(f"{quantity}.{c}", bb, ss) for c in ("all", "tp", "kv"))
+        classes = ("all", "tp", "kv", "whole")
+        total, tp, kv, seq_whole = (term(f"{quantity}.{c}", bb, ss) for c in classes)
         if split.cp > 1 and keys:  # the core's queries meet all keys
-            whole, tp, kv = (v + _core_keys(f, prefix, phase, f"{quantity}.{c}", bb, seq_len,
-                                            ss, split.cp)
-                             for v, c in zip((whole, tp, kv), ("all", "tp", "kv")))
-        rest = whole - tp
-        return (rest / split.tp if split.sp else rest) + (tp - kv) / split.tp \
-            + kv / split.kv_divisor
+            total, tp, kv, seq_whole = (
+                v + _core_keys(f, prefix, phase, f"{quantity}.{c}", bb, seq_len, ss, split.cp)
+                for v, c in zip((total, tp, kv, seq_whole), classes))
+        rest = total - tp
+        return ((rest - seq_whole) / split.tp + seq_whole if split.sp else rest) \
+            + (tp - kv) / split.tp + kv / split.kv_divisor
 
     fp8 = 0.0
     if region == "layer":  # float8 GEMMs: the linears' forward, and dgrad and wgrad

@@ -179,8 +179,13 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     # rerun only the sequence all-gathers they hold (a norm's, feeding its linears).
     gather_s = _cached(memo, ("tp_ag", bb, ss, tp, groups["tp"]), lambda: (
         comm.all_gather(boundary, groups["tp"], hw).seconds if layout.sp else 0.0))
-    tp_layer = {pol: (6 if pol in RERUN_LAYER else 4) * tp_unit
+    tp_layer = {pol: tp_units(profile, pol, layout.sp) * tp_unit
                 + rerun_gathers(profile, pol, layout.sp) * gather_s for pol in policies}
+    if layout.sp and tp > 1:  # what sequence parallelism runs whole: its gathers
+        gathered = comm.all_gather(f["sp_gathered"](bb, ss), groups["tp"], hw).seconds
+        scattered = comm.all_gather(f["sp_scattered"](bb, ss), groups["tp"], hw).seconds
+        for pol in policies:
+            tp_layer[pol] += (2 if pol in RERUN_LAYER else 1) * gathered + scattered
     z3 = {}
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
@@ -296,6 +301,17 @@ def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
 
 RERUN_LAYER = frozenset({"full", "ops"})
 """Policies whose recompute reruns the whole layer's ops, its collectives among them."""
+
+
+def tp_units(profile: ModelProfile, policy: str, sp: bool) -> float:
+    """Tensor-parallel collectives of one layer's step under `policy`, in all-reduces (with
+    sequence parallelism, reduce-scatter + all-gather pairs): one per region entered
+    (backward) and left (forward), and a rerun forward's again under RERUN_LAYER (with
+    sequence parallelism a forward holds half of each pair of both)."""
+    units = profile.tp_entries + profile.tp_exits
+    if policy in RERUN_LAYER:
+        units += (profile.tp_entries + profile.tp_exits) / 2 if sp else profile.tp_exits
+    return units
 
 
 def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:

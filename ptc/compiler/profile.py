@@ -40,6 +40,7 @@ import functools
 from fractions import Fraction
 import hashlib
 import inspect
+import math
 import os
 import pickle
 from collections.abc import Callable
@@ -175,8 +176,10 @@ class ModelProfile:
     own kernel), "fmem" (bytes moved by fused kernels), "ops" (ops dispatched) and "kern"
     (kernels launched when fused; these two class "all" only); class "all", "tp" (the part
     tensor parallelism splits: between a column-parallel linear and the row-parallel one
-    that closes the block, that one included) or "kv" (the part of "tp" on the key/value
-    path, split by `kv_divisor`). Fitted for micro-batches of
+    that closes the block, that one included), "kv" (the part of "tp" on the key/value
+    path, split by `kv_divisor`) or "whole" (the part outside "tp" that sequence
+    parallelism runs on the whole sequence: a module kept whole where it mixes positions,
+    `_whole_under_sp`). Fitted for micro-batches of
     2 and more: at one sample torch's matmul views some operands it copies at more."""
     work_b1: dict[str, sympy.Expr]
     """`work` at a micro-batch of one sample, polynomials in s alone."""
@@ -198,6 +201,19 @@ class ModelProfile:
     """Per policy of `policy_saved`: the inputs of column-parallel linears one layer's regions
     recompute (a norm's output under `norm`) — under sequence parallelism each is an
     all-gather that backward's recompute reruns."""
+    tp_entries: int = 2
+    """Tensor-parallel regions one layer enters (distinct inputs of its column-parallel
+    linears): an all-reduce of the input gradient each in backward (with sequence
+    parallelism: an all-gather forward, a reduce-scatter backward)."""
+    tp_exits: int = 2
+    """Row-parallel linears of one layer: an all-reduce of the output each in forward (with
+    sequence parallelism: a reduce-scatter forward, an all-gather backward)."""
+    sp_gathered: sympy.Expr = sympy.Integer(0)
+    """Bytes, whole, that sequence parallelism all-gathers in one layer's forward for modules
+    a rule keeps whole (`_whole_under_sp`: the inputs of the ops mixing positions)."""
+    sp_scattered: sympy.Expr = sympy.Integer(0)
+    """Bytes, whole, of those modules' outputs scattered back to the split sequence: their
+    gradients are all-gathered in backward."""
     holds_input: frozenset[str] = frozenset({"full"})
     """Policies whose checkpoint keeps the layer's input (a region reads it): like "full",
     they keep what crosses into the layer whether or not a node saves it."""
@@ -410,6 +426,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
                            "or step time; compile, inspect and run work without predictions")
         raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     params, tied_elements = _param_groups(first, sharding)
+    tp_entries, tp_exits = _tp_regions(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
     policies = [p for p in EXTRA_POLICIES if f"{p}.tp" in fit]
     unavailable = _unavailable(first)
@@ -425,6 +442,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         policy_saved={p: _classes(fit, p) for p in policies},
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
         policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
+        tp_entries=tp_entries, tp_exits=tp_exits, sp_gathered=fit["sp.gathered"],
+        sp_scattered=fit["sp.scattered"],
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
         unavailable=unavailable, params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
@@ -477,7 +496,8 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
     polys.update({f"flops.{p}": e for p, e in profile.policy_flops.items()})
     polys.update(core_flops=profile.core_flops, kv_flops=profile.kv_flops,
                  fp8_flops=profile.fp8_flops,
-                 boundary=profile.boundary_elements)
+                 boundary=profile.boundary_elements, sp_gathered=profile.sp_gathered,
+                 sp_scattered=profile.sp_scattered)
     fns = {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
     # The work terms are many (hundreds) and only ever priced in numbers: plain polynomials
     # of their float coefficients, which take a fraction of lambdify's time to make.
@@ -589,14 +609,11 @@ def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
     a product of two activations, a convolution) on activations a rule keeps whole gets them
     gathered, and what follows it stays whole until an elementwise op meets the split
     sequence again (the residual add, where the whole operand is scattered)."""
-    data: set[str] = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    data = _activations(gm)
     whole: set[str] = set()
     for n in gm.graph.nodes:
         inputs = [a.name for a in n.all_input_nodes if a.name in data]
-        if not inputs or n.op == "output":
-            continue
-        data.add(n.name)
-        if n.name in sharded:
+        if n.name not in data or n.name in sharded or not inputs:
             continue
         name = op_name(n)
         if any(a in whole for a in inputs):
@@ -610,6 +627,52 @@ def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
 
 _ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
 """Products that mix positions when both operands are activations (scores, probs @ v)."""
+
+
+def _activations(gm: torch.fx.GraphModule) -> set[str]:
+    """Nodes made from the graph's inputs (not tables built from sizes, not weights)."""
+    data: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or (n.op != "output" and any(
+                a.name in data for a in n.all_input_nodes)):
+            data.add(n.name)
+    return data
+
+
+def _sp_moves(gm: torch.fx.GraphModule, region: dict[str, str], sharded: set[str],
+              whole: set[str]) -> dict[str, int]:
+    """Bytes of layer 0 that sequence parallelism moves for what it runs whole: the split
+    inputs it gathers ("sp.gathered") and the whole outputs it scatters back
+    ("sp.scattered", gathered again as gradients in backward)."""
+    gathered, scattered, data = set(), set(), _activations(gm)
+    for n in gm.graph.nodes:
+        if region.get(n.name) != "layer":
+            continue
+        inputs = [a for a in n.all_input_nodes if a.name in data]
+        if n.name in whole:
+            gathered.update(a for a in inputs if a.name not in whole and a.name not in sharded)
+        elif n.name not in sharded:
+            scattered.update(a for a in inputs if a.name in whole)
+    return {"sp.gathered": sum(_output_bytes(a) for a in gathered),
+            "sp.scattered": sum(_output_bytes(a) for a in scattered)}
+
+
+def _output_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the node's (first) tensor output; 0 for a number (a size read off it)."""
+    info = get_info(node)
+    if info is None or not info.shapes or not info.dtypes:
+        return 0
+    return math.prod(info.shapes[0]) * info.dtypes[0].itemsize
+
+
+def _tp_regions(gm: torch.fx.GraphModule, sharding: Sharding) -> tuple[int, int]:
+    """(regions entered, regions left) in layer 0 as the tensor_parallel pass splits it: the
+    distinct inputs of its column-parallel linears, and its row-parallel linears."""
+    region = _regions(gm)
+    styles = _styles(gm, sharding)
+    layer = [n for n in gm.graph.nodes if region[n.name] == "layer"]
+    entries = {n.args[0] for n in layer if styles.get(n.name) == COLWISE and n.args}
+    return len(entries), sum(styles.get(n.name) == ROWWISE for n in layer)
 
 
 def _saved_whole(storage, whole: set[str]) -> bool:
@@ -687,6 +750,7 @@ def _measure(gm: torch.fx.GraphModule, sharding: Sharding, *,
                 out[f"{region[n.name]}.core_{c}"] -= nbytes
             if producer in whole or any(u.name in whole for u in n.users if u.name in core):
                 out[f"{region[n.name]}.core_whole"] -= nbytes
+    out.update(_sp_moves(gm, region, sharded, whole))
     whole_keys = {st.key for st in storages if _saved_whole(st, whole)} | {
         key for name in whole for key in outputs.get(name, {})}
     out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding,
@@ -785,7 +849,7 @@ WORK_REGIONS = ("pre", "layer", "post", "core")
 WORK_QUANTITIES = ("gemm", "attn", "mem", "fmem", "ops", "kern")
 COUNTS = ("ops", "kern")
 """Quantities that count calls, taken whole on every rank (class "all" only)."""
-WORK_CLASSES = ("all", "tp", "kv")
+WORK_CLASSES = ("all", "tp", "kv", "whole")
 
 
 def _work_points(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -852,6 +916,7 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
     kv_path = _kv_path(gm, sharding, sharded)
     styles = _styles(gm, sharding)
     split = sharded | {name for name, style in styles.items() if style == ROWWISE}
+    whole = _whole_under_sp(gm, sharded)
     out = {f"work.{r}.{ph}.{q}.{c}": 0 for r in WORK_REGIONS for ph in ("fwd", "bwd")
            for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"}
     out.update({f"work.{rerun_region(p)}.fwd.{q}.{c}": 0 for p in reruns
@@ -862,7 +927,7 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
             continue
         targets = (r, "core") if r == "layer" and name in core else (r,)
         classes = ("all", *(("tp",) if name in split else ()),
-                   *(("kv",) if name in kv_path else ()))
+                   *(("kv",) if name in kv_path else ()), *(("whole",) if name in whole else ()))
         reran = [rerun_region(p) for p, names in reruns.items() if name in names]
         for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
