@@ -103,6 +103,8 @@ TRANSPARENT_OPS = frozenset({
     "clone", "to", "type", "type_as", "float", "half", "bfloat16", "to_copy", "detach",
     "alias", "unsqueeze", "squeeze", "flatten", "context_chunks",
 })
+CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
+"""The losses whose logits come from an LM head."""
 # Ops between the score matmul and the softmax of written-out attention:
 # scaling, masking, dtype casts.
 _SCORE_OPS = TRANSPARENT_OPS | {"mul", "div", "truediv", "add", "sub", "masked_fill", "where",
@@ -390,6 +392,23 @@ def linear_in_dim(node: fx.Node) -> int | None:
         return None
     ndim = 2 if node.op == "call_module" else len(node_shape(_weight_arg(node)) or (0, 0))
     return (2 * ndim - 3) - out
+
+
+def logits_linear(loss: fx.Node) -> fx.Node | None:
+    """The linear node a cross-entropy takes its logits from, through reshapes, casts and
+    elementwise ops of the logits alone (Gemma 2's soft-capping); None when there is none."""
+    node = loss.args[0] if loss.args else None
+    while isinstance(node, fx.Node) and not is_linear(node) and node.args and (
+            op_name(node) in TRANSPARENT_OPS or _of_one_tensor(node)):
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and is_linear(node) else None
+
+
+def _of_one_tensor(node: fx.Node) -> bool:
+    """An elementwise op whose only tensor operand is its first (the others numbers)."""
+    info = get_info(node)
+    return info is not None and info.kind in ("pointwise", "activation") and \
+        len(node.all_input_nodes) == 1 and node.args[0] is node.all_input_nodes[0]
 
 
 def is_linear(node: fx.Node) -> str | None:

@@ -53,8 +53,9 @@ import torch.fx
 
 from ptc.compiler.activations import saved_and_output_storages
 from ptc.compiler.meta import get_info, graph_info
-from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, POINTWISE_OPS, attention_parts,
-                                is_embedding, is_fp8_linear, is_linear, node_shape, op_name)
+from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS, POINTWISE_OPS,
+                                attention_parts, is_embedding, is_fp8_linear, is_linear,
+                                logits_linear, node_shape, op_name)
 from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
@@ -606,10 +607,14 @@ def _kv_path(gm: torch.fx.GraphModule, sharding: Sharding, sharded: set[str]) ->
 def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
     """Nodes outside the tp regions that sequence parallelism runs on the whole sequence,
     as `ptc.passes.sequence_parallel` lowers them: an op that mixes positions (an attention,
-    a product of two activations, a convolution) on activations a rule keeps whole gets them
-    gathered, and what follows it stays whole until an elementwise op meets the split
-    sequence again (the residual add, where the whole operand is scattered)."""
+    a product of two activations, a convolution) on activations a rule keeps whole, or a
+    head kept whole whose logits reach the loss, gets them gathered, and what follows it
+    stays whole until an elementwise op meets the split sequence again (the residual add,
+    where the whole operand is scattered). Not modelled: an embedding kept whole, whose
+    output runs whole into the first layer up to its first residual add."""
     data = _activations(gm)
+    heads = {head.name for n in gm.graph.nodes if op_name(n) in CROSS_ENTROPY_OPS
+             and (head := logits_linear(n)) is not None}
     whole: set[str] = set()
     for n in gm.graph.nodes:
         inputs = [a.name for a in n.all_input_nodes if a.name in data]
@@ -619,7 +624,7 @@ def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
         if any(a in whole for a in inputs):
             if name not in POINTWISE_OPS or all(a in whole or a in sharded for a in inputs):
                 whole.add(n.name)
-        elif name in ATTENTION_OPS or name in CONVOLUTION_OPS or (
+        elif name in ATTENTION_OPS or name in CONVOLUTION_OPS or n.name in heads or (
                 name in _ACTIVATION_PRODUCTS and len(inputs) >= 2):
             whole.add(n.name)
     return whole

@@ -42,13 +42,12 @@ from fnmatch import fnmatchcase
 from torch import fx
 
 from ptc.compiler.meta import get_info, graph_info
-from ptc.compiler.nodes import (DROPOUT_OPS, TRANSPARENT_OPS, attention_parts, is_embedding,
-                                is_linear, node_shape, op_name)
+from ptc.compiler.nodes import (CROSS_ENTROPY_OPS, DROPOUT_OPS, TRANSPARENT_OPS, attention_parts,
+                                is_embedding, is_linear, node_shape, op_name)
 from ptc.errors import CompileError
 from ptc.plan import Plan, ShardRule
 
 COLWISE, ROWWISE, VOCAB, REPLICATE = "colwise", "rowwise", "vocab", "replicate"
-CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 
 # Ops that carry heads between a q/k/v projection and the attention: reshapes,
 # transposes, fused-projection splits, RoPE's rotate-half (or rotate-every-two: strided

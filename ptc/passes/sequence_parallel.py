@@ -37,7 +37,8 @@ from torch import fx
 
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
-from ptc.compiler.nodes import module_of, params_behind, where
+from ptc.compiler.nodes import (CROSS_ENTROPY_OPS, logits_linear, module_of, op_name,
+                                params_behind, where)
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq, reduce_from_tp,
                             reduce_scatter_seq, scatter_seq)
@@ -105,6 +106,10 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
         counts[op.__name__] += 1
         return node
 
+    for head in _whole_heads(gm, split):  # a head kept whole reads the whole sequence
+        x = head.args[0]
+        head.replace_input_with(x, insert(gather_seq, head, x, SEQ_DIM))
+
     prop = propagate(gm, k=tp, prefer=frozenset({seq_len}), pick_last=True,
                      rules=_rules(), on_mix=lambda *a: insert(scatter_seq, *a),
                      on_gather=lambda *a: insert(gather_seq, *a),
@@ -138,6 +143,15 @@ def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
         elif node.target is not copy_to_tp and any(a in split for a in node.all_input_nodes):
             split.add(node)
     return split
+
+
+def _whole_heads(gm: fx.GraphModule, split: set[fx.Node]) -> list[fx.Node]:
+    """The linears a loss of torch's own (not tp's vocabulary-parallel one: the head is
+    kept whole) takes its logits from, reading the split sequence. The logits must cover
+    the whole sequence, in the targets' order: the head's input is gathered, and head and
+    loss run whole, alike on every rank."""
+    heads = (logits_linear(n) for n in gm.graph.nodes if op_name(n) in CROSS_ENTROPY_OPS)
+    return [head for head in heads if head is not None and head.args[0] in split]
 
 
 def _swap(gm: fx.GraphModule, node: fx.Node, op, b: int, s: int) -> None:

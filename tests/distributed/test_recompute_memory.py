@@ -72,6 +72,11 @@ CASES += [MemoryCase(spec, sp, dtype, policy, shards=WHOLE[what]) for spec in SP
                                           ("attention", True, "bf16", "selective"),
                                           ("attention", True, "fp32", "modules(mlp)"),
                                           ("head", False, "fp32", "selective"))]
+# The head alone kept whole under sequence parallelism: its input gathered (GPT's head is tied
+# to its embedding, which must then be kept whole too: its output runs whole into the first
+# layer, which the memory model does not follow).
+CASES += [MemoryCase(SPECS[1], True, dtype, policy, shards=(("head", "replicate"),))
+          for dtype, policy in (("fp32", "none"), ("bf16", "ops"))]
 LOSS_SCALAR = {"fp32": 4, "bf16": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""

@@ -63,8 +63,9 @@ LAUNCHES = {
     "tp2": [TPCase(f, 2, sp) for f in FAMILIES for sp in (False, True)]
            # a replicated embedding: its output enters the split sequence through scatter_seq
            + [TPCase("llama", 2, True, shards=(("embed", "replicate"),))]
-           # the head kept whole: logits whole on every rank, torch's own loss
-           + [TPCase("llama", 2, False, shards=(("head", "replicate"),))]
+           # the head kept whole: logits whole on every rank, torch's own loss (with sp its
+           # input gathered)
+           + [TPCase("llama", 2, sp, shards=(("head", "replicate"),)) for sp in (False, True)]
            # dropout on: each sample's masks, sliced to the rank's heads or sequence chunk
            + [TPCase("gpt+dropout", 2, True), TPCase("nanogpt+dropout", 2, True)]
            # one key/value head for two ranks: replicated, each rank takes it where q meets it
@@ -108,6 +109,8 @@ def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
         assert any(" 1 scatter_seq" in m and "4 all_gather_seq" in m for m in got["log"])
     if WHOLE_ATTENTION.get(case.family) in rules:  # q, k, v of each of the two layers
         assert any(", 6 gather_seq" in m for m in got["log"])
+    if "head" in rules and case.sp:  # the whole head's input
+        assert any(", 1 gather_seq" in m for m in got["log"])
     # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward).
     assert any("tp input-gradient reductions overlap weight gradients" in m for m in got["log"])
     assert_same_training(got, reference(tp_plan(case)), what=str(case))
