@@ -316,6 +316,8 @@ class Trainer:
         tp = program.tensor_parallel
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
                           for alias in slot.aliases}
+        self.frozen_names = program.frozen
+        """Names of the parameters the model does not train (requires_grad = False)."""
         self.chunks: dict[int, Chunk] = {
             s: self._chunk(program, s, values, model) for s in schedule.stages_of(self.pp_rank)}
         self.units = [u for chunk in self.chunks.values() for u in chunk.units]
@@ -324,11 +326,7 @@ class Trainer:
             self.units, self.device, self.group, rank=self.dp_rank, world=self.dp) \
             if plan.parallel.offload == "optimizer" else None
         """With optimizer offload: the update on the host and its copies (`ptc.runtime.offload`)."""
-        names = program.frozen
-
-        def frozen(slot: ParamSlot) -> bool:  # a parameter the model does not train
-            return not names.isdisjoint(slot.aliases)
-
+        frozen = self._frozen
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
@@ -358,7 +356,8 @@ class Trainer:
         grad_dtype = COMPUTE_DTYPES[self.plan.train.grad_dtype]
         units = build_units(gm, layout, mine, zero=self.zero,
                             dtype=COMPUTE_DTYPES[self.plan.train.compute_dtype], rank=self.dp_rank,
-                            world=self.dp, device=self.device, grad_dtype=grad_dtype)
+                            world=self.dp, device=self.device, grad_dtype=grad_dtype,
+                            frozen=self._frozen)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage_overlap(stage, layout, self.plan)
         reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
@@ -367,6 +366,10 @@ class Trainer:
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
                      reducer=reducer, last_backward=last, overlap=overlap)
+
+    def _frozen(self, slot: ParamSlot) -> bool:
+        """Whether `slot` holds a parameter the model does not train."""
+        return not self.frozen_names.isdisjoint(slot.aliases)
 
     def _guard_folds(self) -> bool:
         """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as
@@ -557,10 +560,14 @@ class Trainer:
         try:
             with live.session if live.session is not None else contextlib.nullcontext():
                 if info.is_last:
-                    (live.outputs * state.scale).backward()
+                    if live.outputs.requires_grad:  # else nothing before it trains
+                        (live.outputs * state.scale).backward()
                 else:
                     outs = [t for t, spec in zip(live.outputs, info.outputs) if spec.requires_grad]
-                    torch.autograd.backward(outs, transfer.wait())
+                    # An output made from frozen parameters alone has nothing to send back to.
+                    pairs = [(t, g) for t, g in zip(outs, transfer.wait()) if t.requires_grad]
+                    if pairs:
+                        torch.autograd.backward(*zip(*pairs))
                 if live.session is not None:
                     live.session.finish()
         except Exception as exc:

@@ -70,7 +70,9 @@ class GradReducer:
         self.buckets = overlap.buckets
         self.in_flight = overlap.in_flight
         self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
-        self._expected = [sum(len(units[u].params) for u in bucket) for bucket in self.buckets]
+        # Frozen parameters (requires_grad = False) get no gradient, so no hook: not counted.
+        self._expected = [sum(p.requires_grad for u in bucket for p in units[u].params)
+                          for bucket in self.buckets]
         self._reduce = True
         self._ready = [0] * len(self.buckets)
         self._flushed = [False] * len(self.buckets)
@@ -78,6 +80,8 @@ class GradReducer:
         self._works: list[tuple[int, list[Waitable | Piece]]] = []
         for index, unit in enumerate(units):
             for slot, param in zip(unit.slots, unit.params):
+                if not param.requires_grad:
+                    continue
                 in_place = zero < 2 and param.dtype == unit.grad.dtype
                 if in_place:  # autograd adds into the existing .grad in place
                     param.grad = unit.grad[slot.offset:slot.offset + slot.numel].view(param.shape)

@@ -81,9 +81,14 @@ def slot_ranges(units: list[UnitState], keep: Callable[[ParamSlot], bool], *, wh
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
                 zero: int, dtype: torch.dtype, rank: int, world: int, device: torch.device,
-                grad_dtype: torch.dtype = torch.float32) -> list[UnitState]:
+                grad_dtype: torch.dtype = torch.float32,
+                frozen: Callable[[ParamSlot], bool] = lambda slot: False) -> list[UnitState]:
     """Create this rank's buffers from full initial `values` and bind them into `gm`
-    (`grad_dtype`: of the ZeRO 0-1 gradient buffers, see the module docstring)."""
+    (`grad_dtype`: of the ZeRO 0-1 gradient buffers, see the module docstring). A parameter
+    `frozen` says the model does not train is bound with requires_grad = False (ZeRO 0-2,
+    where each is a tensor of its own): autograd computes no gradient for it, as in eager
+    PyTorch. Under ZeRO-3 the graph reads flat shards that mix such parameters with trained
+    ones: theirs are computed and dropped (`drop_grads`)."""
     units = []
     for index, spec in enumerate(layout.units):
         slots = layout.slots(index)
@@ -104,7 +109,8 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
             grad = torch.zeros(spec.padded_numel if zero < 2 else spec.shard_numel,
                                dtype=grad_dtype if zero < 2 else torch.float32, device=device)
             unit = UnitState(spec=spec, slots=slots, master=master, grad=grad, full=full,
-                             params=[_bind_param(gm, full, slot) for slot in slots])
+                             params=[_bind_param(gm, full, slot, trained=not frozen(slot))
+                                     for slot in slots])
         # ZeRO-1 keeps full gradients but updates only its shard of them.
         owned = unit.grad.view(world, -1)[rank] if zero == 1 else unit.grad
         if owned.dtype != torch.float32:
@@ -135,8 +141,10 @@ def fill_main_grads(units: Iterable[UnitState], *, rank: int, world: int) -> Non
                 unit.main.copy_(owned)
 
 
-def _bind_param(gm: fx.GraphModule, full: torch.Tensor, slot: ParamSlot) -> nn.Parameter:
-    param = nn.Parameter(full[slot.offset:slot.offset + slot.numel].view(slot.shape))
+def _bind_param(gm: fx.GraphModule, full: torch.Tensor, slot: ParamSlot, *,
+                trained: bool) -> nn.Parameter:
+    param = nn.Parameter(full[slot.offset:slot.offset + slot.numel].view(slot.shape),
+                         requires_grad=trained)
     for alias in slot.aliases:  # tied weights: one Parameter under every name
         owner, _, leaf = alias.rpartition(".")
         (gm.get_submodule(owner) if owner else gm)._parameters[leaf] = param

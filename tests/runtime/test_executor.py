@@ -106,3 +106,32 @@ def test_the_readme_plan_learns_its_default_data():
     first, last = stats[0].loss, stats[-1].loss
     assert first == pytest.approx(math.log(plan.model.vocab), rel=0.05)  # untrained: uniform
     assert last <= 0.7 * first, f"loss {first:.3f} -> {last:.3f}"
+
+
+def test_frozen_parameters_get_no_weight_gradient():
+    """A parameter with requires_grad = False is bound so too: autograd skips its weight
+    gradient, as in eager PyTorch. The step of a Llama with its first attention frozen does
+    exactly the FLOPs of the same Llama's step less those four linears' weight gradients
+    (2 · tokens · in · out each; the frozen embedding's and norm's are not matrix products)."""
+    from hf_helpers import HFCase, hf_module, hf_plan
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(factory: str) -> tuple[Trainer, int]:
+        plan = hf_plan(HFCase(factory))
+        trainer = Trainer(compile_plan(plan), {})
+        with FlopCounterMode(display=False) as counter:
+            trainer.train_step(0)
+        return trainer, counter.get_total_flops()
+
+    frozen, fewer = step("llama_partly_frozen")
+    _, all_trained = step("llama")
+    plan = hf_plan(HFCase("llama"))
+    tokens = plan.train.global_batch * plan.train.seq_len
+    attention = hf_module(HFCase("llama")).model.layers[0].self_attn
+    weights = [m.weight.numel() for m in (attention.q_proj, attention.k_proj, attention.v_proj,
+                                          attention.o_proj)]
+    assert all_trained - fewer == sum(2 * tokens * n for n in weights)
+    graph = frozen.chunks[0].gm
+    untrained = [p for p in graph.parameters() if not p.requires_grad]
+    assert len(untrained) == 6  # embedding, q, k, v, o, final norm
+    assert all(p.grad is None for p in untrained)
