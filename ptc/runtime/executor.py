@@ -373,12 +373,11 @@ class Trainer:
 
     def _guard_folds(self) -> bool:
         """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as
-        `ptc.compiler.step_sync.guard_folds` decides for the cost model too. Not with frozen
-        parameters: the folded guard reads the gradients before their reduction, and theirs
-        (which eager PyTorch never computes, and `drop_grads` zeroes after it) must not
-        decide whether a step is skipped."""
+        `ptc.compiler.step_sync.guard_folds` decides for the cost model too. It reads the
+        gradients before their reduction: at ZeRO-0 a frozen parameter's stay zero there,
+        as autograd computes none (`build_units`)."""
         plan = self.plan
-        return dist.is_initialized() and not self.program.frozen and guard_folds(
+        return dist.is_initialized() and guard_folds(
             zero=self.zero, dp=self.dp, world=dist.get_world_size(),
             offload=plan.parallel.offload != "none",
             grad_bytes=DTYPE_BYTES[plan.train.grad_dtype], wire_bytes=plan.grad_wire_bytes)
