@@ -326,16 +326,17 @@ class Trainer:
             self.units, self.device, self.group, rank=self.dp_rank, world=self.dp) \
             if plan.parallel.offload == "optimizer" else None
         """With optimizer offload: the update on the host and its copies (`ptc.runtime.offload`)."""
-        frozen = self._frozen
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
             tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
                 self.units, tp, zero=self.zero, rank=self.dp_rank),
-            frozen=slot_ranges(self.units, frozen, whole=self.zero == 0, rank=self.dp_rank))
-        self.frozen_grads = slot_ranges(self.units, frozen, whole=self.zero < 2,
-                                        rank=self.dp_rank)
-        """Per unit, the ranges of its gradient buffer that hold parameters the model does
-        not train (whole at ZeRO 0-1, the dp shard from ZeRO-2)."""
+            frozen=slot_ranges(self.units, self._frozen, whole=self.zero == 0,
+                               rank=self.dp_rank))
+        self.frozen_grads = slot_ranges(self.units, self._frozen, whole=False,
+                                        rank=self.dp_rank) if self.zero == 3 else []
+        """Per unit, the ranges of its gradient shard that hold parameters the model does
+        not train, which ZeRO-3's graph computes gradients for (it reads flat shards);
+        empty below ZeRO-3, where autograd computes none (`build_units`)."""
         self.partial = [] if tp is None else partial_grad_ranges(
             self.units, tp, zero=self.zero, rank=self.dp_rank)
         self.tied = self._tied_groups()

@@ -7,8 +7,9 @@ buffers: AdamW is elementwise, so updating a flat shard gives the same
 numbers as updating the full model's parameters one by one.
 
 Parameters the model does not train (requires_grad = False) keep their
-values: the trainer zeroes their gradients (`params.drop_grads`), so the
-norm counts only the trained parameters, as `clip_grad_norm_` over those
+values: their gradients are zero (autograd computes none below ZeRO-3; the
+trainer zeroes ZeRO-3's, `params.drop_grads`), so the norm counts only the
+trained parameters, as `clip_grad_norm_` over those
 with a gradient does, and their elements of each master (`frozen` ranges)
 are restored after each update (AdamW's weight decay would shrink them), as
 eager PyTorch leaves a parameter without a gradient alone.

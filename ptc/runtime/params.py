@@ -122,8 +122,9 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
 
 def drop_grads(units: Iterable[UnitState], ranges: list[list[tuple[int, int]]]) -> None:
     """Zero `ranges[i]` of unit i's gradient buffer: the gradients of parameters the model
-    does not train (requires_grad = False), which eager PyTorch never computes; call once
-    the step's sums are complete, before anything reads them (the guard, the norm)."""
+    does not train (requires_grad = False), which eager PyTorch never computes and ZeRO-3's
+    graph does (`build_units`); call once the step's sums are complete, before anything
+    reads them (the guard, the norm)."""
     with torch.no_grad():
         for unit, spans in zip(units, ranges):
             for a, b in spans:
