@@ -232,7 +232,7 @@ def held_per_element(prec: Precision, zero: int) -> tuple[int, tuple[int, int], 
 def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt, mb,
                        mn: Callable) -> tuple:
     """(activations in flight, recompute working set) bytes of one rank of `stage`."""
-    p, f = layout.pp, profile.fn
+    p, f = layout.pp, saved_functions(profile, layout.sp)
     seq_div = tt if layout.sp else 1
     mx = sympy.Max if mn is sympy.Min else max
 
@@ -268,6 +268,20 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
                  for pol in sorted(set(policies) - {"none"})]
         recompute = freed[0] if len(freed) == 1 else mx(*freed)
     return activations, recompute
+
+
+def saved_functions(profile: ModelProfile, sp: bool) -> dict[str, Callable]:
+    """The profile's functions with its saved-bytes terms as measured under sequence
+    parallelism (`ModelProfile.sp_saved`) in place of the plain ones when `sp` says so and
+    it runs something whole; else the profile's own."""
+    if not (sp and profile.sp_saved):
+        return profile.fn
+    key = ("sp_functions",)
+    if key not in profile.memo:
+        prefix = "sp:"
+        profile.memo[key] = {**profile.fn, **{name[len(prefix):]: fn for name, fn in
+                                              profile.fn.items() if name.startswith(prefix)}}
+    return profile.memo[key]
 
 
 def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> int:

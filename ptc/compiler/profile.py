@@ -34,6 +34,7 @@ the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import functools
@@ -52,7 +53,7 @@ import torch
 import torch.fx
 
 from ptc.compiler.activations import saved_and_output_storages
-from ptc.compiler.meta import get_info, graph_info
+from ptc.compiler.meta import copy_meta, get_info, graph_info
 from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS, POINTWISE_OPS,
                                 attention_parts, is_embedding, is_fp8_linear, is_linear,
                                 logits_linear, node_shape, op_name)
@@ -215,6 +216,14 @@ class ModelProfile:
     sp_scattered: sympy.Expr = sympy.Integer(0)
     """Bytes, whole, of those modules' outputs scattered back to the split sequence: their
     gradients are all-gathered in backward."""
+    sp_saved: dict[str, SavedClasses] = field(default_factory=dict)
+    """Under sequence parallelism, where it runs something whole (`_whole_under_sp`): the
+    saved bytes of every region of `saved`, of "out", "out_unsaved", "in_unsaved" and of
+    every policy of `policy_saved`, measured on the graph as sequence parallelism lowers it
+    (`_with_gathered_copies`): a split tensor that a whole op reads is gathered into a new
+    whole tensor, kept besides the split one wherever both are kept (a saving region's
+    linear output, split, and the attention's gathered input). Empty when sequence
+    parallelism runs nothing whole: `saved` and the others hold then."""
     holds_input: frozenset[str] = frozenset({"full"})
     """Policies whose checkpoint keeps the layer's input (a region reads it): like "full",
     they keep what crosses into the layer whether or not a node saves it."""
@@ -402,6 +411,10 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         split = infer_sharding(gm, shards)
         if (pb, ps) in points:
             samples.append(_measure(gm, split, fp8=dtype == "fp8"))
+            gathered = _with_gathered_copies(gm, split)
+            if gathered is not None:
+                samples[-1].update({f"sp:{name}": value for name, value in _measure(
+                    gathered, split, fp8=dtype == "fp8").items() if _is_saved_term(name)})
         work_samples[pb, ps] = _work(gm, split)
         if first is None:  # a custom model whose shape cannot be read says so before the rest
             if custom and not graph_info(gm).num_layers:
@@ -430,6 +443,8 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
     tp_entries, tp_exits = _tp_regions(first, sharding)
     saved = {r: _classes(fit, r) for r in _SAVED_REGIONS}
     policies = [p for p in EXTRA_POLICIES if f"{p}.tp" in fit]
+    sp_saved = {r: _classes(fit, f"sp:{r}") for r in (*_SAVED_REGIONS, *policies)
+                if f"sp:{r}.tp" in fit}
     unavailable = _unavailable(first)
     profile = ModelProfile(
         layers=1, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.num_kv_heads,
@@ -444,7 +459,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
         policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
         tp_entries=tp_entries, tp_exits=tp_exits, sp_gathered=fit["sp.gathered"],
-        sp_scattered=fit["sp.scattered"],
+        sp_scattered=fit["sp.scattered"], sp_saved=sp_saved,
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
         unavailable=unavailable, params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
@@ -491,6 +506,7 @@ def _functions(profile: ModelProfile) -> dict[str, Callable]:
     regions = {**profile.saved, "out": profile.layer_output,
                "out_unsaved": profile.output_unsaved, "in_unsaved": profile.input_unsaved,
                **profile.policy_saved}
+    regions.update({f"sp:{r}": cl for r, cl in profile.sp_saved.items()})
     polys = {f"{r}.{c.name}": getattr(cl, c.name) for r, cl in regions.items()
              for c in dataclasses.fields(SavedClasses)}
     polys.update({f"flops.{r}": e for r, e in profile.flops.items()})
@@ -621,13 +637,64 @@ def _whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
         if n.name not in data or n.name in sharded or not inputs:
             continue
         name = op_name(n)
-        if any(a in whole for a in inputs):
+        if n.target is gathered_copy:
+            whole.add(n.name)
+        elif any(a in whole for a in inputs):
             if name not in POINTWISE_OPS or all(a in whole or a in sharded for a in inputs):
                 whole.add(n.name)
         elif name in ATTENTION_OPS or name in CONVOLUTION_OPS or n.name in heads or (
                 name in _ACTIVATION_PRODUCTS and len(inputs) >= 2):
             whole.add(n.name)
     return whole
+
+
+def gathered_copy(x: torch.Tensor) -> torch.Tensor:
+    """Stand-in for sequence parallelism's `gather_seq` in the one-process profile: a new
+    tensor laid out as its input, as the gather makes one (of the whole sequence)."""
+    return x.clone(memory_format=torch.preserve_format)
+
+
+def _with_gathered_copies(gm: torch.fx.GraphModule, sharding: Sharding
+                          ) -> torch.fx.GraphModule | None:
+    """A copy of `gm` as sequence parallelism lowers what it runs whole: each split input of
+    a node it runs whole (`_whole_under_sp`) is read through a `gathered_copy` of its own,
+    where the sequence_parallel pass inserts a `gather_seq` for that node. None when it
+    runs nothing whole.
+
+    Measured on it, a whole op's saved input is the gathered copy, a storage apart from
+    the split tensor it came from: the two count separately where both are kept, and the
+    recompute regions meet the copies where they meet the gathers.
+    """
+    sharded = _tp_sharded(gm, sharding)
+    whole, data = _whole_under_sp(gm, sharded), _activations(gm)
+    edges = [(n.name, a.name) for n in gm.graph.nodes if n.name in whole
+             for a in n.all_input_nodes
+             if a.name in data and a.name not in whole and a.name not in sharded
+             and _output_bytes(a)]  # a tensor: not a size read off one
+    if not edges:
+        return None
+    out = copy.deepcopy(gm)
+    nodes = {n.name: n for n in out.graph.nodes}
+    for user_name, input_name in edges:
+        user, x = nodes[user_name], nodes[input_name]
+        with out.graph.inserting_before(user):
+            gathered = out.graph.call_function(gathered_copy, (x,))
+        copy_meta(x, gathered, kind="other", flops=0, params=0, param_bytes=0)
+        user.replace_input_with(x, gathered)
+    out.recompile()
+    return out
+
+
+def _is_saved_term(name: str) -> bool:
+    """Whether a `_measure` term is saved bytes (a region's or a policy's class), not FLOPs,
+    gathers or communication."""
+    region, _, what = name.rpartition(".")
+    return bool(region) and what in _SAVED_CLASS_TERMS and region != "sp"
+
+
+_SAVED_CLASS_TERMS = frozenset({"tp", "seq", "kv", "whole", "core_tp", "core_seq", "core_kv",
+                                "core_whole"})
+"""The classes `_measure` reports saved bytes in (`SavedClasses`, before `_classes`)."""
 
 
 _ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})

@@ -9,7 +9,9 @@ attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32 and bf16, tp 2 with
 and without sequence parallelism, under none, selective, full, ops, each
 recompute module alone and all four; `checkpoint = auto(all)` under a budget that makes it mix
 op-level and module recompute; and modules `shard ... replicate` rules keep whole (an MLP,
-an attention, the head), whose activations every rank keeps whole.
+an attention, the head), whose activations every rank keeps whole (under sequence
+parallelism the split tensors those modules read are gathered into copies of their own,
+kept besides the split ones where a region keeps both: `ModelProfile.sp_saved`).
 
 The prediction is `stage_memory(...)["activations"]` of the same plan. It
 is exact but for two known terms: the CPU LayerNorm statistics of
@@ -71,6 +73,12 @@ CASES += [MemoryCase(spec, sp, dtype, policy, shards=WHOLE[what]) for spec in SP
                                           ("attention", True, "fp32", "none"),
                                           ("attention", True, "bf16", "selective"),
                                           ("attention", True, "fp32", "modules(mlp)"),
+                                          # a saving region keeps q/k/v split, the attention
+                                          # their gathered copies: both kept
+                                          ("attention", True, "bf16", "ops"),
+                                          ("attention", True, "fp32", "modules(norm)"),
+                                          ("attention", True, "bf16",
+                                           "modules(core_attn, mlp, norm, act)"),
                                           ("head", False, "fp32", "selective"))]
 # The head alone kept whole under sequence parallelism: its input gathered (GPT's head is tied
 # to its embedding, which must then be kept whole too: its output runs whole into the first
