@@ -75,6 +75,11 @@ class PlanError(PtcError):
         super().__init__("\n".join(d.render() for d in self.diagnostics))
 
 
+class UnpricedError(PtcError):
+    """ptc can compile and run the plan but cannot predict its memory or step time (the
+    message says why); the run goes on without predictions."""
+
+
 class CaptureError(PtcError):
     """A model could not be captured as an fx graph; the message says how to fix it."""
 

@@ -59,9 +59,10 @@ from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OP
                                 logits_linear, node_shape, op_name)
 from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
-from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding
+from ptc.compiler.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding,
+                                       matching_rule, rule_paths)
 from ptc.compiler.work import graph_work
-from ptc.errors import CaptureError, CompileError, PtcError
+from ptc.errors import CaptureError, CompileError, PtcError, UnpricedError
 from ptc.plan import ModelSpec, Plan, ShardRule
 
 b, s = sympy.symbols("b s", positive=True, integer=True)
@@ -229,6 +230,10 @@ class ModelProfile:
     they keep what crosses into the layer whether or not a node saves it."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Policies the model's layers cannot take -> why (the CompileError's message)."""
+    layer_paths: tuple[str, ...] = ()
+    """The module paths of layer 0 that `shard` rules place (`tp_structure.rule_paths`),
+    its index as "{}" ("layers.{}.mlp.up"): the profile prices every layer as layer 0, which
+    holds only while the plan's rules place every layer alike (`_check_rules_alike`)."""
     shape: ModelSpec | None = None
     """For a custom model: its plan's model section with the shape its graph shows
     (`graph_shape`); None for a built-in family, whose plan names its shape."""
@@ -272,7 +277,26 @@ def model_profile(spec: ModelSpec, dtype: str,
     if isinstance(profile, Unprofiled):
         raise PtcError(profile.reason)
     layers = profile.shape.layers if profile.shape is not None else spec.layers
+    _check_rules_alike(profile.layer_paths, shards, layers)
     return dataclasses.replace(profile, layers=layers)
+
+
+def _check_rules_alike(layer_paths: tuple[str, ...], shards: tuple[ShardRule, ...],
+                       layers: int) -> None:
+    """PtcError when `shards` place some module of one layer unlike the same module of
+    another ("layers.0.mlp.*" replicate): the profile prices every layer as layer 0."""
+    for template in layer_paths:
+        placed = {}
+        for index in range(layers):
+            path = template.format(index)
+            rule = matching_rule(path, shards)
+            placed.setdefault(rule.style if rule else "as inferred", path)
+        if len(placed) > 1:
+            (first, a), (second, b_path) = list(placed.items())[:2]
+            raise UnpricedError(f"the shard rules place layers unlike each other ({a} {first}, "
+                           f"{b_path} {second}); ptc's memory and cost models price every "
+                           "layer as its first, so ptc cannot predict this plan's memory or "
+                           "step time; compile, inspect and run work without predictions")
 
 
 def plan_profile(plan: Plan) -> ModelProfile:
@@ -446,6 +470,9 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
     sp_saved = {r: _classes(fit, f"sp:{r}") for r in (*_SAVED_REGIONS, *policies)
                 if f"sp:{r}.tp" in fit}
     unavailable = _unavailable(first)
+    blocks = graph_info(first).blocks_path
+    layer_paths = tuple(sorted(f"{blocks}.{{}}.{p[len(blocks) + 3:]}" for p in rule_paths(first)
+                               if blocks and p.startswith(f"{blocks}.0.")))
     profile = ModelProfile(
         layers=1, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.num_kv_heads,
         vocab=shape.vocab,
@@ -461,7 +488,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         tp_entries=tp_entries, tp_exits=tp_exits, sp_gathered=fit["sp.gathered"],
         sp_scattered=fit["sp.scattered"], sp_saved=sp_saved,
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
-        unavailable=unavailable, params=params, tied=tied_elements > 0,
+        unavailable=unavailable, layer_paths=layer_paths, params=params, tied=tied_elements > 0,
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))

@@ -498,6 +498,22 @@ def _apply_rules(gm: fx.GraphModule, found: Sharding, plan: Plan,
         raise CompileError("tensor parallelism cannot infer how to split:\n" + "\n".join(lines))
 
 
+def rule_paths(gm: fx.GraphModule) -> set[str]:
+    """The module paths a `shard` rule places: every linear and embedding, and every norm
+    (which a rule can only keep whole)."""
+    return {p for n in gm.graph.nodes if (p := _module(n))} | _norm_paths(gm)
+
+
+def matching_rule(path: str, rules: tuple[ShardRule, ...]) -> ShardRule | None:
+    """The rule that places the module at `path`: the last one whose glob matches it."""
+    return next((r for r in reversed(rules) if fnmatchcase(path, r.pattern)), None)
+
+
+def _norm_paths(gm: fx.GraphModule) -> set[str]:
+    return {get_info(n).module_path for n in gm.graph.nodes
+            if get_info(n) is not None and get_info(n).kind == "norm"}
+
+
 def _override(gm: fx.GraphModule, found: Sharding, rules: tuple[ShardRule, ...],
               failures: dict[str, str]) -> set[str]:
     """Give each linear, embedding and norm the style of the last rule matching its path
@@ -506,11 +522,10 @@ def _override(gm: fx.GraphModule, found: Sharding, rules: tuple[ShardRule, ...],
     paths = {p for n in gm.graph.nodes if (p := _module(n))}
     embeddings = {p for n in gm.graph.nodes if (p := is_embedding(n))}
     heads = {p for p, s in found.styles.items() if s == VOCAB and p not in embeddings}
-    others = {get_info(n).module_path for n in gm.graph.nodes
-              if get_info(n) is not None and get_info(n).kind == "norm"}
+    others = _norm_paths(gm)
     used = set()
     for path in sorted(paths | others):
-        rule = next((r for r in reversed(rules) if fnmatchcase(path, r.pattern)), None)
+        rule = matching_rule(path, rules)
         if rule is None:
             continue
         used.add(rule.pattern)

@@ -38,7 +38,7 @@ import os
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ptc.errors import Diagnostic, PtcError, Span
+from ptc.errors import Diagnostic, PtcError, Span, UnpricedError
 from ptc.plan import Plan
 from ptc.runtime.data import check_data
 from ptc.runtime.hf_weights import check_hf_dir
@@ -77,7 +77,10 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
         elif factory and plan.is_resolved:
             found += _custom_model(plan, where, allow_oom, compiler)
     elif plan.is_resolved:
-        found += _memory(plan, where, allow_oom)
+        try:
+            found += _memory(plan, where, allow_oom)
+        except UnpricedError:  # no prediction: the run says so in its opening line
+            pass
     return found
 
 

@@ -77,3 +77,22 @@ def test_the_estimate_prices_the_whole_mlp_as_computed_and_held_whole(sp):
     mlp_bytes = 3 * 1024 * 4096 * 8 * 2  # bf16 weights of 8 layers' MLPs
     assert whole.memory_terms[0]["weights"] - split.memory_terms[0]["weights"] == \
         pytest.approx(mlp_bytes * (1 - 1 / 4))
+
+
+@pytest.mark.parametrize("pattern", ["layers.0.mlp.*", "layers.1.mlp.down"])
+def test_rules_that_place_layers_unlike_leave_the_plan_unpriced(pattern):
+    """The profile prices every layer as layer 0: a rule placing one layer's module unlike
+    another's gets no (silently wrong) prediction but an UnpricedError naming both."""
+    from ptc.errors import UnpricedError  # noqa: PLC0415
+
+    with pytest.raises(UnpricedError, match=r"layers\.0\.mlp\.down .*layers\.1\.mlp\.down"):
+        model_profile(LLAMA, "fp32", (ShardRule(pattern=pattern, style="replicate"),))
+
+
+def test_rules_that_name_layers_but_place_them_alike_are_priced():
+    """A rule naming every layer, or the only layer, places the layers alike."""
+    every = (ShardRule(pattern="layers.[01].mlp.*", style="replicate"),)
+    assert model_profile(LLAMA, "fp32", every) == model_profile(LLAMA, "fp32", MLP_WHOLE)
+    one = dataclasses.replace(LLAMA, layers=1)
+    first = (ShardRule(pattern="layers.0.mlp.*", style="replicate"),)
+    assert model_profile(one, "fp32", first).params == model_profile(one, "fp32", MLP_WHOLE).params

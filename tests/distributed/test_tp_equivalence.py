@@ -74,7 +74,9 @@ LAUNCHES = {
            # output scattered back (fused SDPA with rotary; written out with dropout; SDPA
            # with dropout)
            + [TPCase(f, 2, True, shards=((WHOLE_ATTENTION[f], "replicate"),))
-              for f in ("llama", "gpt+dropout", "nanogpt+dropout")],
+              for f in ("llama", "gpt+dropout", "nanogpt+dropout")]
+           # one layer's MLP kept whole, the other's split (a plan ptc runs but cannot price)
+           + [TPCase("llama", 2, True, shards=(("layers.1.mlp.*", "replicate"),))],
     "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)]
            + [TPCase("gpt+dropout", 4, False)]
            # 2 key/value heads over 4 ranks: each head shared by two ranks' query heads
