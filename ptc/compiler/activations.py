@@ -30,13 +30,14 @@ RMSNorm included, saves what torch's own kernels save.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 from torch.nn import functional as F
 
+from ptc.compiler.call_cache import fresh_tree
 from ptc.ops.dropout import site_dropout
 
 
@@ -95,9 +96,12 @@ _SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_produ
 
 
 class _SavedRecorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, model_storages: set[int]):
+    def __init__(self, gm: torch.fx.GraphModule, model_storages: set[int],
+                 twins: Mapping[str, str] | None = None):
         super().__init__(gm, garbage_collect_values=False)
         self.model_storages = model_storages
+        nodes = {n.name: n for n in gm.graph.nodes}
+        self.twins = {name: nodes[twin] for name, twin in (twins or {}).items()}
         self.current = ""
         self.producer: dict[int, str] = {}
         self.saved: dict[int, tuple[int, list[str]]] = {}
@@ -105,7 +109,10 @@ class _SavedRecorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node):
         self.current = n.name
-        out = super().run_node(n)
+        if n.name in self.twins:  # not run: new tensors like its twin's
+            out = fresh_tree(self.env[self.twins[n.name]])
+        else:
+            out = super().run_node(n)
         for t in _tensors(out):
             self.producer.setdefault(_key(t), n.name)
             self.keep.append(t)
@@ -161,13 +168,15 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
-                   held: Collection[str] = ()) -> list[SavedStorage]:
+                   held: Collection[str] = (), twins: Mapping[str, str] | None = None
+                   ) -> list[SavedStorage]:
     """`saved_and_output_storages` without the outputs."""
-    return saved_and_output_storages(gm, inputs, held)[0]
+    return saved_and_output_storages(gm, inputs, held, twins)[0]
 
 
 def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
-                              held: Collection[str] = ()
+                              held: Collection[str] = (),
+                              twins: Mapping[str, str] | None = None
                               ) -> tuple[list[SavedStorage],
                                          dict[str, dict[int, tuple[int, str]]]]:
     """Every storage the forward of `gm` saves for backward, on the meta device, and the
@@ -178,9 +187,12 @@ def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.T
     are meta tensors of the placeholders' shapes. Second: per node, the
     storages of its outputs that are not model state ({key: (bytes, producer)},
     keys as `SavedStorage.key`): what a checkpoint reading that node keeps.
+    `twins`: nodes not run, by name, each with the earlier node that makes the same call on
+    operands alike, whose value it takes as new tensors of the same metadata (what nodes
+    not run save is not seen).
     """
     model_storages = {_key(t) for t in (*gm.parameters(), *gm.buffers())}
-    rec = _SavedRecorder(gm, model_storages)
+    rec = _SavedRecorder(gm, model_storages, twins)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         rec.run(*inputs)
     held_sizes = {_key(t): t.untyped_storage().nbytes() for n in gm.graph.nodes if n.name in held

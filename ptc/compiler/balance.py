@@ -13,7 +13,9 @@ cuts go between atoms. Each atom is priced once, from the graph:
 - `activation_bytes`: what one micro-batch's forward leaves saved for
   backward in it (ptc.compiler.activations, read off the graph, which is
   not checkpointed yet), times the share its layer's recompute policy keeps
-  (the memory model's ratio of policy to none).
+  (the memory model's ratio of policy to none). Layers alike are run once:
+  a layer making the same calls on operands alike as an earlier one
+  (`call_cache.nodes_signature`) saves what that one saves (`_twins`).
 A cut costs the point-to-point time of the tensors crossing it (forward
 activations and backward gradients), charged to the stages on both sides:
 a cut where little crosses is preferred among equally fast ones.
@@ -38,6 +40,7 @@ import torch
 from torch import fx
 
 from ptc.compiler.activations import saved_storages
+from ptc.compiler.call_cache import Unkeyable, nodes_signature
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.meta import get_info
 from ptc.compiler.program import used_params
@@ -163,8 +166,9 @@ def _saved_bytes(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]) -> list
             info = get_info(node)
             inputs.append(torch.zeros(info.shapes[0], dtype=info.dtypes[0], device="meta"))
     out = [0.0] * len(atoms)
+    twins, twin_nodes = _twins(gm, atoms)
     try:
-        storages = saved_storages(gm, inputs)
+        storages = saved_storages(gm, inputs, twins=twin_nodes)
     except Exception as exc:  # any op that cannot run here: fall back to the bound
         log.info("activation bytes bounded by node outputs (%s: %s)", type(exc).__name__,
                  str(exc).splitlines()[0])
@@ -175,7 +179,30 @@ def _saved_bytes(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]) -> list
     for storage in storages:
         for index in {atom_of[s] for s in storage.savers if s in atom_of}:
             out[index] += storage.nbytes
+    for index, twin in twins.items():
+        out[index] = out[twin]
     return out
+
+
+def _twins(gm: fx.GraphModule, atoms: Sequence[Sequence[fx.Node]]
+           ) -> tuple[dict[int, int], dict[str, str]]:
+    """Atoms that need not run to be priced: each, by index, with the earlier atom making the
+    same calls on operands alike (`call_cache.nodes_signature`: the layers after the first of
+    a stack of identical ones), which saves what it would; and, by name, each of their nodes
+    with its counterpart there, whose value it takes in the run."""
+    first: dict[tuple, int] = {}
+    twins: dict[int, int] = {}
+    for index, nodes in enumerate(atoms):
+        try:
+            sig = nodes_signature(gm, list(nodes))
+        except Unkeyable:
+            continue
+        twin = first.setdefault(sig, index)
+        if twin != index:
+            twins[index] = twin
+    nodes = {node.name: twin_node.name for index, twin in twins.items()
+             for node, twin_node in zip(atoms[index], atoms[twin])}
+    return twins, nodes
 
 
 def balance(costs: Sequence[AtomCost], cut_seconds: Sequence[float], chunks: int, *,

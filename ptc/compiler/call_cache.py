@@ -169,14 +169,45 @@ def _graph_signature(gm: fx.GraphModule) -> tuple:
     return tuple(rows)
 
 
-def _operands(value, position: dict[fx.Node, int]):
-    """`value` with nodes by their position and other values by their signature."""
+def nodes_signature(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
+    """`_graph_signature` of a run of `gm`'s nodes (a layer): an operand made outside the
+    run by its recorded shapes and dtypes. Two runs of one signature make the same calls on
+    operands alike (raises Unkeyable for a node or operand that has none)."""
+    from ptc.compiler.meta import get_info  # noqa: PLC0415 - meta imports this module's peers
+
+    position = {node: i for i, node in enumerate(nodes)}
+    rows = []
+    for node in nodes:
+        if node.op == "get_attr":
+            target = signature(operator.attrgetter(str(node.target))(gm))
+        elif node.op == "call_module":
+            target = module_signature(gm.get_submodule(str(node.target)))
+        elif node.op in ("call_function", "call_method"):
+            target = node.target
+        else:
+            raise Unkeyable(node.op)
+        outside = {a: ("X", *_recorded(get_info(a))) for a in node.all_input_nodes
+                   if a not in position}
+        rows.append((node.op, target, _operands(node.args, position, outside),
+                     _operands(node.kwargs, position, outside)))
+    return tuple(rows)
+
+
+def _recorded(info) -> tuple:
+    if info is None or not info.shapes:
+        raise Unkeyable("an operand with no recorded shape")
+    return tuple(map(tuple, info.shapes)), tuple(info.dtypes)
+
+
+def _operands(value, position: dict[fx.Node, int], outside: dict | None = None):
+    """`value` with nodes by their position (or as `outside` describes them) and other
+    values by their signature."""
     if isinstance(value, fx.Node):
-        return ("N", position[value])
+        return ("N", position[value]) if value in position else outside[value]
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_operands(v, position) for v in value))
+        return (type(value), tuple(_operands(v, position, outside) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple((k, _operands(v, position)) for k, v in value.items()))
+        return (dict, tuple((k, _operands(v, position, outside)) for k, v in value.items()))
     return signature(value)
 
 
@@ -203,7 +234,13 @@ def _copyable(value) -> bool:
 
 def fresh_tree(value):
     """`value` with every tensor in it replaced by a new one of the same metadata."""
-    return _fresh(value) if isinstance(value, torch.Tensor) else tree_map(_fresh, value)
+    if isinstance(value, torch.Tensor):
+        return _fresh(value)
+    if value is None or isinstance(value, (*_SCALARS, torch.Size)):  # nothing to replace
+        return value
+    if type(value) in (tuple, list):  # the common containers, without pytree's dispatch
+        return type(value)(fresh_tree(v) for v in value)
+    return tree_map(_fresh, value)
 
 
 def _fresh(x):

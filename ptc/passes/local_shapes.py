@@ -124,6 +124,7 @@ class _Propagator:
         self.env = self.interp.env
         self.result = Propagation()
         self.cache = CallCache(gm)  # identical layers: one evaluation of each call
+        self.params: dict[str, int] = {}  # elements each call_module / get_attr target reads
 
     def run(self) -> Propagation:
         for node in self.gm.graph.nodes:
@@ -187,7 +188,10 @@ class _Propagator:
         if node.op in ("call_function", "call_method", "call_module"):
             changes["flops"] = self._flops(node, meta, value, args, kwargs)
         if node.op in ("call_module", "get_attr"):
-            params = _params_read(self.gm, node)
+            target = str(node.target)
+            if target not in self.params:
+                self.params[target] = _params_read(self.gm, node)
+            params = self.params[target]
             changes.update(params=params, param_bytes=params * meta.dtypes[0].itemsize
                            if params and meta.dtypes else 0)
         if any(getattr(meta, name) != new for name, new in changes.items()):  # else keep it:

@@ -321,6 +321,33 @@ class TestBalance:
             split(with_budget(none, budget))
 
 
+    @pytest.mark.parametrize("family", ["gpt", "llama", "custom"])
+    def test_layers_alike_are_priced_by_running_the_first_of_them(
+            self, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The activation bytes of each atom are those of a run of every node: identical
+        layers after the first are not run but take their twin's values and bytes."""
+        from ptc.compiler import balance  # noqa: PLC0415
+
+        found = {}
+        pricing = balance._saved_bytes
+
+        def both(gm, atoms):
+            found["twins"] = balance._twins(gm, atoms)[0]
+            with monkeypatch.context() as every_node_runs:
+                every_node_runs.setattr(balance, "_twins", lambda *_: ({}, {}))
+                found["all run"] = pricing(gm, atoms)
+            found["twins run"] = pricing(gm, atoms)
+            return found["twins run"]
+
+        monkeypatch.setattr(balance, "_saved_bytes", both)
+        split(make_plan(family, pp=2))
+        assert found["twins run"] == found["all run"]
+        # Of the 4 layers, the last 2 or 3 are twins of an earlier one (the first may read
+        # the embedding's output unlike the others read a layer's).
+        assert len(found["twins"]) in (2, 3)
+        assert all(twin < index for index, twin in found["twins"].items())
+
+
 class TestProgram:
     def test_compile_plan_keeps_a_graph_and_a_layout_per_stage(self) -> None:
         program = compile_plan(make_plan(pp=2, zero=3))
