@@ -447,6 +447,12 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
                                "memory and cost models price a model layer by layer, so ptc "
                                "cannot predict its memory or step time; compile, inspect and "
                                "run work without predictions")
+            unlike = custom and _layers_unlike(gm)
+            if unlike:
+                raise PtcError(f"model \"{spec.factory}\": its layers are not alike ({unlike}), "
+                               "and ptc's memory and cost models price every layer as its "
+                               "first, so ptc cannot predict its memory or step time; compile, "
+                               "inspect and run work without predictions")
             first, sharding = gm, split
             shape = graph_shape(gm, dataclasses.replace(spec, max_seq=max_seq),
                                 infer_sharding(gm)) \
@@ -492,6 +498,24 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=_functions(profile))
+
+
+def _layers_unlike(gm: torch.fx.GraphModule) -> str | None:
+    """How the first layer of a model captured whole differs from another in the parameters
+    it reads (a dense first layer before mixture-of-experts ones, convolution layers among
+    attention ones), or None when all read as many. Layers that differ only in their ops
+    (one without RoPE, a sliding window) are priced as the first."""
+    params: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        info = get_info(n)
+        if info is not None and info.layer is not None:
+            params[info.layer] = params.get(info.layer, 0) + (info.params or 0)
+    first = params.get(0, 0)
+    other = next((layer for layer, count in sorted(params.items()) if count != first), None)
+    if other is None:
+        return None
+    return (f"layer 0 reads {first:,} parameter elements, layer {other} "
+            f"{params[other]:,}")
 
 
 def graph_shape(gm: torch.fx.GraphModule, spec: ModelSpec, sharding: Sharding) -> ModelSpec:

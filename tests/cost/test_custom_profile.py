@@ -126,3 +126,21 @@ def test_processes_that_start_together_profile_a_model_once(tmp_path):
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert [out.strip() for out, _ in outputs] == ["16", "16"]
     assert len(set(calls.read_text().split())) == 1, "one process profiled, the other read it"
+
+
+@pytest.mark.parametrize("factory, kwargs", [
+    ("deepseek_v3", {}),  # a dense first layer, then experts
+    ("qwen3_moe", {"mlp_only_layers": [1]}),  # experts, then a dense layer
+    ("lfm2", {}),  # a convolution layer, then an attention one
+])
+def test_a_model_whose_layers_read_unlike_parameters_is_not_priced(factory, kwargs):
+    """The memory and cost models price every layer as the first: a model whose layers hold
+    different parameters gets no prediction (never the first layer's times the count)."""
+    from ptc.compiler import profile  # noqa: PLC0415
+    from ptc.errors import PtcError  # noqa: PLC0415
+
+    spec = ModelSpec(family="custom", kwargs=kwargs,
+                     factory=f"tests.user_models.transformers_models:{factory}")
+    with pytest.raises(PtcError, match=r"its layers are not alike \(layer 0 reads [\d,]+ "
+                                       r"parameter elements, layer 1 [\d,]+\)"):
+        profile.model_profile(spec, "fp32")
