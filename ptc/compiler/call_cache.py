@@ -36,6 +36,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
+from ptc.compiler.meta import get_info
+
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MISSING = object()
 
@@ -156,14 +158,8 @@ def _graph_signature(gm: fx.GraphModule) -> tuple:
     rows = []
     for i, node in enumerate(gm.graph.nodes):
         position[node] = i
-        if node.op == "placeholder":
-            target = None  # its name differs from layer to layer; its value is an operand
-        elif node.op == "get_attr":
-            target = signature(operator.attrgetter(str(node.target))(gm))
-        elif node.op == "call_module":
-            target = module_signature(gm.get_submodule(str(node.target)))
-        else:
-            target = node.target
+        # A placeholder's name differs from layer to layer; its value is an operand.
+        target = None if node.op == "placeholder" else _target_signature(gm, node)
         rows.append((node.op, target, _operands(node.args, position),
                      _operands(node.kwargs, position)))
     return tuple(rows)
@@ -173,24 +169,27 @@ def nodes_signature(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
     """`_graph_signature` of a run of `gm`'s nodes (a layer): an operand made outside the
     run by its recorded shapes and dtypes. Two runs of one signature make the same calls on
     operands alike (raises Unkeyable for a node or operand that has none)."""
-    from ptc.compiler.meta import get_info  # noqa: PLC0415 - meta imports this module's peers
-
     position = {node: i for i, node in enumerate(nodes)}
     rows = []
     for node in nodes:
-        if node.op == "get_attr":
-            target = signature(operator.attrgetter(str(node.target))(gm))
-        elif node.op == "call_module":
-            target = module_signature(gm.get_submodule(str(node.target)))
-        elif node.op in ("call_function", "call_method"):
-            target = node.target
-        else:
+        if node.op in ("placeholder", "output"):
             raise Unkeyable(node.op)
         outside = {a: ("X", *_recorded(get_info(a))) for a in node.all_input_nodes
                    if a not in position}
-        rows.append((node.op, target, _operands(node.args, position, outside),
+        rows.append((node.op, _target_signature(gm, node),
+                     _operands(node.args, position, outside),
                      _operands(node.kwargs, position, outside)))
     return tuple(rows)
+
+
+def _target_signature(gm: fx.GraphModule, node: fx.Node):
+    """What a node calls: an attribute by its value's signature, a module by its own, a
+    function or method by itself."""
+    if node.op == "get_attr":
+        return signature(operator.attrgetter(str(node.target))(gm))
+    if node.op == "call_module":
+        return module_signature(gm.get_submodule(str(node.target)))
+    return node.target
 
 
 def _recorded(info) -> tuple:

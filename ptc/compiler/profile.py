@@ -265,17 +265,19 @@ def model_profile(spec: ModelSpec, dtype: str,
     Kept in memory for the process and on disk (see `cache_dir`) across
     processes, keyed by the shape and by the source of everything that
     shapes a profile, so editing a model or the capture invalidates it. A
-    model that cannot be profiled is kept too, as its PtcError: profiling
+    model that cannot be profiled is kept too, as the reason it gives, raised
+    as UnpricedError (it compiles and runs without predictions): profiling
     captures it a dozen times, and every rank and every estimate would
     pay that again to learn the same. A model that cannot be captured
     raises its CaptureError (at the first capture), and nothing is kept.
+    Shard rules that place layers unlike each other raise UnpricedError too.
     """
     key = (_shape_key(spec), dtype) + ((_rules_key(shards),) if shards else ())
     if key not in _CACHE:
         _CACHE[key] = _load_or_capture(spec, dtype, shards, key)
     profile = _CACHE[key]
     if isinstance(profile, Unprofiled):
-        raise PtcError(profile.reason)
+        raise UnpricedError(profile.reason)
     layers = profile.shape.layers if profile.shape is not None else spec.layers
     _check_rules_alike(profile.layer_paths, shards, layers)
     return dataclasses.replace(profile, layers=layers)
@@ -283,20 +285,32 @@ def model_profile(spec: ModelSpec, dtype: str,
 
 def _check_rules_alike(layer_paths: tuple[str, ...], shards: tuple[ShardRule, ...],
                        layers: int) -> None:
-    """PtcError when `shards` place some module of one layer unlike the same module of
+    """UnpricedError when `shards` place some module of one layer unlike the same module of
     another ("layers.0.mlp.*" replicate): the profile prices every layer as layer 0."""
+    unlike = _rules_unlike(layer_paths, _rules_key(shards), layers) if shards else None
+    if unlike:
+        raise UnpricedError(f"the shard rules place layers unlike each other ({unlike}); "
+                            "ptc's memory and cost models price every layer as its first, "
+                            "so ptc cannot predict this plan's memory or step time; compile, "
+                            "inspect and run work without predictions")
+
+
+@functools.cache
+def _rules_unlike(layer_paths: tuple[str, ...], rules: tuple[tuple[str, str], ...],
+                  layers: int) -> str | None:
+    """Two placements of one module of layer 0 in different layers under `rules` ((pattern,
+    style) pairs), or None: asked for every estimate, answered once per plan shape."""
+    shards = tuple(ShardRule(pattern=pattern, style=style) for pattern, style in rules)
     for template in layer_paths:
-        placed = {}
+        placed: dict[str, str] = {}
         for index in range(layers):
             path = template.format(index)
             rule = matching_rule(path, shards)
             placed.setdefault(rule.style if rule else "as inferred", path)
         if len(placed) > 1:
             (first, a), (second, b_path) = list(placed.items())[:2]
-            raise UnpricedError(f"the shard rules place layers unlike each other ({a} {first}, "
-                           f"{b_path} {second}); ptc's memory and cost models price every "
-                           "layer as its first, so ptc cannot predict this plan's memory or "
-                           "step time; compile, inspect and run work without predictions")
+            return f"{a} {first}, {b_path} {second}"
+    return None
 
 
 def plan_profile(plan: Plan) -> ModelProfile:
@@ -740,11 +754,10 @@ def _is_saved_term(name: str) -> bool:
     """Whether a `_measure` term is saved bytes (a region's or a policy's class), not FLOPs,
     gathers or communication."""
     region, _, what = name.rpartition(".")
-    return bool(region) and what in _SAVED_CLASS_TERMS and region != "sp"
+    return bool(region) and what in _SAVED_CLASS_TERMS
 
 
-_SAVED_CLASS_TERMS = frozenset({"tp", "seq", "kv", "whole", "core_tp", "core_seq", "core_kv",
-                                "core_whole"})
+_SAVED_CLASS_TERMS = ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole", "core_whole")
 """The classes `_measure` reports saved bytes in (`SavedClasses`, before `_classes`)."""
 
 
@@ -824,7 +837,7 @@ def _measure(gm: torch.fx.GraphModule, sharding: Sharding, *,
     core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
     kv_path = _kv_path(gm, sharding, sharded)
     out = {f"{r}.{c}": 0 for r in _SAVED_REGIONS
-           for c in ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole", "core_whole")}
+           for c in _SAVED_CLASS_TERMS}
     whole = _whole_under_sp(gm, sharded)
     placeholders = _placeholders(gm)
     storages, outputs = saved_and_output_storages(gm, _inputs(gm),
@@ -944,8 +957,7 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
                    if (parts := attention_parts(n)) is not None and parts.fused}
         kept.update({st.key: (st.nbytes, st.producer) for st in storages
                      if st.internal and st.producer in kernels})
-        terms = dict.fromkeys(("tp", "seq", "kv", "core_tp", "core_seq", "core_kv", "whole",
-                               "core_whole"), 0)
+        terms = dict.fromkeys(_SAVED_CLASS_TERMS, 0)
         for key, (nbytes, producer) in kept.items():
             if region.get(producer) != "layer":
                 continue
