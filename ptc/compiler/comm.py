@@ -13,10 +13,19 @@ Algorithms, each NCCL's own:
   and receives S once instead of 2(n-1)/n · S;
 - ring reduce-scatter / all-gather: n-1 steps of S/n.
 NCCL tunes its choice by predicted time; we take the fastest that the
-hardware offers. A group spanning nodes runs hierarchically: reduce-scatter
-inside each node over NVLink, the inter-node collective on 1/k of the data
-with each of the k local members driving its own NIC, then all-gather inside
-the node.
+hardware offers. For a group spanning N nodes with k members on each, NCCL
+(src/graph/tuning.cc, `ncclTopoTuneModel`) prices its ring as one ring over
+all n ranks:
+- latency: of its steps, N-1 cross a node boundary (the network's alpha)
+  and the others stay on NVLink (n-1 for a reduce-scatter or all-gather,
+  2(n-1) for an all-reduce);
+- bandwidth: the ring runs one channel per NIC it can reach, so its bus
+  bandwidth is the k local members' NICs together (each drives its own),
+  at most NVLink's.
+All-gather and reduce-scatter have only the ring. An all-reduce may also run
+hierarchically (NCCL's tree: reduce-scatter inside each node over NVLink,
+the inter-node all-reduce on 1/k of the data with each of the k local
+members on its own NIC, all-gather inside the node); the faster is taken.
 """
 
 from __future__ import annotations
@@ -58,6 +67,14 @@ def _ring_half(size: float, n: int, link: LinkSpec) -> float:
     return (n - 1) * (link.latency + size / n / link.bandwidth)
 
 
+def _spanning_ring_half(size: float, group: AxisGroup, hw: HardwareSpec) -> float:
+    """Reduce-scatter or all-gather over one ring of a group spanning nodes (NCCL's model)."""
+    n, nodes = group.size, group.nodes
+    latency = (n - nodes) * hw.intra.latency + (nodes - 1) * hw.inter.latency
+    bandwidth = min(hw.intra.bandwidth, group.per_node * hw.inter.bandwidth)
+    return latency + size * (n - 1) / n / bandwidth
+
+
 def _flat_all_reduce(size: float, n: int, link: LinkSpec, nvls: bool) -> CommCost:
     options = {"ring": _ring_ar(size, n, link), "tree": _tree_ar(size, n, link)}
     if nvls:
@@ -76,11 +93,14 @@ def all_reduce(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:
     inter = _flat_all_reduce(size / k, group.nodes, hw.inter, False)
     if k == 1:
         return inter
+    ring = 2 * _spanning_ring_half(size, group, hw)
     if hw.nvlink_sharp:
         # NVLS reduce-scatter and all-gather each move S once through the switch.
         local, name = 2 * (hw.intra.latency + size / hw.intra.bandwidth * (k - 1) / k), "nvls"
     else:
         local, name = 2 * _ring_half(size, k, hw.intra), "ring"
+    if ring <= local + inter.seconds:
+        return CommCost(ring, "ring")
     return CommCost(local + inter.seconds, f"hier({name}+{inter.algorithm})")
 
 
@@ -89,11 +109,7 @@ def _half(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:
         return _FREE
     if not group.spans_nodes:
         return CommCost(_ring_half(size, group.size, hw.intra), "ring")
-    k = group.per_node
-    inter = _ring_half(size / k, group.nodes, hw.inter)
-    if k == 1:
-        return CommCost(inter, "ring")
-    return CommCost(_ring_half(size, k, hw.intra) + inter, "hier(ring+ring)")
+    return CommCost(_spanning_ring_half(size, group, hw), "ring")
 
 
 def reduce_scatter(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:

@@ -6,8 +6,8 @@ fastest (tp innermost by default), and rank r sits on node r // gpus_per_node.
 So an axis's group members are `stride` ranks apart, where stride is the
 product of the degrees of the axes inside it; a group stays inside one node
 when stride · size <= gpus_per_node and otherwise spans nodes, with
-`per_node` members on each node it touches. Collectives of a spanning group
-run hierarchically (NVLink inside each node, InfiniBand across), see `comm`.
+`per_node` members on each node it touches. A spanning group's collectives
+use both links (NVLink inside each node, InfiniBand across), see `comm`.
 """
 
 from __future__ import annotations

@@ -52,13 +52,36 @@ def test_nvls_where_the_switch_reduces():
     assert comm.all_reduce(1e9, group, A100).algorithm == "ring"
 
 
-def test_spanning_group_is_hierarchical_and_uses_every_nic():
+def test_spanning_group_uses_every_nic():
     group = AxisGroup(axis="dp", size=32, stride=1, per_node=8)
     cost = comm.all_reduce(8e9, group, A100)
-    assert cost.algorithm.startswith("hier(")
-    # The inter-node part moves 1/8 of the data on each NIC: far below a flat IB ring.
-    flat = 2 * 31 / 32 * 8e9 / A100.inter.bandwidth
-    assert cost.seconds < flat / 4
+    # Each of the 8 local members drives its own NIC: far below a ring on one NIC.
+    one_nic = 2 * 31 / 32 * 8e9 / A100.inter.bandwidth
+    assert cost.seconds < one_nic / 4
+
+
+def test_gather_across_nodes_is_nccls_one_ring():
+    """NCCL's ring over n ranks on N nodes: N - 1 of its n - 1 steps cross the network, the
+    rest stay on NVLink; its bandwidth is the k local members' NICs together, at most
+    NVLink's (src/graph/tuning.cc)."""
+    n, k = 1024, 8
+    group = AxisGroup(axis="dp", size=n, stride=1, per_node=k)
+    nodes = n // k
+    latency = (n - nodes) * A100.intra.latency + (nodes - 1) * A100.inter.latency
+    for size in (1e3, 4e9):
+        expected = latency + size * (n - 1) / n / min(A100.intra.bandwidth,
+                                                        k * A100.inter.bandwidth)
+        for op in (comm.all_gather, comm.reduce_scatter):
+            cost = op(size, group, A100)
+            assert cost.algorithm == "ring" and cost.seconds == pytest.approx(expected)
+    # At 1024 ranks the 896 NVLink steps alone outweigh a hierarchical ring's 7 + 127.
+    assert comm.all_gather(1e3, group, A100).seconds > 896 * A100.intra.latency
+
+
+def test_a_group_with_one_member_per_node_is_a_ring_on_the_network():
+    group = AxisGroup(axis="dp", size=16, stride=8, per_node=1)
+    expected = 15 * (A100.inter.latency + 1e9 / 16 / A100.inter.bandwidth)
+    assert comm.reduce_scatter(1e9, group, A100).seconds == pytest.approx(expected)
 
 
 def test_reduce_scatter_plus_all_gather_equals_ring_all_reduce():
