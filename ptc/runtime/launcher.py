@@ -9,11 +9,16 @@ ptc run PLAN` — the command line trains in this process instead.)
 
 `run_local(fn, nproc, *args)` starts `fn(*args)` on nproc local processes
 through `elastic_launch` and returns each rank's return value; a failing
-rank stops the others and raises `RankError` with its message.
+rank stops the others and raises `RankError` with its message. The processes
+are spawned: each imports the script that called it, so a script must call
+it (and `ptc.run`) under `if __name__ == "__main__":`; where a spawned process
+reaches such a call while importing, it exits with one line that says so
+(`refuse_while_spawning`) instead of starting processes of its own.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -27,6 +32,21 @@ WORKER_MODULE = "ptc.worker"
 """The module each launched process runs (above the runtime: it compiles the plan)."""
 _RENDEZVOUS_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--nnodes", "--master-addr",
                      "--master_addr", "--standalone")
+
+
+UNGUARDED_CALL = ("ptc: a worker process reached a call that starts processes (ptc.run) while "
+                  "importing the script that started it; make that call under "
+                  "`if __name__ == \"__main__\":` (each worker process imports the script)")
+"""What a spawned process says when the script it imports starts processes unguarded."""
+
+
+def refuse_while_spawning() -> None:
+    """Exit with UNGUARDED_CALL when this is a spawned process still importing its parent's
+    script, before it compiles anything: the call it reached would start processes again.
+    `_inheriting` is the flag multiprocessing itself checks for this
+    (`multiprocessing.spawn._check_not_importing_main`)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_CALL)
 
 
 def in_worker() -> bool:
@@ -120,6 +140,7 @@ def _set_environment(values: dict[str, str | None]) -> None:
 
 def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> dict[int, Any]:
     """Run `fn(*args, **kwargs)` on nproc local processes; return {rank: return value}."""
+    refuse_while_spawning()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
@@ -153,4 +174,8 @@ def _failure_text(exc: Exception) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", message)
+    if failure.exitcode > 0 and not os.path.isfile(failure.error_file):
+        # No record: it failed before its worker ran, or exited on its own.
+        return (f"rank {rank} exited with code {failure.exitcode} and recorded no error; "
+                "its own output above says why")
     return f"rank {rank} failed (exit code {failure.exitcode}):\n{message}"

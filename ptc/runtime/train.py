@@ -29,7 +29,7 @@ from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
-from ptc.runtime.launcher import in_worker, run_local
+from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
     axis_groups,
@@ -121,6 +121,7 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     compiling the plan itself; inside a launched worker, or for a
     one-process plan, it runs right here (on the given Program).
     """
+    refuse_while_spawning()
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     if in_worker() or dist.is_initialized() or world_size(plan) == 1:
         return train_worker(plan_or_program, compiler=compiler, steps=steps)

@@ -25,7 +25,7 @@ from ptc.lower.driver import compile_plan
 from ptc.dsl import dump_plan
 from ptc.models import build_model
 from ptc.plan import DataSpec, InitSpec
-from ptc.runtime.launcher import launch
+from ptc.runtime.launcher import UNGUARDED_CALL, launch
 from tests.tolerances import assert_losses_match
 
 pytestmark = pytest.mark.distributed
@@ -119,3 +119,27 @@ def test_python_api_runs_a_program_on_local_processes():
     result = ptc.run(compile_plan(plan))
     assert_losses_match(result.losses, reference(plan), "ptc.run(program)")
     assert result.held_bytes["params"] == compile_plan(plan).state_bytes()["params"]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_calling_run_without_a_main_guard_is_told_so_in_one_line(tmp_path):
+    # Workers are spawned: each imports the script, reaches ptc.run again and must stop there
+    # (not start processes of its own, nor compile), saying why.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import ptc\n"
+        "plan = ptc.Plan(model=ptc.ModelSpec(family='gpt', layers=2, hidden=32, heads=2,\n"
+        "                                    vocab=64, max_seq=16),\n"
+        "                hardware=ptc.HardwareSpec.preset('cpu', gpus_per_node=2),\n"
+        "                parallel=ptc.ParallelSpec(dp=2),\n"
+        "                train=ptc.TrainSpec(seq_len=16, global_batch=4, dtype='fp32', steps=1))\n"
+        "ptc.run(plan)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=110, cwd=tmp_path)
+    assert done.returncode != 0
+    lines = done.stderr.splitlines()
+    said = [line for line in lines if line == UNGUARDED_CALL]
+    assert 1 <= len(said) <= 2  # each rank that got that far, before the others were stopped
+    assert lines[-1].startswith("ptc.runtime.executor.RankError: rank ")
+    assert lines[-1].endswith("recorded no error; its own output above says why")
+    assert "bootstrapping phase" not in done.stderr  # multiprocessing's own, longer story
