@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from torch import fx
 
 from ptc.compiler.meta import graph_info
-from ptc.errors import CompileError, PtcError
+from ptc.errors import CompileError, PtcError, UnpricedError
 from ptc.compiler.recompute import LAYER_POLICIES
 from ptc.plan import Plan, is_auto_checkpoint
 
@@ -85,11 +85,34 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
     priced, unpriced = None, None
     try:
         priced = estimate(plan)
+        _check_priced_model(gm, plan)
     except (PtcError, ValueError) as exc:
-        unpriced = f"no predicted step time: {exc}"
+        priced, unpriced = None, f"no predicted step time: {exc}"
         log.warning(unpriced)
     return Decisions(plan=plan, checkpoint=_policies(plan, layers, priced), estimate=priced,
                      unpriced=unpriced)
+
+
+def _check_priced_model(gm: fx.GraphModule, plan: Plan) -> None:
+    """UnpricedError when the module compiled (`gm`, captured from the module given to
+    `ptc.compile`) is not the model the cost model priced: for a custom plan that is the
+    one its factory builds, and a module of other parameters or layers would get that
+    model's memory, step time and checkpoint = auto policies."""
+    if plan.model.family != "custom":
+        return
+    from ptc.compiler.profile import plan_profile, with_model_shape  # noqa: PLC0415 - sympy
+
+    profile = plan_profile(with_model_shape(plan))
+    params = profile.params
+    priced = params["pre"].total + profile.layers * params["layer"].total + params["post"].total
+    compiled = sum(p.numel() for p in gm.parameters())
+    layers = graph_info(gm).num_layers
+    if (priced, profile.layers) != (compiled, layers):
+        raise UnpricedError(
+            f"the module compiled has {compiled:,} parameter elements in {layers} layers, and "
+            f"the model the plan's factory \"{plan.model.factory}\" builds (the one ptc prices) "
+            f"has {priced:,} in {profile.layers}: predictions of that model would not be this "
+            "one's; name a factory that builds this module")
 
 
 def _policies(plan: Plan, layers: int, priced: Estimate | None) -> tuple[str, ...]:

@@ -46,14 +46,16 @@ from ptc.units import format_bytes
 
 
 def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
-              vocab: int | None = None, factory: bool = True,
+              vocab: int | None = None, factory: bool = True, module_priced: bool = False,
               compiler: Callable[[Plan], object] | None = None) -> list[Diagnostic]:
     """Every problem the run would meet that can be seen now (the module docstring).
 
     `overrides`: the "section.key" fields set on the command line, named by flag;
     `vocab`: the vocabulary token ids must stay below (default: the plan's model);
     `factory`: whether the workers build the model from its factory (not when they are
-    sent the user's module); `compiler`: what the workers will compile the plan with
+    sent the user's module); `module_priced`: the module they are sent is the model the
+    plan prices (its compile found it so), so its memory is checked too; `compiler`: what
+    the workers will compile the plan with
     (`compile_plan`): a custom model is compiled here first, so a structure the passes
     cannot split is refused before any process starts.
     """
@@ -76,6 +78,8 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
             found.append(where.error("model", "factory", problem))
         elif factory and plan.is_resolved:
             found += _custom_model(plan, where, allow_oom, compiler)
+        elif module_priced and plan.is_resolved:
+            found += _memory(plan, where, allow_oom)
     elif plan.is_resolved:
         try:
             found += _memory(plan, where, allow_oom)
@@ -220,7 +224,9 @@ def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
     """One diagnostic per pipeline stage whose predicted peak exceeds the budget."""
     from ptc.compiler.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
     from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel  # noqa: PLC0415
+    from ptc.compiler.profile import with_model_shape  # noqa: PLC0415
 
+    plan = with_model_shape(plan)  # a custom model's shape, which the hints below read
     est = estimate(plan)
     if est.fits:
         return []

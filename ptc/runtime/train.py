@@ -131,6 +131,8 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     vocab = program.vocab if program is not None else plan.model.vocab
     found = [d for d in preflight(plan, allow_oom=allow_oom, vocab=vocab,
                                   factory=program is None or program.model is None,
+                                  module_priced=program is not None
+                                  and program.decisions.estimate is not None,
                                   compiler=compiler if program is None else None)
              if d.severity == "error"]
     if found:

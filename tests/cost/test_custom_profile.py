@@ -24,7 +24,7 @@ for extra in (ROOT, ROOT / "tests" / "distributed"):
         sys.path.insert(0, str(extra))
 
 import ptc  # noqa: E402
-from hf_helpers import HFCase, hf_plan  # noqa: E402
+from hf_helpers import HFCase, hf_module, hf_plan  # noqa: E402
 from ptc.compiler.profile import with_model_shape  # noqa: E402
 from ptc.plan import ModelSpec  # noqa: E402
 
@@ -144,3 +144,40 @@ def test_a_model_whose_layers_read_unlike_parameters_is_not_priced(factory, kwar
     with pytest.raises(PtcError, match=r"its layers are not alike \(layer 0 reads [\d,]+ "
                                        r"parameter elements, layer 1 [\d,]+\)"):
         profile.model_profile(spec, "fp32")
+
+
+def test_a_compiled_module_is_priced_only_when_it_is_the_model_the_plan_prices():
+    """`ptc.compile(module, plan)` prices the model the plan's factory builds: a module with
+    other parameters or layers gets no predictions (and no checkpoint = auto policies made
+    for another model), in one line saying both counts."""
+    case = HFCase("llama", dp=2)
+    plan = hf_plan(case)
+    assert ptc.compile(hf_module(case), plan).decisions.estimate is not None
+    deeper = HFCase("llama", dp=2, config=(("num_hidden_layers", 3),))
+    decisions = ptc.compile(hf_module(deeper), plan).decisions
+    assert decisions.estimate is None
+    given, priced = (sum(p.numel() for p in hf_module(c).parameters()) for c in (deeper, case))
+    assert decisions.unpriced == (
+        f"no predicted step time: the module compiled has {given:,} parameter elements in 3 "
+        f"layers, and the model the plan's factory \"{plan.model.factory}\" builds (the one "
+        f"ptc prices) has {priced:,} in 2: predictions of that model would not be this one's; "
+        "name a factory that builds this module")
+    auto = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
+                                                                  checkpoint="auto"))
+    with pytest.raises(ptc.CompileError, match="checkpoint = auto needs the cost model"):
+        ptc.compile(hf_module(deeper), auto)
+
+
+def test_a_custom_model_that_does_not_fit_is_refused_before_any_process_starts():
+    """Compiled from a module the plan prices, or built from the plan's factory: `ptc.run`
+    refuses a plan predicted over its memory budget in one line per stage, with the
+    micro-batch or model parallelism that would fit read off the custom model's shape."""
+    case = HFCase("llama", dp=2)
+    plan = hf_plan(case)
+    small = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
+                                                                   hbm_bytes=100_000))
+    program = ptc.compile(hf_module(case), small)
+    assert not program.decisions.estimate.fits
+    for what in (program, small):
+        with pytest.raises(ptc.PlanError, match=r"stage 0 needs .* over the .* budget"):
+            ptc.run(what)
