@@ -18,6 +18,7 @@ from torch import fx, nn
 
 from ptc.compiler.decisions import Decisions, resolve
 from ptc.compiler.meta import graph_info, graph_record, update_graph_record
+from ptc.compiler.positions import check_position_tables
 from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, fix_stage_layout, param_layout,
                                   stage_layout)
 from ptc.compiler.schedule import schedule_for
@@ -88,6 +89,7 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
         raise CompileError(f"model.vocab = {plan.model.vocab}, but {graph_info(gm).model_class}'s "
                            f"logits have only {captured} columns: ids up to "
                            f"{plan.model.vocab - 1} would fall outside its vocabulary")
+    check_position_tables(gm, plan.train.seq_len)
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
     whole = param_layout(gm, plan.grad_ranks) if plan.parallel.pp > 1 else None
     decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)
