@@ -28,10 +28,12 @@ from ptc.plan import Plan
 from ptc.runtime.hf_weights import SafetensorsState
 
 
-def check_init(plan: Plan) -> None:
+def check_init(plan: Plan, *, factory: bool = True) -> None:
     """Refuse, in one line naming `train.init`, weights that cannot be read or that do not
-    hold the model's parameters (names and shapes; checked for the built-in families, whose
-    meta model costs nothing) — run before any process starts."""
+    hold the model's parameters (names and shapes, against the model built on the meta
+    device, which costs no memory) — run before any process starts. `factory`: whether the
+    workers build a custom model from the plan's factory (not when they are sent a module,
+    whose names are its own)."""
     init = plan.train.init
     if init.kind == "random":
         return
@@ -52,9 +54,11 @@ def check_init(plan: Plan) -> None:
                            f"{type(state).__name__}, not a state dict")
         def shape_of(name: str) -> tuple[int, ...]:
             return tuple(state[name].shape)
-    if plan.model.family == "custom":
-        return  # its names are known once its factory runs, in the workers
-    _check_names_and_shapes(reference_model(plan), state, shape_of, init.path)
+    if plan.model.family == "custom" and not factory:
+        return  # the workers are sent the module: its names are not the factory's
+    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
+
+    _check_names_and_shapes(build_model(plan.model, device="meta"), state, shape_of, init.path)
 
 
 def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: str) -> None:

@@ -66,7 +66,7 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
     from ptc.runtime.init import check_init  # noqa: PLC0415 - the checks that need torch
 
     try:
-        check_init(plan)
+        check_init(plan, factory=factory)
     except PtcError as exc:
         found.append(where.error("train", "init", str(exc)))
     problem = _fp8_problem(plan) or _fp16_problem(plan)

@@ -66,6 +66,18 @@ def test_bad_directories_are_refused_naming_the_field(tmp_path):
         check_init(_plan(InitSpec(kind="state_dict", path=str(tmp_path / "w.pt"))))
 
 
+def test_weights_of_another_shape_are_refused_before_any_process_starts(tmp_path):
+    # The plan's factory builds the model on meta (no memory) to read its names and shapes.
+    llama(hidden_size=48, head_dim=12).save_pretrained(tmp_path)
+    plan = _plan(InitSpec(kind="hf", path=str(tmp_path)))
+    with pytest.raises(PtcError, match=r"^train.init: .*: model.embed_tokens.weight has shape "
+                                       r"\(64, 48\), the model needs \(64, 32\)$"):
+        check_init(plan)
+    check_init(plan, factory=False)  # the workers are sent a module: its names are its own
+    llama().save_pretrained(tmp_path)
+    check_init(plan)
+
+
 def test_the_plan_language_reads_and_writes_hf_init():
     text = ('model "tests.user_models.transformers_models:llama" { }\n'
             'hardware { gpu = cpu; gpus_per_node = 1 }\n'
