@@ -29,6 +29,7 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
     _check_mesh(plan, sink)
     _check_model_split(plan, sink)
     _check_batch(plan, sink)
+    _check_schedule(plan, sink)
     _check_grad_dtype(plan, sink)
     _check_pipeline(plan, sink)
     _check_hardware_fit(plan, sink)
@@ -112,6 +113,14 @@ def _check_model_split(plan: Plan, sink: DiagnosticSink) -> None:
     if isinstance(ckpt, tuple) and len(ckpt) != model.layers:
         sink.error(f"per-layer checkpoint lists {len(ckpt)} entries for {model.layers} layers",
                    field="parallel.checkpoint", span=_span(par, "checkpoint"))
+
+
+def _check_schedule(plan: Plan, sink: DiagnosticSink) -> None:
+    train, schedule = plan.train, plan.train.lr_schedule
+    if isinstance(train.steps, int) and schedule.warmup >= train.steps > 0:
+        sink.warning(f"warmup({schedule.warmup}) >= steps({train.steps}): the run ends while "
+                     f"the learning rate still warms up, at {train.steps / schedule.warmup:.0%} "
+                     "of lr", field="train.lr_schedule.warmup", span=_span(schedule, "warmup"))
 
 
 def _check_batch(plan: Plan, sink: DiagnosticSink) -> None:

@@ -281,3 +281,15 @@ def test_internal_errors_still_come_out_as_plan_errors(monkeypatch: pytest.Monke
     monkeypatch.setattr(dsl, "build_plan", broken)
     with pytest.raises(PlanError, match="internal error while checking the plan: KeyError"):
         dsl.parse(BASE)
+
+
+def test_a_warmup_the_run_never_finishes_is_a_warning_at_its_place() -> None:
+    text = edit("  steps = 10", "  steps = 10\n  lr_schedule = cosine(warmup = 40)")
+    (warning,) = parse(text, "plan.ptc").warnings
+    assert warning.severity == "warning" and warning.field == "train.lr_schedule.warmup"
+    assert warning.message == ("warmup(40) >= steps(10): the run ends while the learning rate "
+                               "still warms up, at 25% of lr")
+    line = text.splitlines().index("  lr_schedule = cosine(warmup = 40)") + 1
+    assert (warning.span.line, warning.span.column) == (line, 33)
+    assert parse(edit("  steps = 10", "  steps = 10\n  lr_schedule = cosine(warmup = 9)"),
+                 "plan.ptc").warnings == ()
