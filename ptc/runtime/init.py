@@ -15,7 +15,7 @@ them, else are recomputed by their module's `reset_buffers()`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -154,19 +154,48 @@ def initial_buffers(gm: fx.GraphModule, plan: Plan,
         if name in state:
             values[name] = state[name]
             continue
-        owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        buffer = getattr(owner, leaf)
+        owner, buffer = _owner_and_buffer(model, name)
         if buffer.is_meta:
-            reset = getattr(owner, "reset_buffers", None)
-            if not callable(reset):
-                raise PtcError(f"buffer {name} has no value: it is not in the state dict and "
-                               f"{type(owner).__name__} has no reset_buffers()")
             owner.to_empty(device="cpu", recurse=False)
-            reset()
-            buffer = getattr(owner, leaf)
+            owner.reset_buffers()
+            buffer = _owner_and_buffer(model, name)[1]
         values[name] = buffer
     return values
+
+
+def check_buffers(gm: fx.GraphModule, plan: Plan, model: nn.Module) -> None:
+    """PtcError when `initial_buffers` could not give some buffer of `gm` a value from
+    `model` (one on the meta device, in no state dict, its owner without reset_buffers()),
+    found without changing `model`: run where the workers would each fail on it."""
+    constants = graph_info(gm).constants
+    state_names = _saved_names(plan)
+    for name, _ in gm.named_buffers():
+        if name not in constants and name not in state_names:
+            _owner_and_buffer(model, name)
+
+
+def _owner_and_buffer(model: nn.Module, name: str) -> tuple[nn.Module, torch.Tensor]:
+    """The module holding buffer `name` and the buffer; PtcError when it is on the meta
+    device and its owner cannot compute it (no reset_buffers())."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    buffer = getattr(owner, leaf)
+    if buffer.is_meta and not callable(getattr(owner, "reset_buffers", None)):
+        raise PtcError(f"buffer {name} has no value: it is on the meta device, not in the "
+                       f"state dict, and {type(owner).__name__} has no reset_buffers(); build "
+                       "the module with real buffers (only its parameters may be on the meta "
+                       "device)")
+    return owner, buffer
+
+
+def _saved_names(plan: Plan) -> Collection[str]:
+    """The tensor names of the state dict a state_dict or hf init names (none for random)."""
+    init = plan.train.init
+    if init.kind == "hf":
+        return SafetensorsState(init.path)
+    if init.kind == "state_dict":
+        return torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
+    return ()
 
 
 def _saved_state(plan: Plan) -> Mapping[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
+from ptc.runtime.init import check_buffers
 from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
@@ -140,9 +141,20 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     if program is None or program.model is None:
         return run_local(train_worker, world_size(plan), plan, compiler=compiler,
                          steps=steps)[0]
+    _check_buffers(program)
     return run_local(_train_received, world_size(plan), plan,
                      _pickled(program.model, world_size(plan)), compiler=compiler,
                      steps=steps)[0]
+
+
+def _check_buffers(program: Program) -> None:
+    """PtcError, before any process starts, when a buffer of the module the Program was
+    compiled from has no value the workers could give it (`init.check_buffers`: a module
+    built on the meta device whose buffer is in no state dict and has no reset_buffers()):
+    each worker would fail on it."""
+    if any(b.is_meta for b in program.model.buffers()):
+        for stage in program.stages:
+            check_buffers(stage.graph, program.plan, program.model)
 
 
 def _train_received(plan: Plan, pickled: bytes, **kwargs) -> RunResult:

@@ -83,3 +83,16 @@ def test_a_module_the_workers_cannot_receive_is_refused_before_launch():
                                        r"\(.*Unsendable\) cannot be sent to the 2 worker "
                                        r"processes: .*; define its class at module level"):
         ptc.run(program)
+
+
+def test_a_module_whose_buffers_have_no_value_is_refused_before_launch():
+    # Built on the meta device: its rotary table is a buffer no state dict holds and its
+    # module cannot recompute, so every worker would fail on it; refused here instead.
+    with torch.device("meta"):
+        module = MODULES["hf_llama"][1]()
+    program = ptc.compile(module, plan_for(MODULES["hf_llama"][0], 2))
+    with pytest.raises(PtcError, match=r"^buffer model\S*rotary_emb\S* has no value: it is "
+                                       r"on the meta device, not in the state dict, and "
+                                       r"\w+ has no reset_buffers\(\); build the module"):
+        ptc.run(program)
+    assert all(b.is_meta for b in module.buffers())  # the check changed nothing
