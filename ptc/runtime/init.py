@@ -4,6 +4,8 @@
   (its own generator, seeded from the run seed and its name), computed from
   the meta model, so no rank ever materialises the whole model.
 - random(seed), custom family: the user's factory run under the seed on CPU.
+  With weights from a file, the factory's model is built with its
+  parameters on meta and only its buffers real (`reference_model`).
 - state_dict(path): a full (unsharded) `torch.save`d state dict, by parameter
   name; a tied weight may appear under any of its names.
 - hf(dir): a Hugging Face `save_pretrained` directory, read lazily
@@ -15,6 +17,7 @@ them, else are recomputed by their module's `reset_buffers()`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -94,11 +97,38 @@ def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: 
 
 
 def reference_model(plan: Plan) -> nn.Module:
-    """The model whose names and init rules the weights follow (meta for built-ins)."""
+    """The model whose names, init rules and buffers the weights follow: a built-in family's
+    on meta; a custom factory's on the CPU under the seed where its own init gives the
+    weights (random), else with only its buffers real and its parameters on meta (the
+    weights come from the file), so that no rank holds a whole model to read its buffers."""
     from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
 
-    device = "cpu" if plan.model.family == "custom" else "meta"
-    return build_model(plan.model, device=device, seed=plan.train.init.seed)
+    seed = plan.train.init.seed
+    if plan.model.family != "custom":
+        return build_model(plan.model, device="meta", seed=seed)
+    if plan.train.init.kind == "random":
+        return build_model(plan.model, device="cpu", seed=seed)
+    with _parameters_on_meta():
+        return build_model(plan.model, device="cpu", seed=seed)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Within: each parameter a module registers is moved to the meta device as it is
+    registered (one parameter on the CPU at a time), while buffers stay where the module's
+    code makes them (a rotary table computed from its config)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def initial_params(plan: Plan, layout: ParamLayout,

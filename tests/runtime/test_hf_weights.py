@@ -24,7 +24,7 @@ from ptc.dsl.dump import dump_plan  # noqa: E402
 from ptc.errors import PtcError  # noqa: E402
 from ptc.plan import HardwareSpec, InitSpec, ModelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.runtime.hf_weights import SafetensorsState  # noqa: E402
-from ptc.runtime.init import check_init  # noqa: E402
+from ptc.runtime.init import check_init, reference_model  # noqa: E402
 from tests.user_models.transformers_models import gpt2, llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,3 +85,16 @@ def test_the_plan_language_reads_and_writes_hf_init():
     plan = parse(text)
     assert plan.train.init == InitSpec(kind="hf", path="weights/llama")
     assert parse(dump_plan(plan)).train.init == plan.train.init
+
+
+def test_a_rank_reads_a_custom_models_buffers_without_building_its_weights(tmp_path):
+    # With weights from a file, the factory's model is only wanted for its buffers: its
+    # parameters stay on meta (no rank holds a whole model), its rotary table is computed.
+    llama().save_pretrained(tmp_path)
+    model = reference_model(_plan(InitSpec(kind="hf", path=str(tmp_path))))
+    assert all(p.is_meta for p in model.parameters())
+    buffers = dict(model.named_buffers())
+    assert not buffers["model.rotary_emb.inv_freq"].is_meta
+    assert torch.equal(buffers["model.rotary_emb.inv_freq"],
+                       dict(llama().named_buffers())["model.rotary_emb.inv_freq"])
+    assert not any(p.is_meta for p in llama().parameters())  # registration restored after
