@@ -18,7 +18,7 @@ them, else are recomputed by their module's `reset_buffers()`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -198,9 +198,9 @@ def check_buffers(gm: fx.GraphModule, plan: Plan, model: nn.Module) -> None:
     `model` (one on the meta device, in no state dict, its owner without reset_buffers()),
     found without changing `model`: run where the workers would each fail on it."""
     constants = graph_info(gm).constants
-    state_names = _saved_names(plan)
+    state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
     for name, _ in gm.named_buffers():
-        if name not in constants and name not in state_names:
+        if name not in constants and name not in state:
             _owner_and_buffer(model, name)
 
 
@@ -218,19 +218,10 @@ def _owner_and_buffer(model: nn.Module, name: str) -> tuple[nn.Module, torch.Ten
     return owner, buffer
 
 
-def _saved_names(plan: Plan) -> Collection[str]:
-    """The tensor names of the state dict a state_dict or hf init names (none for random)."""
-    init = plan.train.init
-    if init.kind == "hf":
-        return SafetensorsState(init.path)
-    if init.kind == "state_dict":
-        return torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
-    return ()
-
-
 def _saved_state(plan: Plan) -> Mapping[str, torch.Tensor]:
-    """The full state dict a state_dict or hf init names."""
+    """The full state dict a state_dict or hf init names, read lazily (a memory map or the
+    safetensors' own index): a rank reads only the tensors it asks for."""
     init = plan.train.init
     if init.kind == "hf":
         return SafetensorsState(init.path)
-    return torch.load(init.path, map_location="cpu", weights_only=True)
+    return torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
