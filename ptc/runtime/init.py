@@ -12,12 +12,16 @@
   (`ptc.runtime.hf_weights`), by the same names.
 
 Buffers the graph reads (RoPE tables) come from the state dict when it has
-them, else are recomputed by their module's `reset_buffers()`.
+them, else from the module; one on the meta device is recomputed by its
+module's `reset_buffers()`, or, in a Hugging Face model, by the model's class
+built again from its config with its parameters on meta (`_MetaBuffers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -169,53 +173,101 @@ def params_from_state_dict(state: Mapping[str, torch.Tensor], layout: ParamLayou
 
 def initial_buffers(gm: fx.GraphModule, plan: Plan,
                     model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Real values of the graph module's buffers (they are on meta after compile)."""
+    """Real values of the graph module's buffers (they are on meta after compile): a graph
+    constant, the state dict's, the module's own, or for one on the meta device what
+    `_MetaBuffers` recomputes."""
     names = [name for name, _ in gm.named_buffers()]
     if not names:
         return {}
     state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
     constants = graph_info(gm).constants
     model = model if model is not None else reference_model(plan)
+    meta = _MetaBuffers(model)
     values = {}
     for name in names:
         if name in constants:
             values[name] = constants[name]
-            continue
-        if name in state:
+        elif name in state:
             values[name] = state[name]
-            continue
-        owner, buffer = _owner_and_buffer(model, name)
-        if buffer.is_meta:
-            owner.to_empty(device="cpu", recurse=False)
-            owner.reset_buffers()
-            buffer = _owner_and_buffer(model, name)[1]
-        values[name] = buffer
+        else:
+            buffer = model.get_buffer(name)
+            values[name] = meta.value(name) if buffer.is_meta else buffer
     return values
 
 
 def check_buffers(gm: fx.GraphModule, plan: Plan, model: nn.Module) -> None:
     """PtcError when `initial_buffers` could not give some buffer of `gm` a value from
-    `model` (one on the meta device, in no state dict, its owner without reset_buffers()),
-    found without changing `model`: run where the workers would each fail on it."""
+    `model` (one on the meta device, in no state dict, that `_MetaBuffers` cannot
+    recompute), found without changing `model`: run where the workers would each fail on
+    it."""
     constants = graph_info(gm).constants
     state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
+    meta = _MetaBuffers(model)
     for name, _ in gm.named_buffers():
-        if name not in constants and name not in state:
-            _owner_and_buffer(model, name)
+        if name not in constants and name not in state and model.get_buffer(name).is_meta:
+            meta.value(name, compute=False)
 
 
-def _owner_and_buffer(model: nn.Module, name: str) -> tuple[nn.Module, torch.Tensor]:
-    """The module holding buffer `name` and the buffer; PtcError when it is on the meta
-    device and its owner cannot compute it (no reset_buffers())."""
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    buffer = getattr(owner, leaf)
-    if buffer.is_meta and not callable(getattr(owner, "reset_buffers", None)):
-        raise PtcError(f"buffer {name} has no value: it is on the meta device, not in the "
-                       f"state dict, and {type(owner).__name__} has no reset_buffers(); build "
-                       "the module with real buffers (only its parameters may be on the meta "
-                       "device)")
-    return owner, buffer
+class _MetaBuffers:
+    """Values of a module's buffers that are on the meta device, the one rule `initial_buffers`
+    and `check_buffers` share, tried in order:
+
+    - the owner's `reset_buffers()` (torch's convention: RoPE tables of ptc's models);
+    - a Hugging Face `transformers` model (the nearest one around the owner: the user's
+      wrapper may hold it) built again from its own config with its parameters on the meta
+      device (`_parameters_on_meta`, no weights): the buffers its code computes from the
+      config (a rotary table), cast to the buffer's dtype, as building the module on the CPU
+      would have made them;
+    - else a PtcError naming the buffer.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.rebuilt: dict[str, nn.Module] = {}
+
+    def value(self, name: str, *, compute: bool = True) -> torch.Tensor | None:
+        """The value of meta buffer `name`; `compute=False`: only check that there is one
+        (the owner is left as it is; a transformers model is still rebuilt, on meta)."""
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.model.get_submodule(owner_name)
+        buffer = owner.get_buffer(leaf)
+        if callable(getattr(owner, "reset_buffers", None)):
+            if not compute:
+                return None
+            owner.to_empty(device="cpu", recurse=False)
+            owner.reset_buffers()
+            return owner.get_buffer(leaf)
+        found = self._from_config(name)
+        if found is None or found.is_meta or found.shape != buffer.shape:
+            raise PtcError(f"buffer {name} has no value: it is on the meta device, not in the "
+                           f"state dict, {type(owner).__name__} has no reset_buffers() and no "
+                           "transformers model around it computes it from its config; build "
+                           "the module with real buffers (only its parameters may be on the "
+                           "meta device)")
+        return found.to(buffer.dtype)
+
+    def _from_config(self, name: str) -> torch.Tensor | None:
+        """Buffer `name` as the nearest transformers model holding it builds it from its
+        config (parameters on meta); None without one."""
+        transformers = sys.modules.get("transformers")  # imported where such a model exists
+        if transformers is None:
+            return None
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:cut])
+            holder = self.model.get_submodule(prefix)
+            if isinstance(holder, transformers.PreTrainedModel):
+                if prefix not in self.rebuilt:
+                    try:
+                        with _parameters_on_meta():
+                            self.rebuilt[prefix] = type(holder)(copy.deepcopy(holder.config))
+                    except Exception:  # noqa: BLE001 - a class its config alone cannot build
+                        return None
+                try:
+                    return self.rebuilt[prefix].get_buffer(".".join(parts[cut:]))
+                except AttributeError:
+                    return None
+        return None
 
 
 def _saved_state(plan: Plan) -> Mapping[str, torch.Tensor]:

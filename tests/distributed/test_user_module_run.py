@@ -10,6 +10,7 @@ refused before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -19,11 +20,12 @@ from torch import nn
 
 import ptc
 from ptc.errors import PtcError
-from ptc.plan import DataSpec, HardwareSpec, ModelSpec, OptimizerSpec, ParallelSpec, Plan, \
-    TrainSpec
+from ptc.plan import DataSpec, HardwareSpec, InitSpec, ModelSpec, OptimizerSpec, ParallelSpec, \
+    Plan, TrainSpec
 from tests.tolerances import assert_losses_match
 from tests.user_models.hf_llama import hf_llama
 from tests.user_models.nanogpt import nanogpt
+from tests.user_models.transformers_models import llama as transformers_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +94,26 @@ def test_a_module_whose_buffers_have_no_value_is_refused_before_launch():
         module = MODULES["hf_llama"][1]()
     program = ptc.compile(module, plan_for(MODULES["hf_llama"][0], 2))
     with pytest.raises(PtcError, match=r"^buffer model\S*rotary_emb\S* has no value: it is "
-                                       r"on the meta device, not in the state dict, and "
-                                       r"\w+ has no reset_buffers\(\); build the module"):
+                                       r"on the meta device, not in the state dict, \w+ has "
+                                       r"no reset_buffers\(\) and no transformers model around "
+                                       r"it computes it from its config; build the module"):
         ptc.run(program)
     assert all(b.is_meta for b in module.buffers())  # the check changed nothing
+
+
+def test_a_transformers_model_built_on_meta_trains_from_its_weights_file(tmp_path):
+    # The way a large Hugging Face model is built without memory: every tensor on the meta
+    # device, its rotary table too (not in any state dict). The workers take the weights from
+    # the file and the table from the model's class rebuilt from its config.
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(3)
+    real = transformers_llama(**config)
+    torch.save(real.state_dict(), tmp_path / "weights.pt")
+    with torch.device("meta"):
+        module = transformers_llama(**config)
+    plan = plan_for("tests.user_models.transformers_models:llama", 2)
+    plan = dataclasses.replace(plan, train=dataclasses.replace(
+        plan.train, init=InitSpec(kind="state_dict", path=str(tmp_path / "weights.pt"))))
+    result = ptc.run(ptc.compile(module, plan))
+    assert_losses_match(result.losses, reference(plan, real), "meta-built transformers llama")

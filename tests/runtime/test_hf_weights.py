@@ -24,7 +24,9 @@ from ptc.dsl.dump import dump_plan  # noqa: E402
 from ptc.errors import PtcError  # noqa: E402
 from ptc.plan import HardwareSpec, InitSpec, ModelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.runtime.hf_weights import SafetensorsState  # noqa: E402
-from ptc.runtime.init import check_init, reference_model  # noqa: E402
+import ptc  # noqa: E402
+from ptc.runtime.init import (check_buffers, check_init, initial_buffers,  # noqa: E402
+                              reference_model)
 from tests.user_models.transformers_models import gpt2, llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,3 +100,30 @@ def test_a_rank_reads_a_custom_models_buffers_without_building_its_weights(tmp_p
     assert torch.equal(buffers["model.rotary_emb.inv_freq"],
                        dict(llama().named_buffers())["model.rotary_emb.inv_freq"])
     assert not any(p.is_meta for p in llama().parameters())  # registration restored after
+
+
+class _Wrapped(torch.nn.Module):
+    """A user's wrapper around a transformers model: (tokens, targets) -> (logits, loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = llama()
+
+    def forward(self, tokens, targets):
+        logits = self.lm(input_ids=tokens).logits
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_a_transformers_model_built_on_meta_gets_the_buffers_its_config_computes(tmp_path):
+    # Built under torch.device("meta") (its rotary table too) and inside a user's wrapper:
+    # the table is what its class computes from its config, in the buffer's dtype.
+    with torch.device("meta"):
+        module = _Wrapped().to(torch.bfloat16)
+    plan = _plan(InitSpec(kind="state_dict", path=str(tmp_path / "w.pt")))
+    torch.save(_Wrapped().state_dict(), tmp_path / "w.pt")  # no rotary table: not persistent
+    graph = ptc.compile(module, plan).stages[0].graph
+    check_buffers(graph, plan, module)
+    got = initial_buffers(graph, plan, module)["lm.model.rotary_emb.inv_freq"]
+    want = _Wrapped().to(torch.bfloat16).get_buffer("lm.model.rotary_emb.inv_freq")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert all(b.is_meta for b in module.buffers()) and all(p.is_meta for p in module.parameters())
