@@ -235,3 +235,32 @@ def test_a_call_that_writes_into_its_operand_leaves_the_kept_values_alone():
         verify_graph(gm, p, after=after, rerun=rerun)
     scaled = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.mul)
     assert rerun.checked[scaled].value.stride() == (256, 16, 1)  # as the multiply made it
+
+
+def test_a_compile_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
+    """Compiling runs without Python's cyclic collector, which is on again after it, after a
+    failing compile too, and stays off after it for a caller that had turned it off."""
+    import gc
+
+    seen = []
+    real = lower
+
+    def spying_lower(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if len(seen) == 2:
+            raise CompileError("a pass failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("ptc.lower.driver.lower", spying_lower)
+    assert gc.isenabled()
+    compile_plan(plan())
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(CompileError, match="a pass failed"):
+        compile_plan(plan())
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        compile_plan(plan())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
