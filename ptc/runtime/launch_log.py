@@ -13,6 +13,7 @@ them — and where every rank's full output is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -47,13 +48,34 @@ def error_text(message: object) -> str:
 
 
 def how_it_ended(exitcode: int) -> str:
-    """`exited with code 1`, or `was killed by SIGKILL` for a negative (signal) code."""
+    """`exited with code 1`, or `was killed by SIGTERM` for a negative (signal) code; SIGKILL
+    says who usually sends it to a training process: the kernel, out of host memory."""
+    if exitcode == -signal.SIGKILL:
+        return "was killed by SIGKILL (as the kernel's out-of-memory killer does: `dmesg` says)"
     if exitcode < 0:
         try:
             return f"was killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+@contextlib.contextmanager
+def agent_quiet():
+    """Within: the launcher's and elastic agent's own log records (torchrun's W/E lines, a
+    traceback of the agent's for a rank that died) are dropped; `run_local` raises the
+    failed rank's error itself."""
+    tops = (*AGENT_LOGGERS, "torch.multiprocessing")
+    names = [name for name in [*tops, *logging.root.manager.loggerDict]
+             if any(name == top or name.startswith(top + ".") for top in tops)]
+    saved = {name: logging.getLogger(name).disabled for name in names}
+    for name in names:
+        logging.getLogger(name).disabled = True
+    try:
+        yield
+    finally:
+        for name, disabled in saved.items():
+            logging.getLogger(name).disabled = disabled
 
 
 class AgentNarrator(logging.Handler):

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ptc.runtime.launch_log import agent_quiet, how_it_ended
+
 
 WORKER_MODULE = "ptc.worker"
 """The module each launched process runs (above the runtime: it compiles the plan)."""
@@ -149,7 +151,8 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> 
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
     try:
-        return elastic_launch(config, _call)(fn, args, kwargs)
+        with agent_quiet():
+            return elastic_launch(config, _call)(fn, args, kwargs)
     except ChildFailedError as exc:
         from ptc.runtime.executor import RankError  # noqa: PLC0415
 
@@ -166,16 +169,31 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 
 def _failure_text(exc: Exception) -> str:
-    """The first failed rank's error message (the root cause), else the launcher's summary."""
+    """The first failed rank's error message (the root cause), with where its traceback was
+    kept; else the launcher's summary."""
     get_first = getattr(exc, "get_first_failure", None)
     if get_first is None:
         return str(exc)
     rank, failure = get_first()
-    message = failure.message
+    message, stack = failure.message, ""
     if isinstance(message, dict):
+        stack = message.get("extraInfo", {}).get("py_callstack", "")
         message = message.get("message", message)
-    if failure.exitcode > 0 and not os.path.isfile(failure.error_file):
+    if failure.exitcode < 0:  # a signal: the process could record nothing
+        return f"rank {rank} {how_it_ended(failure.exitcode)}"
+    if not os.path.isfile(failure.error_file):
         # No record: it failed before its worker ran, or exited on its own.
         return (f"rank {rank} exited with code {failure.exitcode} and recorded no error; "
                 "its own output above says why")
-    return f"rank {rank} failed (exit code {failure.exitcode}):\n{message}"
+    first, _, rest = str(message).partition("\n")
+    where = f" [traceback: {_kept_traceback(stack, rank)}]" if stack else ""
+    return f"rank {rank} failed (exit code {failure.exitcode}): {first}{where}" + (
+        f"\n{rest}" if rest else "")
+
+
+def _kept_traceback(stack: str, rank: int) -> Path:
+    """The failed rank's traceback, written to a file that outlives the launch (its error
+    file is the launcher's temporary one): the error names it instead of printing it."""
+    path = Path(tempfile.mkdtemp(prefix="ptc-failure-")) / f"rank{rank}_traceback.txt"
+    path.write_text(stack)
+    return path

@@ -265,3 +265,17 @@ def assert_same_training(got: dict, ref: Reference, what: str) -> None:
     """Losses of every step and every parameter within the derived bounds; name what does not."""
     assert_losses_match(got["losses"], ref, what)
     assert_params_match(got["state"], ref, what)
+
+
+def fail_on_rank_1(how: str) -> int:
+    """Worker: rank 1 raises a ValueError ("raise") or is killed by SIGKILL ("kill"); the
+    others wait to be stopped."""
+    import signal
+    import time
+
+    if int(os.environ["RANK"]) == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("rank 1 fails on purpose")
+    time.sleep(60)
+    return 0

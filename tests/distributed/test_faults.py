@@ -83,7 +83,8 @@ def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
     # but rank 0's error file (its collective failing for want of rank 1) can be stamped
     # before the agent notices the kill; either way the line names a rank and the restart.
     restart = ("; restarting the group: restart 1 of 1, resuming from the latest checkpoint")
-    assert ("ptc run: rank 1 was killed by SIGKILL" + restart in said.err
+    assert ("ptc run: rank 1 was killed by SIGKILL (as the kernel's out-of-memory killer "
+            "does: `dmesg` says)" + restart in said.err
             or re.search(r"ptc run: rank 0 was killed by SIGTERM \(.+\)" + re.escape(restart),
                          said.err)), said.err
     assert "Traceback" not in said.err and "torch/distributed" not in said.err

@@ -18,14 +18,15 @@ import pytest
 import torch
 
 import ptc
-from dist_helpers import ROOT, reference, tiny_plan
+from dist_helpers import ROOT, fail_on_rank_1, reference, tiny_plan
 
 from ptc.cli import main
 from ptc.lower.driver import compile_plan
 from ptc.dsl import dump_plan
 from ptc.models import build_model
 from ptc.plan import DataSpec, InitSpec
-from ptc.runtime.launcher import UNGUARDED_CALL, launch
+from ptc.runtime.executor import RankError
+from ptc.runtime.launcher import UNGUARDED_CALL, launch, run_local
 from tests.tolerances import assert_losses_match
 
 pytestmark = pytest.mark.distributed
@@ -143,3 +144,21 @@ def test_a_script_calling_run_without_a_main_guard_is_told_so_in_one_line(tmp_pa
     assert lines[-1].startswith("ptc.runtime.executor.RankError: rank ")
     assert lines[-1].endswith("recorded no error; its own output above says why")
     assert "bootstrapping phase" not in done.stderr  # multiprocessing's own, longer story
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_is_one_line_naming_its_error_and_where_its_traceback_is(capfd):
+    # The launcher's own records (a traceback of its join, W/E lines) are not shown; the
+    # rank's error is, and its traceback is kept in a file the error names.
+    with pytest.raises(RankError) as raised:
+        run_local(fail_on_rank_1, 2, "raise")
+    message = str(raised.value)
+    assert message.startswith("rank 1 failed (exit code 1): ValueError: rank 1 fails on "
+                              "purpose [traceback: ")
+    kept = Path(message.split("[traceback: ")[1].rstrip("]"))
+    assert kept.read_text().rstrip().endswith("ValueError: rank 1 fails on purpose")
+    with pytest.raises(RankError, match=r"^rank 1 was killed by SIGKILL \(as the kernel's "
+                                        r"out-of-memory killer does: `dmesg` says\)$"):
+        run_local(fail_on_rank_1, 2, "kill")
+    said = capfd.readouterr().err
+    assert "Traceback" not in said and "torch/distributed" not in said, said

@@ -49,8 +49,8 @@ def test_the_summary_names_the_rank_its_error_and_its_traceback(tmp_path):
         f"{error.with_name('stderr.log')}]\n  at step 3, micro-batch 1, forward of stage 0")
     killed = Failure("Signal 9 (SIGKILL) received by PID 7", -9, str(tmp_path / "none.json"))
     assert failure_summary(Failed(0, killed), tmp_path, 2) == (
-        f"ptc run: rank 0 stopped the job after 2 restarts: was killed by SIGKILL "
-        f"[every rank's output: {tmp_path}]")
+        f"ptc run: rank 0 stopped the job after 2 restarts: was killed by SIGKILL (as the "
+        f"kernel's out-of-memory killer does: `dmesg` says) [every rank's output: {tmp_path}]")
 
 
 def test_a_restart_is_one_line_naming_the_rank_that_failed(tmp_path, capsys):
