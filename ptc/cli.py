@@ -385,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err.print(str(exc), markup=False)
         return EXIT_USAGE
     args.overrides = overrides
+    collecting = gc.isenabled()
     if args.command not in TRAINS_HERE:
         gc.disable()
     try:
@@ -397,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    finally:  # as it was: main may be called from Python, in a process that goes on
+        if collecting:
+            gc.enable()
 
 
 if __name__ == "__main__":

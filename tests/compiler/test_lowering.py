@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +265,8 @@ def test_a_compile_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+    # The CLI turns it off for its commands but run, and on again when called from Python.
+    from ptc.cli import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt_cpu.ptc"
+    assert main(["compile", str(example)]) == 0 and gc.isenabled()
