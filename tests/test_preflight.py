@@ -297,3 +297,30 @@ def test_a_custom_model_tensor_parallelism_cannot_split_is_refused_before_any_pr
     # It has no stack of layers to price: the estimate says so (it no longer fails inside).
     with pytest.raises(PtcError, match=r"ptc finds no stack of like layers .* in Mixed"):
         estimate(load_plan(tmp_path / "plan.ptc"))
+
+
+def test_ranks_that_would_each_build_a_whole_model_past_the_hosts_memory_are_refused(
+        tmp_path, capsys, monkeypatch):
+    # A custom factory with init = random: each of the 8 ranks builds the whole model on the
+    # CPU to take its part of the factory's own init. Past what the machine has available,
+    # that is refused at train.init before any process starts (the machine made small here).
+    (tmp_path / "wide.py").write_text(
+        "from torch import nn\n"
+        "def build(max_seq=None):\n"
+        "    return nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 512))\n")
+    _custom_plan(tmp_path, monkeypatch, "wide:build")
+    model_bytes = (512 * 64 + 64 * 512 + 512) * 4
+    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes",
+                        lambda: 8 * model_bytes - 1)
+    line = _line_of(tmp_path / "plan.ptc", "init = random")
+    for command in ("check", "run"):
+        err = _refused(command, tmp_path / "plan.ptc", capsys)
+        assert err[0] == (
+            f"{tmp_path / 'plan.ptc'}:{line}:10: error: each of the 8 ranks of a host builds "
+            f"the custom model whole to take its part of the factory's own init on the CPU "
+            f"({format_bytes(model_bytes)}): {format_bytes(8 * model_bytes)}, more than the "
+            f"{format_bytes(8 * model_bytes - 1)} this machine has available; give the "
+            f"weights as a file (init = state_dict(path) or hf(dir)), of which each rank reads "
+            f"only its part; --allow-oom runs it anyway [train.init]")
+    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes", lambda: 8 * model_bytes)
+    assert main(["check", str(tmp_path / "plan.ptc")]) == 0  # exactly enough

@@ -100,6 +100,30 @@ def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: 
                        f"{', '.join(list(state)[:3])}")
 
 
+def cpu_build_bytes(plan: Plan) -> int:
+    """Bytes of the model each rank builds whole on the CPU to take its part of the initial
+    weights (`reference_model`): a custom factory's with init = random, whose values are its
+    own init under the seed; 0 otherwise (a built-in family's values are made parameter by
+    parameter, a file's read in parts). Measured on the factory's model built on meta."""
+    if plan.model.family != "custom" or plan.train.init.kind != "random":
+        return 0
+    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
+
+    try:
+        model = build_model(plan.model, device="meta")
+    except Exception:  # noqa: BLE001 - a factory that fails: the factory check says why
+        return 0
+    return tensor_bytes(model)
+
+
+def tensor_bytes(model: nn.Module, *, meta: bool = True) -> int:
+    """Bytes of `model`'s parameters and buffers, each tied tensor once; `meta`: counting
+    those on the meta device (a model built there for its sizes), else only those that hold
+    values (what pickling the module sends)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if meta or not t.is_meta}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def reference_model(plan: Plan) -> nn.Module:
     """The model whose names, init rules and buffers the weights follow: a built-in family's
     on meta; a custom factory's on the CPU under the seed where its own init gives the

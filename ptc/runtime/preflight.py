@@ -25,7 +25,11 @@ checkpoint_dir` when the value came from the command line):
 - the plan fits memory: the predicted peak of every pipeline stage is
   within the budget (built-in families, and custom models that ptc can
   profile), else an error naming the stage, the bytes over and what would
-  fit (`allow_oom` turns it into a warning).
+  fit (`allow_oom` turns it into a warning);
+- the ranks of one host fit its memory where each holds a whole model on the
+  CPU (a custom factory's built to take its own init, a module sent to
+  every worker): else an error at train.init saying how to give the weights
+  instead (`allow_oom` turns it into a warning).
 
 The file and folder checks come first and need neither torch nor sympy: when
 one fails, the answer comes before torch would have finished importing.
@@ -47,7 +51,8 @@ from ptc.units import format_bytes
 
 def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
               vocab: int | None = None, factory: bool = True, module_priced: bool = False,
-              compiler: Callable[[Plan], object] | None = None) -> list[Diagnostic]:
+              compiler: Callable[[Plan], object] | None = None,
+              sent_bytes: int = 0) -> list[Diagnostic]:
     """Every problem the run would meet that can be seen now (the module docstring).
 
     `overrides`: the "section.key" fields set on the command line, named by flag;
@@ -57,25 +62,31 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
     plan prices (its compile found it so), so its memory is checked too; `compiler`: what
     the workers will compile the plan with
     (`compile_plan`): a custom model is compiled here first, so a structure the passes
-    cannot split is refused before any process starts.
+    cannot split is refused before any process starts; `sent_bytes`: the bytes of the
+    module each worker is sent (its weights), which every rank of a host holds at once.
     """
     where = _Where(plan, overrides)
     found = _files_and_folders(plan, where, vocab)
     if found:
         return found  # answered before torch is imported: a second, not five
-    from ptc.runtime.init import check_init  # noqa: PLC0415 - the checks that need torch
+    from ptc.runtime.init import check_init, cpu_build_bytes  # noqa: PLC0415 - needs torch
 
     try:
         check_init(plan, factory=factory)
     except PtcError as exc:
         found.append(where.error("train", "init", str(exc)))
+    custom = plan.model.family == "custom"
+    factory_problem = _factory_problem(plan.model.factory) if custom and factory else None
+    if sent_bytes:
+        found += _host_memory(plan, where, allow_oom, sent_bytes, sent=True)
+    elif custom and factory and not factory_problem:
+        found += _host_memory(plan, where, allow_oom, cpu_build_bytes(plan), sent=False)
     problem = _fp8_problem(plan) or _fp16_problem(plan)
     if problem:
         found.append(where.error("train", "dtype", problem))
-    if plan.model.family == "custom":
-        problem = _factory_problem(plan.model.factory) if factory else None
-        if problem:
-            found.append(where.error("model", "factory", problem))
+    if custom:
+        if factory_problem:
+            found.append(where.error("model", "factory", factory_problem))
         elif factory and plan.is_resolved:
             found += _custom_model(plan, where, allow_oom, compiler)
         elif module_priced and plan.is_resolved:
@@ -191,6 +202,42 @@ def _factory_problem(factory: str) -> str | None:
         resolve_factory(factory)
     except PtcError as exc:
         return f"{exc}; run from the folder that holds it, or put it on PYTHONPATH"
+    return None
+
+
+def _host_memory(plan: Plan, where: _Where, allow_oom: bool, per_rank: int, *,
+                 sent: bool) -> list[Diagnostic]:
+    """An error at train.init when the ranks of one host, each holding a whole model of
+    `per_rank` bytes on the CPU (`sent`: the module ptc.run sends them; else the factory's
+    model built to take its own init), need more than this machine has available."""
+    from ptc.runtime.mesh import world_size  # noqa: PLC0415 - imports torch
+
+    ranks = max(1, world_size(plan) // plan.hardware.nodes)
+    available = _host_available_bytes()
+    if not per_rank or available is None or ranks * per_rank <= available:
+        return []
+    why = ("receives the module given to ptc.compile, its weights whole" if sent else
+           "builds the custom model whole to take its part of the factory's own init")
+    fix = ("save its weights (torch.save(module.state_dict(), path)) and compile it built "
+           "on the meta device with init = state_dict(path)" if sent else
+           "give the weights as a file (init = state_dict(path) or hf(dir))")
+    going = "going on (--allow-oom)" if allow_oom else "--allow-oom runs it anyway"
+    return [where.error("train", "init", (
+        f"each of the {ranks} ranks of a host {why} on the CPU ({format_bytes(per_rank)}): "
+        f"{format_bytes(ranks * per_rank)}, more than the {format_bytes(available)} this "
+        f"machine has available; {fix}, of which each rank reads only its part; {going}"),
+        "warning" if allow_oom else "error")]
+
+
+def _host_available_bytes() -> int | None:
+    """Memory this machine can still give (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
     return None
 
 

@@ -29,7 +29,7 @@ from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
-from ptc.runtime.init import check_buffers
+from ptc.runtime.init import check_buffers, tensor_bytes
 from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
@@ -130,11 +130,14 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     # compile again: compiling is deterministic, and a GraphModule may not pickle.
     program = plan_or_program if isinstance(plan_or_program, Program) else None
     vocab = program.vocab if program is not None else plan.model.vocab
+    module = program.model if program is not None else None
     found = [d for d in preflight(plan, allow_oom=allow_oom, vocab=vocab,
-                                  factory=program is None or program.model is None,
+                                  factory=module is None,
                                   module_priced=program is not None
                                   and program.decisions.estimate is not None,
-                                  compiler=compiler if program is None else None)
+                                  compiler=compiler if program is None else None,
+                                  sent_bytes=tensor_bytes(module, meta=False) if module is not None
+                                  else 0)
              if d.severity == "error"]
     if found:
         raise PlanError(found)

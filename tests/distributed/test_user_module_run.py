@@ -19,7 +19,7 @@ from dist_helpers import ROOT, reference
 from torch import nn
 
 import ptc
-from ptc.errors import PtcError
+from ptc.errors import PlanError, PtcError
 from ptc.plan import DataSpec, HardwareSpec, InitSpec, ModelSpec, OptimizerSpec, ParallelSpec, \
     Plan, TrainSpec
 from tests.tolerances import assert_losses_match
@@ -117,3 +117,16 @@ def test_a_transformers_model_built_on_meta_trains_from_its_weights_file(tmp_pat
         plan.train, init=InitSpec(kind="state_dict", path=str(tmp_path / "weights.pt"))))
     result = ptc.run(ptc.compile(module, plan))
     assert_losses_match(result.losses, reference(plan, real), "meta-built transformers llama")
+
+
+def test_a_module_whose_copies_would_not_fit_the_host_is_refused_before_launch(monkeypatch):
+    # Each worker unpickles the whole module: 2 ranks of a host hold two copies. Past what
+    # the machine has available (made small here), refused before any process starts.
+    module = MODULES["nanogpt"][1]()
+    program = ptc.compile(module, plan_for(MODULES["nanogpt"][0], 2))
+    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes", lambda: 1000)
+    with pytest.raises(PlanError, match=r"each of the 2 ranks of a host receives the module "
+                                        r"given to ptc.compile, its weights whole on the CPU "
+                                        r"\(.*\): .*, more than the 1000 B this machine has "
+                                        r"available; save its weights"):
+        ptc.run(program)
