@@ -872,6 +872,11 @@ class RuntimeSpec(_Section):
     """Seed of everything random at run time (dropout)."""
     log_every: int = 1
     """Print a step line every N steps."""
+    gc_every: int | None = 50
+    """Collect Python's cyclic garbage every N steps, at the same step on every rank, with
+    the automatic collector off in between (torchtitan's `gc_freq`, Megatron-LM's
+    `--manual-gc`): left automatic, each rank's collector pauses it at its own moment and
+    every collective of the step waits for the slowest; None: the automatic collector."""
     compile: bool = False
     """Run each lowered stage graph through `torch.compile` (inductor): fused kernels, faster
     steps on GPUs, and other rounding (fused ops sum in another order), so opt-in. The cost
@@ -890,6 +895,7 @@ class RuntimeSpec(_Section):
         self._choice(sink, "nan_policy", NAN_POLICIES)
         self._int(sink, "seed", minimum=0)
         self._int(sink, "log_every")
+        self._int(sink, "gc_every", allow_none=True)
         self._bool(sink, "compile")
         if self.nan_policy == "rollback" and not self.checkpoint_dir:
             self._bad(sink, "nan_policy",

@@ -165,6 +165,7 @@ RUNTIME_KEYS: dict[str, Key] = {
     "wandb": Key("wandb", optional(string)),
     "seed": Key("seed", integer),
     "log_every": Key("log_every", integer),
+    "gc_every": Key("gc_every", optional(integer)),
     "compile": Key("compile", boolean),
 }
 """runtime { ... }."""

@@ -24,6 +24,9 @@ same action under `runtime.nan_policy`:
   around it). More than `MAX_ROLLBACKS` rollbacks to one checkpoint stop the
   run: the instability is not in the data.
 
+Python's cyclic garbage is collected every `gc_every` steps, at the same step on every
+rank, with the automatic collector off in between (`scheduled_collection`).
+
 Checkpoints are taken every `checkpoint_every` steps and/or
 `checkpoint_interval` seconds (rank 0's clock, broadcast so that all ranks
 save at the same step), and after the last step. A collective that times
@@ -33,6 +36,7 @@ out is reported with the ranks that did not answer (`health`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -120,16 +124,18 @@ class TrainLoop:
         """Train until `steps` steps are done; `report` gets every step's statistics."""
         batch = self.plan.train.global_batch
         try:
-            while self.step < self.steps:
-                faults.at_step_start(self.rank, self.step + 1)
-                stats = self._train_step()
-                report(stats)
-                if stats.nonfinite:
-                    self._nonfinite(stats)
-                else:
-                    self.step, self.position = self.step + 1, self.position + batch
-                if self._save_due():
-                    self._save()
+            with scheduled_collection(self.plan.runtime.gc_every) as collect:
+                while self.step < self.steps:
+                    faults.at_step_start(self.rank, self.step + 1)
+                    stats = self._train_step()
+                    report(stats)
+                    if stats.nonfinite:
+                        self._nonfinite(stats)
+                    else:
+                        self.step, self.position = self.step + 1, self.position + batch
+                    if self._save_due():
+                        self._save()
+                    collect()
             if self.checkpointer is not None and self._last_saved != self.step:
                 self._save()
         except BaseException:
@@ -226,6 +232,34 @@ class TrainLoop:
         p = self.plan.parallel
         cp = {"cp": p.cp} if p.cp != 1 else {}  # checkpoints without cp read as cp 1
         return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+
+
+@contextlib.contextmanager
+def scheduled_collection(every: int | None):
+    """Within: Python's automatic garbage collector is off and the callable this yields,
+    called once after each step, collects every `every`-th call (`runtime.gc_every`): every
+    rank takes the same steps, so all collect at the same step, where an automatic collection
+    would pause one rank at its own moment and hold up each collective of that step. After,
+    the collector is as it was. `every` None: nothing changes, the callable does nothing."""
+    if every is None:
+        yield lambda: None
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()  # what setup left: the steps start from a clean heap
+    calls = 0
+
+    def collect() -> None:
+        nonlocal calls
+        calls += 1
+        if calls % every == 0:
+            gc.collect()
+
+    try:
+        yield collect
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _fmt(layout: dict) -> str:

@@ -177,7 +177,7 @@ def plans(draw: st.DrawFn) -> Plan:
         nan_policy=draw(st.sampled_from(["stop", "skip"] + (["rollback"] if checkpoint_dir
                                                              else []))),
         metrics=draw(st.sampled_from([None, "m.jsonl"])), seed=draw(st.integers(0, 2**40)),
-        log_every=draw(st.integers(1, 100)))
+        log_every=draw(st.integers(1, 100)), gc_every=draw(st.sampled_from([None, 1, 50])))
     try:
         return Plan(model=model, hardware=hardware, parallel=parallel, train=train,
                     runtime=runtime)
