@@ -251,7 +251,8 @@ class _MetaBuffers:
 
     def value(self, name: str, *, compute: bool = True) -> torch.Tensor | None:
         """The value of meta buffer `name`; `compute=False`: only check that there is one
-        (the owner is left as it is; a transformers model is still rebuilt, on meta)."""
+        (the owner is left as it is; a transformers model is still rebuilt, its parameters
+        on meta)."""
         owner_name, _, leaf = name.rpartition(".")
         owner = self.model.get_submodule(owner_name)
         buffer = owner.get_buffer(leaf)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ptc.runtime.launch_log import agent_quiet, how_it_ended
+from ptc.runtime.launch_log import agent_quiet, error_text, how_it_ended
 
 
 WORKER_MODULE = "ptc.worker"
@@ -185,7 +185,7 @@ def _failure_text(exc: Exception) -> str:
         # No record: it failed before its worker ran, or exited on its own.
         return (f"rank {rank} exited with code {failure.exitcode} and recorded no error; "
                 "its own output above says why")
-    first, _, rest = str(message).partition("\n")
+    first, _, rest = error_text(message).removeprefix(f"rank {rank}: ").partition("\n")
     where = f" [traceback: {_kept_traceback(stack, rank)}]" if stack else ""
     return f"rank {rank} failed (exit code {failure.exitcode}): {first}{where}" + (
         f"\n{rest}" if rest else "")

@@ -73,3 +73,19 @@ def test_every_rank_but_the_first_writes_both_streams_to_files(tmp_path):
     assert log_launcher_args(tmp_path, [], 3) == [f"--log-dir={tmp_path}",
                                                   "--redirects=0:2,1:3,2:3"]
     assert log_launcher_args(tmp_path, ["--tee=3"], 3) == []  # the user's own choice
+
+
+def test_ptc_run_from_python_names_the_ranks_error_once_and_keeps_its_traceback(tmp_path):
+    # run_local's RankError: the rank's own error (without a ptc error's type name and the
+    # rank it already names), the file holding its traceback, then the error's later lines.
+    from ptc.runtime.launcher import _failure_text
+
+    error = _error_file(tmp_path, 0, 1, "unused")
+    message = {"message": "RankError: rank 1: IndexError: index out of range\n  at step 3",
+               "extraInfo": {"py_callstack": "Traceback (most recent call last): ...\n"}}
+    text = _failure_text(Failed(1, Failure(message, 1, str(error))))
+    first, second = text.splitlines()
+    assert first.startswith("rank 1 failed (exit code 1): IndexError: index out of range "
+                            "[traceback: ") and second == "  at step 3"
+    kept = Path(first.split("[traceback: ")[1].rstrip("]"))
+    assert kept.read_text() == "Traceback (most recent call last): ...\n"
