@@ -324,3 +324,19 @@ def test_ranks_that_would_each_build_a_whole_model_past_the_hosts_memory_are_ref
             f"only its part; --allow-oom runs it anyway [train.init]")
     monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes", lambda: 8 * model_bytes)
     assert main(["check", str(tmp_path / "plan.ptc")]) == 0  # exactly enough
+
+
+def test_a_plan_for_gpus_on_a_machine_without_them_is_said_in_a_warning(tmp_path, capsys):
+    # backend = auto would train on this machine's CPU: said at hardware.gpu, not refused;
+    # backend = gloo says it is meant.
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the plan would train on its GPUs")
+    plan = _plan(tmp_path, hardware__gpu='"H100-SXM"', runtime__backend="auto")
+    assert main(["check", str(plan)]) == 0
+    line = _line_of(plan, 'gpu = "H100-SXM"')
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f'{plan}:{line}:9: warning: hardware.gpu = H100-SXM, but this machine has no CUDA '
+        f"device: the ranks will train on its CPU (gloo), and the predictions are for "
+        f"H100-SXM; set runtime.backend = gloo where that is meant [hardware.gpu]")
+    assert main(["check", str(_plan(tmp_path, hardware__gpu='"H100-SXM"'))]) == 0  # gloo
+    assert "warning" not in capsys.readouterr().err

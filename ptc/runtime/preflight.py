@@ -19,6 +19,8 @@ checkpoint_dir` when the value came from the command line):
   field that asked for the failing pass;
 - train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
   8.9+), unless train.fp8_emulate asks for emulation;
+- a plan for GPUs (backend auto) on a machine without CUDA is said in a warning: its
+  ranks would train on the CPU;
 - train.dtype is not fp16: fp16 training needs loss scaling, which ptc's
   runtime does not do (gradients below fp16's smallest number would become
   zero); fp16 plans are priced by `ptc explain` and `ptc plan`, not run;
@@ -84,6 +86,9 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
     problem = _fp8_problem(plan) or _fp16_problem(plan)
     if problem:
         found.append(where.error("train", "dtype", problem))
+    problem = _device_problem(plan)
+    if problem:
+        found.append(where.error("hardware", "gpu", problem, "warning"))
     if custom:
         if factory_problem:
             found.append(where.error("model", "factory", factory_problem))
@@ -184,6 +189,19 @@ def _fp8_problem(plan: Plan) -> str | None:
         return None
     return ("train.dtype = fp8 needs a GPU with float8 matmuls (compute capability 8.9+); "
             "this machine has none; set train.fp8_emulate = true to emulate")
+
+
+def _device_problem(plan: Plan) -> str | None:
+    """A plan for GPUs whose backend is left to ptc (auto) on a machine without CUDA: its
+    ranks would train on the CPU, far slower than the GPUs it was priced for (a container
+    started without its GPUs trains all the same); said, not refused."""
+    import torch  # noqa: PLC0415
+
+    if plan.hardware.synchronous or plan.runtime.backend != "auto" or torch.cuda.is_available():
+        return None
+    return (f"hardware.gpu = {plan.hardware.gpu}, but this machine has no CUDA device: the "
+            f"ranks will train on its CPU (gloo), and the predictions are for "
+            f"{plan.hardware.gpu}; set runtime.backend = gloo where that is meant")
 
 
 def _fp16_problem(plan: Plan) -> str | None:
