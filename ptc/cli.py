@@ -9,7 +9,7 @@ the same results. Exit codes: 0 success, 1 the plan (or run) failed,
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from ptc.compiler.collector import collector_off
 from ptc.errors import PlanError, PtcError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -385,11 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err.print(str(exc), markup=False)
         return EXIT_USAGE
     args.overrides = overrides
-    collecting = gc.isenabled()
-    if args.command not in TRAINS_HERE:
-        gc.disable()
+    # As it was after: main may be called from Python, in a process that goes on.
+    pause = contextlib.nullcontext() if args.command in TRAINS_HERE else collector_off()
     try:
-        return args.func(args)
+        with pause:
+            return args.func(args)
     except PlanError as exc:
         _err.print(str(exc), markup=False)
         return EXIT_FAILED
@@ -398,9 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
-    finally:  # as it was: main may be called from Python, in a process that goes on
-        if collecting:
-            gc.enable()
 
 
 if __name__ == "__main__":

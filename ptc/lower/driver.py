@@ -10,14 +10,13 @@ layouts and reports as a `Program`. Nothing here needs a process group.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import fx, nn
 
+from ptc.compiler.collector import collector_off
 from ptc.compiler.decisions import Decisions, resolve
 from ptc.compiler.meta import graph_info, graph_record, update_graph_record
 from ptc.compiler.positions import check_position_tables
@@ -62,27 +61,7 @@ NEEDED_BY = {
 """Passes without which the runtime would train something other than the plan, and when."""
 
 
-@contextlib.contextmanager
-def without_cyclic_gc():
-    """Within: Python's cyclic garbage collector is off (as it was, after).
-
-    A compile makes and drops hundreds of thousands of small objects (fx nodes, NodeInfo
-    records, meta tensors of the re-runs), so the collector runs thousands of times, and
-    each full collection walks every live object: the graph itself and all of torch. Its
-    cost grows faster than the layer count (about 0.9 s of a 3.8 s compile of the 80-layer
-    70B example); what it would reclaim is a few MB of dropped graphs (peak memory: +10 MB
-    there), freed at the next collection after.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@without_cyclic_gc()
+@collector_off()
 def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
     """Capture the plan's model (or `model`) on meta at the plan's micro-batch shape and dtype."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
@@ -100,7 +79,7 @@ def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
     return compile_graph(capture_plan(plan, model), plan, model=model)
 
 
-@without_cyclic_gc()
+@collector_off()
 def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
                   knobs: Mapping[str, Mapping[str, Any]] | None = None,
                   disabled: Sequence[str] = (), model: nn.Module | None = None) -> Program:

@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
+from ptc.compiler.collector import collector_off
 from ptc.errors import PtcError
 from ptc.runtime import faults
 from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
@@ -244,9 +245,6 @@ def scheduled_collection(every: int | None):
     if every is None:
         yield lambda: None
         return
-    enabled = gc.isenabled()
-    gc.disable()
-    gc.collect()  # what setup left: the steps start from a clean heap
     calls = 0
 
     def collect() -> None:
@@ -255,11 +253,9 @@ def scheduled_collection(every: int | None):
         if calls % every == 0:
             gc.collect()
 
-    try:
+    with collector_off():
+        gc.collect()  # what setup left: the steps start from a clean heap
         yield collect
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _fmt(layout: dict) -> str:
