@@ -65,9 +65,7 @@ def agent_quiet():
     """Within: the launcher's and elastic agent's own log records (torchrun's W/E lines, a
     traceback of the agent's for a rank that died) are dropped; `run_local` raises the
     failed rank's error itself."""
-    tops = (*AGENT_LOGGERS, "torch.multiprocessing")
-    names = [name for name in [*tops, *logging.root.manager.loggerDict]
-             if any(name == top or name.startswith(top + ".") for top in tops)]
+    names = _loggers_under((*AGENT_LOGGERS, "torch.multiprocessing"))
     saved = {name: logging.getLogger(name).disabled for name in names}
     for name in names:
         logging.getLogger(name).disabled = True
@@ -76,6 +74,13 @@ def agent_quiet():
     finally:
         for name, disabled in saved.items():
             logging.getLogger(name).disabled = disabled
+
+
+def _loggers_under(tops: tuple[str, ...]) -> list[str]:
+    """`tops` and every logger made so far below one of them, each once."""
+    return list(dict.fromkeys(
+        name for name in [*tops, *logging.root.manager.loggerDict]
+        if any(name == top or name.startswith(top + ".") for top in tops)))
 
 
 class AgentNarrator(logging.Handler):
@@ -136,9 +141,7 @@ def narrate(log_dir: Path, node_rank: int, nproc: int) -> tuple[AgentNarrator, d
     the restart record would never be made."""
     narrator = AgentNarrator(log_dir, node_rank, nproc)
     saved = {}
-    names = [name for name in list(logging.root.manager.loggerDict)
-             if any(name == top or name.startswith(top + ".") for top in AGENT_LOGGERS)]
-    for name in dict.fromkeys([*AGENT_LOGGERS, *names]):
+    for name in _loggers_under(AGENT_LOGGERS):
         logger = logging.getLogger(name)
         saved[name] = (logger.propagate, list(logger.handlers), logger.level)
         if name in AGENT_LOGGERS:
