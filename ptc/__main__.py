@@ -1,5 +1,5 @@
 """`python -m ptc` runs the command-line interface."""
 
-from ptc.cli import main
+from ptc.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,13 +87,11 @@ def _compile(plan):
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a plan: summarise the captured model and list what the passes did."""
-    from ptc.lower.driver import compile_graph, capture_plan  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
-    gm = capture_plan(plan)
-    _out.print(render_summary(summarize(gm)))
-    program = compile_graph(gm, plan)
+    program = compile_plan(plan, on_capture=lambda gm: _out.print(render_summary(summarize(gm))))
     for line in program.pass_log:
         _out.print(f"pass: {line}", markup=False)
     return EXIT_OK
@@ -372,8 +371,26 @@ of a second of the imports, about a second of compiling the 80-layer 70B example
 reclaim a few MB that the process's end returns anyway."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `ptc` console script; returns the exit code."""
+def entry() -> int:
+    """The `ptc` program (console script, `python -m ptc`): `main` in a process that ends with
+    its command.
+
+    Python's cyclic garbage collector is off from the start, for the imports
+    too, and is not given back after a command (`TRAINS_HERE` turns it on
+    again): given back, its first collection walks everything torch and the
+    compile made, a quarter of a second before a process ends that frees it
+    all anyway, more after a deep model's compile.
+    """
+    gc.disable()
+    return main(process=True)
+
+
+def main(argv: Sequence[str] | None = None, *, process: bool = False) -> int:
+    """Run one command (`argv`, else the process's arguments); returns the exit code.
+
+    Called from Python (`process` false) it gives the garbage collector back
+    as it found it; `entry` runs it for the `ptc` program itself.
+    """
     from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
 
     parser = build_parser()
@@ -386,8 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err.print(str(exc), markup=False)
         return EXIT_USAGE
     args.overrides = overrides
-    # As it was after: main may be called from Python, in a process that goes on.
-    pause = contextlib.nullcontext() if args.command in TRAINS_HERE else collector_off()
+    if args.command in TRAINS_HERE:
+        if process:
+            gc.enable()  # `entry` turned it off for the imports
+        pause = contextlib.nullcontext()
+    else:  # as it was after: main may be called from Python, in a process that goes on
+        pause = contextlib.nullcontext() if process else collector_off()
     try:
         with pause:
             return args.func(args)
@@ -402,4 +423,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -39,6 +39,18 @@ def graph_module(root: nn.Module | dict, graph: fx.Graph,
     return LoweredGraph(root, graph, class_name)
 
 
+def owner_module(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(module, attribute) that a dotted `name` under `root` names, the modules on its path
+    added as empty containers where missing (a GraphModule holds only what its graph reads)."""
+    path, _, leaf = name.rpartition(".")
+    owner = root
+    for part in filter(None, path.split(".")):
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
 def code_version(gm: fx.GraphModule) -> object:
     """Changes whenever gm's graph is recompiled (for an eager GraphModule: its code)."""
     return getattr(type(gm), "code_version", 0) if isinstance(gm, LoweredGraph) else gm.code

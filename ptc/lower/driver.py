@@ -10,8 +10,10 @@ layouts and reports as a `Program`. Nothing here needs a process group.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import fx, nn
@@ -26,11 +28,15 @@ from ptc.compiler.schedule import schedule_for
 from ptc.compiler.stages import stage_info, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
+from ptc.lower.stamp import (NotStampable, representative_layers, stamp_layers,
+                             stamp_layers_pass)
 from ptc.lower.verify import verify_graph
 from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, quantize_gemms_pass,
                         shard_params_pass, shard_sequence_pass, shard_tensors_pass,
                         split_context_pass, split_pipeline_pass)
 from ptc.plan import Plan
+
+log = logging.getLogger(__name__)
 
 PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_pass,
                          quantize_gemms_pass),
@@ -62,30 +68,67 @@ NEEDED_BY = {
 
 
 @collector_off()
-def capture_plan(plan: Plan, model: nn.Module | None = None) -> fx.GraphModule:
-    """Capture the plan's model (or `model`) on meta at the plan's micro-batch shape and dtype."""
+def capture_plan(plan: Plan, model: nn.Module | None = None, *,
+                 layers: int | None = None) -> fx.GraphModule:
+    """Capture the plan's model (or `model`) on meta at the plan's micro-batch shape and dtype.
+
+    `layers`: the plan's own model built at that depth instead (a stamped compile's
+    representative, `compile_plan`).
+    """
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     from ptc.models import build_model  # noqa: PLC0415
 
     dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
     if model is None:  # ours to change: in the compute dtype already, capture copies nothing
-        model = build_model(plan.model, device="meta").to(dtype)
+        spec = plan.model if layers is None else dataclasses.replace(plan.model, layers=layers)
+        model = build_model(spec, device="meta").to(dtype)
     return capture(model, micro_batch=plan.train.micro_batch, seq_len=plan.train.seq_len,
                    dtype=dtype)
 
 
-def compile_plan(plan: Plan, *, model: nn.Module | None = None) -> Program:
-    """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program."""
-    return compile_graph(capture_plan(plan, model), plan, model=model)
+def compile_plan(plan: Plan, *, model: nn.Module | None = None,
+                 on_capture: Callable[[fx.GraphModule], object] | None = None) -> Program:
+    """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program.
+
+    A built-in model deep enough is captured and lowered at a few layers and
+    stamped out to its depth after the whole-graph passes (`ptc.lower.stamp`):
+    the same Program, at about the cost of a shallow one. Where the graph
+    cannot be stamped the model is compiled at full depth. `on_capture` is
+    shown the captured graph, at full depth, before it is lowered (`ptc
+    compile` summarises it).
+    """
+    shown = on_capture is None
+    layers = representative_layers(plan) if model is None else None
+    if layers is not None:
+        representative = capture_plan(plan, layers=layers)
+        try:
+            captured = stamp_layers(representative, plan.model.layers, plan)
+            if not shown:
+                on_capture(captured)
+                shown = True
+            return compile_graph(captured, plan, representative=representative)
+        except NotStampable as why:
+            log.debug("compiling at full depth: %s", why)
+        except CompileError as exc:
+            if not isinstance(exc.__cause__, NotStampable):
+                raise
+            log.debug("compiling at full depth: %s", exc.__cause__)
+    captured = capture_plan(plan, model)
+    if not shown:
+        on_capture(captured)
+    return compile_graph(captured, plan, model=model)
 
 
 @collector_off()
 def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
                   knobs: Mapping[str, Mapping[str, Any]] | None = None,
-                  disabled: Sequence[str] = (), model: nn.Module | None = None) -> Program:
+                  disabled: Sequence[str] = (), model: nn.Module | None = None,
+                  representative: fx.GraphModule | None = None) -> Program:
     """Lower an already captured (tokens, targets) -> loss graph into a Program.
 
     `model`: the user's module `gm` was captured from (None: the plan's own model).
+    `representative`: the same model captured at a few layers, `gm` its stamped copy
+    (`compile_plan`): the whole-graph passes run on it, then it is stamped out.
     """
     captured = graph_info(gm).vocab  # a padded table (nanoGPT's 50304) may be wider
     if None not in (plan.model.vocab, captured) and plan.model.vocab > captured:
@@ -95,7 +138,8 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
     check_position_tables(gm, plan.train.seq_len)
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
     whole = param_layout(gm, plan.grad_ranks) if plan.parallel.pp > 1 else None
-    decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled)
+    decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled,
+                               representative=representative)
     stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph, layout=stage_layout(graph),
                          overlap=graph_record(graph).overlap)
                    for i, graph in enumerate(lowered.stages))
@@ -107,10 +151,16 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
 
 def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
           knobs: Mapping[str, Mapping[str, Any]] | None = None,
-          disabled: Sequence[str] = ()) -> tuple[Decisions, Lowered]:
-    """Resolve `plan` for the captured graph `gm` and run `passes` on it (the runner's result)."""
+          disabled: Sequence[str] = (),
+          representative: fx.GraphModule | None = None) -> tuple[Decisions, Lowered]:
+    """Resolve `plan` for the captured graph `gm` and run `passes` on it (the runner's result);
+    with a `representative` of it, the whole-graph passes run on that, stamped out after."""
     decisions = resolve(gm, plan)
     try:
+        if representative is not None:
+            return decisions, run_passes(representative, decisions, passes, knobs=knobs,
+                                         disabled=_allowed_to_disable(plan, disabled),
+                                         deepen=stamp_layers_pass)
         return decisions, run_passes(gm, decisions, passes, knobs=knobs,
                                      disabled=_allowed_to_disable(plan, disabled))
     except CompileError as exc:

@@ -86,11 +86,15 @@ class _Collect(logging.Handler):
 def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
                knobs: Mapping[str, Mapping[str, Any]] | None = None,
                disabled: Sequence[str] = (),
-               dump_dir: str | os.PathLike | None = None) -> Lowered:
+               dump_dir: str | os.PathLike | None = None,
+               deepen: Pass | None = None) -> Lowered:
     """Run `passes` on the captured graph `gm`; return the stage graphs and the pass log.
 
     `knobs` maps a pass's function name to its keyword knobs; `disabled`
-    names passes to skip (added to those in PTC_DISABLE_PASSES).
+    names passes to skip (added to those in PTC_DISABLE_PASSES). `deepen`
+    (`fn(gm, decisions) -> GraphModule`) runs between the whole-graph passes
+    and the split, checked as a pass: the driver's stamping of a graph lowered
+    at a few layers out to the plan's depth (`ptc.lower.stamp`).
     """
     dump_dir = dump_dir or os.environ.get(DUMP_ENV)
     skip = _disabled(passes, disabled)
@@ -118,6 +122,8 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
         if fn.__name__ not in skip:
             gm = apply(fn, gm)
             done.append(fn.__name__)
+    if deepen is not None:
+        gm = apply(deepen, gm)
     graph = gm
     if passes.split is not None and passes.split.__name__ not in skip:
         graph = apply(passes.split, gm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,22 @@ def test_a_compile_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
 
     example = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt_cpu.ptc"
     assert main(["compile", str(example)]) == 0 and gc.isenabled()
+
+
+def test_the_ptc_program_keeps_the_collector_off_but_to_train(monkeypatch):
+    """The `ptc` program (`entry`) turns the collector off before its imports and leaves it
+    off after a command: the process ends. `run` trains with it on."""
+    import gc
+
+    from ptc import cli
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt_cpu.ptc"
+    seen = []
+    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.append(gc.isenabled()) or 0)
+    try:
+        monkeypatch.setattr(sys, "argv", ["ptc", "compile", str(example)])
+        assert cli.entry() == 0 and not gc.isenabled()
+        monkeypatch.setattr(sys, "argv", ["ptc", "run", str(example)])
+        assert cli.entry() == 0 and seen == [True]
+    finally:
+        gc.enable()

@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from ptc.compiler.devices import bind_device
-from ptc.compiler.graph_code import graph_module
+from ptc.compiler.graph_code import graph_module, owner_module
 
 
 def meta_model(model: nn.Module, dtype: torch.dtype, *, buffers_as_built: bool = False
@@ -102,10 +102,5 @@ def keep_tied_names(gm: fx.GraphModule, model: nn.Module) -> None:
             continue
         for name in group:
             if name not in held:
-                owner_path, _, leaf = name.rpartition(".")
-                owner = gm
-                for part in filter(None, owner_path.split(".")):
-                    if not hasattr(owner, part):
-                        owner.add_module(part, nn.Module())
-                    owner = getattr(owner, part)
+                owner, leaf = owner_module(gm, name)
                 owner.register_parameter(leaf, held[present])
