@@ -35,13 +35,14 @@ LLAMA = ModelSpec(family="llama", layers=6, hidden=32, heads=4, kv_heads=2, ffn=
                   max_seq=16)
 
 
-def plan_of(model: ModelSpec, *, dtype: str = "fp32", micro_batch: int = 2, **parallel) -> Plan:
+def plan_of(model: ModelSpec, *, dtype: str = "fp32", micro_batch: int = 2, accum: int = 4,
+            **parallel) -> Plan:
     """A CPU plan of `model` with the parallel section `parallel` (fp8 emulated)."""
     par = ParallelSpec(**parallel)
     gpus = par.tp * par.pp * par.dp * par.cp
     return Plan(model=model, hardware=HardwareSpec.preset("cpu", gpus_per_node=gpus),
                 parallel=par,
-                train=TrainSpec(seq_len=16, global_batch=4 * par.dp * micro_batch,
+                train=TrainSpec(seq_len=16, global_batch=accum * par.dp * micro_batch,
                                 micro_batch=micro_batch, dtype=dtype,
                                 fp8_emulate=dtype == "fp8"))
 
@@ -66,6 +67,10 @@ CASES = {
     "gpt tp2 uniform shard rule": plan_of(
         GPT, tp=2, shards=(ShardRule(pattern="layers.*.mlp.*", style="replicate"),)),
     "gpt tp2 checkpoint auto": plan_of(GPT, tp=2, dp=2, zero=1, checkpoint="auto"),
+    "llama 5 layers pp5, a layer a stage": plan_of(dataclasses.replace(LLAMA, layers=5), pp=5,
+                                                   accum=5),
+    "gpt dp3 zero3 bf16 dropout": plan_of(dataclasses.replace(GPT, dropout=0.1), dtype="bf16",
+                                          dp=3, zero=3, checkpoint="selective"),
 }
 
 
