@@ -57,7 +57,11 @@ Prints each row, then per source the median |error|, the worst rows with
 their estimate's breakdown (seconds per part of the step, as shares of it),
 and the rows not expressible with the reason for each.
 
-Usage: python bench/validate_cost_model.py [--csv PATH] [--worst N]
+With --solve-shares it also prints, per chip, the GEMM share of peak that
+makes each run exact and their median: the presets' `achievable_fraction`
+(ptc/presets.py) is that median, one parameter per chip.
+
+Usage: python bench/validate_cost_model.py [--csv PATH] [--worst N] [--solve-shares]
 """
 
 from __future__ import annotations
@@ -197,6 +201,30 @@ def score(row: dict, step: float) -> tuple[str, float, float]:
     return "model_TF", flops / step / n / 1e12, measured
 
 
+def solved_share(row: dict, plan) -> float:
+    """The GEMM share of peak (`achievable_fraction`) at which the row's prediction equals its
+    measurement, everything else as priced (bisection: the step shortens as the share grows)."""
+    lo, hi = 0.01, 1.0
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        hw = dataclasses.replace(plan.hardware, achievable_fraction=mid)
+        conv, pred, meas = score(row, estimate(dataclasses.replace(plan, hardware=hw)).step_time_s)
+        fast = pred < meas if conv == "iter_s" else pred > meas
+        lo, hi = (lo, mid) if fast else (mid, hi)
+    return (lo + hi) / 2
+
+
+def print_shares(scored: list) -> None:
+    """Per chip, the share each run solves for and their median: the presets' shares."""
+    print("\nGEMM share of peak that makes each run exact, per chip (the presets take the median)")
+    by_chip: dict[str, list[float]] = {}
+    for row, plan, _, _ in scored:
+        by_chip.setdefault(plan.hardware.gpu.split("-")[0], []).append(solved_share(row, plan))
+    for chip, shares in by_chip.items():
+        listed = " ".join(f"{x:.2f}" for x in sorted(shares))
+        print(f"  {chip:<6}{len(shares):>4} runs  median {statistics.median(shares):.3f}: {listed}")
+
+
 def _short(source: str) -> str:
     return source.split(" (")[0]
 
@@ -206,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="path of published_runs.csv")
     parser.add_argument("--worst", type=int, default=5, help="rows to break down (default 5)")
+    parser.add_argument("--solve-shares", action="store_true",
+                        help="also print, per chip, the GEMM share of peak each run solves for "
+                             "(how the presets' achievable_fraction is set; about a minute)")
     args = parser.parse_args(argv)
     rows = list(csv.DictReader(_csv_path(args.csv).open()))
     scored, skipped = [], []
@@ -238,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(scored)} of {len(rows)} rows expressible; {len(skipped)} not:")
     for row, why in skipped:
         print(f"  {row['model']} on {row['num_gpus']} ({_short(row['source'])}): {why}")
+    if args.solve_shares:
+        print_shares(scored)
     errors = [abs(e) for *_, e in scored]
     print(f"\n{len(errors)} rows scored; median |error| {statistics.median(errors):.1%}, "
           f"max |error| {max(errors):.1%}")
