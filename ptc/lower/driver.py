@@ -86,6 +86,7 @@ def capture_plan(plan: Plan, model: nn.Module | None = None, *,
                    dtype=dtype)
 
 
+@collector_off()
 def compile_plan(plan: Plan, *, model: nn.Module | None = None,
                  on_capture: Callable[[fx.GraphModule], object] | None = None) -> Program:
     """Compile a plan: capture its model (or `model`) on meta, run the passes, build the Program.

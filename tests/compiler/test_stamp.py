@@ -202,3 +202,24 @@ def _attribute(gm: fx.GraphModule, node: fx.Node):
             tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                   for n, t in value.named_parameters(remove_duplicate=False)),
             tuple((n, tuple(t.shape), t.dtype) for n, t in value.named_buffers()))
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_stamp_that_records_a_wrong_shape_is_named_by_the_verifier(monkeypatch, pp):
+    """The verifier re-runs the stamped graph on meta, as any pass's output, and names the
+    stamp."""
+    from ptc.compiler.meta import update_info
+    from ptc.errors import CompileError
+    from ptc.lower import driver, stamp
+
+    def stamp_layers_pass(gm, decisions):
+        out = stamp.stamp_layers_pass(gm, decisions)
+        node = next(n for n in out.graph.nodes if n.op == "call_function"
+                    and (info := get_info(n)) is not None and info.layer == 3 and info.shapes)
+        update_info(node, shapes=((7, 7, 7),))
+        return out
+
+    monkeypatch.setattr(driver, "stamp_layers_pass", stamp_layers_pass)
+    with pytest.raises(CompileError, match=r"after pass stamp_layers_pass is broken: node .* "
+                                           r"records shapes \(\(7, 7, 7\),\)"):
+        compile_plan(plan_of(GPT, pp=pp, accum=2))
