@@ -257,10 +257,11 @@ def _check_rules(plan: Plan, blocks: str, middle: list[fx.Node], layers: int) ->
     if not rules:
         return
     paths = {info.module_path for node in middle if (info := get_info(node)) is not None}
+    rename = _Renamer(blocks, 1)
     for path in paths:
         chosen = matching_rule(path, rules)
         for k in range(layers):
-            if matching_rule(_Renamer(blocks, 1)(path, k), rules) is not chosen:
+            if matching_rule(rename(path, k), rules) is not chosen:
                 raise NotStampable(f"a shard rule treats layer {k} of {blocks} otherwise "
                                    "than layer 1")
 
@@ -272,12 +273,9 @@ class _Stamper:
         self.gm, self.blocks, self.parts, self.layers = gm, blocks, parts, layers
         self.root: dict[str, object] = {}
         self.sites = sum(_is_site(node) for node in parts.middle)
-        self._middle = self._own_module()
-        self._copies = {k: self._layer_module(k) for k in range(2, layers - 1)}
-
-    def _layer_module(self, k: int) -> nn.Module:
-        """Layer k's attributes: layer 1's module tree with tensors of its own (on meta)."""
-        return _fresh_module(self._middle, {})
+        middle = self._own_module()
+        # each copy's attributes: layer 1's module tree with meta tensors of its own
+        self._copies = {k: _fresh_module(middle, {}) for k in range(2, layers - 1)}
 
     def _own_module(self) -> nn.Module:
         """Layer 1's module, checked to share no tensor with the rest of the graph and to hold
