@@ -53,7 +53,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ptc.compiler import comm
-from ptc.compiler.compute import Split, layer_times, rates
+from ptc.compiler.compute import LayerTimes, Split, layer_times, rates
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
                                  stage_params)
@@ -374,21 +374,30 @@ def offloaded_step(units: list[float], hw: HardwareSpec, *, weight_bytes: float,
 
 
 def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
-                  dtype: str) -> float:
+                  dtype: str, extra_recompute: float = 0.0) -> float:
     """A lower bound of `step_cost(...).step_time`: compute and recompute plus their bubble.
 
     The step is at least m times the mean stage's work plus the bubble, both
     without any communication; plan search prices layouts fully only while
-    this bound can still beat the ones it has.
+    this bound can still beat the ones it has. `extra_recompute` is
+    recompute seconds per micro-batch, over all stages, beyond what the
+    layout's own policies rerun (search's bound for a mix not yet chosen).
     """
-    times = layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
-                        ss=layout.rank_seq(seq_len), seq_len=seq_len,
-                        split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
-                                    sp=layout.sp, cp=layout.cp), fused=layout.fused)
+    times = floor_layer_times(profile, layout, hw, seq_len=seq_len, dtype=dtype)
     work = layout.layers * (times.forward + times.backward) + times.pre + times.post
-    work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts())
+    work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts()) + extra_recompute
     mean_stage = work / layout.pp
     return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
+
+
+def floor_layer_times(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
+                      dtype: str) -> LayerTimes:
+    """One layer's kernel times per micro-batch under `layout` (no communication), as
+    `compute_floor` counts them."""
+    return layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
+                       ss=layout.rank_seq(seq_len), seq_len=seq_len,
+                       split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
+                                   sp=layout.sp, cp=layout.cp), fused=layout.fused)
 
 
 def _most_layers(layout: Layout) -> int:

@@ -9,6 +9,13 @@ sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
 selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
 activation memory, so never wins.
 
+Where a layout does not fit without recompute but fits fully recomputed, it
+is also tried with per-layer policies: the least-recompute mix of none,
+selective and full that fits each stage (`checkpoint = "auto"`'s solver,
+`estimate.auto_checkpoint`), as Megatron-LM's `--recompute-num-layers`
+recomputes only some layers. Such a layout is written back as `checkpoint =
+"auto"`, which chooses the same mix.
+
 Nothing is captured per candidate: the model's profile is captured once and
 each layout is priced by the closed-form memory and cost models. A layout
 fits when its peak is within the budget (HBM less the plan's
@@ -22,15 +29,16 @@ import dataclasses
 import heapq
 from dataclasses import dataclass
 
-from ptc.compiler.cost import compute_floor, step_cost
-from ptc.compiler.estimate import Estimate, estimate_layout, plan_precision
+from ptc.compiler.cost import compute_floor, floor_layer_times, step_cost
+from ptc.compiler.estimate import (Estimate, auto_checkpoint, estimate_layout,
+                                   plan_precision)
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import peak, stage_memory_terms
-from ptc.compiler.profile import plan_profile, with_model_shape
+from ptc.compiler.profile import ModelProfile, plan_profile, with_model_shape
 from ptc.plan import AUTO, Plan
 
 CHECKPOINTS = ("none", "selective", "full")
-"""Uniform checkpoint policies the search tries."""
+"""Uniform checkpoint policies the search tries (and mixes of them, per layer)."""
 MAX_MICRO_BATCH = 64
 """Largest micro-batch tried; larger ones only add activation memory."""
 MAX_CP = 16
@@ -58,9 +66,21 @@ class SearchResult:
     rejected: list[Rejected]
     """Layouts that do not fit, least over first."""
     candidates: int
-    """Layouts enumerated."""
+    """Layouts enumerated (each per-layer mix tried counts as one)."""
     fitting: int
     """Layouts that fit in memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A layout that fits, with the lower bound of its step time it is ranked by."""
+
+    floor: float
+    """`cost.compute_floor` of the layout (for a mix: with the least recompute it needs)."""
+    layout: Layout
+    """The layout; for a mix, its checkpoint is "none" until the mix is chosen."""
+    mix: bool
+    """Whether per-layer policies are yet to be chosen (`auto_checkpoint`)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -125,13 +145,40 @@ def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
 
 
 def to_plan(plan: Plan, layout: Layout) -> Plan:
-    """`plan` with its parallel section and micro-batch set to `layout`."""
+    """`plan` with its parallel section and micro-batch set to `layout` (per-layer policies
+    as checkpoint = "auto", which chooses them again)."""
+    ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "auto"
     parallel = dataclasses.replace(
         plan.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
         sequence_parallel=layout.sp, schedule=layout.schedule, virtual_stages=layout.vstages,
-        checkpoint=layout.checkpoint, microbatches=None)
+        checkpoint=ckpt, microbatches=None)
     train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
     return dataclasses.replace(plan, parallel=parallel, train=train)
+
+
+def _mix_floor(profile: ModelProfile, base: Layout, peaks: dict[str, dict[int, float]],
+               plan: Plan) -> float:
+    """A lower bound of the step time of `base` under the least-recompute per-layer mix that
+    fits, given each uniform policy's peak per checked stage (`peaks[policy][stage]`).
+
+    A stage over the budget by E bytes must recompute layers that free at least E;
+    policy p frees (peak under none - peak under p) / layers a layer at
+    `recompute[p]` seconds, and the memory model prices a stage's activations
+    linearly in how many of its layers take each policy, so no mix frees E for less
+    than E times the cheapest seconds per byte freed.
+    """
+    hw, budget = plan.hardware, plan.hardware.memory_budget
+    times = floor_layer_times(profile, base, hw, seq_len=plan.train.seq_len,
+                              dtype=plan.train.dtype)
+    extra = 0.0
+    for stage, need in peaks["none"].items():
+        if need <= budget:
+            continue
+        layers = len(base.stage_layers(stage))
+        extra += (need - budget) * min(times.recompute[p] * layers / (need - peaks[p][stage])
+                                       for p in CHECKPOINTS[1:] if peaks[p][stage] < need)
+    return compute_floor(profile, base, hw, seq_len=plan.train.seq_len, dtype=plan.train.dtype,
+                         extra_recompute=extra)
 
 
 def search_all(plan: Plan, top: int = 5) -> SearchResult:
@@ -141,26 +188,41 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     prec = plan_precision(plan, profile)
     budget, seq, dtype = plan.hardware.memory_budget, plan.train.seq_len, plan.train.dtype
     layouts = enumerate_layouts(plan)
-    fitting, rejected, memo = [], [], {}
+    fitting: list[_Candidate] = []
+    rejected, memo = [], {}
+    # Per layout without its policy: each uniform policy's peak on the checked stages.
+    peaks: dict[Layout, dict[str, dict[int, float]]] = {}
     for lay in layouts:
         # Stage 0 holds the most micro-batches in flight and the embedding, the last
         # stage the head: no middle stage can peak above both.
-        worst = max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch,
-                                            ss=lay.rank_seq(seq), tt=lay.tp,
-                                            dd=lay.grad_ranks))
-                    for i in {0, lay.pp - 1})
+        stage_peaks = {i: float(peak(stage_memory_terms(
+            profile, lay, i, prec, bb=lay.micro_batch, ss=lay.rank_seq(seq), tt=lay.tp,
+            dd=lay.grad_ranks))) for i in {0, lay.pp - 1}}
+        peaks.setdefault(dataclasses.replace(lay, checkpoint="none"), {})[lay.checkpoint] = \
+            stage_peaks
+        worst = max(stage_peaks.values())
         if worst > budget:
             rejected.append(Rejected(lay, worst, worst - budget))
         else:
-            fitting.append((compute_floor(profile, lay, plan.hardware, seq_len=seq, dtype=dtype), lay))
+            floor = compute_floor(profile, lay, plan.hardware, seq_len=seq, dtype=dtype)
+            fitting.append(_Candidate(floor, lay, mix=False))
+    mixes = [_Candidate(_mix_floor(profile, base, by_policy, plan), base, mix=True)
+             for base, by_policy in peaks.items()
+             if max(by_policy["none"].values()) > budget >= max(by_policy["full"].values())]
+    fitting += mixes
     rejected.sort(key=lambda r: r.over_bytes)
-    # Branch and bound: price layouts in order of their compute floor, until the floor
-    # alone is slower than the `top`-th fastest priced so far.
-    fitting.sort(key=lambda pair: pair[0])
+    # Branch and bound: price layouts in order of their floor, until the floor alone is
+    # slower than the `top`-th fastest priced so far.
+    fitting.sort(key=lambda c: c.floor)
     best: list[tuple[float, int, Layout]] = []
-    for n, (floor, lay) in enumerate(fitting):
-        if len(best) == top and floor >= -best[0][0]:
+    for n, candidate in enumerate(fitting):
+        if len(best) == top and candidate.floor >= -best[0][0]:
             break
+        lay = candidate.layout
+        if candidate.mix:
+            lay = auto_checkpoint(profile, lay, prec, seq, budget)
+            if len(set(lay.checkpoint)) == 1:  # a uniform policy: enumerated already
+                continue
         time = step_cost(profile, lay, plan.hardware, prec, seq_len=seq, dtype=dtype,
                          memo=memo).step_time
         heapq.heappush(best, (-time, -n, lay))
@@ -168,7 +230,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
             heapq.heappop(best)
     ranked = [(to_plan(plan, lay), estimate_layout(profile, lay, plan, prec))
               for _, _, lay in sorted(best, key=lambda x: (-x[0], -x[1]))]
-    return SearchResult(ranked=ranked, rejected=rejected, candidates=len(layouts),
+    return SearchResult(ranked=ranked, rejected=rejected, candidates=len(layouts) + len(mixes),
                         fitting=len(fitting))
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from ptc.compiler.estimate import estimate
+from ptc.compiler.cost import step_cost
+from ptc.compiler.estimate import auto_checkpoint, estimate, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.report import render_explain, render_search
-from ptc.compiler.search import search, search_all
+from ptc.compiler.memory import peak, stage_memory_terms
+from ptc.compiler.profile import plan_profile, with_model_shape
+from ptc.compiler.search import enumerate_layouts, search, search_all
 from ptc.compiler.shapes import plan_from_shape
+from ptc.plan import HardwareSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = dict(family="gpt", layers=8, hidden=512, heads=8, vocab=1024, seq_len=512,
@@ -55,6 +60,64 @@ def test_renderings_mention_the_essentials():
         assert needle in text
     console.print(render_search(plan_from_shape(**SMALL, tp="auto", pp="auto", dp="auto"), 3))
     assert "Fastest layouts" in console.export_text()
+
+
+MiB = 2**20
+TIGHT = dict(family="gpt", layers=8, hidden=512, heads=8, vocab=1024, seq_len=4096,
+             global_batch=8, num_gpus=8, tp=1, pp="auto", dp="auto")
+"""A GPT whose written-out attention dominates its memory: at a few GiB a GPU, whether its
+layers fit without recompute depends on the layout, with one sequence per rank or fewer."""
+
+
+def tight_plan(budget_mib: int):
+    """TIGHT on GPUs of `budget_mib` MiB."""
+    hw = dataclasses.replace(HardwareSpec.preset("A100-40GB"), hbm_bytes=budget_mib * MiB)
+    return with_model_shape(plan_from_shape(**TIGHT, gpu=hw))
+
+
+def every_fitting_step_time(plan, *, mixes: bool) -> list[float]:
+    """Step times of every layout of `plan` that fits, by brute force: each uniform policy
+    and (with `mixes`) each layout's least-recompute per-layer mix, every stage checked."""
+    profile = plan_profile(plan)
+    prec, seq, budget = plan_precision(plan, profile), plan.train.seq_len, plan.hardware.memory_budget
+
+    def worst(lay):
+        return max(peak(stage_memory_terms(profile, lay, i, prec, bb=lay.micro_batch,
+                                           ss=lay.rank_seq(seq), tt=lay.tp, dd=lay.grad_ranks))
+                   for i in range(lay.pp))
+
+    fitting = [lay for lay in enumerate_layouts(plan) if worst(lay) <= budget]
+    if mixes:
+        mixed = [auto_checkpoint(profile, lay, prec, seq, budget)
+                 for lay in enumerate_layouts(plan) if lay.checkpoint == "none"]
+        fitting += [lay for lay in mixed if len(set(lay.checkpoint)) > 1 and worst(lay) <= budget]
+    return sorted(step_cost(profile, lay, plan.hardware, prec, seq_len=seq,
+                            dtype=plan.train.dtype).step_time for lay in fitting)
+
+
+@pytest.mark.parametrize("budget_mib", [4000, 3000, 2000])
+def test_search_ranks_per_layer_mixes_and_its_bound_prunes_none_that_would_win(budget_mib):
+    """The search's top five are the brute force's, per-layer mixes included: the lower
+    bound it ranks a mix by before choosing it never skips a faster one."""
+    plan = tight_plan(budget_mib)
+    result = search_all(plan, top=5)
+    found = [est.step_time_s for _, est in result.ranked]
+    assert found == pytest.approx(every_fitting_step_time(plan, mixes=True)[:5], rel=1e-12)
+    assert result.candidates == result.fitting + len(result.rejected)
+
+
+def test_a_mix_beats_every_uniform_policy_and_is_written_back_as_auto():
+    plan = tight_plan(3000)
+    (best_plan, best), *_ = search(plan, top=1)
+    policies = best.layout.checkpoint
+    assert not isinstance(policies, str) and set(policies) >= {"none"} and len(set(policies)) > 1
+    uniform = every_fitting_step_time(plan, mixes=False)[0]
+    assert best.step_time_s < uniform and best.fits
+    # Written back as checkpoint = auto, the plan chooses the same mix again.
+    assert best_plan.parallel.checkpoint == "auto"
+    again = estimate(best_plan)
+    assert again.layout.checkpoint == policies
+    assert again.step_time_s == pytest.approx(best.step_time_s)
 
 
 @pytest.fixture(scope="module")
