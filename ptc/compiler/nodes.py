@@ -33,6 +33,9 @@ ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, n
                       nn.ELU, nn.Softplus)
 
 LINEAR_OPS = frozenset({"linear"})
+FP8_LINEAR_OPS = frozenset({"fp8_linear"})
+"""ptc's float8 linear (`ptc.ops.fp8_linear`), which the fp8_compute pass puts in the place of
+a layer's linear: a linear to the passes after it (a region keeps or recomputes it as one)."""
 GROUPED_MM_OPS = frozenset({"grouped_mm", "grouped_mm_fallback"})
 """Products of token groups with a stack of per-expert weights [experts, in, out] (MoE
 experts: torch's grouped_mm, transformers' fallback op)."""
@@ -648,7 +651,8 @@ def classify(node: fx.Node) -> str:
     name = op_name(node)
     if is_attention(node):
         return "attention"
-    if name in LINEAR_OPS or (name in MATMUL_OPS | GROUPED_MM_OPS and linear_weight(node)):
+    if name in LINEAR_OPS | FP8_LINEAR_OPS or (name in MATMUL_OPS | GROUPED_MM_OPS
+                                                and linear_weight(node)):
         return "linear"
     if name in _MIN_MAX and len(node.args) > 1 and node_shape(node.args[1]) is not None:
         return "pointwise"  # torch.min(x, other): elementwise, not a reduction over a dim

@@ -859,17 +859,19 @@ def _measure(gm: torch.fx.GraphModule, sharding: Sharding, *,
             targets = (r, "out") if kept_after else (r, "out", "out_unsaved")
         else:
             targets = (r,)
-        dropped = st.producer in core and all(x in core for x in st.savers)
+        # Selective recompute drops what the core saves of what it makes; a saver after the
+        # core still keeps the storage (or, a float8 GEMM, its own copy of it).
+        dropped = nbytes - _with_fp8_copies(st, fp8_linears, [x for x in st.savers
+                                                              if x not in core]) \
+            if st.producer in core else 0
         kept_whole = st.producer in placeholders or _saved_whole(st, whole)
         for target in targets:
             if kept_whole:  # token ids, targets, a whole module's: whole on every tp rank
                 out[f"{target}.whole"] += nbytes
-                if dropped:
-                    out[f"{target}.core_whole"] += nbytes
+                out[f"{target}.core_whole"] += dropped
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
                 out[f"{target}.{c}"] += nbytes
-                if dropped:
-                    out[f"{target}.core_{c}"] += nbytes
+                out[f"{target}.core_{c}"] += dropped
     # Selective recompute keeps the core's inputs, whether or not backward saved them: the
     # storages they view (a transposed v is its projection's output) that nothing saves.
     saved_keys, added = {st.key for st in storages if st.savers}, set()
@@ -890,7 +892,7 @@ def _measure(gm: torch.fx.GraphModule, sharding: Sharding, *,
     whole_keys = {st.key for st in storages if _saved_whole(st, whole)} | {
         key for name in whole for key in outputs.get(name, {})}
     out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding,
-                             whole_keys))
+                             whole_keys, fp8_linears))
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
@@ -923,7 +925,7 @@ def _unavailable(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str, str],
                   sharded: set[str], kv_path: set[str], sharding: Sharding,
-                  whole_keys: set[int]) -> dict[str, int]:
+                  whole_keys: set[int], fp8_linears: set[str]) -> dict[str, int]:
     """Per policy of EXTRA_POLICIES layer 0 can take: the bytes of the storages layer 0
     makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`, `.whole`), the
     FLOPs it recomputes (`.flops`), whether a region reads the layer's input (`.holds`) and
@@ -948,17 +950,28 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
         kept_nodes = {n.name for r in regions if r.saving for n in r.nodes if is_matmul(n)}
         read = {a.name for r in regions for n in r.nodes for a in n.all_input_nodes
                 if a not in r.nodes and a.op != "get_attr"}
-        kept: dict[int, tuple[int, str]] = {
-            st.key: (st.nbytes, st.producer) for st in storages
-            if any(x not in inside for x in st.savers)}
-        for name in read | kept_nodes:
-            kept.update(outputs.get(name, {}))
+        # Per storage: its bytes kept whole, and the float8 copies the GEMMs after the
+        # regions keep of it (`_with_fp8_copies`).
+        whole_kept: dict[int, tuple[int, str]] = {}
+        copies: dict[int, tuple[int, str]] = {}
+        for st in storages:
+            after = [x for x in st.savers if x not in inside]
+            if not after:
+                continue
+            whole, copy_bytes = _kept_as(st, fp8_linears, after)
+            if whole:
+                whole_kept[st.key] = (st.nbytes, st.producer)
+            if copy_bytes:
+                copies[st.key] = (copy_bytes, st.producer)
+        for name in read | kept_nodes:  # the regions' inputs and kept matmul outputs
+            whole_kept.update(outputs.get(name, {}))
         kernels = {n.name for r in regions if r.saving for n in r.nodes
                    if (parts := attention_parts(n)) is not None and parts.fused}
-        kept.update({st.key: (st.nbytes, st.producer) for st in storages
-                     if st.internal and st.producer in kernels})
+        whole_kept.update({st.key: (st.nbytes, st.producer) for st in storages
+                           if st.internal and st.producer in kernels})
+        kept = [*whole_kept.items(), *copies.items()]
         terms = dict.fromkeys(_SAVED_CLASS_TERMS, 0)
-        for key, (nbytes, producer) in kept.items():
+        for key, (nbytes, producer) in kept:
             if region.get(producer) != "layer":
                 continue
             terms["tp" if producer in sharded else "seq"] += nbytes
@@ -1080,16 +1093,29 @@ def rerun_region(policy: str) -> str:
     return f"rerun[{policy}]"
 
 
-def _with_fp8_copies(storage, fp8_linears: set[str]) -> int:
-    """Bytes a saved storage costs when each float8 GEMM among its savers keeps its own
-    float8 copy of it (one byte an element of the bf16 storage, `ptc.ops.fp8_linear`)
-    instead: the copies alone when they are all its savers, else the storage and them."""
-    users = [x for x in storage.savers if x in fp8_linears]
-    if not users:
+def _with_fp8_copies(storage, fp8_linears: set[str], savers=None) -> int:
+    """Bytes a saved storage costs when kept by `savers` (all its savers when None; a
+    storage nothing saves is held as a checkpoint's input, whole), each float8 GEMM among
+    them keeping its own float8 copy of it instead (`_kept_as`)."""
+    if savers is None and not storage.savers:
         return storage.nbytes
-    copies = len(users) * storage.nbytes // 2
-    return copies if len(users) == len(storage.savers) and not storage.held \
-        else storage.nbytes + copies
+    whole, copies = _kept_as(storage, fp8_linears, storage.savers if savers is None else savers)
+    return storage.nbytes * whole + copies
+
+
+FP8_SCALE_BYTES = 8
+"""What a float8 linear saves beside its input's copy: the input's and the weight's scales,
+one fp32 each (`ptc.ops.fp8_linear`)."""
+
+
+def _kept_as(storage, fp8_linears: set[str], savers) -> tuple[bool, int]:
+    """(whether the storage itself is kept, bytes of float8 copies kept of it) when
+    `savers` keep it: each float8 GEMM (`ptc.ops.fp8_linear`) keeps its own copy, one
+    byte an element of the bf16 storage, and its scales; the storage itself stays when
+    another saver keeps it or it is held (the next layer's input)."""
+    users = [x for x in savers if x in fp8_linears]
+    whole = bool(savers) and (len(users) < len(savers) or storage.held)
+    return whole, len(users) * (storage.nbytes // 2 + FP8_SCALE_BYTES)
 
 
 def _boundaries(gm: torch.fx.GraphModule, region: dict[str, str]) -> set[str]:

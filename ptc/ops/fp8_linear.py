@@ -40,7 +40,9 @@ Where: `torch._scaled_mm` on CUDA devices of compute capability 8.9 or
 more (the shapes it takes: dimensions multiples of 16; others multiply the
 dequantised operands); emulated (`train.fp8_emulate`), every GEMM
 multiplies the dequantised operands in fp32: the same float8 values and
-scales, so the scaling is checked on any device.
+scales, so the scaling is checked on any device. Either way a GEMM is one
+op, `torch.ops.ptc.fp8_gemm` (the forward's with the bias added), so a
+saving checkpoint region keeps the linear's bf16 output and nothing else.
 """
 
 from __future__ import annotations
@@ -147,10 +149,23 @@ def advance_amax_history(module: nn.Module) -> int:
     return len(states)
 
 
-def _gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-          out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+@torch.library.custom_op("ptc::fp8_gemm", mutates_args=())
+def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     """(a·sa) @ (b·sb) of float8 `a` [M, K] and `b` [K, N], accumulated in fp32, as
-    `out_dtype`: `torch._scaled_mm` on a float8 device, else of the dequantised operands."""
+    `out_dtype`, plus `bias` (None: none): `torch._scaled_mm` on a float8 device, else of
+    the dequantised operands.
+
+    One op to the dispatcher, as a linear's GEMM is one kernel: a saving checkpoint region
+    (`ptc.ops.recompute.SAVED_OPS`) keeps its output, the linear's own (bias added), in
+    `out_dtype`, as it keeps a bf16 linear's, whether the product ran on float8 hardware or
+    was emulated."""
+    out = _product(a, sa, b, sb, out_dtype, emulate)
+    return out if bias is None else out + bias
+
+
+def _product(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+             out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     scaled = not emulate and not a.is_meta and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
     if not emulate and not a.is_meta and not device_has_fp8(a.device):
         raise RuntimeError(f"train.dtype = fp8: {a.device} has no float8 matmuls (CUDA compute "
@@ -162,16 +177,19 @@ def _gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
+@fp8_gemm.register_fake
+def _fp8_gemm_shape(a, sa, b, sb, bias, out_dtype, emulate):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scaling):  # noqa: D102 - autograd.Function protocol
         sx, sw = scaling.scale(INPUT, x), scaling.scale(WEIGHT, weight)
         xq = quantize(x, sx, E4M3).reshape(-1, x.shape[-1])
         wq = quantize(weight, sw, E4M3)
-        out = _gemm(xq, sx, wq.t(), sw, x.dtype, scaling.emulate)
+        out = fp8_gemm(xq, sx, wq.t(), sw, bias, x.dtype, scaling.emulate)
         out = out.reshape(*x.shape[:-1], weight.shape[0])
-        if bias is not None:
-            out = out + bias
         ctx.save_for_backward(xq, sx, weight, sw)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
         ctx.has_bias = bias is not None
@@ -184,8 +202,8 @@ class _Fp8Linear(torch.autograd.Function):
         sg = scaling.scale(GRAD, dy)
         gq = quantize(dy, sg, E5M2).reshape(-1, dy.shape[-1])
         wq = quantize(weight, sw, E4M3)  # the forward's bytes: same weight, same scale
-        dx = _gemm(gq, sg, wq, sw, ctx.x_dtype, scaling.emulate).reshape(ctx.x_shape)
-        dw = _gemm(gq.t(), sg, xq, sx, weight.dtype, scaling.emulate)
+        dx = fp8_gemm(gq, sg, wq, sw, None, ctx.x_dtype, scaling.emulate).reshape(ctx.x_shape)
+        dw = fp8_gemm(gq.t(), sg, xq, sx, None, weight.dtype, scaling.emulate)
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         return dx, dw, db, None
 

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
     create_selective_checkpoint_contexts
 
 from ptc.ops.dropout import current_samples, dropout_samples
+from ptc.ops import fp8_linear  # noqa: F401 - registers torch.ops.ptc.fp8_gemm
 
 
 _aten = torch.ops.aten
@@ -27,9 +28,11 @@ SAVED_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.ptc.fp8_gemm.default,
 })
-"""The aten ops whose outputs a saving region keeps: the matmuls a linear or a matmul of
-activations runs as, and the fused attention kernels (output and log-sum-exp)."""
+"""The ops whose outputs a saving region keeps: the matmuls a linear or a matmul of
+activations runs as (a float8 linear's GEMM among them), and the fused attention kernels
+(output and log-sum-exp)."""
 
 
 def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -107,25 +107,36 @@ def test_tp_rank_weights_equal_the_lowered_graph(tp, rules):
     assert estimate(plan).memory_terms[0]["weights"] == held
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_predicted_model_state_equals_what_the_runtime_holds(dtype, zero):
-    """The estimate's weights, gradients and optimizer state are the bytes a trained rank holds
-    (`Trainer.held_bytes`, each storage once), in bf16 as in fp32: bf16 weights with fp32 main
-    gradients, fp32 masters and moments. Adam's step counters are left out on both sides (the
-    model charges 4 bytes per tensor, the runtime keeps one 0-dim counter per flat unit). At
-    ZeRO-3 the graph's parameter is the fp32 master shard itself, so only the total compares."""
+def _tiny_plan_in(dtype: str, zero: int):
+    """The distributed tests' tiny Llama, one step at dp 1, in `dtype`: fp16 at the CPU's
+    fp32 rate (its preset names none; memory does not depend on it), fp8 emulated."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
     from dist_helpers import tiny_plan
 
+    plan = tiny_plan("llama", zero=zero, dp=1, accum=1, steps=1)
+    peaks = {**plan.hardware.peak_flops, "fp16": plan.hardware.peak_flops["fp32"]}
+    return dataclasses.replace(
+        plan, hardware=dataclasses.replace(plan.hardware, peak_flops=peaks),
+        train=dataclasses.replace(plan.train, dtype=dtype, fp8_emulate=dtype == "fp8"))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_predicted_model_state_equals_what_the_runtime_holds(dtype, zero):
+    """The estimate's weights, gradients and optimizer state are the bytes a trained rank holds
+    (`Trainer.held_bytes`, each storage once), in every dtype: 16-bit weights (fp8 keeps
+    bf16 weights) with fp32 main gradients, fp32 masters and moments. Adam's step counters
+    are left out on both sides (the model charges 4 bytes per tensor, the runtime keeps one
+    0-dim counter per flat unit). At ZeRO-3 the graph's parameter is the fp32 master shard
+    itself, so only the total compares."""
     from ptc.compiler.estimate import estimate
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
 
-    plan = tiny_plan("llama", zero=zero, dp=1, accum=1, dtype=dtype, steps=1)
+    plan = _tiny_plan_in(dtype, zero)
     trainer = Trainer(compile_plan(plan), {})
     trainer.train_step(0)
     held = trainer.held_bytes()

@@ -24,8 +24,8 @@ from ptc.compiler.profile import DTYPES, model_profile  # noqa: E402
 from ptc.compiler.program import param_layout  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.compiler.stages import pipeline_stages, stage_info  # noqa: E402
-from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
-                        split_pipeline_pass)
+from ptc.passes import (checkpoint_layers_pass, quantize_gemms_pass,  # noqa: E402
+                        shard_params_pass, split_pipeline_pass)
 from ptc.compiler.decisions import resolve  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
@@ -54,12 +54,22 @@ B, S = 2, 32
 
 def plan(family: str, checkpoint, *, zero: int = 0, pp: int = 1, hbm: float | None = None,
          spec: ModelSpec | None = None, dtype: str = "fp32") -> Plan:
+    """A plan of the tiny model on CPU processes; fp16 at the CPU's fp32 rate (the preset
+    names none for it; memory does not depend on it), fp8 emulated."""
     hw = HardwareSpec.preset("cpu", gpus_per_node=pp)
     if hbm is not None:
         hw = dataclasses.replace(hw, hbm_bytes=hbm)
+    if dtype == "fp16":
+        hw = dataclasses.replace(hw, peak_flops={**hw.peak_flops, "fp16": hw.peak_flops["fp32"]})
     return Plan(model=spec or SPECS[family], hardware=hw,
                 parallel=ParallelSpec(pp=pp, zero=zero, checkpoint=checkpoint),
-                train=TrainSpec(seq_len=S, global_batch=B * pp, micro_batch=B, dtype=dtype))
+                train=TrainSpec(seq_len=S, global_batch=B * pp, micro_batch=B, dtype=dtype,
+                                fp8_emulate=dtype == "fp8"))
+
+
+def dtype_passes(dtype: str, *passes) -> tuple:
+    """`passes`, after fp8_compute in an fp8 plan, as the compile pipeline runs them."""
+    return (quantize_gemms_pass, *passes) if dtype == "fp8" else passes
 
 
 def kept_layer_norms(gm: fx.GraphModule) -> int:
@@ -121,6 +131,29 @@ def test_loss_and_gradients_match_the_uncheckpointed_graph(family, policy):
                                 f"{family} {policy}", tokens.numel())
 
 
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("policy", ["full", "selective", "ops", "modules(mlp)", "modules(norm)",
+                                    "modules(core_attn, mlp, norm, act)"])
+def test_fp8_recompute_gives_the_uncheckpointed_fp8_graph_bit_for_bit(family, policy):
+    """train.dtype = fp8 (emulated): a layer's float8 linears are linears to the regions (a
+    saving one keeps their GEMMs' outputs), and a recomputed forward quantises as the first
+    did, so loss and gradients are those of the graph without recompute, exactly."""
+    p = plan(family, policy, dtype="fp8")
+    model = build_model(p.model, device="cpu", seed=1).to(torch.bfloat16)
+    tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
+
+    def run(passes):
+        gm = lower(with_weights(capture_plan(p), model), p, pass_list(*passes))[1].graph
+        return len(regions(gm)), loss_and_grads(gm, model, tokens, targets)
+
+    _, (ref_loss, ref_grads) = run(dtype_passes("fp8"))
+    count, (loss, grads) = run(dtype_passes("fp8", checkpoint_layers_pass))
+    assert count == 3 * REGIONS[policy]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy", ["full", "selective", "ops", "modules(mlp)",
                                     "modules(core_attn, mlp, norm, act)"])
 def test_dropout_masks_match_on_recompute(policy):
@@ -140,16 +173,20 @@ def test_dropout_masks_match_on_recompute(policy):
                                 f"{policy}, dropout 0.2", tokens.numel())
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("policy", POLICIES + NEW_POLICIES, ids=str)
 def test_saved_bytes_match_the_memory_model(family, policy, dtype):
-    """Exact, in both dtypes: a fully recomputed layer keeps its input in the compute dtype
-    whether or not a node after it saves that storage (bf16 RMSNorm saves an fp32 copy)."""
+    """Exact, in every dtype: a fully recomputed layer keeps its input in the compute dtype
+    whether or not a node after it saves that storage (bf16 RMSNorm saves an fp32 copy).
+    In fp8 each float8 linear outside a region keeps its input's float8 copy and two
+    scales; one a region recomputes keeps nothing; one a saving region keeps (`ops`,
+    `modules(norm)`) keeps its output, bias added, in bf16, as a bf16 linear."""
     p = plan(family, policy, dtype=dtype)
     model = build_model(p.model, device="cpu", seed=0).to(DTYPES[dtype])
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
-    gm = apply_pass(checkpoint_layers_pass, with_weights(capture_plan(p), model), p)
+    gm = lower(with_weights(capture_plan(p), model), p,
+               pass_list(*dtype_passes(dtype, checkpoint_layers_pass)))[1].graph
     measured = measured_saved_bytes(buffers_as_built(gm), tokens, targets)
     layout = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0, sp=False,
                     schedule="1f1b", layers=p.model.layers, checkpoint=policy, overlap=True)
@@ -204,7 +241,7 @@ def measured_bytes_per_stage(pipeline: fx.GraphModule, tokens, targets) -> list[
     return [sum(stage.values()) for stage in saved]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("family", list(SPECS))
 @pytest.mark.parametrize("policy", ["none", "selective", "full", ("none", "full", "full", "none"),
                                     ("full", "selective", "selective", "full"), "ops",
@@ -222,8 +259,8 @@ def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy, d
     spec = dataclasses.replace(SPECS[family], layers=4)
     p = plan(family, policy, pp=2, spec=spec, dtype=dtype)
     model = build_model(spec, device="cpu", seed=0).to(DTYPES[dtype])
-    pipeline = lower(with_weights(capture_plan(p), model), p,
-                     pass_list(split_pipeline_pass, checkpoint_layers_pass))[1].graph
+    pipeline = lower(with_weights(capture_plan(p), model), p, pass_list(
+        *dtype_passes(dtype, split_pipeline_pass, checkpoint_layers_pass)))[1].graph
     stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
     assert [a for a in stages[0].atoms if a.startswith("layers.")] == ["layers.0", "layers.1"]
     # Apart, as the runtime reads them: one storage would count whole on both stages.
