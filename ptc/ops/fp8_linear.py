@@ -34,7 +34,11 @@ uninterrupted one.
 The weight is saved for backward as it is (as `F.linear` saves it, so
 ZeRO-3's hooks see it) and quantised again there with the forward's scale,
 to the same bytes; Transformer Engine keeps a float8 copy instead. The input
-is saved as its float8 copy: one byte an element.
+is saved as its float8 copy: one byte an element. Under sequence parallelism
+an input all-gathered along the sequence (`ptc.ops.seq_regather`) is kept as
+the float8 copy of the rank's chunk, gathered again in backward, as
+Transformer Engine keeps it: quantising is element by element, so the
+gathered chunks are the copy of the whole.
 
 Where: `torch._scaled_mm` on CUDA devices of compute capability 8.9 or
 more (the shapes it takes: dimensions multiples of 16; others multiply the
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptc.ops.comm import all_reduce_flat, axis_group
+from ptc.ops.seq_regather import current_session
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -190,6 +195,12 @@ class _Fp8Linear(torch.autograd.Function):
         wq = quantize(weight, sw, E4M3)
         out = fp8_gemm(xq, sx, wq.t(), sw, bias, x.dtype, scaling.emulate)
         out = out.reshape(*x.shape[:-1], weight.shape[0])
+        session = current_session()
+        gathered = session.gathered(x) if session is not None else None
+        ctx.gather = None
+        if gathered is not None:  # keep the rank's chunk of the copy; gather it in backward
+            chunk, ctx.gather = gathered
+            xq = quantize(chunk, sx, E4M3)
         ctx.save_for_backward(xq, sx, weight, sw)
         ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
         ctx.has_bias = bias is not None
@@ -198,6 +209,9 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         xq, sx, weight, sw = ctx.saved_tensors
+        if ctx.gather is not None:  # float8 bytes travel as bytes
+            xq = ctx.gather(xq.view(torch.uint8)).view(E4M3)
+        xq = xq.reshape(-1, ctx.x_shape[-1])
         scaling = ctx.scaling
         sg = scaling.scale(GRAD, dy)
         gq = quantize(dy, sg, E5M2).reshape(-1, dy.shape[-1])

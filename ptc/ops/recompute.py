@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
     create_selective_checkpoint_contexts
 
 from ptc.ops.dropout import current_samples, dropout_samples
+from ptc.ops.seq_regather import no_session
 from ptc.ops import fp8_linear  # noqa: F401 - registers torch.ops.ptc.fp8_gemm
 
 
@@ -65,7 +66,7 @@ def checkpoint_region(region: torch.nn.Module, *inputs: Any, save_matmuls: bool 
     samples = current_samples()
 
     def run(*args: Any) -> Any:
-        with dropout_samples(samples):
+        with dropout_samples(samples), no_session():
             return region(*args)
 
     if save_matmuls:

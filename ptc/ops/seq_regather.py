@@ -16,8 +16,8 @@ session is current; its *chunk* is the input it was gathered from.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -28,6 +28,19 @@ _SESSION: SeqRegather | None = None
 def current_session() -> SeqRegather | None:
     """The session of the forward being run, if any (read by `all_gather_seq`)."""
     return _SESSION
+
+
+@contextmanager
+def no_session() -> Iterator[None]:
+    """Run without the current session: what a checkpoint region runs under, in forward
+    and in its recompute alike (which runs in backward, without a session), so that what
+    reads the session (a float8 linear, `ptc.ops.fp8_linear`) saves the same both times."""
+    global _SESSION
+    outer, _SESSION = _SESSION, None
+    try:
+        yield
+    finally:
+        _SESSION = outer
 
 
 class _SeqRef:
@@ -45,7 +58,8 @@ class SeqRegather(AbstractContextManager):
     """Saved-tensor hooks that store gathered sequence activations as their local chunk."""
 
     def __init__(self) -> None:
-        self._live: dict[int, tuple[weakref.ref, torch.Tensor, Callable[[], torch.Tensor]]] = {}
+        # key -> (the gathered tensor, its chunk, regather(), gather(t))
+        self._live: dict[int, tuple] = {}
         self._full: dict[int, torch.Tensor] = {}  # key -> re-gathered tensor, until released
 
     def __enter__(self) -> SeqRegather:
@@ -58,11 +72,34 @@ class SeqRegather(AbstractContextManager):
         _SESSION = None
 
     def track(self, out: torch.Tensor, chunk: torch.Tensor,
-              regather: Callable[[], torch.Tensor]) -> int:
-        """Remember that `out` was gathered from `chunk`; `regather()` makes it again. Returns its key."""
+              gather: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        """Remember that `out` was gathered from `chunk` by `gather` (which gathers any
+        tensor laid out as `chunk` the same way). Returns its key.
+
+        Only while `out` lives: what saved it holds its own `_SeqRef` (chunk and
+        regather), and a gathered tensor nothing saved (a float8 linear's input, of
+        which it keeps its own float8 chunk) must not keep its chunk alive."""
         key = id(out)
-        self._live[key] = (weakref.ref(out), chunk, regather)
+        self._live[key] = (weakref.ref(out, lambda _, key=key: self._forget(key)), chunk,
+                           lambda: gather(chunk), gather)
         return key
+
+    def gathered(self, tensor: torch.Tensor
+                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        """(chunk, gather) of a tensor this session gathered, while it lives; else None. A
+        float8 linear keeps the float8 copy of the chunk and gathers that in backward."""
+        entry = self._live.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1], entry[3]
+
+    def chunks(self) -> list[torch.Tensor]:
+        """The chunks the session holds now (of the gathered tensors still alive)."""
+        return [entry[1] for entry in self._live.values()]
+
+    def _forget(self, key: int) -> None:
+        """`out` of `key` is gone: nothing can save it any more."""
+        self._live.pop(key, None)
 
     def release(self, key: int) -> None:
         """Drop the re-gathered tensor of `key`: backward is done with it."""
@@ -75,7 +112,7 @@ class SeqRegather(AbstractContextManager):
         entry = self._live.get(id(base))
         if entry is None or entry[0]() is not base:  # not gathered (or a stale id)
             return tensor
-        _, chunk, regather = entry
+        _, chunk, regather, _ = entry
         return _SeqRef(id(base), chunk, regather, tensor.storage_offset() - base.storage_offset(),
                        tensor.size(), tensor.stride())
 

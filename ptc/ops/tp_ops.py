@@ -265,7 +265,7 @@ class _AllGatherSeq(torch.autograd.Function):
         if ctx.session is not None and out is not x:
             # Backward keeps only this rank's chunk of what the next linears save.
             chunk = x.detach()
-            ctx.key = ctx.session.track(out, chunk, lambda: _gather(chunk, dim, axis_group(axis)))
+            ctx.key = ctx.session.track(out, chunk, lambda t: _gather(t, dim, axis_group(axis)))
         return out
 
     @staticmethod

@@ -11,16 +11,17 @@ from tp_helpers import TPCase, tp_plan
 from ptc.plan import Plan
 
 
-def fp8_plan(case: tuple[str, int, str, str]) -> Plan:
-    """(family, tp, dtype, fp8 scaling): the tp test's plan of the tiny model, in `dtype`
-    (fp8 emulated) on one sample-pair micro-batch."""
-    family, tp, dtype, scaling = case
-    plan = tp_plan(TPCase(family, tp))
+def fp8_plan(case: tuple) -> Plan:
+    """(family, tp, dtype, fp8 scaling[, "sp"]): the tp test's plan of the tiny model, in
+    `dtype` (fp8 emulated) on one sample-pair micro-batch, with sequence parallelism when
+    the case says "sp"."""
+    family, tp, dtype, scaling, *sp = case
+    plan = tp_plan(TPCase(family, tp, sp=sp == ["sp"]))
     return dataclasses.replace(plan, train=dataclasses.replace(
         plan.train, dtype=dtype, fp8_scaling=scaling, fp8_emulate=True))
 
 
-def run_fp8_cases(cases: list[tuple[str, int, str, str]]) -> dict:
+def run_fp8_cases(cases: list[tuple]) -> dict:
     """Worker: train every case (`dist_helpers.train_cases`)."""
     return train_cases(cases, fp8_plan)
 

@@ -4,7 +4,7 @@ The tiny GPT and Llama (2 layers) train 5 AdamW steps in bf16 and in fp8 with
 `fp8_emulate = true` (the layers' GEMMs on float8 operands, quantised and dequantised
 exactly as `torch._scaled_mm` would take them), with delayed and with current scaling.
 
-tp = 2 against tp = 1, both fp8: every amax is reduced over tp, so each rank quantises
+tp = 2 (with and without sequence parallelism) against tp = 1, both fp8: every amax is reduced over tp, so each rank quantises
 with the whole tensor's scale and every element rounds to the same float8 value as
 without tp; what differs is the order of the fp32/bf16 sums (a row-parallel GEMM sums
 its halves after the all-reduce), as between tp = 2 and tp = 1 in bf16. So the bound is
@@ -37,6 +37,10 @@ LR, STEPS = 3e-3, 5
 CASES = [(f, tp, dtype, scaling) for f in ("gpt", "llama") for tp in (1, 2)
          for dtype, scaling in (("fp8", "delayed"), ("fp8", "current"), ("bf16", "delayed"))
          if tp == 1 or dtype == "fp8"]
+CASES += [(f, 2, "fp8", scaling, "sp") for f in ("gpt", "llama") for scaling in ("delayed",
+                                                                                 "current")]
+"""With sequence parallelism a float8 linear keeps the float8 copy of its rank's chunk of
+the gathered input and gathers it again in backward: the same bytes."""
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +53,11 @@ def runs() -> dict:
     return out
 
 
+@pytest.mark.parametrize("sp", [(), ("sp",)], ids=["tp2", "tp2+sp"])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
-def test_tp2_trains_as_tp1(runs, family, scaling):
-    one, two = runs[(family, 1, "fp8", scaling)], runs[(family, 2, "fp8", scaling)]
+def test_tp2_trains_as_tp1(runs, family, scaling, sp):
+    one, two = runs[(family, 1, "fp8", scaling)], runs[(family, 2, "fp8", scaling, *sp)]
     assert any("fp8_linear" in line for line in two["log"])
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]),
                                rtol=2**-6, atol=0)

@@ -5,7 +5,7 @@ the runtime does (`tp_helpers.measure_activations`: what autograd saves,
 gathered activations kept as their local chunks under sequence parallelism,
 the checkpoint regions' inputs, what a saving region's selective checkpoint
 caches), for GPT (written-out attention, LayerNorm, GELU) and Llama (fused
-attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32 and bf16, tp 2 with
+attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32, bf16 and fp8 (emulated), tp 2 with
 and without sequence parallelism, under none, selective, full, ops, each
 recompute module alone and all four; `checkpoint = auto(all)` under a budget that makes it mix
 op-level and module recompute; and modules `shard ... replicate` rules keep whole (an MLP,
@@ -48,7 +48,7 @@ SPECS = (
 POLICIES = ("none", "selective", "full", "ops", "modules(mlp)", "modules(norm)",
             "modules(act)", "modules(core_attn, mlp, norm, act)")
 CASES = [MemoryCase(spec, sp, dtype, policy) for spec in SPECS for sp in (False, True)
-         for dtype in ("fp32", "bf16") for policy in POLICIES]
+         for dtype in ("fp32", "bf16", "fp8") for policy in POLICIES]
 
 
 def auto_all_case(spec: ModelSpec, sp: bool) -> MemoryCase:
@@ -85,7 +85,7 @@ CASES += [MemoryCase(spec, sp, dtype, policy, shards=WHOLE[what]) for spec in SP
 # layer, which the memory model does not follow).
 CASES += [MemoryCase(SPECS[1], True, dtype, policy, shards=(("head", "replicate"),))
           for dtype, policy in (("fp32", "none"), ("bf16", "ops"))]
-LOSS_SCALAR = {"fp32": 4, "bf16": 2}
+LOSS_SCALAR = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""
 _measured: list = []

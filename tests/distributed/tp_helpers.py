@@ -105,8 +105,13 @@ class MemoryCase:
 
 
 def memory_plan(case: MemoryCase, tp: int) -> Plan:
-    """The plan a `MemoryCase` is measured under: one micro-batch of two samples."""
-    base = tiny_plan("gpt", zero=0, dp=1, accum=1, dtype=case.dtype)
+    """The plan a `MemoryCase` is measured under: one micro-batch of two samples (fp8
+    emulated)."""
+    fp8 = case.dtype == "fp8"
+    base = tiny_plan("gpt", zero=0, dp=1, accum=1, dtype="bf16" if fp8 else case.dtype)
+    if fp8:
+        base = dataclasses.replace(base, train=dataclasses.replace(
+            base.train, dtype="fp8", fp8_emulate=True))
     hw = HardwareSpec.preset("cpu", gpus_per_node=tp)
     if case.budget is not None:
         hw = dataclasses.replace(hw, memory_margin=hw.hbm_bytes - case.budget)
@@ -199,7 +204,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
         with bind_axes(groups), regather, cached_by_regions(note), \
                 torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
             loss = trainer.chunks[0].runner.run(tokens, targets)
-        for _, chunk, _ in regather._live.values():  # the chunks the session holds
+        for chunk in regather.chunks():  # the chunks the session holds
             note(chunk)
         with bind_axes(groups):
             loss.backward()  # the graph (and every saved storage) lived until here
