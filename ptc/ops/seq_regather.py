@@ -46,11 +46,11 @@ def no_session() -> Iterator[None]:
 class _SeqRef:
     """A saved view of a gathered tensor, kept as its chunk and the view's geometry."""
 
-    __slots__ = ("key", "chunk", "regather", "offset", "size", "stride")
+    __slots__ = ("key", "chunk", "gather", "offset", "size", "stride")
 
-    def __init__(self, key: int, chunk: torch.Tensor, regather: Callable[[], torch.Tensor],
-                 offset: int, size, stride):
-        self.key, self.chunk, self.regather = key, chunk, regather
+    def __init__(self, key: int, chunk: torch.Tensor,
+                 gather: Callable[[torch.Tensor], torch.Tensor], offset: int, size, stride):
+        self.key, self.chunk, self.gather = key, chunk, gather
         self.offset, self.size, self.stride = offset, size, stride
 
 
@@ -58,8 +58,9 @@ class SeqRegather(AbstractContextManager):
     """Saved-tensor hooks that store gathered sequence activations as their local chunk."""
 
     def __init__(self) -> None:
-        # key -> (the gathered tensor, its chunk, regather(), gather(t))
-        self._live: dict[int, tuple] = {}
+        # key -> (the gathered tensor, its chunk, the gather that made it from the chunk)
+        self._live: dict[int, tuple[weakref.ref, torch.Tensor,
+                                    Callable[[torch.Tensor], torch.Tensor]]] = {}
         self._full: dict[int, torch.Tensor] = {}  # key -> re-gathered tensor, until released
 
     def __enter__(self) -> SeqRegather:
@@ -77,11 +78,10 @@ class SeqRegather(AbstractContextManager):
         tensor laid out as `chunk` the same way). Returns its key.
 
         Only while `out` lives: what saved it holds its own `_SeqRef` (chunk and
-        regather), and a gathered tensor nothing saved (a float8 linear's input, of
+        gather), and a gathered tensor nothing saved (a float8 linear's input, of
         which it keeps its own float8 chunk) must not keep its chunk alive."""
         key = id(out)
-        self._live[key] = (weakref.ref(out, lambda _, key=key: self._forget(key)), chunk,
-                           lambda: gather(chunk), gather)
+        self._live[key] = (weakref.ref(out, lambda _, key=key: self._forget(key)), chunk, gather)
         return key
 
     def gathered(self, tensor: torch.Tensor
@@ -89,9 +89,9 @@ class SeqRegather(AbstractContextManager):
         """(chunk, gather) of a tensor this session gathered, while it lives; else None. A
         float8 linear keeps the float8 copy of the chunk and gathers that in backward."""
         entry = self._live.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
+        if entry is None or entry[0]() is not tensor:  # not gathered (or a stale id)
             return None
-        return entry[1], entry[3]
+        return entry[1], entry[2]
 
     def chunks(self) -> list[torch.Tensor]:
         """The chunks the session holds now (of the gathered tensors still alive)."""
@@ -109,11 +109,11 @@ class SeqRegather(AbstractContextManager):
     def pack(self, tensor: torch.Tensor):
         """Saved-tensor pack hook: a gathered tensor (or a view of one) becomes a `_SeqRef`."""
         base = tensor._base if tensor._base is not None else tensor
-        entry = self._live.get(id(base))
-        if entry is None or entry[0]() is not base:  # not gathered (or a stale id)
+        found = self.gathered(base)
+        if found is None:
             return tensor
-        _, chunk, regather, _ = entry
-        return _SeqRef(id(base), chunk, regather, tensor.storage_offset() - base.storage_offset(),
+        chunk, gather = found
+        return _SeqRef(id(base), chunk, gather, tensor.storage_offset() - base.storage_offset(),
                        tensor.size(), tensor.stride())
 
     def unpack(self, saved):
@@ -122,7 +122,7 @@ class SeqRegather(AbstractContextManager):
             return saved
         full = self._full.get(saved.key)
         if full is None:
-            full = self._full[saved.key] = saved.regather()
+            full = self._full[saved.key] = saved.gather(saved.chunk)
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
     def hooks(self, inner: torch.autograd.graph.saved_tensors_hooks | None = None):
