@@ -311,6 +311,9 @@ class HardwareSpec(_Section):
     """Seconds the host spends dispatching one op (cost model): added to each op on a
     CPU, where the host runs the kernels itself; on a GPU, which runs kernels while the
     host queues more, the larger of it and the kernels' time counts."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors per GPU (cost model): GEMMs are priced at their shape's
+    tile and wave efficiency (`ptc.compiler.gemm_tiles`); 0 prices them by FLOPs alone."""
     profile: str | None = None
     """The calibration file (`ptc calibrate`) whose figures this hardware carries, if any."""
     spans: Mapping[str, Span] = _spans()
@@ -338,6 +341,7 @@ class HardwareSpec(_Section):
             inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
             host_bandwidth=p.host_bandwidth, dispatch_overhead=p.dispatch_overhead,
+            multiprocessors=p.multiprocessors,
         )
         if overrides.get("profile"):
             values.update(profile_fields(overrides["profile"]))
@@ -354,6 +358,7 @@ class HardwareSpec(_Section):
         self._number(sink, "memory_margin")
         self._number(sink, "host_bandwidth", strict=True)
         self._number(sink, "dispatch_overhead")
+        self._int(sink, "multiprocessors", minimum=0)
         for dtype, value in dict(self.gemm_flops).items():
             if dtype not in DTYPES + ("tf32",):
                 self._bad(sink, "gemm_flops", f"unknown compute dtype {dtype!r} in gemm_flops",

@@ -2,28 +2,31 @@
 
 Figures are the vendors' dense (no sparsity) peaks and per-direction link
 bandwidths per GPU. `achievable_fraction` is the share of the dense peak the
-matrix products (GEMMs) of a training step reach on that GPU: the cost model
-prices GEMM FLOPs at peak x achievable_fraction, memory-bound ops by the
-bytes they move at `mem_bandwidth` and the host's dispatch of each op at
-`dispatch_overhead` (`ptc.compiler.compute`). The shares are those a tuned
-transformer step reaches in practice, set from published runs by one rule, one
-parameter per chip: for each run of `published_runs.csv` (../shared/validation)
-the share at which ptc's prediction of that run equals its measurement, all else
-as priced, and the preset takes the median over the chip's runs
-(`python bench/validate_cost_model.py --solve-shares`): A100 0.58 (31 runs; both
-memory sizes, one chip), V100 0.63 (4), H100 0.55 (11; H200 and B200 take
-Hopper's, unvalidated). Megatron-LM's own whole-step figures agree once the
-rest of the step is priced apart: 52 % of peak on A100 with recompute counted
-(Narayanan et al., SC21), 45-50 % model FLOPs on H100 (its 2024 README), 57 %
-on one V100 (its 2020 README, GPT-2 1.2B). They are well below what one GEMM
-reaches alone: Stas Bekman's "Maximum Achievable Matmul FLOPS" (Machine Learning
-Engineering, the bf16 MAMF table, `mamf-finder.py`, the best of a sweep of
-shapes) measures A100 SXM 271.2 of 312 TFLOP/s (86.9 %), H100 SXM 794.5 of
-989 (80.3 %), B200 1745 of 2250 (77.6 %). Priced at those, every published
-run in `bench/validate_cost_model.py` comes out 25-40 % too fast once its
-memory-bound ops are priced as the fused kernels it ran (docs/cost-model.md,
-"Validation"): a step's GEMMs, among its other kernels and at its own
-shapes, run at about 0.6 of peak on A100 and 0.55 on H100, not at the
+matrix products (GEMMs) of a training step reach in full waves: the cost model
+prices each GEMM's FLOPs over its shape's tile and wave efficiency on the
+GPU's `multiprocessors` (the SM counts of NVIDIA's architecture whitepapers:
+A100 108, H100 SXM5 and H200 132, B200 148, V100 80; `ptc.compiler.gemm_tiles`)
+at peak x achievable_fraction, memory-bound ops by the bytes they move at
+`mem_bandwidth` and the host's dispatch of each op at `dispatch_overhead`
+(`ptc.compiler.compute`). The shares are those a tuned transformer step
+reaches in practice, set from published runs by one rule, one parameter per
+chip: for each run of `published_runs.csv` (../shared/validation) the share at
+which ptc's prediction of that run equals its measurement, all else as priced,
+and the preset takes the median over the chip's runs
+(`python bench/validate_cost_model.py --solve-shares`): A100 0.62 (31 runs;
+both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200 and B200
+take Hopper's, unvalidated). Megatron-LM's own whole-step figures agree about
+as well once the rest of the step is priced apart: 52 % of peak on A100 with
+recompute counted (Narayanan et al., SC21), 45-50 % model FLOPs on H100 (its
+2024 README), 57 % on one V100 (its 2020 README, GPT-2 1.2B). They are well
+below what one GEMM reaches alone: Stas Bekman's "Maximum Achievable Matmul
+FLOPS" (Machine Learning Engineering, the bf16 MAMF table, `mamf-finder.py`,
+the best of a sweep of shapes) measures A100 SXM 271.2 of 312 TFLOP/s (86.9 %),
+H100 SXM 794.5 of 989 (80.3 %), B200 1745 of 2250 (77.6 %). Priced at those,
+every published run in `bench/validate_cost_model.py` comes out 20-40 % too
+fast once its memory-bound ops are priced as the fused kernels it ran
+(docs/cost-model.md, "Validation"): a step's GEMMs, among its other kernels,
+run at about 0.6 of peak on A100 and 0.55 on H100, not at the
 microbenchmark's best. A property of the GPU and its libraries, not of any
 one published run.
 
@@ -92,6 +95,9 @@ class GpuPreset:
     """Per-GPU, per-direction bandwidth to host memory (PCIe), bytes/s."""
     dispatch_overhead: float = 0.0
     """Host seconds to dispatch one op (see module docstring)."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors: the GEMM tile model's wave (`ptc.compiler.gemm_tiles`);
+    0 for the CPU, whose GEMMs are priced by FLOPs alone."""
 
 
 PRESETS: dict[str, GpuPreset] = {
@@ -106,15 +112,15 @@ PRESETS: dict[str, GpuPreset] = {
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
                   mem_bandwidth=1555 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
-                  nvlink_sharp=False, achievable_fraction=0.58,
-                  host_bandwidth=PCIE4_X16),
+                  nvlink_sharp=False, achievable_fraction=0.62,
+                  host_bandwidth=PCIE4_X16, multiprocessors=108),
         GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
                   mem_bandwidth=2039 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
-                  nvlink_sharp=False, achievable_fraction=0.58,
-                  host_bandwidth=PCIE4_X16),
+                  nvlink_sharp=False, achievable_fraction=0.62,
+                  host_bandwidth=PCIE4_X16, multiprocessors=108),
         # NVIDIA H100 Tensor Core GPU datasheet (SXM column, sparsity figures halved):
         # 80 GB HBM3 at 3.35 TB/s, FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2
         # TFLOP/s; NVLink 4: 900 GB/s per GPU, both directions. Node: DGX H100, 8 GPUs on
@@ -125,8 +131,8 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=3350 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.55,
-                  host_bandwidth=PCIE5_X16),
+                  nvlink_sharp=True, achievable_fraction=0.56,
+                  host_bandwidth=PCIE5_X16, multiprocessors=132),
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
         # with sparsity, halved here): 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both
         # directions), FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2 TFLOP/s. Node:
@@ -137,8 +143,8 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=4800 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.55,
-                  host_bandwidth=PCIE5_X16),
+                  nvlink_sharp=True, achievable_fraction=0.56,
+                  host_bandwidth=PCIE5_X16, multiprocessors=132),
         # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
         # with sparsity halved): 1,440 GB HBM3e (180 GB per GPU) at 64 TB/s (8 TB/s per GPU);
         # FP8 72 PFLOP/s -> 4.5 dense, FP16 = BF16 36 -> 2.25, TF32 18 -> 1.125 PFLOP/s,
@@ -151,8 +157,8 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 4500 * TFLOPS},
                   mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.55,
-                  host_bandwidth=PCIE5_X16),
+                  nvlink_sharp=True, achievable_fraction=0.56,
+                  host_bandwidth=PCIE5_X16, multiprocessors=148),
         # NVIDIA Tesla V100 datasheet (SXM2 column): 32 GB HBM2 at 900 GB/s, FP32 15.7,
         # tensor (FP16 in, FP32 accumulate) 125 TFLOP/s; no bf16, tf32 or fp8 (Volta).
         # NVLink 2: 300 GB/s per GPU, both directions. Node: DGX-2 / HGX-2, 16 GPUs on
@@ -163,8 +169,8 @@ PRESETS: dict[str, GpuPreset] = {
                   peak_flops={"fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS},
                   mem_bandwidth=900 * GB_S, intra_bandwidth=150 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=8 * 12.5 * GB_S / 16, inter_latency=6 * US,
-                  gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.63,
-                  host_bandwidth=PCIE3_X16),
+                  gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.69,
+                  host_bandwidth=PCIE3_X16, multiprocessors=80),
         GpuPreset(name="cpu", hbm_bytes=16 * GiB,
                   peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
                   mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,

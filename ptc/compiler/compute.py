@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptc.compiler.gemm_tiles import efficiency
 from ptc.compiler.profile import ModelProfile, rerun_region
 from ptc.plan import HardwareSpec, policy_modules
 
@@ -55,6 +56,10 @@ class Rates:
     """Host seconds per op dispatched."""
     synchronous: bool
     """The host runs the kernels itself (a CPU): dispatch adds to kernel time."""
+    multiprocessors: int = 0
+    """The GPU's streaming multiprocessors: GEMMs are priced at their shape's tile and wave
+    efficiency (`ptc.compiler.gemm_tiles`); 0: by their FLOPs alone (a CPU, or a measured
+    GEMM rate, which was measured at the plan's own shapes)."""
 
 
 def rates(hw: HardwareSpec, dtype: str) -> Rates:
@@ -66,7 +71,8 @@ def rates(hw: HardwareSpec, dtype: str) -> Rates:
         fp8 = hw.gemm_flops.get("fp8") or \
             hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
     return Rates(gemm=hw.gemm_rate(compute), fp8=fp8, memory=hw.mem_bandwidth,
-                 dispatch=hw.dispatch_overhead, synchronous=hw.synchronous)
+                 dispatch=hw.dispatch_overhead, synchronous=hw.synchronous,
+                 multiprocessors=0 if compute in hw.gemm_flops else hw.multiprocessors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +135,15 @@ class Split:
 
 
 def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int, split: Split,
-               seq_len: int, *, fused: bool = False, keys: bool | None = None) -> PhaseWork:
+               seq_len: int, *, fused: bool = False, keys: bool | None = None,
+               multiprocessors: int = 0) -> PhaseWork:
     """One rank's work in `region` ("pre", "layer", "post", "core" or a policy's
     `rerun_region`) and `phase` ("fwd", "bwd") for a micro-batch of `bb` samples of `ss`
     positions each (of `seq_len`); `fused`: memory-bound ops as fused kernels
     (`ptc.compiler.work`); `keys`: whether the region holds the attention core, whose
-    queries meet all keys under cp (default: "layer" and "core" do)."""
+    queries meet all keys under cp (default: "layer" and "core" do). With
+    `multiprocessors` (a GPU's SMs) the GEMM FLOPs are those the GEMMs run, their shapes'
+    tiles and waves included (`ptc.compiler.gemm_tiles.efficiency`)."""
     f = profile.fn
     prefix = "work_b1" if bb == 1 else "work"
     if keys is None:
@@ -157,7 +166,13 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
     fp8 = 0.0
     if region == "layer":  # float8 GEMMs: the linears' forward, and dgrad and wgrad
         fp8 = f["fp8_flops"](bb, ss) / split.tp * (1 if phase == "fwd" else 2)
-    return PhaseWork(gemm=per_rank("gemm") - fp8, fp8=fp8, attention=per_rank("attn"),
+    gemm = per_rank("gemm") - fp8
+    if multiprocessors:
+        shapes = (profile.gemms_b1 if bb == 1 else profile.gemms).get(f"{region}.{phase}", ())
+        tiles = efficiency(shapes, bb, ss, tp=split.tp, kv_divisor=split.kv_divisor,
+                           sp=split.sp, multiprocessors=multiprocessors)
+        gemm, fp8 = gemm / tiles, fp8 / tiles
+    return PhaseWork(gemm=gemm, fp8=fp8, attention=per_rank("attn"),
                      memory=per_rank("fmem" if fused else "mem"),
                      ops=term("kern.all" if fused else "ops.all", bb, ss))
 
@@ -181,7 +196,7 @@ def layer_times(profile: ModelProfile, r: Rates, *, bb: int, ss: int, seq_len: i
 
     def seconds(region: str, phase: str, keys: bool | None = None) -> float:
         return phase_work(profile, region, phase, bb, ss, split, seq_len, fused=fused,
-                          keys=keys).seconds(r)
+                          keys=keys, multiprocessors=r.multiprocessors).seconds(r)
 
     forward, core = seconds("layer", "fwd"), seconds("core", "fwd")
     recompute = {"none": 0.0, "selective": core, "full": forward}

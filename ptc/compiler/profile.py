@@ -56,12 +56,14 @@ from ptc.compiler.activations import saved_and_output_storages
 from ptc.compiler.meta import copy_meta, get_info, graph_info
 from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS, POINTWISE_OPS,
                                 attention_parts, is_embedding, is_fp8_linear, is_linear,
-                                logits_linear, node_shape, op_name)
+                                linear_out_dim, linear_weight, logits_linear, node_shape,
+                                op_name)
 from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding,
                                        matching_rule, rule_paths)
-from ptc.compiler.work import graph_work
+from ptc.compiler.gemm_tiles import GemmShape, fit_shapes, split_dim
+from ptc.compiler.work import GemmCall, graph_work
 from ptc.errors import CaptureError, CompileError, PtcError, UnpricedError
 from ptc.plan import ModelSpec, Plan, ShardRule
 
@@ -194,6 +196,12 @@ class ModelProfile:
     """Elements of the tied weight (0 when untied)."""
     boundary_elements: sympy.Expr
     """Elements of the tensor passed between layers (b·s·h): pipeline and TP traffic."""
+    gemms: dict[str, tuple[GemmShape, ...]] = field(default_factory=dict)
+    """The GEMMs of each region's phase ("{region}.{phase}", regions and phases as `work`)
+    with their shapes (`ptc.compiler.gemm_tiles`), for micro-batches of 2 and more; a
+    region's phase whose shapes do not fit is absent (priced by its FLOPs alone)."""
+    gemms_b1: dict[str, tuple[GemmShape, ...]] = field(default_factory=dict)
+    """`gemms` at a micro-batch of one sample."""
     policy_saved: dict[str, SavedClasses] = field(default_factory=dict)
     """Per recompute policy of `recompute.EXTRA_POLICIES` the model has: the saved bytes of
     one layer under it (what its nodes outside the policy's regions save, the regions'
@@ -443,6 +451,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
     points = _points(max_seq or 64)
     samples, first = [], None
     work_samples: dict[tuple[int, int], dict[str, int]] = {}
+    gemm_samples: dict[tuple[int, int], dict[str, list]] = {}
     for pb, ps in dict.fromkeys(points + _work_points(points)):  # each graph measured first
         gm = capture(model, micro_batch=pb, seq_len=ps, dtype=DTYPES[dtype],
                      buffers_as_built=True)  # as the runtime binds them
@@ -453,7 +462,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
             if gathered is not None:
                 samples[-1].update({f"sp:{name}": value for name, value in _measure(
                     gathered, split, fp8=dtype == "fp8").items() if _is_saved_term(name)})
-        work_samples[pb, ps] = _work(gm, split)
+        work_samples[pb, ps], gemm_samples[pb, ps] = _work(gm, split)
         if first is None:  # a custom model whose shape cannot be read says so before the rest
             if custom and not graph_info(gm).num_layers:
                 raise PtcError(f"model \"{spec.factory}\": ptc finds no stack of like layers "
@@ -475,6 +484,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
     pb, ps = points[6]
     bad = [name for name, poly in fit.items() if poly.subs({b: pb, s: ps}) != samples[6][name]]
     work, work_b1, bad_work = _fit_work(points, work_samples)
+    gemms, gemms_b1 = _fit_gemms(points, gemm_samples)
     for name in bad + bad_work:  # the last point of each fit checks its polynomial form
         if custom:
             what = "work on the device" if name in bad_work else "saved activations"
@@ -501,7 +511,7 @@ def _profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
-        work=work, work_b1=work_b1,
+        work=work, work_b1=work_b1, gemms=gemms, gemms_b1=gemms_b1,
         policy_saved={p: _classes(fit, p) for p in policies},
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
         policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
@@ -1055,9 +1065,11 @@ def _reruns(gm: torch.fx.GraphModule, region: dict[str, str]) -> dict[str, set[s
     return out
 
 
-def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
+def _work(gm: torch.fx.GraphModule, sharding: Sharding
+          ) -> tuple[dict[str, int], dict[str, list[tuple[GemmCall, frozenset[str], str | None]]]]:
     """Forward and backward device work by region and class (`ModelProfile.work`), split
-    as `sharding` says."""
+    as `sharding` says; and per "{region}.{phase}" its GEMMs, each with its node's classes
+    and the dimension tensor parallelism divides (`gemm_tiles.split_dim`)."""
     region, sharded = _regions(gm), _tp_sharded(gm, sharding)
     core = {n.name for c in attention_cores(_layer_nodes(gm, region)) for n in c}
     reruns = _reruns(gm, region)
@@ -1069,6 +1081,8 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
            for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"}
     out.update({f"work.{rerun_region(p)}.fwd.{q}.{c}": 0 for p in reruns
                 for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"})
+    gemms: dict[str, list[tuple[GemmCall, frozenset[str], str | None]]] = {}
+    nodes = {n.name: n for n in gm.graph.nodes}
     for name, node_work in graph_work(gm, _inputs(gm)).items():
         r = region.get(name, "post")
         if r == "later":
@@ -1077,13 +1091,50 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, int]:
         classes = ("all", *(("tp",) if name in split else ()),
                    *(("kv",) if name in kv_path else ()), *(("whole",) if name in whole else ()))
         reran = [rerun_region(p) for p, names in reruns.items() if name in names]
-        for ph, w in (("fwd", node_work.forward), ("bwd", node_work.backward)):
+        split_by = _split_weight(gm, nodes[name], styles.get(name)) if name in nodes else None
+        for ph, w, calls in (("fwd", node_work.forward, node_work.forward_gemms),
+                             ("bwd", node_work.backward, node_work.backward_gemms)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
                       "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
+            shaped = [(call, frozenset(classes) - {"all"},
+                       split_dim(call, *split_by) if split_by else split_dim(call, None, None, None))
+                      for call in calls]
             for target in (*targets, *(reran if ph == "fwd" else ())):
                 for q, value in values.items():
                     for c in classes if q not in COUNTS else ("all",):
                         out[f"work.{target}.{ph}.{q}.{c}"] += int(value)
+                gemms.setdefault(f"{target}.{ph}", []).extend(shaped)
+    return out, gemms
+
+
+def _split_weight(gm: torch.fx.GraphModule, node: torch.fx.Node, style: str | None
+                  ) -> tuple[str, int, tuple[int, ...]] | None:
+    """(weight name, the dimension of it tensor parallelism splits, its shape) of a linear
+    that `style` splits; None for any other node."""
+    weight = linear_weight(node)
+    out_dim = linear_out_dim(node) if weight else None
+    if style not in (COLWISE, ROWWISE, VOCAB) or out_dim is None:
+        return None
+    try:
+        shape = tuple(gm.get_parameter(weight).shape)
+    except AttributeError:
+        return None
+    return weight, out_dim if style != ROWWISE else 1 - out_dim, shape
+
+
+def _fit_gemms(points: list[tuple[int, int]], samples: dict[tuple[int, int], dict[str, list]]
+               ) -> tuple[dict[str, tuple[GemmShape, ...]], dict[str, tuple[GemmShape, ...]]]:
+    """`ModelProfile.gemms` and `gemms_b1`: each region's phase's GEMM shapes fitted on the
+    points `_fit_work` fits (`gemm_tiles.fit_shapes`)."""
+    grids = ((points, True), (_work_points(points), False))
+    out: tuple[dict, dict] = ({}, {})
+    for (grid, with_batch), fitted in zip(grids, out):
+        for key in samples[grid[0]]:
+            if all(key in samples[pt] for pt in grid):
+                shapes = fit_shapes({pt: samples[pt][key] for pt in grid}, grid,
+                                    with_batch=with_batch)
+                if shapes is not None:
+                    fitted[key] = shapes
     return out
 
 

@@ -46,6 +46,7 @@ kernel to its first op.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -100,12 +101,32 @@ class Work:
         self.kernels += scale * other.kernels
 
 
+@dataclass(frozen=True, slots=True)
+class GemmCall:
+    """One GEMM's shape: `batch` products of (m x k) @ (k x n), and which of its dimensions
+    are a parameter's (`ptc.compiler.gemm_tiles` prices the shape)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    param: tuple[str, ...] = ()
+    """The names of the parameter one operand is (a view of; a tied weight has several);
+    empty when neither is."""
+    param_dims: tuple[tuple[str, int], ...] = ()
+    """(GEMM dimension, the parameter's dimension it is) for that operand's two."""
+
+
 @dataclass(slots=True)
 class NodeWork:
     """Forward and backward work charged to one graph node."""
 
     forward: Work = field(default_factory=Work)
     backward: Work = field(default_factory=Work)
+    forward_gemms: list[GemmCall] = field(default_factory=list)
+    """The GEMMs of `forward`, in the order they ran."""
+    backward_gemms: list[GemmCall] = field(default_factory=list)
+    """The GEMMs of `backward`, in the order they ran."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -137,6 +158,26 @@ def op_work(func, args: tuple, kwargs: dict, out) -> Work:
         indices = sum(_nbytes(t) for t in tensors_in if not t.is_floating_point())
         return Work(memory=2.0 * gathered + indices, ops=1)
     return Work(memory=float(sum(_nbytes(t) for t in (*tensors_in, *tensors_out))), ops=1)
+
+
+def gemm_call(func, args: tuple, params: dict[int, tuple[tuple[str, ...], torch.Tensor]]
+              ) -> GemmCall:
+    """The shape of one aten GEMM call; `params`: the model's parameters by storage, to
+    tell which operand is a weight and how its dimensions map onto the GEMM's (by stride,
+    which tells a weight from its transpose even when square)."""
+    left = _GEMMS[func._schema.name.split("::")[-1]]
+    a, b_ = args[left], args[left + 1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    call = GemmCall(batch=batch, m=a.shape[-2], n=b_.shape[-1], k=a.shape[-1])
+    for operand, gemm_dims in ((a, ("m", "k")), (b_, ("k", "n"))):
+        found = params.get(operand.untyped_storage()._cdata) if operand.dim() == 2 else None
+        if found is None:
+            continue
+        param_names, p = found
+        dims = tuple((g, d) for g, size, stride in zip(gemm_dims, operand.shape, operand.stride())
+                     for d in range(p.dim()) if p.shape[d] == size and p.stride(d) == stride)
+        return dataclasses.replace(call, param=param_names, param_dims=dims)
+    return call
 
 
 @dataclass(slots=True)
@@ -230,9 +271,13 @@ class _Recorder(TorchDispatchMode):
     left out, as autograd's accumulation of parameter gradients)."""
 
     def __init__(self, trace: _Trace,
-                 charge_to: Callable[[str | None], Callable[[Work], None] | None]):
+                 charge_to: Callable[[str | None], Callable[[Work], None] | None],
+                 gemm_to: Callable[[str | None], Callable[[GemmCall], None] | None]
+                 = lambda phase: None,
+                 params: dict[int, tuple[tuple[str, ...], torch.Tensor]] | None = None):
         super().__init__()
-        self.trace, self.charge_to = trace, charge_to
+        self.trace, self.charge_to, self.gemm_to = trace, charge_to, gemm_to
+        self.params = params or {}
         self.phase: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -242,6 +287,8 @@ class _Recorder(TorchDispatchMode):
         if charge is None:
             return out
         work = op_work(func, args, kwargs, out)
+        if work.gemm and (record_gemm := self.gemm_to(self.phase)) is not None:
+            record_gemm(gemm_call(func, args, self.params))
         if _is_view(func):
             work.fused_memory = 0.0
             charge(work)
@@ -382,9 +429,18 @@ def graph_work(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict
         entry = works.setdefault(name, NodeWork())
         return (entry.forward if phase == "forward" else entry.backward).add
 
+    def charged(phase: str | None) -> str | None:
+        return (interp.current or output) if phase == "forward" else node_of_backward()
+
     def charge_to(phase: str | None) -> Callable[[Work], None] | None:
-        return to((interp.current or output) if phase == "forward" else node_of_backward(),
-                  phase)
+        return to(charged(phase), phase)
+
+    def gemm_to(phase: str | None) -> Callable[[GemmCall], None] | None:
+        name = charged(phase)
+        if name is None:
+            return None
+        entry = works.setdefault(name, NodeWork())
+        return (entry.forward_gemms if phase == "forward" else entry.backward_gemms).append
 
     def record_kernel(name: str, work: Work, phase: str, inputs, outputs, *,
                       fusable: bool = False) -> None:
@@ -392,7 +448,11 @@ def graph_work(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict
                   inputs=inputs, outputs=outputs)
 
     trace = _Trace()
-    recorder = _Recorder(trace, charge_to)
+    params: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        key = p.untyped_storage()._cdata
+        params[key] = ((*params[key][0], name) if key in params else (name,), p)
+    recorder = _Recorder(trace, charge_to, gemm_to, params)
     interp = _WorkInterpreter(gm, recorder, record_kernel)
     with torch.enable_grad(), recorder:
         loss = interp.run(*inputs)

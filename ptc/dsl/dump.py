@@ -126,7 +126,7 @@ def _hardware(hw: HardwareSpec) -> str:
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu, profile=hw.profile)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
                  "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
-                 "gemm_flops", "dispatch_overhead"):
+                 "gemm_flops", "dispatch_overhead", "multiprocessors"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else profiled.get(
             name, _default(HardwareSpec, name))

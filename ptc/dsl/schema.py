@@ -104,6 +104,7 @@ HARDWARE_KEYS: dict[str, Key] = {
     "gemm": Key("gemm_flops", calls.flops, example="gemm = flops(bf16 = 700 TFLOP/s)"),
     "dispatch_overhead": Key("dispatch_overhead", quantity("time"),
                              example="dispatch_overhead = 8 us"),
+    "multiprocessors": Key("multiprocessors", integer),
     "profile": Key("profile", optional(string), example='profile = "hw.json"'),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
