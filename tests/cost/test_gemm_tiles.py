@@ -51,8 +51,15 @@ LLAMA_GQA = ModelSpec(family="llama", layers=1, hidden=64, heads=4, kv_heads=2, 
 ATTENTION_WHOLE = (ShardRule(pattern="layers.*.attn.*", style="replicate"),)
 
 
-@pytest.mark.parametrize("spec,shards", [(GPT, ()), (LLAMA_GQA, ()), (LLAMA_GQA, ATTENTION_WHOLE)],
-                         ids=["gpt", "llama-gqa", "llama-attention-whole"])
+HF = "tests.user_models.transformers_models"
+
+
+@pytest.mark.parametrize("spec,shards", [
+    (GPT, ()), (LLAMA_GQA, ()), (LLAMA_GQA, ATTENTION_WHOLE),
+    (ModelSpec(family="custom", factory=f"{HF}:gpt2"), ()),  # Conv1D: weights stored [in, out]
+    (ModelSpec(family="custom", factory=f"{HF}:gpt_bigcode"), ()),  # one key/value head
+    (ModelSpec(family="custom", factory=f"{HF}:phi3"), ()),  # q, k, v in one linear
+], ids=["gpt", "llama-gqa", "llama-attention-whole", "hf-gpt2", "hf-gpt-bigcode", "hf-phi3"])
 def test_the_shapes_each_rank_runs_add_up_to_its_measured_gemm_flops(spec, shards):
     """For every region and phase, tp 1, 2 and 4, with and without sequence parallelism,
     one sample and three: the GEMMs `rank_shapes` says a rank runs do the FLOPs the profile
