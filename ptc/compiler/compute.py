@@ -177,6 +177,16 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
                      ops=term("kern.all" if fused else "ops.all", bb, ss))
 
 
+def layer_tile_efficiency(profile: ModelProfile, bb: int, ss: int, split: Split,
+                          multiprocessors: int) -> tuple[float, float]:
+    """(forward, backward): the share of full waves one rank's GEMMs of a layer run
+    (`ptc.compiler.gemm_tiles.efficiency`), for `ptc explain` to show."""
+    shapes = profile.gemms_b1 if bb == 1 else profile.gemms
+    return tuple(efficiency(shapes.get(f"layer.{phase}", ()), bb, ss, tp=split.tp,
+                            kv_divisor=split.kv_divisor, sp=split.sp,
+                            multiprocessors=multiprocessors) for phase in ("fwd", "bwd"))
+
+
 def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss: int,
                cp: int) -> float:
     """What a rank's attention core does beyond a sequence of `ss` positions under cp: its

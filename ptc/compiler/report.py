@@ -15,6 +15,7 @@ import sympy
 from rich.console import Group
 from rich.text import Text
 
+from ptc.compiler.compute import Split, layer_tile_efficiency, rates
 from ptc.compiler.cost import policy_flops, rerun_gathers
 from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
@@ -191,7 +192,7 @@ def render_explain(plan: Plan) -> Group:
     """The full explanation of one resolved plan, as a rich renderable."""
     plan = with_model_shape(plan)
     est = estimate(plan)
-    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _rates(plan),
+    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _rates(plan, est),
              _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
@@ -199,9 +200,10 @@ def render_explain(plan: Plan) -> Group:
     return Group(*parts, _expression(plan, est), _fit_hints(plan))
 
 
-def _rates(plan: Plan) -> FitTable:
+def _rates(plan: Plan, est: Estimate) -> FitTable:
     """The figures compute and communication are priced with, and where each comes from: the
-    calibration profile the plan names, the preset, or the plan itself."""
+    calibration profile the plan names, the preset, or the plan itself; on a GPU priced by
+    its SMs, the share of full waves the estimate's layer GEMMs run."""
     hw, dtype = plan.hardware, plan.train.compute_dtype
     try:
         profile = load_profile(hw.profile) if hw.profile else None
@@ -238,6 +240,16 @@ def _rates(plan: Plan) -> FitTable:
     rate = hw.gemm_rate(dtype)
     shown = f"{rate / 1e12:,.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.4g} GFLOP/s"
     table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
+    sms = rates(hw, plan.train.dtype).multiprocessors
+    if sms:
+        lay = est.layout
+        split = Split(tp=lay.tp, kv_divisor=plan_profile(plan).kv_divisor(lay.tp), sp=lay.sp,
+                      cp=lay.cp)
+        forward, backward = layer_tile_efficiency(
+            plan_profile(plan), lay.micro_batch, lay.rank_seq(plan.train.seq_len), split, sms)
+        table.add_row(f"a layer's GEMM waves used ({sms} SMs)",
+                      f"{forward:.1%} forward, {backward:.1%} backward",
+                      origin("multiprocessors", hw.multiprocessors))
     fused = plan.runtime.compile
     table.add_row("memory-bound ops" + (" (chains fused: runtime.compile)" if fused else
                                         " (each op a kernel)"),

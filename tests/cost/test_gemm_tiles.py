@@ -122,3 +122,28 @@ def test_a_measured_gemm_rate_is_not_quantised_again():
     assert rates(hw, "bf16").multiprocessors == 0
     assert rates(HardwareSpec.preset("H100-SXM"), "bf16").multiprocessors == 132
     assert rates(HardwareSpec.preset("cpu"), "fp32").multiprocessors == 0
+
+
+def test_explain_shows_the_share_of_waves_a_layers_gemms_use():
+    """`ptc explain` on a GPU prints the layer GEMMs' share of full waves at the plan's
+    per-rank shapes; on the CPU (GEMMs priced by FLOPs) the row is absent."""
+    import io  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from ptc.compiler.compute import layer_tile_efficiency  # noqa: PLC0415
+    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.compiler.shapes import plan_from_shape  # noqa: PLC0415
+
+    def shown(gpu):
+        plan = plan_from_shape(family="gpt", layers=2, hidden=64, heads=4, vocab=128, seq_len=64,
+                               global_batch=8, gpu=gpu, num_gpus=2, tp=2, pp=1, dp=1,
+                               micro_batch=2, dtype="fp32")
+        out = io.StringIO()
+        Console(file=out, width=400).print(render_explain(plan))
+        return out.getvalue()
+
+    profile = model_profile(GPT, "fp32")
+    forward, backward = layer_tile_efficiency(profile, 2, 64, Split(2, 2, False, 1), 132)
+    assert f"{forward:.1%} forward, {backward:.1%} backward" in shown("H100-SXM")
+    assert "GEMM waves used" in shown("H100-SXM") and "GEMM waves used" not in shown("cpu")
