@@ -83,7 +83,8 @@ def rank_shapes(shapes: Sequence[GemmShape], bb: int, ss: int, *, tp: int, kv_di
     """The dimensions (`DIMS`) of the GEMMs one rank runs for a micro-batch of `bb` samples
     of `ss` positions: a node of class "tp" ("kv") runs its GEMM with `tp_dim` divided by
     tp (`kv_divisor`); under sequence parallelism one outside "tp" and "whole" runs 1/tp of
-    the sequence (its first dimension that grows with s)."""
+    the sequence (its first dimension that grows with s). One of class "tp" whose
+    `tp_dim` is unknown is returned whole: its tiles are those of a split k."""
     out = []
     for shape in shapes:
         dims = dict(zip(DIMS, (round(v) for v in shape.at(bb, ss))))

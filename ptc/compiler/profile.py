@@ -53,6 +53,7 @@ import torch
 import torch.fx
 
 from ptc.compiler.activations import saved_and_output_storages
+from ptc.compiler.gemm_tiles import GemmShape, fit_shapes, split_dim
 from ptc.compiler.meta import copy_meta, get_info, graph_info
 from ptc.compiler.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS, POINTWISE_OPS,
                                 attention_parts, is_embedding, is_fp8_linear, is_linear,
@@ -62,7 +63,6 @@ from ptc.compiler.recompute import (EXTRA_POLICIES, attention_cores, is_matmul,
                                     recompute_regions)
 from ptc.compiler.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding,
                                        matching_rule, rule_paths)
-from ptc.compiler.gemm_tiles import GemmShape, fit_shapes, split_dim
 from ptc.compiler.work import GemmCall, graph_work
 from ptc.errors import CaptureError, CompileError, PtcError, UnpricedError
 from ptc.plan import ModelSpec, Plan, ShardRule
@@ -1091,13 +1091,13 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding
         classes = ("all", *(("tp",) if name in split else ()),
                    *(("kv",) if name in kv_path else ()), *(("whole",) if name in whole else ()))
         reran = [rerun_region(p) for p, names in reruns.items() if name in names]
-        split_by = _split_weight(gm, nodes[name], styles.get(name)) if name in nodes else None
+        split_by = _split_weight(gm, nodes[name], styles.get(name)) if name in nodes \
+            else (None, None, None)
         for ph, w, calls in (("fwd", node_work.forward, node_work.forward_gemms),
                              ("bwd", node_work.backward, node_work.backward_gemms)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
                       "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
-            shaped = [(call, frozenset(classes) - {"all"},
-                       split_dim(call, *split_by) if split_by else split_dim(call, None, None, None))
+            shaped = [(call, frozenset(classes) - {"all"}, split_dim(call, *split_by))
                       for call in calls]
             for target in (*targets, *(reran if ph == "fwd" else ())):
                 for q, value in values.items():
@@ -1108,17 +1108,17 @@ def _work(gm: torch.fx.GraphModule, sharding: Sharding
 
 
 def _split_weight(gm: torch.fx.GraphModule, node: torch.fx.Node, style: str | None
-                  ) -> tuple[str, int, tuple[int, ...]] | None:
+                  ) -> tuple[str | None, int | None, tuple[int, ...] | None]:
     """(weight name, the dimension of it tensor parallelism splits, its shape) of a linear
-    that `style` splits; None for any other node."""
+    that `style` splits; Nones for any other node (`gemm_tiles.split_dim`)."""
     weight = linear_weight(node)
     out_dim = linear_out_dim(node) if weight else None
     if style not in (COLWISE, ROWWISE, VOCAB) or out_dim is None:
-        return None
+        return None, None, None
     try:
         shape = tuple(gm.get_parameter(weight).shape)
     except AttributeError:
-        return None
+        return None, None, None
     return weight, out_dim if style != ROWWISE else 1 - out_dim, shape
 
 
