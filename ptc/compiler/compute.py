@@ -168,23 +168,20 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
         fp8 = f["fp8_flops"](bb, ss) / split.tp * (1 if phase == "fwd" else 2)
     gemm = per_rank("gemm") - fp8
     if multiprocessors:
-        shapes = (profile.gemms_b1 if bb == 1 else profile.gemms).get(f"{region}.{phase}", ())
-        tiles = efficiency(shapes, bb, ss, tp=split.tp, kv_divisor=split.kv_divisor,
-                           sp=split.sp, multiprocessors=multiprocessors)
+        tiles = tile_efficiency(profile, region, phase, bb, ss, split, multiprocessors)
         gemm, fp8 = gemm / tiles, fp8 / tiles
     return PhaseWork(gemm=gemm, fp8=fp8, attention=per_rank("attn"),
                      memory=per_rank("fmem" if fused else "mem"),
                      ops=term("kern.all" if fused else "ops.all", bb, ss))
 
 
-def layer_tile_efficiency(profile: ModelProfile, bb: int, ss: int, split: Split,
-                          multiprocessors: int) -> tuple[float, float]:
-    """(forward, backward): the share of full waves one rank's GEMMs of a layer run
-    (`ptc.compiler.gemm_tiles.efficiency`), for `ptc explain` to show."""
-    shapes = profile.gemms_b1 if bb == 1 else profile.gemms
-    return tuple(efficiency(shapes.get(f"layer.{phase}", ()), bb, ss, tp=split.tp,
-                            kv_divisor=split.kv_divisor, sp=split.sp,
-                            multiprocessors=multiprocessors) for phase in ("fwd", "bwd"))
+def tile_efficiency(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
+                    split: Split, multiprocessors: int) -> float:
+    """The share of full waves one rank's GEMMs of `region`'s `phase` run
+    (`ptc.compiler.gemm_tiles.efficiency`; 1 where the profile has no shapes for it)."""
+    shapes = (profile.gemms_b1 if bb == 1 else profile.gemms).get(f"{region}.{phase}", ())
+    return efficiency(shapes, bb, ss, tp=split.tp, kv_divisor=split.kv_divisor, sp=split.sp,
+                      multiprocessors=multiprocessors)
 
 
 def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss: int,

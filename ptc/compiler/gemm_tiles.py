@@ -144,7 +144,6 @@ def fit_shapes(samples: dict[tuple[int, int], list[tuple[GemmCall, frozenset[str
     calls = [samples[pt] for pt in grid]
     if len({len(c) for c in calls}) != 1:
         return None
-    b0, s0 = grid[0]
     shapes = []
     for recorded in zip(*calls):
         if len({(classes, tp_dim) for _, classes, tp_dim in recorded}) != 1:

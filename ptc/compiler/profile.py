@@ -360,7 +360,7 @@ _SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 _SOURCES = ("compiler/capture", "compiler/activations.py", "compiler/profile.py",
             "compiler/recompute.py", "compiler/flops.py", "compiler/work.py",
             "compiler/nodes.py", "compiler/meta.py", "compiler/masks.py",
-            "compiler/tp_structure.py", "models")
+            "compiler/tp_structure.py", "compiler/gemm_tiles.py", "models")
 
 
 def cache_dir() -> Path:

@@ -15,7 +15,7 @@ import sympy
 from rich.console import Group
 from rich.text import Text
 
-from ptc.compiler.compute import Split, layer_tile_efficiency, rates
+from ptc.compiler.compute import Split, rates, tile_efficiency
 from ptc.compiler.cost import policy_flops, rerun_gathers
 from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_precision
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
@@ -242,11 +242,11 @@ def _rates(plan: Plan, est: Estimate) -> FitTable:
     table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
     sms = rates(hw, plan.train.dtype).multiprocessors
     if sms:
-        lay = est.layout
-        split = Split(tp=lay.tp, kv_divisor=plan_profile(plan).kv_divisor(lay.tp), sp=lay.sp,
-                      cp=lay.cp)
-        forward, backward = layer_tile_efficiency(
-            plan_profile(plan), lay.micro_batch, lay.rank_seq(plan.train.seq_len), split, sms)
+        lay, layer_profile = est.layout, plan_profile(plan)
+        split = Split(tp=lay.tp, kv_divisor=layer_profile.kv_divisor(lay.tp), sp=lay.sp, cp=lay.cp)
+        forward, backward = (tile_efficiency(layer_profile, "layer", phase, lay.micro_batch,
+                                             lay.rank_seq(plan.train.seq_len), split, sms)
+                             for phase in ("fwd", "bwd"))
         table.add_row(f"a layer's GEMM waves used ({sms} SMs)",
                       f"{forward:.1%} forward, {backward:.1%} backward",
                       origin("multiprocessors", hw.multiprocessors))

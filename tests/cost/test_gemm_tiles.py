@@ -131,7 +131,7 @@ def test_explain_shows_the_share_of_waves_a_layers_gemms_use():
 
     from rich.console import Console  # noqa: PLC0415
 
-    from ptc.compiler.compute import layer_tile_efficiency  # noqa: PLC0415
+    from ptc.compiler.compute import tile_efficiency as layer_phase_efficiency  # noqa: PLC0415
     from ptc.compiler.report import render_explain  # noqa: PLC0415
     from ptc.compiler.shapes import plan_from_shape  # noqa: PLC0415
 
@@ -144,6 +144,8 @@ def test_explain_shows_the_share_of_waves_a_layers_gemms_use():
         return out.getvalue()
 
     profile = model_profile(GPT, "fp32")
-    forward, backward = layer_tile_efficiency(profile, 2, 64, Split(2, 2, False, 1), 132)
+    forward, backward = (layer_phase_efficiency(profile, "layer", phase, 2, 64,
+                                                Split(2, 2, False, 1), 132)
+                         for phase in ("fwd", "bwd"))
     assert f"{forward:.1%} forward, {backward:.1%} backward" in shown("H100-SXM")
     assert "GEMM waves used" in shown("H100-SXM") and "GEMM waves used" not in shown("cpu")
