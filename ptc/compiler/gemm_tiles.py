@@ -134,7 +134,8 @@ def split_dim(call: GemmCall, weight: str | None, split_param_dim: int | None,
 
 
 def fit_shapes(samples: dict[tuple[int, int], list[tuple[GemmCall, frozenset[str], str | None]]],
-               grid: Sequence[tuple[int, int]], *, with_batch: bool) -> tuple[GemmShape, ...] | None:
+               grid: Sequence[tuple[int, int]], *, with_batch: bool
+               ) -> tuple[GemmShape, ...] | None:
     """The GEMMs of one region's phase as `GemmShape`s, from the calls recorded at each
     point of `grid` (same graph, same order): each dimension c · b^i · s^j with i in {0, 1}
     (0 when not `with_batch`: the grid holds one micro-batch size) and j in {0, 1, 2},
