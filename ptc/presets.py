@@ -5,7 +5,8 @@ bandwidths per GPU. `achievable_fraction` is the share of the dense peak the
 matrix products (GEMMs) of a training step reach in full waves: the cost model
 prices each GEMM's FLOPs over its shape's tile and wave efficiency on the
 GPU's `multiprocessors` (the SM counts of NVIDIA's architecture whitepapers:
-A100 108, H100 SXM5 and H200 132, B200 148, V100 80; `ptc.compiler.gemm_tiles`)
+A100 108, H100 SXM5 and H200 132, B200 and GB200 148, GB300 160, V100 80;
+`ptc.compiler.gemm_tiles`)
 at peak x achievable_fraction, memory-bound ops by the bytes they move at
 `mem_bandwidth` and the host's dispatch of each op at `dispatch_overhead`
 (`ptc.compiler.compute`). The shares are those a tuned transformer step
@@ -14,8 +15,8 @@ chip: for each run of `published_runs.csv` (../shared/validation) the share at
 which ptc's prediction of that run equals its measurement, all else as priced,
 and the preset takes the median over the chip's runs
 (`python bench/validate_cost_model.py --solve-shares`): A100 0.62 (31 runs;
-both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200 and B200
-take Hopper's, unvalidated). Megatron-LM's own whole-step figures agree about
+both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200, B200, GB200 and
+GB300 take Hopper's, scored out of sample by `bench/validate_out_of_sample.py`). Megatron-LM's own whole-step figures agree about
 as well once the rest of the step is priced apart: 52 % of peak on A100 with
 recompute counted (Narayanan et al., SC21), 45-50 % model FLOPs on H100 (its
 2024 README), 57 % on one V100 (its 2020 README, GPT-2 1.2B). They are well

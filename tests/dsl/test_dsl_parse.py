@@ -191,11 +191,20 @@ def test_first_and_last_stage_layers_split_unevenly() -> None:
     assert (err.span.line, err.span.column) == (23, 24)
 
 
-@pytest.mark.parametrize("gpu", ["B200", "V100-SXM2-32GB", "H200"])
+@pytest.mark.parametrize("gpu", ["B200", "V100-SXM2-32GB", "H200", "GB200", "GB300"])
 def test_new_presets_parse(gpu: str) -> None:
     dtype = "fp16" if gpu.startswith("V100") else "bf16"
     plan = parse(edit('gpu = "H100-SXM"', f'gpu = "{gpu}"', "dtype = bf16", f"dtype = {dtype}"))
     assert plan.hardware.gpu == gpu and dtype in plan.hardware.peak_flops
+
+
+def test_an_nvl72_preset_is_one_72_gpu_nvlink_domain() -> None:
+    """GB200 / GB300 racks: 72 GPUs on one NVLink domain unless the plan says fewer."""
+    (err,) = errors(edit('gpu = "H100-SXM"', 'gpu = "GB200"', "  gpus_per_node = 8\n", ""))
+    assert err.field == "parallel.tp"
+    assert "!= 72 GPUs (nodes(1) * gpus_per_node(72))" in err.message
+    plan = parse(edit('gpu = "H100-SXM"', 'gpu = "GB300"'))
+    assert plan.hardware.intra.bandwidth == 900e9 and plan.hardware.inter.bandwidth == 100e9
 
 
 def test_bf16_on_v100_is_refused() -> None:

@@ -1,0 +1,137 @@
+"""Score ptc's cost model on published runs it was not set by: Megatron-Bridge's dense Llama.
+
+`bench/validate_cost_model.py` scores the runs of ../shared/validation, the
+runs the presets' `achievable_fraction` is solved from. This script scores the
+same mechanisms, unchanged, on runs outside that file: the dense Llama 3 rows
+of NVIDIA Megatron-Bridge's performance summary (docs/performance-summary.md
+and docs/performance-summary-archive.md of NVIDIA-NeMo/Megatron-Bridge; NeMo
+containers 26.02, 25.11 and 25.09), tokens per second per GPU on DGX-H100,
+DGX-B200, DGX-GB200 and DGX-GB300, in FP8 (per-tensor current scaling,
+"FP8-CS") or MXFP8 (32-element block scales: the same FP8 GEMM peak; priced as
+ptc's fp8). The 25.09 page gives no precision column; its rows are the FP8
+ones (its footnote names their quantisation granularities).
+
+Each row is built as its recipe runs it, with the same defaults for every
+row:
+- Llama 3 shapes (8B: 32 layers, h 4096, 32 heads, ffn 14336; 70B: 80, 8192,
+  64, 28672; 405B: 126, 16384, 128, 53248), 8 key/value heads, vocab 128256,
+  untied embeddings, flash attention (ptc's llama family runs SDPA), no
+  dropout, no activation recompute;
+- FSDP > 0: ZeRO-3 over the data-parallel ranks; else the distributed
+  optimizer (ZeRO-1); sequence parallelism when tp > 1; communication
+  overlapped; fused memory-bound kernels (`runtime.compile`);
+- 405B's 126 layers: Megatron's split that counts the embedding and the loss
+  as a layer each, so the first and the last stage hold 128/pp - 1 layers;
+- interleaving when VP > 1 (VP = 1 and "n/a": 1F1B);
+- runs of more than 72 GPUs on GB200/GB300 use 64 GPUs of each NVL72 rack.
+Rows in NVFP4 (ptc has no 4-bit compute) and the mixture-of-experts models
+(ptc has no expert parallelism) are not expressible and are not listed.
+
+Usage: python bench/validate_out_of_sample.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ptc.compiler.estimate import estimate  # noqa: E402
+from ptc.compiler.shapes import plan_from_shape  # noqa: E402
+from ptc.errors import PlanError  # noqa: E402
+
+LLAMA3 = {
+    "8B": dict(layers=32, hidden=4096, heads=32, ffn=14336),
+    "70B": dict(layers=80, hidden=8192, heads=64, ffn=28672),
+    "405B": dict(layers=126, hidden=16384, heads=128, ffn=53248),
+}
+"""Llama 3 / 3.1 shapes (Meta's model cards; all with 8 key/value heads, vocab 128256)."""
+
+SEQ = 8192
+"""Every dense Llama row of the summary trains at sequence length 8192."""
+
+RUNS = [  # container, model, system, GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, tokens/s/GPU
+    ("26.02", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5003),
+    ("26.02", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4040),
+    ("26.02", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
+    ("26.02", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4596),
+    ("26.02", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3613),
+    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 931),
+    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 786),
+    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 988),
+    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 793),
+    ("26.02", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 311),
+    ("25.11", "8B", "GB300", 8, 128, 2, 0, 1, 1, 1, 1, 37556),
+    ("25.11", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 4520),
+    ("25.11", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 999),
+    ("25.11", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31508),
+    ("25.11", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4312),
+    ("25.11", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 813),
+    ("25.11", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 30624),
+    ("25.11", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 661),
+    ("25.11", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14451),
+    ("25.11", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1602),
+    ("25.11", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 292),
+    ("25.09", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31357),
+    ("25.09", "70B", "GB200", 64, 128, 2, 1, 1, 1, 1, 1, 3986),
+    ("25.09", "70B", "GB200", 64, 128, 2, 0, 2, 4, 1, 5, 3546),
+    ("25.09", "405B", "GB200", 128, 64, 1, 1, 2, 1, 1, 1, 729),
+    ("25.09", "405B", "GB200", 128, 64, 1, 0, 4, 8, 2, 8, 578),
+    ("25.09", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 29994),
+    ("25.09", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 664),
+    ("25.09", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14079),
+    ("25.09", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1619),
+    ("25.09", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 302),
+]
+"""Megatron-Bridge's dense Llama rows in FP8 / MXFP8 (module docstring)."""
+
+
+def build(model: str, gpu: str, gpus: int, gbs: int, mbs: int, fsdp: int, tp: int, pp: int,
+          cp: int, vp: int):
+    """The Plan of one row, built by the module docstring's defaults."""
+    shape = LLAMA3[model]
+    split = {}
+    if shape["layers"] % pp:  # the embedding and the loss count as a layer each
+        ends = (shape["layers"] + 2) // pp - 1
+        split = dict(first_stage_layers=ends, last_stage_layers=ends)
+    rack = 64 if gpu.startswith("GB") and gpus > 72 else None
+    plan = plan_from_shape(
+        family="llama", vocab=128256, kv_heads=8, seq_len=SEQ, global_batch=gbs, gpu=gpu,
+        num_gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp * cp), cp=cp, micro_batch=mbs,
+        dtype="fp8", zero=3 if fsdp else 1, sequence_parallel=tp > 1,
+        schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp, checkpoint="none",
+        overlap=True, tied_embeddings=False, gpus_per_node=rack, **shape, **split)
+    return dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, compile=True))
+
+
+def main() -> int:
+    """Print each row's predicted and measured tokens/s per GPU, then the median and max error."""
+    print(f"{'ngc':<6}{'model':<6}{'gpu':<10}{'gpus':>5}  layout{'':<17}{'pred':>7}{'meas':>7}"
+          f"{'err':>8}  step parts")
+    errors = []
+    for container, model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, measured in RUNS:
+        layout = f"{'fsdp ' if fsdp else ''}tp{tp} pp{pp} cp{cp} vp{vp} b{mbs}"
+        try:
+            plan = build(model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp)
+        except PlanError as exc:
+            print(f"{container:<6}{model:<6}{gpu:<10}{gpus:>5}  {layout:<23}not expressible: "
+                  f"{exc}")
+            continue
+        est = estimate(plan)
+        predicted = gbs * SEQ / est.step_time_s / gpus
+        error = (predicted - measured) / measured
+        errors.append(abs(error))
+        parts = ", ".join(f"{k} {v / est.step_time_s:.0%}"
+                          for k, v in est.breakdown.items() if v >= 0.005 * est.step_time_s)
+        print(f"{container:<6}{model:<6}{gpu:<10}{gpus:>5}  {layout:<23}{predicted:>7.0f}"
+              f"{measured:>7}{error:>+8.1%}  {parts}")
+    print(f"\n{len(errors)} of {len(RUNS)} runs expressible; median |error| {statistics.median(errors):.1%}, "
+          f"max |error| {max(errors):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
