@@ -574,11 +574,14 @@ class ParallelSpec(_Section):
 
         `first_stage_layers` / `last_stage_layers` fix what the first and last
         pipeline rank hold, as Megatron-LM's `--decoder-first/last-pipeline-num-layers`
-        do: under interleaving that rank's v stages share its count. Else the
-        cuts `stage_boundaries` pins at a layer ("layers.20": stage k starts at
-        layer 20) fix theirs. Layers not fixed are shared evenly by the stages
-        left, the later ones taking one more when they do not divide. Every
-        stage holds at least one layer. A problem is recorded in `sink` (and
+        do: under interleaving that rank's v stages share its count, the first rank's
+        shorter stages first and the last rank's last, and one of them may hold no
+        layer (only the embedding, or only the head and the loss: Megatron-LM's
+        `--account-for-embedding/loss-in-pipeline-split`). Else the cuts
+        `stage_boundaries` pins at a layer ("layers.20": stage k starts at layer 20)
+        fix theirs. Layers not fixed are shared evenly by the stages left, the later
+        ones taking one more when they do not divide; each of them holds at least
+        one layer. A problem is recorded in `sink` (and
         None returned), or raised as a PlanError.
         """
         own = sink is None
@@ -609,9 +612,10 @@ class ParallelSpec(_Section):
                       f"first and last rank hold every layer")
             return None
         for end, count in given.items():
-            if count < v:
-                self._bad(sink, end, f"{end}({count}) leaves one of that rank's "
-                          f"virtual_stages({v}) without a layer")
+            if count < v - 1:
+                self._bad(sink, end, f"{end}({count}) leaves {v - count} of that rank's "
+                          f"virtual_stages({v}) without a layer; at most its "
+                          f"{'first' if end.startswith('first') else 'last'} may hold none")
                 return None
         if rest < others * v:
             self._bad(sink, name, f"{said} leave {rest} of layers({layers}) for the other "
@@ -621,7 +625,10 @@ class ParallelSpec(_Section):
         counts = [0] * (pp * v)
         fixed = {ranks[end]: count for end, count in given.items()}
         for rank, count in fixed.items():
-            _share(counts, [rank + j * pp for j in range(v)], count)
+            chunks = [rank + j * pp for j in range(v)]
+            # The first rank's short stages come first (beside the embedding), the last
+            # rank's last (beside the loss), as Megatron-LM's account-for-embedding/loss split.
+            _share(counts, chunks if rank == 0 else chunks[::-1], count)
         if others:
             _share(counts, [c for c in range(pp * v) if c % pp not in fixed], rest)
         return tuple(counts)
@@ -655,7 +662,7 @@ class ParallelSpec(_Section):
 
 
 def _share(counts: list[int], stages: list[int], layers: int) -> None:
-    """Give `stages` (in layer order) `layers` evenly, the later ones one more where uneven."""
+    """Give `stages` `layers` evenly, those listed last taking one more where uneven."""
     base, extra = divmod(layers, len(stages))
     for i, stage in enumerate(stages):
         counts[stage] = base + (i >= len(stages) - extra)

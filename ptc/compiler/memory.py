@@ -157,7 +157,8 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     activations, recompute = _memo(
         profile, ("act", lay.schedule, lay.pp, lay.vstages, lay.layers, lay.chunk_layers, mb,
                   stage,
-                  lay.stage_policies(stage), tuple(lay.policy(c[0]) for c in lay.chunks(stage)),
+                  lay.stage_policies(stage),
+                  tuple(c and lay.policy(c[0]) for c in lay.chunks(stage)),
                   bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
     buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt,
@@ -248,14 +249,18 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     # Layers of one stage are alike; the mean per-layer footprint times the layers in flight.
     per_layer = sum(count * act("layer", pol) for pol, count in pairs) / sum(c for _, c in pairs)
     activations = units * per_unit * per_layer
+    chunks = layout.chunks(stage)
     activations += (units * _chunk_ends(layout, stage, profile.holds_input)
-                    * act("out_unsaved", "none")
-                    / len(layout.chunks(stage)))
+                    * act("out_unsaved", "none") / len(chunks))
+    if stage == 0 and not chunks[0]:  # a stage of the embedding alone holds its output
+        activations += units * act("out", "none") / len(chunks)
     if stage == 0:
         pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
         activations += pre_units * act("pre", "none")
-        if layout.policy(0) in profile.holds_input:  # its checkpoint keeps what it reads
-            activations += pre_units * act("in_unsaved", "none")
+    if stage == _first_layer_stage(layout) and layout.policy(0) in profile.holds_input:
+        # Layer 0's checkpoint keeps what it reads: the embedding's output.
+        activations += (pre_units if stage == 0 else units / len(chunks)) \
+            * act("in_unsaved", "none")
     if stage == p - 1:
         activations += (1 if layout.schedule != "gpipe" else units) * act("post", "none")
     recompute = 0
@@ -284,6 +289,12 @@ def saved_functions(profile: ModelProfile, sp: bool) -> dict[str, Callable]:
     return profile.memo[key]
 
 
+def _first_layer_stage(layout: Layout) -> int:
+    """The pipeline rank that runs layer 0: the first, or the second where the first
+    stage holds the embedding alone (`ParallelSpec.stage_layers`)."""
+    return 0 if layout.chunks(0)[0] else 1 % layout.pp
+
+
 def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> int:
     """How many unsaved layer outputs (`ModelProfile.output_unsaved`) the per-layer sums of
     `stage`'s chunks miss (positive) or count too often (negative), over all its chunks.
@@ -301,7 +312,8 @@ def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> 
     """
     ends = 0
     for layers in layout.chunks(stage):
-        ends += (layers[-1] != layout.layers - 1) - (layout.policy(layers[0]) in holds_input)
+        if layers:  # a stage of no layer (the embedding or the loss alone) is charged apart
+            ends += (layers[-1] != layout.layers - 1) - (layout.policy(layers[0]) in holds_input)
     return ends
 
 

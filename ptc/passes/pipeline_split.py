@@ -178,11 +178,16 @@ def _layer_pins(gm: fx.GraphModule, par: ParallelSpec, names: list[str]) -> dict
     """{stage: index of its first atom} of the plan's first/last_stage_layers: every cut
     pinned where `ParallelSpec.stage_layers` puts it, as the estimate prices it."""
     info = graph_info(gm)
+
+    def atom(layer: int) -> int:
+        return names.index(f"{info.blocks_path}.{layer}" if info.blocks_path
+                           else f"layer {layer}")
+
     pins, first = {}, 0
     for stage, count in enumerate(par.stage_layers(info.num_layers)[:-1], start=1):
         first += count
-        pins[stage] = names.index(f"{info.blocks_path}.{first}" if info.blocks_path
-                                  else f"layer {first}")
+        # A last stage of no layer starts at what follows the last layer (norm, head, loss).
+        pins[stage] = atom(first) if first < info.num_layers else atom(first - 1) + 1
     return pins
 
 

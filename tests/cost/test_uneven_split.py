@@ -26,11 +26,32 @@ def test_the_end_counts_are_the_first_and_last_ranks_under_interleaving():
     counts = par.stage_layers(126)
     per_rank = [counts[r] + counts[r + 16] for r in range(16)]
     assert per_rank == [7] + [8] * 14 + [7]
-    assert (counts[0], counts[16]) == (3, 4) and (counts[15], counts[31]) == (3, 4)
+    # The first rank's shorter stage beside the embedding, the last rank's beside the loss.
+    assert (counts[0], counts[16]) == (3, 4) and (counts[15], counts[31]) == (4, 3)
     with pytest.raises(PlanError, match=r"parallel\.first_stage_layers: error: "
-                                        r"first_stage_layers\(1\) leaves one of that rank's "
-                                        r"virtual_stages\(2\) without a layer"):
-        _plan(32, schedule="interleaved", virtual_stages=2, first_stage_layers=1)
+                                        r"first_stage_layers\(1\) leaves 2 of that rank's "
+                                        r"virtual_stages\(3\) without a layer; at most its "
+                                        r"first may hold none"):
+        _plan(48, schedule="interleaved", virtual_stages=3, first_stage_layers=1)
+
+
+def test_an_end_stage_may_hold_the_embedding_or_the_loss_alone():
+    """Megatron-LM's --account-for-embedding/loss-in-pipeline-split with one layer per virtual
+    stage (Llama 3 405B on pp 16, v 8): the first rank's first stage holds only the
+    embedding, the last rank's last stage only the head and the loss."""
+    par = _plan(126, pp=16, dp=1, num_gpus=16, schedule="interleaved", virtual_stages=8,
+                first_stage_layers=7, last_stage_layers=7).parallel
+    counts = par.stage_layers(126)
+    assert counts == (0,) + (1,) * 126 + (0,)
+    plan = _plan(14, pp=8, schedule="interleaved", virtual_stages=2, first_stage_layers=1,
+                 last_stage_layers=1, global_batch=32)
+    est = estimate(plan)
+    assert est.layout.chunk_layers == (0,) + (1,) * 14 + (0,)
+    assert [list(r) for r in est.layout.chunks(0)] == [[], [7]]
+    assert [list(r) for r in est.layout.chunks(7)] == [[6], []]
+    # The rank beside the embedding alone holds two layers' worth less than the middle ones.
+    assert est.stage_memory_bytes[0] < est.stage_memory_bytes[3]
+    assert est.fits and est.step_time_s > 0
 
 
 def _plan(layers: int, **kw):
@@ -122,11 +143,12 @@ def test_uneven_split_is_not_priced_as_even():
 
 def test_interleaved_chunks_split_unevenly():
     # The first rank holds 3 layers in its 2 virtual stages, the last 5 (Megatron-LM's
-    # first/last pipeline stage counts): 1 + 2 and 2 + 3, the later stage taking one more.
+    # first/last pipeline stage counts): 1 + 2 and 3 + 2, the shorter stage beside the
+    # embedding on the first rank and beside the loss on the last.
     plan = _plan(32, schedule="interleaved", virtual_stages=2, first_stage_layers=3,
                  last_stage_layers=5)
     layout = estimate(plan).layout
-    assert layout.chunk_layers == (1,) + (2,) * 14 + (3,)
-    assert [list(r) for r in layout.chunks(0)] == [[0], [15, 16]]
-    assert [list(r) for r in layout.chunks(7)] == [[13, 14], [29, 30, 31]]
+    assert layout.chunk_layers == (1,) + (2,) * 6 + (3,) + (2,) * 7 + (2,)
+    assert [list(r) for r in layout.chunks(0)] == [[0], [16, 17]]
+    assert [list(r) for r in layout.chunks(7)] == [[13, 14, 15], [30, 31]]
     assert estimate(plan).fits

@@ -28,6 +28,8 @@ class Case:
     layers: int = 4
     tp: int = 1
     sp: bool = False
+    ends: int | None = None
+    """first_stage_layers = last_stage_layers, when the split is uneven."""
 
     @property
     def world(self) -> int:
@@ -38,7 +40,8 @@ class Case:
         v = f" v{self.virtual}" if self.virtual > 1 else ""
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
         tp = f"tp{self.tp}{' sp' if self.sp else ''} " if self.tp > 1 else ""
-        return f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
+        ends = f" L{self.layers} ends {self.ends}" if self.ends is not None else ""
+        return f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}{ends}"
 
 
 def pp_plan(case: Case, steps: int = STEPS) -> Plan:
@@ -50,7 +53,8 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
                               sequence_parallel=case.sp, schedule=case.schedule,
-                              virtual_stages=case.virtual))
+                              virtual_stages=case.virtual, first_stage_layers=case.ends,
+                              last_stage_layers=case.ends))
 
 
 def run_pp_cases(cases: list[Case]) -> dict:

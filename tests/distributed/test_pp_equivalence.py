@@ -4,7 +4,9 @@ Tiny GPT (tied embedding and LM head, so the tied weight lives on the first
 and the last stage and its gradient is summed between them) and tiny Llama
 (untied, GQA, RoPE), 4 or 8 layers, one sample per micro-batch: GPipe and
 1F1B on pp = 2 and 4, interleaved 1F1B with v = 2, pp = 2 × dp = 2 at
-ZeRO 0-3, tp = 2 with sequence parallelism × pp = 2 (the boundary is then
+ZeRO 0-3, an uneven split whose first stage holds only the embedding and
+whose last only the head and the loss (Megatron-LM's account-for-embedding/loss
+split), tp = 2 with sequence parallelism × pp = 2 (the boundary is then
 sequence-sharded), and the full 3D layout tp2 × pp2 × dp2 on 8 processes
 at ZeRO-1 and ZeRO-3. The loss of every step and every parameter after 5 AdamW steps
 (cosine schedule with warm-up, global-norm clipping at 1.0) equal
@@ -41,6 +43,8 @@ pytestmark = pytest.mark.distributed
 CASES = [
     Case("gpt", 2, "gpipe", 4), Case("gpt", 2, "1f1b", 4),
     Case("gpt", 2, "interleaved", 4, virtual=2), Case("llama", 2, "1f1b", 4),
+    # The first stage the embedding alone, the last the head and the loss alone.
+    Case("llama", 2, "interleaved", 4, virtual=2, layers=2, ends=1),
     Case("gpt", 4, "gpipe", 4), Case("gpt", 4, "1f1b", 8),
     Case("llama", 4, "interleaved", 4, virtual=2, layers=8),
     *(Case("gpt", 2, "1f1b", 4, dp=2, zero=z) for z in range(4)),

@@ -149,12 +149,24 @@ class TestSplitPipelinePass:
         first, last = (s for _, s in pipeline_stages(pipeline)[::3])
         assert first.get_parameter("embed.weight") is not last.get_parameter("head.weight")
 
-    @pytest.mark.parametrize("family,pp,v,layers", [("gpt", 2, 1, 4), ("gpt", 4, 1, 4),
-                                                    ("llama", 2, 2, 4), ("gpt", 4, 2, 8)])
+    @pytest.mark.parametrize("family,pp,v,layers,ends", [
+        ("gpt", 2, 1, 4, None), ("gpt", 4, 1, 4, None), ("llama", 2, 2, 4, None),
+        ("gpt", 4, 2, 8, None),
+        # The first stage the embedding alone, the last the head and the loss alone.
+        ("gpt", 2, 2, 2, 1), ("llama", 2, 2, 2, 1)])
     def test_pipeline_graph_computes_the_captured_loss_and_gradients(
-            self, family: str, pp: int, v: int, layers: int) -> None:
-        plan = make_plan(family, pp=pp, v=v, layers=layers, m=pp)
+            self, family: str, pp: int, v: int, layers: int, ends: int | None) -> None:
+        if ends is None:
+            plan = make_plan(family, pp=pp, v=v, layers=layers, m=pp)
+        else:
+            plan = make_plan(family, pp=pp, v=v, layers=pp * v, m=pp)
+            plan = dataclasses.replace(
+                plan, model=model_spec(family, layers=layers), parallel=dataclasses.replace(
+                    plan.parallel, first_stage_layers=ends, last_stage_layers=ends))
         gm, pipeline = split(plan)
+        if ends is not None:
+            atoms = [stage_info(s).atoms for _, s in pipeline_stages(pipeline)]
+            assert not any(a.startswith("layers.") for a in atoms[0] + atoms[-1]), atoms
         model = build_model(plan.model, device="cpu", seed=1)
         bind(pipeline, model)
         tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
