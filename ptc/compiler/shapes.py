@@ -30,7 +30,9 @@ def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab:
     `gpu` is a preset name or a HardwareSpec (its node count is recomputed
     from `num_gpus`). `dp = "auto"` takes what tp·pp leaves; other keyword
     arguments (zero, sequence_parallel, schedule, virtual_stages, checkpoint,
-    overlap, order, microbatches) go to ParallelSpec.
+    overlap, order, microbatches) go to ParallelSpec. `num_gpus` must fill whole
+    nodes of `gpus_per_node` (the preset's, or fewer when `num_gpus` is fewer): a
+    256-GPU run on 72-GPU NVL72 racks says the 64 per rack it uses.
     """
     model = ModelSpec(family=family, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                       ffn=ffn, kv_heads=kv_heads, max_seq=seq_len, tied_embeddings=tied_embeddings,
@@ -44,6 +46,9 @@ def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab:
         probe = HardwareSpec.preset(gpu)
         per_node = min(gpus_per_node or probe.gpus_per_node, num_gpus)
         hardware = HardwareSpec.preset(gpu, nodes=num_gpus // per_node, gpus_per_node=per_node)
+    if num_gpus % hardware.gpus_per_node:
+        raise ValueError(f"num_gpus({num_gpus}) is not a multiple of gpus_per_node"
+                         f"({hardware.gpus_per_node}); pass the gpus_per_node the run uses")
     if dp == "auto" and tp != "auto" and pp != "auto":
         dp = num_gpus // (tp * pp)
     return Plan(model=model, hardware=hardware,

@@ -32,6 +32,15 @@ def test_estimate_fields_are_consistent():
     assert gpus == est.layout.tp * est.layout.pp * est.layout.dp
 
 
+def test_gpus_that_do_not_fill_nodes_are_refused():
+    """256 GPUs are not nodes of a GB200 rack's 72: the caller says the 64 per rack it uses."""
+    with pytest.raises(ValueError, match=r"num_gpus\(256\) is not a multiple of "
+                                         r"gpus_per_node\(72\)"):
+        _plan(gpu="GB200", num_gpus=256, tp=4, pp=4)
+    plan = _plan(gpu="GB200", num_gpus=256, tp=4, pp=4, gpus_per_node=64)
+    assert (plan.hardware.nodes, plan.hardware.gpus_per_node) == (4, 64)
+
+
 def test_full_recompute_costs_one_more_forward():
     plan = _plan(num_gpus=1, tp=1, pp=1, dp=1, checkpoint="full")
     est = estimate(plan)
