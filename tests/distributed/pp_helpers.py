@@ -30,6 +30,7 @@ class Case:
     sp: bool = False
     ends: int | None = None
     """first_stage_layers = last_stage_layers, when the split is uneven."""
+    dropout: float = 0.0
 
     @property
     def world(self) -> int:
@@ -41,7 +42,9 @@ class Case:
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
         tp = f"tp{self.tp}{' sp' if self.sp else ''} " if self.tp > 1 else ""
         ends = f" L{self.layers} ends {self.ends}" if self.ends is not None else ""
-        return f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}{ends}"
+        drop = f" dropout {self.dropout}" if self.dropout else ""
+        return (f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
+                f"{ends}{drop}")
 
 
 def pp_plan(case: Case, steps: int = STEPS) -> Plan:
@@ -49,7 +52,7 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
     base = tiny_plan(case.family, zero=case.zero, dp=case.dp, accum=case.microbatches,
                      steps=steps)
     return dataclasses.replace(
-        base, model=dataclasses.replace(base.model, layers=case.layers),
+        base, model=dataclasses.replace(base.model, layers=case.layers, dropout=case.dropout),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
                               sequence_parallel=case.sp, schedule=case.schedule,

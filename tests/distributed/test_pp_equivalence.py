@@ -6,7 +6,8 @@ and the last stage and its gradient is summed between them) and tiny Llama
 1F1B on pp = 2 and 4, interleaved 1F1B with v = 2, pp = 2 × dp = 2 at
 ZeRO 0-3, an uneven split whose first stage holds only the embedding and
 whose last only the head and the loss (Megatron-LM's account-for-embedding/loss
-split), tp = 2 with sequence parallelism × pp = 2 (the boundary is then
+split; GPT with dropout 0.1, the embedding's in a stage of its own), tp = 2 with
+sequence parallelism × pp = 2 (the boundary is then
 sequence-sharded), and the full 3D layout tp2 × pp2 × dp2 on 8 processes
 at ZeRO-1 and ZeRO-3. The loss of every step and every parameter after 5 AdamW steps
 (cosine schedule with warm-up, global-norm clipping at 1.0) equal
@@ -45,10 +46,12 @@ CASES = [
     Case("gpt", 2, "interleaved", 4, virtual=2), Case("llama", 2, "1f1b", 4),
     # The first stage the embedding alone, the last the head and the loss alone.
     Case("llama", 2, "interleaved", 4, virtual=2, layers=2, ends=1),
+    Case("gpt", 2, "interleaved", 4, virtual=2, layers=2, ends=1, dropout=0.1),
     Case("gpt", 4, "gpipe", 4), Case("gpt", 4, "1f1b", 8),
     Case("llama", 4, "interleaved", 4, virtual=2, layers=8),
     *(Case("gpt", 2, "1f1b", 4, dp=2, zero=z) for z in range(4)),
     Case("llama", 2, "interleaved", 4, virtual=2, dp=2, zero=3),
+    Case("gpt", 2, "interleaved", 4, virtual=2, dp=2, zero=3, layers=2, ends=1),
     Case("llama", 2, "1f1b", 4, tp=2, sp=True),
     *(Case("gpt", 2, "1f1b", 4, dp=2, zero=z, tp=2) for z in (1, 3)),  # 3D, on 8 processes
 ]
