@@ -128,8 +128,8 @@ def main() -> int:
                           for k, v in est.breakdown.items() if v >= 0.005 * est.step_time_s)
         print(f"{container:<6}{model:<6}{gpu:<10}{gpus:>5}  {layout:<23}{predicted:>7.0f}"
               f"{measured:>7}{error:>+8.1%}  {parts}")
-    print(f"\n{len(errors)} of {len(RUNS)} runs expressible; median |error| {statistics.median(errors):.1%}, "
-          f"max |error| {max(errors):.1%}")
+    print(f"\n{len(errors)} of {len(RUNS)} runs expressible; median |error| "
+          f"{statistics.median(errors):.1%}, max |error| {max(errors):.1%}")
     return 0
 
 

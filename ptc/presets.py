@@ -15,9 +15,10 @@ chip: for each run of `published_runs.csv` (../shared/validation) the share at
 which ptc's prediction of that run equals its measurement, all else as priced,
 and the preset takes the median over the chip's runs
 (`python bench/validate_cost_model.py --solve-shares`): A100 0.62 (31 runs;
-both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200, B200, GB200 and
-GB300 take Hopper's, scored out of sample by `bench/validate_out_of_sample.py`). Megatron-LM's own whole-step figures agree about
-as well once the rest of the step is priced apart: 52 % of peak on A100 with
+both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200, B200, GB200
+and GB300 take Hopper's, scored out of sample by
+`bench/validate_out_of_sample.py`). Megatron-LM's own whole-step figures agree
+about as well once the rest of the step is priced apart: 52 % of peak on A100 with
 recompute counted (Narayanan et al., SC21), 45-50 % model FLOPs on H100 (its
 2024 README), 57 % on one V100 (its 2020 README, GPT-2 1.2B). They are well
 below what one GEMM reaches alone: Stas Bekman's "Maximum Achievable Matmul

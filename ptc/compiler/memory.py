@@ -254,8 +254,8 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
                     * act("out_unsaved", "none") / len(chunks))
     if stage == 0 and not chunks[0]:  # a stage of the embedding alone holds its output
         activations += units * act("out", "none") / len(chunks)
+    pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
     if stage == 0:
-        pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
         activations += pre_units * act("pre", "none")
     if stage == _first_layer_stage(layout) and layout.policy(0) in profile.holds_input:
         # Layer 0's checkpoint keeps what it reads: the embedding's output.
