@@ -49,6 +49,7 @@ memory bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ptc.units import UNITS
@@ -104,6 +105,25 @@ class GpuPreset:
     multiprocessors: int = 0
     """Streaming multiprocessors: the GEMM tile model's wave (`ptc.compiler.gemm_tiles`);
     0 for the CPU, whose GEMMs are priced by FLOPs alone."""
+
+
+# NVIDIA GB200 NVL72 specifications (rack of 72 Blackwell GPUs; per GPU = rack total
+# / 72, tensor figures with sparsity halved): FP8 720 PFLOP/s -> 5 dense, FP16 = BF16
+# 360 -> 2.5, TF32 180 -> 1.25 PFLOP/s, FP32 5,760 TFLOP/s -> 80; up to 13.4 TB
+# HBM3e (186 GB per GPU) at 576 TB/s (8 TB/s per GPU); NVLink 5: 130 TB/s (1.8 TB/s
+# per GPU, both directions), all 72 GPUs on one NVLink Switch domain (the "node");
+# one 400 Gb/s ConnectX-7 per GPU across racks; NVLink-C2C to the Grace CPU: 900 GB/s
+# (both directions) shared by its two GPUs. Same GPU as B200 (148 SMs, its share).
+GB200 = GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
+                  peak_flops={"fp32": 80 * TFLOPS, "tf32": 1250 * TFLOPS,
+                              "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS,
+                              "fp8": 5000 * TFLOPS},
+                  mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
+                  inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=72,
+                  nvlink_sharp=True, achievable_fraction=0.56,
+                  host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148)
+"""NVIDIA GB200: the Blackwell GPU of an NVL72 rack (GB300 is this with its own memory, NIC
+and SMs)."""
 
 
 PRESETS: dict[str, GpuPreset] = {
@@ -165,35 +185,14 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
                   host_bandwidth=PCIE5_X16, multiprocessors=148),
-        # NVIDIA GB200 NVL72 specifications (rack of 72 Blackwell GPUs; per GPU = rack total
-        # / 72, tensor figures with sparsity halved): FP8 720 PFLOP/s -> 5 dense, FP16 = BF16
-        # 360 -> 2.5, TF32 180 -> 1.25 PFLOP/s, FP32 5,760 TFLOP/s -> 80; up to 13.4 TB
-        # HBM3e (186 GB per GPU) at 576 TB/s (8 TB/s per GPU); NVLink 5: 130 TB/s (1.8 TB/s
-        # per GPU, both directions), all 72 GPUs on one NVLink Switch domain (the "node");
-        # one 400 Gb/s ConnectX-7 per GPU across racks; NVLink-C2C to the Grace CPU: 900 GB/s
-        # (both directions) shared by its two GPUs. Same GPU as B200 (148 SMs, its share).
-        GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
-                  peak_flops={"fp32": 80 * TFLOPS, "tf32": 1250 * TFLOPS,
-                              "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS,
-                              "fp8": 5000 * TFLOPS},
-                  mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
-                  inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=72,
-                  nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148),
+        GB200,
         # NVIDIA GB300 NVL72 specifications (Blackwell Ultra; per GPU = rack total / 72):
-        # FP8 360 PFLOP/s dense -> 5, FP16 = BF16 180 -> 2.5 PFLOP/s (TF32 and FP32 as
-        # GB200's); 288 GB HBM3e per GPU (up to 20 TB per rack) at 576 TB/s (8 TB/s per GPU);
-        # NVLink 5 as GB200; one 800 Gb/s ConnectX-8 per GPU; NVLink-C2C as GB200. 160 SMs
-        # (NVIDIA's "Inside NVIDIA Blackwell Ultra" technical blog); the share is Hopper's,
-        # as for B200.
-        GpuPreset(name="GB300", hbm_bytes=288 * 10**9,
-                  peak_flops={"fp32": 80 * TFLOPS, "tf32": 1250 * TFLOPS,
-                              "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS,
-                              "fp8": 5000 * TFLOPS},
-                  mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
-                  inter_bandwidth=100 * GB_S, inter_latency=5 * US, gpus_per_node=72,
-                  nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=160),
+        # FP8 360 PFLOP/s dense -> 5, FP16 = BF16 180 -> 2.5 PFLOP/s, as GB200; 288 GB
+        # HBM3e per GPU (up to 20 TB per rack) at 576 TB/s (8 TB/s per GPU); NVLink 5 and
+        # NVLink-C2C as GB200; one 800 Gb/s ConnectX-8 per GPU. 160 SMs (NVIDIA's "Inside
+        # NVIDIA Blackwell Ultra" technical blog); the share is Hopper's, as for B200.
+        dataclasses.replace(GB200, name="GB300", hbm_bytes=288 * 10**9,
+                            inter_bandwidth=100 * GB_S, multiprocessors=160),
         # NVIDIA Tesla V100 datasheet (SXM2 column): 32 GB HBM2 at 900 GB/s, FP32 15.7,
         # tensor (FP16 in, FP32 accumulate) 125 TFLOP/s; no bf16, tf32 or fp8 (Volta).
         # NVLink 2: 300 GB/s per GPU, both directions. Node: DGX-2 / HGX-2, 16 GPUs on
