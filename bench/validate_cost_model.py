@@ -41,6 +41,10 @@ row under "assumed"):
 - GPUs by preset: V100 (DGX-2) "V100-SXM2-32GB" (16 GPUs per node on
   NVSwitch, 8 x 100 Gb/s InfiniBand per node), the 2020 DGX-A100 "A100-40GB",
   other A100 rows "A100-80GB", H100 "H100-SXM", H200 "H200", B200 "B200";
+- the pipeline cut: where pp divides the layers, the even split the runs used
+  (Megatron-LM's and DeepSpeed's default), pinned with `first_stage_layers` /
+  `last_stage_layers` (left open, ptc would price the cut it compiles, which its
+  cost model balances);
 - layers not divisible by pp: Megatron-DeepSpeed's `type:transformer|embedding`
   partition (BLOOM's) counts each embedding as a layer, so the first and last
   stage hold one transformer layer fewer than the others
@@ -77,7 +81,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ptc.compiler.estimate import estimate  # noqa: E402
-from ptc.compiler.shapes import plan_from_shape  # noqa: E402
+from ptc.compiler.shapes import even_cut, plan_from_shape  # noqa: E402
 from ptc.plan import HardwareSpec, LinkSpec  # noqa: E402
 from ptc.presets import PRESETS  # noqa: E402
 
@@ -121,9 +125,9 @@ def _hardware(row: dict) -> tuple[str | HardwareSpec, str, list[str]]:
 
 
 def _uneven(L: int, pp: int, deepspeed: bool, notes: list[str]) -> dict:
-    """first/last_stage_layers of a row whose layers pp does not divide (module docstring)."""
+    """first/last_stage_layers of the row's pipeline cut (module docstring)."""
     if not L % pp:
-        return {}
+        return even_cut(L, pp)
     if not deepspeed or (L + 2) % pp:
         raise NotExpressible(f"layers({L}) not divisible by pp({pp}), and the source gives "
                              f"no first/last stage layer counts")

@@ -20,6 +20,8 @@ row:
 - FSDP > 0: ZeRO-3 over the data-parallel ranks; else the distributed
   optimizer (ZeRO-1); sequence parallelism when tp > 1; communication
   overlapped; fused memory-bound kernels (`runtime.compile`);
+- the pipeline cut: Megatron's even split where pp divides the layers (pinned:
+  left open, ptc would price the cut its cost model balances);
 - 405B's 126 layers: Megatron's split that counts the embedding and the loss
   as a layer each, so the first and the last stage hold 128/pp - 1 layers;
 - interleaving when VP > 1 (VP = 1 and "n/a": 1F1B);
@@ -40,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ptc.compiler.estimate import estimate  # noqa: E402
-from ptc.compiler.shapes import plan_from_shape  # noqa: E402
+from ptc.compiler.shapes import even_cut, plan_from_shape  # noqa: E402
 from ptc.errors import PlanError  # noqa: E402
 
 LLAMA3 = {
@@ -93,7 +95,7 @@ def build(model: str, gpu: str, gpus: int, gbs: int, mbs: int, fsdp: int, tp: in
           cp: int, vp: int):
     """The Plan of one row, built by the module docstring's defaults."""
     shape = LLAMA3[model]
-    split = {}
+    split = even_cut(shape["layers"], pp)
     if shape["layers"] % pp:  # the embedding and the loss count as a layer each
         ends = (shape["layers"] + 2) // pp - 1
         split = dict(first_stage_layers=ends, last_stage_layers=ends)

@@ -30,14 +30,13 @@ RMSNorm included, saves what torch's own kernels save.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 from torch.nn import functional as F
 
-from ptc.compiler.call_cache import fresh_tree
 from ptc.ops.dropout import site_dropout
 
 
@@ -96,12 +95,9 @@ _SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_produ
 
 
 class _SavedRecorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, model_storages: set[int],
-                 twins: Mapping[str, str] | None = None):
+    def __init__(self, gm: torch.fx.GraphModule, model_storages: set[int]):
         super().__init__(gm, garbage_collect_values=False)
         self.model_storages = model_storages
-        nodes = {n.name: n for n in gm.graph.nodes}
-        self.twins = {name: nodes[twin] for name, twin in (twins or {}).items()}
         self.current = ""
         self.producer: dict[int, str] = {}
         self.saved: dict[int, tuple[int, list[str]]] = {}
@@ -109,10 +105,7 @@ class _SavedRecorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node):
         self.current = n.name
-        if n.name in self.twins:  # not run: new tensors like its twin's
-            out = fresh_tree(self.env[self.twins[n.name]])
-        else:
-            out = super().run_node(n)
+        out = super().run_node(n)
         for t in _tensors(out):
             self.producer.setdefault(_key(t), n.name)
             self.keep.append(t)
@@ -168,15 +161,13 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def saved_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
-                   held: Collection[str] = (), twins: Mapping[str, str] | None = None
-                   ) -> list[SavedStorage]:
+                   held: Collection[str] = ()) -> list[SavedStorage]:
     """`saved_and_output_storages` without the outputs."""
-    return saved_and_output_storages(gm, inputs, held, twins)[0]
+    return saved_and_output_storages(gm, inputs, held)[0]
 
 
 def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
-                              held: Collection[str] = (),
-                              twins: Mapping[str, str] | None = None
+                              held: Collection[str] = ()
                               ) -> tuple[list[SavedStorage],
                                          dict[str, dict[int, tuple[int, str]]]]:
     """Every storage the forward of `gm` saves for backward, on the meta device, and the
@@ -187,12 +178,9 @@ def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.T
     are meta tensors of the placeholders' shapes. Second: per node, the
     storages of its outputs that are not model state ({key: (bytes, producer)},
     keys as `SavedStorage.key`): what a checkpoint reading that node keeps.
-    `twins`: nodes not run, by name, each with the earlier node that makes the same call on
-    operands alike, whose value it takes as new tensors of the same metadata (what nodes
-    not run save is not seen).
     """
     model_storages = {_key(t) for t in (*gm.parameters(), *gm.buffers())}
-    rec = _SavedRecorder(gm, model_storages, twins)
+    rec = _SavedRecorder(gm, model_storages)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         rec.run(*inputs)
     held_sizes = {_key(t): t.untyped_storage().nbytes() for n in gm.graph.nodes if n.name in held

@@ -1,26 +1,28 @@
 """The Decisions record: the plan resolved once, before the first pass.
 
-A plan leaves choices open ("auto" checkpointing, a predicted step time to
-report). `resolve` makes them once, from the plan and the
-captured graph, into one frozen `Decisions` that every pass reads, the
+A plan leaves choices open (the pipeline cut, "auto" checkpointing, a
+predicted step time to report). `resolve` makes them once, from the plan and
+the captured graph, into one frozen `Decisions` that every pass reads, the
 Program carries and `ptc explain`, `ptc inspect` and the runtime read; no
 one recomputes them. The cost model runs here and only here during a
-compile (`estimate`, once).
+compile (`estimate.balanced_cut`, once).
 
-What is decided where:
-- here, before any pass: each layer's recompute policy (checkpoint = auto
-  becomes the per-stage mix of none / selective / full that fits the memory
-  budget with the least recompute), and the cost model's estimate and so the
-  predicted step time;
-- at the pipeline split (the one seam of the pass list), from the graph the
-  whole-graph passes lowered: the cut into stages, what each stage holds
-  (`ptc.compiler.stages.StageInfo`) and each stage's parameter layout, fixed
-  once in the stage graph's record (`ptc.compiler.meta.GraphRecord`) and
-  read from there by the zero and comm_overlap passes, the Program and the
-  runtime. The split prices the tp-lowered graph, so it cannot come earlier;
-  the bucket size follows from the plan and that layout
-  (`ptc.compiler.overlap.resolve_bucket_bytes`) and is decided by the
-  comm_overlap pass, which records it.
+What is decided here, before any pass:
+- the pipeline cut: how many layers each of the p·v stages holds, chosen by
+  the cost model (`ptc.compiler.estimate.balanced_cut`) and pinned into
+  `Decisions.plan` (first/last_stage_layers), which the pipeline_split pass
+  only applies: the estimate prices the cut that compiles, and
+  `estimate(decisions.plan)` is `decisions.estimate`. Unpriced, the cut is
+  the plan's own pins or the even split;
+- each layer's recompute policy (checkpoint = auto becomes the per-stage
+  mix of none / selective / full that fits the memory budget with the least
+  recompute), and the cost model's estimate and so the predicted step time.
+
+What each stage graph holds (`ptc.compiler.stages.StageInfo`) and its
+parameter layout follow from that cut at the split and are recorded in the
+stage graph's record (`ptc.compiler.meta.GraphRecord`); the bucket size
+follows from the plan and that layout (`ptc.compiler.overlap.resolve_bucket_bytes`)
+and is recorded by the comm_overlap pass.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Decisions:
     """The plan with every open choice made: what the passes and the runtime follow."""
 
     plan: Plan
-    """The resolved plan compiled."""
+    """The plan compiled: the one given, with its pipeline cut pinned where the cost model
+    chose it (first/last_stage_layers; see the module docstring)."""
     checkpoint: tuple[str, ...]
     """Recompute policy of each layer of the captured graph (one of POLICIES)."""
     estimate: Estimate | None
@@ -77,15 +80,15 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
     every layer fully recomputed: compiling such a plan would only fail
     later, out of memory.
     """
-    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - profiles the model (sympy)
+    from ptc.compiler.estimate import balanced_cut  # noqa: PLC0415 - profiles the model (sympy)
 
     if not plan.is_resolved:
         raise CompileError("compiling needs a resolved plan: tp, pp and dp must not be auto")
     layers = graph_info(gm).num_layers
     priced, unpriced = None, None
     try:
-        priced = estimate(plan)
         _check_priced_model(gm, plan)
+        plan, priced = balanced_cut(plan)
     except (PtcError, ValueError) as exc:
         priced, unpriced = None, f"no predicted step time: {exc}"
         log.warning(unpriced)

@@ -24,6 +24,7 @@ from ptc.compiler.memory import (check_policies, Precision, peak, precision, sta
                                  stage_memory_terms)
 from ptc.compiler.profile import ModelProfile, plan_profile, with_model_shape
 from ptc.compiler.recompute import LAYER_POLICIES
+from ptc.errors import DiagnosticSink, PlanError
 from ptc.plan import DTYPE_BYTES, Plan, is_auto_checkpoint
 
 
@@ -84,12 +85,100 @@ def plan_precision(plan: Plan, profile: ModelProfile) -> Precision:
 
 
 def estimate(plan: Plan) -> Estimate:
-    """Predict step time, throughput and memory of a resolved plan (no "auto" axis)."""
+    """Predict step time, throughput and memory of a resolved plan (no "auto" axis).
+
+    A pipeline whose plan leaves the cut open is priced at the cut ptc compiles, the one
+    `balanced_cut` chooses.
+    """
+    return balanced_cut(plan)[1]
+
+
+def balanced_cut(plan: Plan) -> tuple[Plan, Estimate]:
+    """The plan with its pipeline cut pinned where ptc compiles it, and its estimate.
+
+    The cut is a decision of the cost model, made here once for the estimate and
+    the compile alike (`ptc.lower.resolve`), so what is predicted is what runs.
+    A plan that pins its cut (first/last_stage_layers, stage_boundaries) or has
+    no pipeline comes back as it is. Else the candidates are Megatron-LM's
+    uneven splits: the first and last pipeline rank hold their own counts of
+    layers (they also hold the embedding, and the head and the loss), the ranks
+    between share the rest evenly. From the even split, a local search moves
+    one layer at a time onto or off the end ranks while that makes the step
+    faster (among cuts that fit the memory budget; while none fits, while it
+    lowers the peak), so the even split stays where nothing is gained. Every
+    candidate is priced by `estimate_layout`, the step time `estimate` reports.
+    """
     if not plan.is_resolved:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
-    plan = with_model_shape(plan)
-    profile = plan_profile(plan)
-    prec = plan_precision(plan, profile)
+    priced = with_model_shape(plan)
+    profile = plan_profile(priced)
+    prec = plan_precision(priced, profile)
+    par, layers = plan.parallel, priced.model.layers
+    if par.pp == 1 or par.pins_layers or not layers:
+        return plan, _estimate_cut(priced, profile, prec)
+    p = par.pp
+    scored: dict[tuple[int, int], tuple[tuple, Plan, Estimate]] = {}
+
+    def score(first: int, last: int) -> tuple | None:
+        if (first, last) not in scored:
+            pinned = _with_ends(plan, first, last, layers)
+            if pinned is None:
+                return None
+            est = _estimate_cut(_with_ends(priced, first, last, layers), profile, prec)
+            key = ((0, est.step_time_s, est.peak_memory_bytes) if est.fits
+                   else (1, est.peak_memory_bytes, est.step_time_s))
+            scored[first, last] = (key, pinned, est)
+        return scored[first, last][0]
+
+    even = layers // p
+    here = (even, even if p > 2 else layers - even)
+    if layers % p or score(*here) is None:  # no even split to start from
+        return plan, _estimate_cut(priced, profile, prec)
+    while True:
+        steps = [(-1, 0), (1, 0), (0, -1), (0, 1), (-1, 1), (1, -1)] if p > 2 else [(-1, 1),
+                                                                                   (1, -1)]
+        best = here
+        for df, dl in steps:
+            key = score(here[0] + df, here[1] + dl)
+            if key is not None and _better(key, scored[best][0]):
+                best = (here[0] + df, here[1] + dl)
+        if best == here:
+            break
+        here = best
+    if here == (even, even if p > 2 else layers - even):
+        return plan, scored[here][2]
+    return scored[here][1], scored[here][2]
+
+
+def _better(key: tuple, than: tuple) -> bool:
+    """Whether score `key` beats `than` by more than rounding (a tie keeps the current cut)."""
+    if key[0] != than[0]:
+        return key[0] < than[0]
+    for a, b in zip(key[1:], than[1:]):
+        if abs(a - b) > 1e-9 * max(abs(a), abs(b)):
+            return a < b
+    return False
+
+
+def _with_ends(plan: Plan, first: int, last: int, layers: int) -> Plan | None:
+    """`plan` with the first and last pipeline rank holding `first` and `last` layers (the
+    ranks between share the rest), or None where that split is not valid."""
+    if min(first, last) < 0 or first + last > layers:
+        return None
+    ends = dict(first_stage_layers=first) if plan.parallel.pp == 2 else dict(
+        first_stage_layers=first, last_stage_layers=last)
+    try:
+        par = replace(plan.parallel, **ends)
+        sink = DiagnosticSink()
+        if par.stage_layers(layers, sink) is None or sink.errors:
+            return None
+        return replace(plan, parallel=par)
+    except PlanError:
+        return None
+
+
+def _estimate_cut(plan: Plan, profile: ModelProfile, prec: Precision) -> Estimate:
+    """The estimate of `plan` at the cut it pins (or the even one)."""
     ckpt = plan.parallel.checkpoint
     if is_auto_checkpoint(ckpt):
         layout = auto_checkpoint(profile, layout_of(plan, "none"), prec,

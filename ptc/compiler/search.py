@@ -30,7 +30,7 @@ import heapq
 from dataclasses import dataclass
 
 from ptc.compiler.cost import compute_floor, floor_layer_times, step_cost
-from ptc.compiler.estimate import (Estimate, auto_checkpoint, estimate_layout,
+from ptc.compiler.estimate import (Estimate, auto_checkpoint, estimate,
                                    plan_precision)
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import peak, stage_memory_terms
@@ -228,8 +228,9 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
         heapq.heappush(best, (-time, -n, lay))
         if len(best) > top:
             heapq.heappop(best)
-    ranked = [(to_plan(plan, lay), estimate_layout(profile, lay, plan, prec))
-              for _, _, lay in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    # Each plan is priced as it compiles: at the pipeline cut the cost model balances.
+    plans = [to_plan(plan, lay) for _, _, lay in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    ranked = sorted(((p, estimate(p)) for p in plans), key=lambda pe: pe[1].step_time_s)
     return SearchResult(ranked=ranked, rejected=rejected, candidates=len(layouts) + len(mixes),
                         fitting=len(fitting))
 

@@ -56,3 +56,13 @@ def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab:
                 train=TrainSpec(seq_len=seq_len, global_batch=global_batch,
                                 micro_batch=micro_batch, dtype=dtype,
                                 optimizer=OptimizerSpec(name=optimizer)))
+
+
+def even_cut(layers: int, pp: int) -> dict[str, int]:
+    """The plan fields that pin the even pipeline cut of `layers` over `pp` ranks ({} for no
+    pipeline or layers pp does not divide): a published run's cut, where ptc would otherwise
+    price the cut its cost model balances."""
+    if pp == 1 or layers % pp:
+        return {}
+    ends = dict(first_stage_layers=layers // pp)
+    return ends if pp == 2 else {**ends, "last_stage_layers": layers // pp}

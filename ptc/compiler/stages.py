@@ -83,11 +83,6 @@ class StageInfo:
     """(name in this stage, canonical name) of each tied weight it holds a copy of."""
     atoms: tuple[str, ...]
     """The graph pieces it holds, in order ("embed", "layers.0", ..., "head")."""
-    seconds: float | None
-    """Predicted forward + backward + recompute seconds per micro-batch (cost model);
-    None for an unsplit graph, which the split did not price."""
-    memory_bytes: float | None
-    """Predicted peak bytes of its model state and in-flight activations (None: unsplit)."""
 
     @property
     def is_first(self) -> bool:
@@ -135,7 +130,7 @@ def pipeline_stages(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
 def whole_graph_stage(gm: fx.GraphModule) -> StageInfo:
     """The StageInfo of an unsplit (tokens, targets) -> loss graph: the only stage of pp = 1."""
     return StageInfo(index=0, num_stages=1, rank=0, chunk=0, inputs=(), outputs=(),
-                     data=DATA_ROLES, tied=(), atoms=(), seconds=None, memory_bytes=None)
+                     data=DATA_ROLES, tied=(), atoms=())
 
 
 def tied_names(gm: fx.GraphModule) -> tuple[str, ...]:

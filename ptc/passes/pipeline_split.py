@@ -9,17 +9,20 @@ run on every stage graph (`ptc.lower.driver.run_passes`), and the
 Program keeps one lowered graph per stage — graphs per stage, never per
 rank. `ptc.compiler.stages` defines what each stage graph records.
 
-How the cut is found:
+Where the cut goes is decided before the passes, with the estimate
+(`ptc.compiler.decisions`): the plan the pass reads pins how many layers
+each stage holds (its first/last_stage_layers, as the cost model chose them,
+or its stage_boundaries), else the layers are shared evenly, the later
+stages taking one more where they do not divide. The pass only applies it:
 - *atoms*: consecutive nodes of one transformer layer, or of one other
   module (embed, norm, head, ...), form an atom; glue nodes of the model's
   own forward (module path "" or a container of the blocks) join the atom
-  before them (the first atom when at the start). Cuts go between atoms.
-- ptc.compiler.balance prices the atoms with the cost model and picks the
-  cut that minimises the slowest stage under the memory budget. The knob
-  `boundaries` pins cuts: a sequence of p·v - 1 atom names, stage i + 1
-  starting at the i-th (None leaves that cut free), or a mapping
-  {stage: atom name}. A plan's first_stage_layers / last_stage_layers pin
-  every cut (`ParallelSpec.stage_layers`).
+  before them (the first atom when at the start). Cuts go between atoms: a
+  stage starts at its first layer's atom (a last stage of no layer at what
+  follows the last layer: the norm, head and loss).
+- A plan's stage_boundaries may name any atom ("norm"); a plan that pins a
+  cut at an atom that is no layer pins every cut, since only layers can be
+  shared out.
 
 What crosses a cut is read off the graph: every tensor made before the cut
 and used after it, with its captured shape; a tensor used two stages later
@@ -35,7 +38,6 @@ its gradients between those stages.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import operator
 from collections.abc import Mapping
@@ -44,7 +46,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ptc.compiler.balance import AtomCost, Split, balance, price_atoms
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.graph_code import graph_module
 from ptc.compiler.meta import copy_meta, get_info, graph_info, update_graph_record
@@ -52,7 +53,7 @@ from ptc.compiler.nodes import module_path
 from ptc.compiler.program import used_params
 from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_info,
                                  StageInfo, stage_info)
-from ptc.errors import CompileError, did_you_mean
+from ptc.errors import CompileError, DiagnosticSink, did_you_mean
 from ptc.plan import ParallelSpec, Plan
 
 log = logging.getLogger("ptc.passes.pipeline_split")
@@ -60,48 +61,31 @@ log = logging.getLogger("ptc.passes.pipeline_split")
 _FREE = dict(flops=0, params=0, param_bytes=0)
 
 
-def split_pipeline_pass(gm: fx.GraphModule, decisions: Decisions, *,
-                        boundaries: Any = None) -> fx.GraphModule:
-    """Cut the graph into pp × virtual_stages stage graphs, balanced by predicted time.
+def split_pipeline_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModule:
+    """Cut the graph into pp × virtual_stages stage graphs where the decisions put the cut.
 
     Pipeline parallelism runs consecutive pieces of the model on different
     ranks; the cut decides the pipeline's speed (its slowest stage) and
-    memory, so it is chosen by the cost model, with memory as a constraint,
-    not by counting layers. Returns the pipeline graph (module docstring);
-    a plan with pp = 1 gets `gm` back unchanged. The plan's `stage_boundaries`
-    (or the knob `boundaries`, which wins) pins cuts.
+    memory, so the cost model chooses it before the passes (`resolve`) and
+    this pass applies it, so that the Program runs the cut that was priced.
+    Returns the pipeline graph (module docstring); a plan with pp = 1 gets
+    `gm` back unchanged.
     """
     plan = decisions.plan
-    from ptc.compiler.layout import layout_of  # noqa: PLC0415 - layout imports the plan only
-    from ptc.compiler.memory import RUNTIME_RESERVE, in_flight  # noqa: PLC0415 - sympy
-
     par = plan.parallel
     if par.pp == 1:
         return gm
     if pipeline_info(gm) is not None or stage_info(gm) is not None:
         raise CompileError("pipeline_split: the graph is already split into stages")
-    p, v = par.pp, par.virtual_stages
-    chunks = p * v
+    chunks = par.pp * par.virtual_stages
     atoms, names = find_atoms(gm)
-    if boundaries is None and (par.first_stage_layers is not None
-                               or par.last_stage_layers is not None):
-        pins = _layer_pins(gm, par, names)
-    else:
-        pins = _pins(boundaries if boundaries is not None else par.stage_boundaries or None,
-                     names, chunks)
+    starts = _chunk_starts(gm, par, names, chunks)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     atom_of = {node: i for i, nodes in enumerate(atoms) for node in nodes}
-    costs = price_atoms(gm, atoms, names, decisions)
-    cut_seconds = _cut_seconds(gm, atoms, atom_of, plan)
-    # A custom model's plan has no layer count: the graph's is the one that matters.
-    layout = dataclasses.replace(layout_of(plan), layers=graph_info(gm).num_layers)
-    units = [in_flight(layout, c % p, plan.num_microbatches)[0] / v for c in range(chunks)]
-    budget = (plan.hardware.memory_budget - RUNTIME_RESERVE) / v
-    split = balance(costs, cut_seconds, chunks, pins=pins, units=units, budget=budget)
-    stage_of = {node: _chunk_of(atom_of[node], split.starts) for node in atom_of}
-    stages = _build_stages(gm, plan, atoms, names, stage_of, order, split)
+    stage_of = {node: _chunk_of(atom_of[node], starts) for node in atom_of}
+    stages = _build_stages(gm, plan, atoms, names, stage_of, order, starts)
     pipeline = _pipeline_graph(gm, stages)
-    _log_split(stages, costs, split)
+    _log_split(stages, len(atoms))
     return pipeline
 
 
@@ -144,51 +128,58 @@ def find_atoms(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], list[str]]:
     return atoms, names
 
 
-def _pins(spec: Any, names: list[str], chunks: int) -> dict[int, int]:
-    """Knob `boundaries` -> {chunk: index of its first atom}."""
-    if spec is None:
-        return {}
-    if isinstance(spec, Mapping):
-        items = list(spec.items())
-    else:
-        spec = list(spec)
-        if len(spec) != chunks - 1:
-            raise CompileError(f"pipeline_split: boundaries lists {len(spec)} cuts; {chunks} "
-                               f"stages have {chunks - 1} (None leaves a cut free)")
-        items = [(i + 1, name) for i, name in enumerate(spec)]
-    pins = {}
-    for stage, name in items:
-        if name is None:
-            continue
-        if not isinstance(stage, int) or not 0 < stage < chunks:
-            raise CompileError(f"pipeline_split: boundaries pins stage {stage!r}; stages that "
-                               f"can start at a cut are 1 .. {chunks - 1}")
-        if name not in names:
-            raise CompileError(f"pipeline_split: boundaries: no graph piece named {name!r}"
-                               f"{did_you_mean(name, names)}; pieces: {', '.join(names)}")
-        pins[stage] = names.index(name)
-    starts = [pins[s] for s in sorted(pins)]
+def _chunk_starts(gm: fx.GraphModule, par: ParallelSpec, names: list[str], chunks: int
+                  ) -> tuple[int, ...]:
+    """Index of each stage's first atom: the plan's layer counts, or its atom pins."""
+    layers = graph_info(gm).num_layers
+    if layers < chunks and not par.pins_layers:
+        raise CompileError(f"pipeline_split: the graph has {layers} layers and cannot be cut "
+                           f"into {chunks} stages of at least one layer each; pin the cuts "
+                           f"with parallel.stage_boundaries")
+    for name in par.stage_boundaries:
+        if name is not None and name not in names:
+            raise CompileError(f"pipeline_split: stage_boundaries: no graph piece named "
+                               f"{name!r}{did_you_mean(name, names)}; pieces: "
+                               f"{', '.join(names)}")
+    sink = DiagnosticSink()
+    counts = par.stage_layers(layers, sink) if par.pins_layers else _even(layers, chunks)
+    if counts is not None and not sink.errors:
+        return (0, *_layer_starts(gm, counts, names))
+    if any(b is None for b in par.stage_boundaries):
+        raise CompileError(f"pipeline_split: {sink.errors[0].message}; a cut at a piece that is "
+                           f"no layer needs every cut pinned")
+    return (0, *_atom_starts(par.stage_boundaries, names))
+
+
+def _even(layers: int, chunks: int) -> tuple[int, ...]:
+    """`layers` shared by `chunks` stages, the later ones taking one more where uneven."""
+    base, extra = divmod(layers, chunks)
+    return tuple(base + (c >= chunks - extra) for c in range(chunks))
+
+
+def _atom_starts(pins: tuple[str, ...], names: list[str]) -> list[int]:
+    """The atoms `stage_boundaries` names (each a piece of the graph), stage 1's first."""
+    starts = [names.index(name) for name in pins]
     if starts != sorted(set(starts)):
-        raise CompileError(f"pipeline_split: boundaries must start later stages at later "
-                           f"pieces, got {dict(sorted(pins.items()))}")
-    return pins
+        raise CompileError(f"pipeline_split: stage_boundaries must start later stages at later "
+                           f"pieces, got {list(pins)}")
+    return starts
 
 
-def _layer_pins(gm: fx.GraphModule, par: ParallelSpec, names: list[str]) -> dict[int, int]:
-    """{stage: index of its first atom} of the plan's first/last_stage_layers: every cut
-    pinned where `ParallelSpec.stage_layers` puts it, as the estimate prices it."""
+def _layer_starts(gm: fx.GraphModule, counts: tuple[int, ...], names: list[str]) -> list[int]:
+    """Index of the first atom of stages 1 .. of layer counts `counts` (stage 0 first)."""
     info = graph_info(gm)
 
     def atom(layer: int) -> int:
         return names.index(f"{info.blocks_path}.{layer}" if info.blocks_path
                            else f"layer {layer}")
 
-    pins, first = {}, 0
-    for stage, count in enumerate(par.stage_layers(info.num_layers)[:-1], start=1):
+    starts, first = [], 0
+    for count in counts[:-1]:
         first += count
         # A last stage of no layer starts at what follows the last layer (norm, head, loss).
-        pins[stage] = atom(first) if first < info.num_layers else atom(first - 1) + 1
-    return pins
+        starts.append(atom(first) if first < info.num_layers else atom(first - 1) + 1)
+    return starts
 
 
 def _chunk_of(atom: int, starts: tuple[int, ...]) -> int:
@@ -212,23 +203,6 @@ def _last_use(node: fx.Node, atom_of: Mapping[fx.Node, int], n: int) -> int:
     for user in node.users:
         last = max(last, n if user.op == "output" else atom_of.get(user, -1))
     return last
-
-
-def _cut_seconds(gm: fx.GraphModule, atoms: list[list[fx.Node]],
-                 atom_of: Mapping[fx.Node, int], plan: Plan) -> list[float]:
-    """Per cut after atom a: seconds to send what crosses it forward and its gradient back."""
-    from ptc.compiler.comm import send_recv  # noqa: PLC0415
-    from ptc.compiler.topology import axis_groups  # noqa: PLC0415
-
-    par = plan.parallel
-    group = axis_groups({a: par.degree(a) for a in par.order}, par.order,
-                        plan.hardware.gpus_per_node)["pp"]
-    crossing = [0] * len(atoms)
-    for node, a in atom_of.items():
-        if _is_tensor(node):
-            for cut in range(a, min(_last_use(node, atom_of, len(atoms)), len(atoms) - 1)):
-                crossing[cut] += get_info(node).out_bytes
-    return [2 * send_recv(b, group, plan.hardware).seconds if b else 0.0 for b in crossing]
 
 
 def _requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
@@ -264,9 +238,9 @@ def _recomputable(node: fx.Node) -> bool:
 
 
 def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], names: list[str],
-                  stage_of: dict[fx.Node, int], order: dict[fx.Node, int], split: Split
-                  ) -> list[fx.GraphModule]:
-    chunks = len(split.starts)
+                  stage_of: dict[fx.Node, int], order: dict[fx.Node, int],
+                  starts: tuple[int, ...]) -> list[fx.GraphModule]:
+    chunks = len(starts)
     grads = _requires_grad(gm)
     # Tensors each cut carries: made at or before stage c, used after it.
     carried: list[list[fx.Node]] = [[] for _ in range(chunks)]
@@ -283,7 +257,7 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
     for c in range(chunks):
         inputs = carried[c - 1] if c > 0 else []
         outputs = carried[c] if c < chunks - 1 else []
-        atom_range = range(split.starts[c], split.starts[c + 1] if c + 1 < chunks else len(atoms))
+        atom_range = range(starts[c], starts[c + 1] if c + 1 < chunks else len(atoms))
         graph, data = _stage_graph(gm, c, stage_of, order, inputs, outputs, chunks)
         stage_gm = _stage_module(gm, graph, c)
         info = StageInfo(
@@ -292,8 +266,7 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
             outputs=tuple(_boundary(n, grads) for n in outputs), data=data,
             tied=tuple((name, canonical) for canonical, names_by_stage in tied.items()
                        for stage, name in names_by_stage if stage == c),
-            atoms=tuple(names[a] for a in atom_range), seconds=split.seconds[c],
-            memory_bytes=split.memory[c])
+            atoms=tuple(names[a] for a in atom_range))
         stage_gm.meta.update(gm.meta)  # what earlier passes left (capture info, tp layout)
         update_graph_record(stage_gm, stage=info)
         stages.append(stage_gm)
@@ -450,18 +423,15 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
     return pipeline
 
 
-def _log_split(stages: list[fx.GraphModule], costs: list[AtomCost], split: Split) -> None:
+def _log_split(stages: list[fx.GraphModule], atoms: int) -> None:
     for stage in stages:
         info = stage_info(stage)
         crossing = ", ".join(f"{b.name} {list(b.shape)} {str(b.dtype).removeprefix('torch.')}"
                              for b in info.outputs)
-        log.info("stage %d (rank %d, chunk %d): %s .. %s, %d pieces, %.3g ms/micro-batch, "
-                 "%.3g GiB%s", info.index, info.rank, info.chunk, info.atoms[0], info.atoms[-1],
-                 len(info.atoms), info.seconds * 1e3, info.memory_bytes / 2**30,
+        log.info("stage %d (rank %d, chunk %d): %s .. %s, %d pieces%s", info.index, info.rank,
+                 info.chunk, info.atoms[0], info.atoms[-1], len(info.atoms),
                  f"; sends {crossing}" if crossing else "")
         for name, canonical in info.tied:
             log.info("stage %d holds tied weight %s (as %s): gradients summed across stages",
                      info.index, canonical, name)
-    slowest = max(split.seconds)
-    log.info("split %d pieces into %d stages; slowest %.3g ms/micro-batch, mean %.3g",
-             len(costs), len(stages), slowest * 1e3, sum(split.seconds) / len(stages) * 1e3)
+    log.info("split %d pieces into %d stages", atoms, len(stages))

@@ -37,13 +37,22 @@ def plan(**parallel) -> Plan:
 @pytest.mark.parametrize("parallel", [dict(), dict(tp=2, sequence_parallel=True, zero=3),
                                       dict(pp=1, checkpoint="selective")])
 def test_the_cost_model_runs_once_per_compile(monkeypatch, parallel):
-    """checkpoint = auto, the split's pricing and the predicted step time share one estimate."""
-    calls = []
-    real = estimate_module.step_cost
+    """checkpoint = auto, the pipeline cut and the predicted step time come from one call of
+    the cost model (`balanced_cut`, which prices the candidate cuts): no pass prices again."""
+    calls, cuts = [], []
+    real_cost, real_cut = estimate_module.step_cost, estimate_module.balanced_cut
     monkeypatch.setattr(estimate_module, "step_cost",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+                        lambda *a, **k: calls.append(1) or real_cost(*a, **k))
+
+    def counted_cut(*a, **k):
+        before = len(calls)
+        out = real_cut(*a, **k)
+        cuts.append(len(calls) - before)
+        return out
+
+    monkeypatch.setattr(estimate_module, "balanced_cut", counted_cut)
     program = compile_plan(plan(**parallel))
-    assert len(calls) == 1
+    assert len(cuts) == 1 and cuts[0] == len(calls) >= 1
     assert program.predicted_step_time == program.decisions.estimate.step_time_s > 0
     assert len(program.decisions.checkpoint) == MODEL.layers
 

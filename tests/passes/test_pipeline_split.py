@@ -191,7 +191,9 @@ class TestSplitPipelinePass:
     def test_a_long_skip_passes_through_the_middle_stage(self) -> None:
         plan = make_plan("custom", pp=3, m=3)
         model = LongSkip()
-        gm, pipeline = split(plan, {"boundaries": ["layers.1", "layers.3"]}, model=model)
+        plan = dataclasses.replace(plan, parallel=dataclasses.replace(
+            plan.parallel, stage_boundaries=("layers.1", "layers.3")))
+        gm, pipeline = split(plan, model=model)
         stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
         assert [b.name for b in stages[0].outputs] == ["embed", "add"]
         assert [b.name for b in stages[1].inputs] == ["embed", "add"]
@@ -243,31 +245,35 @@ class TestSplitPipelinePass:
                                         tokens.numel())
 
 
-class TestBalance:
-    def test_a_costly_head_gets_fewer_layers_beside_it(self) -> None:
-        """An LM head over a 4096 vocabulary costs ~10 of these layers: stage 1 holds fewer."""
-        plan = make_plan(pp=2, layers=8, vocab=4096)
-        _, pipeline = split(plan)
-        first, last = (stage_info(s) for _, s in pipeline_stages(pipeline))
-        layers = [sum(a.startswith("layers.") for a in s.atoms) for s in (first, last)]
-        assert layers[0] > layers[1]
-        _, even = split(plan, {"boundaries": ["layers.4"]})
-        assert max(first.seconds, last.seconds) < max(
-            stage_info(s).seconds for _, s in pipeline_stages(even))
+def pinned(plan: Plan, **pins) -> Plan:
+    """`plan` with its parallel section's pipeline pins set."""
+    return dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, **pins))
+
+
+def layer_counts(pipeline) -> list[int]:
+    return [sum(a.startswith("layers.") for a in stage_info(s).atoms)
+            for _, s in pipeline_stages(pipeline)]
+
+
+class TestCut:
+    """The pass applies the cut the plan it is given pins, or the even one (the cost model's
+    choice is pinned into that plan before the passes: tests/lower/test_one_cost_path.py)."""
+
+    def test_an_unpinned_plan_is_cut_evenly(self) -> None:
+        assert layer_counts(split(make_plan(pp=4, layers=8))[1]) == [2, 2, 2, 2]
 
     def test_pins_are_kept(self) -> None:
-        for knobs in ({"boundaries": ["layers.3"]}, {"boundaries": {1: "layers.3"}}):
-            _, pipeline = split(make_plan(pp=2), knobs)
-            assert stage_info(pipeline_stages(pipeline)[1][1]).atoms[0] == "layers.3"
-        _, pipeline = split(make_plan(pp=4), {"boundaries": [None, "layers.2", None]})
-        assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
+        _, pipeline = split(pinned(make_plan(pp=2), stage_boundaries=("layers.3",)))
+        assert stage_info(pipeline_stages(pipeline)[1][1]).atoms[0] == "layers.3"
 
     def test_plan_stage_boundaries_pin_cuts(self) -> None:
-        plan = make_plan(pp=4)
-        pinned = dataclasses.replace(plan, parallel=dataclasses.replace(
-            plan.parallel, stage_boundaries=(None, "layers.2", None)))
-        _, pipeline = split(pinned)
+        _, pipeline = split(pinned(make_plan(pp=4), stage_boundaries=(None, "layers.2", None)))
         assert stage_info(pipeline_stages(pipeline)[2][1]).atoms[0] == "layers.2"
+
+    def test_a_cut_at_a_piece_that_is_no_layer(self) -> None:
+        _, pipeline = split(pinned(make_plan(pp=2), stage_boundaries=("norm",)))
+        assert layer_counts(pipeline) == [4, 0]
+        assert stage_info(pipeline_stages(pipeline)[1][1]).atoms[0] == "norm"
 
     def test_plan_first_and_last_stage_layers_pin_every_cut(self) -> None:
         plan = make_plan(pp=4, layers=8)
@@ -286,78 +292,19 @@ class TestBalance:
         plan = make_plan(pp=2, v=2, layers=8)
         plan = dataclasses.replace(plan, model=model_spec(layers=7), parallel=dataclasses.replace(
             plan.parallel, first_stage_layers=3))
-        _, pipeline = split(plan)
-        counts = [sum(a.startswith("layers.") for a in stage_info(s).atoms)
-                  for _, s in pipeline_stages(pipeline)]
+        counts = layer_counts(split(plan)[1])
         assert counts == [1, 2, 2, 2]
         assert counts[0] + counts[2] == 3
 
-    @pytest.mark.parametrize("knobs,needle", [
-        ({"boundaries": ["layer.3"]}, r"no graph piece named 'layer.3'.*did you mean"),
-        ({"boundaries": ["layers.1", "layers.2"]}, r"boundaries lists 2 cuts; 2 stages have 1"),
-        ({"boundaries": {2: "layers.1"}}, r"stages that can start at a cut are 1 .. 1"),
+    @pytest.mark.parametrize("pins,needle", [
+        (("layer.3",), r"no graph piece named 'layer.3'.*did you mean"),
+        (("layers.2", "layers.1", "layers.3"), r"later stages at later pieces"),
+        ((None, "norm", None), r"cut 'norm' \(stage 2\) names no layer.*needs every cut pinned"),
     ])
-    def test_bad_pins_are_named(self, knobs: dict, needle: str) -> None:
+    def test_bad_pins_are_named(self, pins: tuple, needle: str) -> None:
+        plan = make_plan(pp=2 if len(pins) == 1 else 4)
         with pytest.raises(CompileError, match=needle):
-            split(make_plan(pp=2), knobs)
-
-    def test_pins_must_go_forward(self) -> None:
-        with pytest.raises(CompileError, match="later stages at later pieces"):
-            split(make_plan(pp=4), {"boundaries": {1: "layers.2", 2: "layers.1"}})
-
-    def test_memory_is_a_constraint(self) -> None:
-        with pytest.raises(CompileError, match=r"no cut of the model into 2 pipeline stages fits "
-                                               r"the memory: the best cut still needs"):
-            split(make_plan(pp=2, hbm=(1 << 30) + 1000))
-
-    def test_memory_counts_only_what_recomputed_layers_keep(self) -> None:
-        from ptc.compiler.memory import RUNTIME_RESERVE
-
-        def need(plan: Plan) -> float:
-            return max(stage_info(g).memory_bytes for _, g in pipeline_stages(split(plan)[1]))
-
-        def with_budget(plan: Plan, budget: float) -> Plan:
-            # The split fits stages in memory_budget - RUNTIME_RESERVE: set it through the margin.
-            margin = plan.hardware.hbm_bytes - RUNTIME_RESERVE - budget
-            hardware = dataclasses.replace(plan.hardware, memory_margin=margin)
-            return dataclasses.replace(plan, hardware=hardware)
-
-        none = make_plan(pp=2, m=4)
-        full = dataclasses.replace(none, parallel=dataclasses.replace(none.parallel,
-                                                                      checkpoint="full"))
-        need_none, need_full = need(none), need(full)
-        assert need_full < need_none
-        budget = 1.01 * need_full
-        assert need(with_budget(full, budget)) == need_full  # fits only because layers recompute
-        with pytest.raises(CompileError, match="no cut of the model into 2 pipeline stages"):
-            split(with_budget(none, budget))
-
-
-    @pytest.mark.parametrize("family", ["gpt", "llama", "custom"])
-    def test_layers_alike_are_priced_by_running_the_first_of_them(
-            self, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        """The activation bytes of each atom are those of a run of every node: identical
-        layers after the first are not run but take their twin's values and bytes."""
-        from ptc.compiler import balance  # noqa: PLC0415
-
-        found = {}
-        pricing = balance._saved_bytes
-
-        def both(gm, atoms):
-            found["twins"] = balance._twins(gm, atoms)[0]
-            with monkeypatch.context() as every_node_runs:
-                every_node_runs.setattr(balance, "_twins", lambda *_: ({}, {}))
-                found["all run"] = pricing(gm, atoms)
-            found["twins run"] = pricing(gm, atoms)
-            return found["twins run"]
-
-        monkeypatch.setattr(balance, "_saved_bytes", both)
-        split(make_plan(family, pp=2))
-        assert found["twins run"] == found["all run"]
-        # Of the 4 layers, the last 2 or 3 are twins of an earlier one (the first may read
-        # the embedding's output unlike the others read a layer's).
-        assert len(found["twins"]) in (2, 3)
-        assert all(twin < index for index, twin in found["twins"].items())
+            split(pinned(plan, stage_boundaries=pins))
 
 
 class TestProgram:
