@@ -18,17 +18,23 @@ What is decided here, before any pass:
   mix of none / selective / full that fits the memory budget with the least
   recompute), and the cost model's estimate and so the predicted step time.
 
-What each stage graph holds (`ptc.compiler.stages.StageInfo`) and its
-parameter layout follow from that cut at the split and are recorded in the
-stage graph's record (`ptc.compiler.meta.GraphRecord`); the bucket size
-follows from the plan and that layout (`ptc.compiler.overlap.resolve_bucket_bytes`)
-and is recorded by the comm_overlap pass.
+What is decided at the seam (the pipeline split), from the graph the
+whole-graph passes lowered, and added to the record there
+(`with_stage_layouts`): how tensor parallelism split each parameter (the
+tensor_parallel pass's layout) and each stage graph's parameter layout (its
+flat units and shards), which the zero and comm_overlap passes, the Program
+and the runtime read from here. Last, after the per-stage passes, each
+stage's buckets and overlap decisions (`with_overlap`: the comm_overlap
+pass's, which at ZeRO-3 follow the gathers the zero pass placed; one bucket
+per unit where the pass did not run), so the runtime follows a decision for
+every stage and never makes one.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import fx
@@ -40,6 +46,9 @@ from ptc.plan import Plan, is_auto_checkpoint
 
 if TYPE_CHECKING:
     from ptc.compiler.estimate import Estimate
+    from ptc.compiler.overlap import OverlapPlan
+    from ptc.compiler.program import ParamLayout
+    from ptc.compiler.tp_layout import TensorParallelLayout
 
 log = logging.getLogger("ptc.compiler")
 
@@ -60,6 +69,20 @@ class Decisions:
     """The cost model's `ptc.compiler.estimate.Estimate` of the plan (None: not priced)."""
     unpriced: str | None
     """Why there is no estimate (a custom model, a plan the cost model cannot price)."""
+    tensor_parallel: TensorParallelLayout | None = None
+    """How tp splits each parameter (None when tp = 1): fixed at the seam."""
+    layouts: Mapping[int, ParamLayout] = field(default_factory=dict)
+    """Each stage graph's parameter layout, by stage index: fixed at the seam."""
+    overlap: Mapping[int, OverlapPlan] = field(default_factory=dict)
+    """Each stage's buckets and overlap decisions, by stage index: fixed after the per-stage
+    passes."""
+
+    def stage_layout(self, stage: int) -> ParamLayout:
+        """The parameter layout of stage `stage`, fixed at the seam."""
+        if stage not in self.layouts:
+            raise CompileError("no parameter layout for this stage yet: per-stage passes run "
+                               "after the pipeline split, where each stage's layout is fixed")
+        return self.layouts[stage]
 
     def policy(self, layer: int | None) -> str:
         """The recompute policy of layer `layer` ("none" outside the layers)."""

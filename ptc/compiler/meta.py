@@ -14,7 +14,7 @@ two nodes ever share a mutable record.
 A graph's own record lives under the same key of `gm.meta`: one frozen
 `GraphRecord` holding what capture found (`CaptureInfo`) and what the passes
 recorded about the graph (its tensor-parallel split, its place in the
-pipeline, its parameter layout, its overlap decisions), replaced whole with
+pipeline, the overlap decisions of the comm_overlap pass), replaced whole with
 `update_graph_record`.
 """
 
@@ -30,7 +30,6 @@ from torch import fx
 
 if TYPE_CHECKING:
     from ptc.compiler.overlap import OverlapPlan
-    from ptc.compiler.program import ParamLayout
     from ptc.compiler.stages import PipelineInfo, StageInfo
     from ptc.compiler.tp_layout import TensorParallelLayout
 
@@ -126,10 +125,9 @@ class GraphRecord:
     """Set on the pipeline graph the split returns: its stages and tied weights."""
     stage: StageInfo | None = None
     """Set on a stage graph: its place in the pipeline and what crosses its edges."""
-    layout: ParamLayout | None = None
-    """The stage graph's parameter layout, fixed once at the split (units, slots)."""
     overlap: OverlapPlan | None = None
-    """The comm_overlap pass's buckets and overlap decisions."""
+    """The comm_overlap pass's buckets and overlap decisions (collected into the Decisions
+    after the per-stage passes)."""
 
 
 def graph_record(gm: fx.GraphModule) -> GraphRecord:

@@ -33,7 +33,7 @@ from ptc.plan import DTYPE_BYTES, LinkSpec, Plan
 if TYPE_CHECKING:
     from ptc.compiler.layout import Layout
     from ptc.compiler.profile import ModelProfile
-    from ptc.compiler.program import ParamLayout, Stage
+    from ptc.compiler.program import ParamLayout
 
 LATENCY_SHARE = 0.1
 """Largest share of a bucket's transfer time that link latency may take ("auto" size)."""
@@ -68,11 +68,9 @@ class OverlapPlan:
     """Column-parallel linears whose input-gradient reduction overlaps their weight gradients."""
 
 
-def stage_overlap(stage: Stage, layout: ParamLayout, plan: Plan) -> OverlapPlan:
-    """The stage's OverlapPlan; for a graph the pass did not see, one bucket per unit of
-    `layout` (the stage's parameter layout) and the plan's overlap switch."""
-    if stage.overlap is not None:
-        return stage.overlap
+def default_overlap(layout: ParamLayout, plan: Plan) -> OverlapPlan:
+    """The OverlapPlan of a stage graph the comm_overlap pass did not see: one bucket per
+    unit of `layout` (the stage's parameter layout) and the plan's overlap switch."""
     on = plan.parallel.overlap
     sizes = tuple(GRAD_BYTES * u.padded_numel for u in layout.units)
     return OverlapPlan(overlap=on, bucket_bytes=max(sizes, default=0),

@@ -18,17 +18,19 @@ backward. A parameter belongs to the unit of its first use; a tied parameter
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 
-from ptc.compiler.meta import graph_record, update_graph_record
+from ptc.compiler.meta import graph_record
 from ptc.compiler.nodes import module_path
-from ptc.compiler.stages import tied_names
+from ptc.compiler.overlap import default_overlap
+from ptc.compiler.stages import stage_info, tied_names
 from ptc.errors import CompileError
 from ptc.plan import DTYPE_BYTES
 
@@ -188,26 +190,39 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
     return ParamLayout(units=tuple(units), params=slots)
 
 
-def fix_stage_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
-    """Lay out a stage graph's parameters once and record the layout in the graph's record.
+def stage_param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
+    """The parameter layout of a stage graph: its own parameters, each tied weight a unit of
+    its own (so the copies on several stages have the same geometry and summable shards).
 
-    The pipeline split's seam calls this for every stage graph (an unsplit
-    graph is one stage); the zero and comm_overlap passes, the Program and
-    the runtime then read this one layout (`stage_layout`), so they agree.
+    Fixed once at the pipeline split's seam for every stage graph (an unsplit graph is
+    one stage) and kept in the Decisions (`with_stage_layouts`): the zero and
+    comm_overlap passes, the Program and the runtime read that one layout, so they agree.
     """
-    layout = param_layout(gm, shards, own_units=tied_names(gm))
-    update_graph_record(gm, layout=layout)
-    return layout
+    shards_module = getattr(gm, "zero", None)
+    if isinstance(shards_module, ZeroShards):  # lowered by the zero pass already: its layout
+        return shards_module.layout
+    return param_layout(gm, shards, own_units=tied_names(gm))
 
 
-def stage_layout(gm: fx.GraphModule) -> ParamLayout:
-    """The parameter layout fixed for a stage graph at the pipeline split."""
-    layout = graph_record(gm).layout
-    if layout is None:
-        raise CompileError("this graph has no parameter layout yet: per-stage passes run after "
-                           "the pipeline split, which fixes each stage's layout "
-                           "(ptc.compiler.program.fix_stage_layout)")
-    return layout
+def with_stage_layouts(decisions: Decisions, whole: fx.GraphModule,
+                       stages: Sequence[fx.GraphModule]) -> Decisions:
+    """`decisions` with what the seam fixes: the tp layout the whole-graph passes recorded
+    on `whole`, and each stage graph's parameter layout."""
+    return dataclasses.replace(
+        decisions, tensor_parallel=graph_record(whole).tensor_parallel,
+        layouts={stage_info(s).index: stage_param_layout(s, decisions.plan.grad_ranks)
+                 for s in stages})
+
+
+def with_overlap(decisions: Decisions, stages: Sequence[fx.GraphModule]) -> Decisions:
+    """`decisions` with each stage's overlap plan: the comm_overlap pass's, or where it did
+    not run, one bucket per unit (`default_overlap`)."""
+    plans = {}
+    for stage in stages:
+        index = stage_info(stage).index
+        plans[index] = graph_record(stage).overlap or default_overlap(
+            decisions.stage_layout(index), decisions.plan)
+    return dataclasses.replace(decisions, overlap=plans)
 
 
 def shard_unit(node: fx.Node) -> int:
@@ -243,10 +258,10 @@ class Stage:
     """The lowered graph on the meta device: (tokens, targets) -> mean loss, or, split into
     pipeline stages, the calling convention of `ptc.compiler.stages`."""
     layout: ParamLayout
-    """The stage's own parameter layout (pp = 1: the Program's)."""
-    overlap: OverlapPlan | None = None
-    """Buckets and overlap decisions of the comm_overlap pass (None: the pass did not run;
-    the runtime then uses one bucket per unit, see `ptc.compiler.overlap.stage_overlap`)."""
+    """The stage's own parameter layout (pp = 1: the Program's), as the Decisions fix it."""
+    overlap: OverlapPlan
+    """The stage's buckets and overlap decisions, as the Decisions fix them (one bucket per
+    unit where the comm_overlap pass did not run: `ptc.compiler.overlap.default_overlap`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,8 +282,6 @@ class Program:
     """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
     schedule: Schedule
     """The pipeline schedule, checked deadlock-free (pp = 1: the one-stage schedule)."""
-    tensor_parallel: TensorParallelLayout | None = None
-    """How tp splits each parameter (None when tp = 1); the layout's shapes are tp-local."""
     model: nn.Module | None = None
     """The module `ptc.compile` was given (None: the plan's own model). It is what trains:
     its weights are the initial ones (unless the plan's `init` says otherwise), and the
@@ -286,6 +299,11 @@ class Program:
     def frozen(self) -> frozenset[str]:
         """Names of the parameters the model does not train (requires_grad = False)."""
         return frozenset(graph_record(self.stages[0].graph).capture.frozen)
+
+    @property
+    def tensor_parallel(self) -> TensorParallelLayout | None:
+        """How tp splits each parameter (None when tp = 1); the layout's shapes are tp-local."""
+        return self.decisions.tensor_parallel
 
     @property
     def predicted_step_time(self) -> float | None:

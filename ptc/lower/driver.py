@@ -20,10 +20,10 @@ from torch import fx, nn
 
 from ptc.compiler.collector import collector_off
 from ptc.compiler.decisions import Decisions, resolve
-from ptc.compiler.meta import graph_info, graph_record, update_graph_record
+from ptc.compiler.meta import graph_info, update_graph_record
 from ptc.compiler.positions import check_position_tables
-from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, fix_stage_layout, param_layout,
-                                  stage_layout)
+from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, param_layout,
+                                  with_stage_layouts)
 from ptc.compiler.schedule import schedule_for
 from ptc.compiler.stages import stage_info, whole_graph_stage
 from ptc.errors import CompileError
@@ -141,29 +141,31 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
     whole = param_layout(gm, plan.grad_ranks) if plan.parallel.pp > 1 else None
     decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled,
                                representative=representative)
-    stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph, layout=stage_layout(graph),
-                         overlap=graph_record(graph).overlap)
+    stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph,
+                         layout=decisions.layouts[i], overlap=decisions.overlap[i])
                    for i, graph in enumerate(lowered.stages))
     return Program(plan=plan, decisions=decisions, stages=stages,
                    layout=whole if whole is not None else stages[0].layout,
-                   pass_log=lowered.log, schedule=schedule_for(plan),
-                   tensor_parallel=graph_record(lowered.graph).tensor_parallel, model=model)
+                   pass_log=lowered.log, schedule=schedule_for(plan), model=model)
 
 
 def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
           knobs: Mapping[str, Mapping[str, Any]] | None = None,
           disabled: Sequence[str] = (),
           representative: fx.GraphModule | None = None) -> tuple[Decisions, Lowered]:
-    """Resolve `plan` for the captured graph `gm` and run `passes` on it (the runner's result);
-    with a `representative` of it, the whole-graph passes run on that, stamped out after."""
+    """Resolve `plan` for the captured graph `gm` and run `passes` on it: the Decisions as the
+    runner completed them, and its result; with a `representative` of it, the whole-graph
+    passes run on that, stamped out after."""
     decisions = resolve(gm, plan)
     try:
         if representative is not None:
-            return decisions, run_passes(representative, decisions, passes, knobs=knobs,
-                                         disabled=_allowed_to_disable(plan, disabled),
-                                         deepen=stamp_layers_pass)
-        return decisions, run_passes(gm, decisions, passes, knobs=knobs,
-                                     disabled=_allowed_to_disable(plan, disabled))
+            lowered = run_passes(representative, decisions, passes, knobs=knobs,
+                                 disabled=_allowed_to_disable(plan, disabled),
+                                 deepen=stamp_layers_pass)
+        else:
+            lowered = run_passes(gm, decisions, passes, knobs=knobs,
+                                 disabled=_allowed_to_disable(plan, disabled))
+        return lowered.decisions, lowered
     except CompileError as exc:
         exc.field = exc.field or PLAN_FIELDS.get(exc.pass_name)
         raise
@@ -195,13 +197,13 @@ def apply_pass(fn: Pass, gm: fx.GraphModule, plan: Plan, **knobs: Any) -> fx.Gra
     """Run one pass of `PASSES` on `gm` as the runner would, then the verifier (tests, notebooks).
 
     The plan is resolved for `gm`; a per-stage pass given a graph that was
-    never split runs on it as the only stage, its layout fixed first.
+    never split runs on it as the only stage, its layout fixed first as at the seam.
     """
     decisions = resolve(gm, plan)
-    if fn in PASSES.per_stage and graph_record(gm).layout is None:
+    if fn in PASSES.per_stage:
         if stage_info(gm) is None:
             update_graph_record(gm, stage=whole_graph_stage(gm))
-        fix_stage_layout(gm, plan.grad_ranks)
+        decisions = with_stage_layouts(decisions, gm, [gm])
     out = fn(gm, decisions, **knobs)
     verify_graph(out, plan, after=fn.__name__)
     return out

@@ -6,9 +6,12 @@ in three parts around the one seam:
 
 1. whole-graph passes run on the captured graph;
 2. the split cuts it into stage graphs (pp = 1: the graph is the only
-   stage); at the seam every stage graph gets its StageInfo and its
-   parameter layout, fixed once (`ptc.compiler.program.fix_stage_layout`);
-3. per-stage passes run on each stage graph and change it in place.
+   stage); at the seam every stage graph gets its StageInfo, and the
+   Decisions what the seam fixes: the tp layout and each stage's parameter
+   layout (`ptc.compiler.program.with_stage_layouts`);
+3. per-stage passes run on each stage graph, reading those Decisions, and
+   change it in place; then each stage's overlap plan joins the Decisions
+   (`ptc.compiler.program.with_overlap`).
 
 No pass asks whether the graph is split. After every pass the verifier
 (`ptc.lower.verify`) checks the graph, so a broken graph names the pass that
@@ -34,7 +37,7 @@ from torch import fx
 from ptc.compiler.decisions import Decisions
 from ptc.compiler.graph_code import code_version
 from ptc.compiler.meta import update_graph_record
-from ptc.compiler.program import fix_stage_layout
+from ptc.compiler.program import with_overlap, with_stage_layouts
 from ptc.compiler.stages import pipeline_stages, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.verify import Rerun, verify_graph
@@ -64,7 +67,8 @@ class PassList:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Lowered:
-    """What the runner returns: the stage graphs, the graph they came from, the pass log."""
+    """What the runner returns: the stage graphs, the graph they came from, the pass log, and
+    the Decisions completed at the seam and after the per-stage passes."""
 
     stages: tuple[fx.GraphModule, ...]
     """The lowered stage graphs, stage 0 first."""
@@ -72,6 +76,8 @@ class Lowered:
     """The pipeline graph calling the stages in order, or the only stage."""
     log: tuple[str, ...]
     """What each pass logged, prefixed with its name."""
+    decisions: Decisions
+    """The Decisions the passes ran with, with the seam's layouts and the overlap plans."""
 
 
 class _Collect(logging.Handler):
@@ -131,8 +137,7 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
     stages = [stage for _, stage in pipeline_stages(graph)] or [graph]
     if len(stages) == 1 and graph is stages[0]:
         update_graph_record(graph, stage=whole_graph_stage(graph))
-    for stage in stages:
-        fix_stage_layout(stage, plan.grad_ranks)
+    decisions = with_stage_layouts(decisions, graph, stages)
     for fn in passes.per_stage:
         if fn.__name__ in skip:
             continue
@@ -141,7 +146,8 @@ def run_passes(gm: fx.GraphModule, decisions: Decisions, passes: PassList, *,
                 raise CompileError(f"pass {fn.__name__} returned a new graph for stage {s}: "
                                    "per-stage passes change their stage graph in place")
         done.append(fn.__name__)
-    return Lowered(stages=tuple(stages), graph=graph, log=tuple(log))
+    return Lowered(stages=tuple(stages), graph=graph, log=tuple(log),
+                   decisions=with_overlap(decisions, stages))
 
 
 def _run_one(fn: Pass, gm: fx.GraphModule, decisions: Decisions, knobs: dict[str, Any],

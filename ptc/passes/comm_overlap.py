@@ -34,9 +34,10 @@ import operator
 from torch import fx
 
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.stages import stage_info
 from ptc.compiler.meta import copy_meta, get_info, update_graph_record
 from ptc.compiler.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan, plan_buckets, resolve_bucket_bytes
-from ptc.compiler.program import ParamLayout, shard_unit, stage_layout
+from ptc.compiler.program import ParamLayout, shard_unit
 from ptc.errors import CompileError
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.plan import Plan
@@ -63,7 +64,7 @@ def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,
     prefetch = int(prefetch if prefetch is not None else 1 if on else 0)
     in_flight = int(in_flight if in_flight is not None else IN_FLIGHT if on else 0)
     zero3 = plan.parallel.zero == 3
-    layout = stage_layout(gm)
+    layout = decisions.stage_layout(stage_info(gm).index)
     if zero3:
         buckets, size, merged = _bucket_gathers(gm, plan, layout)
         moved = _prefetch(_gathers(gm), prefetch)

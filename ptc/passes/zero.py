@@ -28,8 +28,9 @@ from torch import fx
 from ptc.compiler.meta import copy_meta, get_info
 from ptc.compiler.nodes import module_path
 from ptc.compiler.decisions import Decisions
+from ptc.compiler.stages import stage_info
 from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
-                                  stage_layout, used_params)
+                                  used_params)
 from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
 from ptc.ops.collectives import gather_params, gather_params_start
@@ -53,7 +54,7 @@ def shard_params_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModul
     if hasattr(gm, SHARDS_ATTR):
         raise CompileError(f"zero: the model already has an attribute {SHARDS_ATTR!r}")
     dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
-    layout = stage_layout(gm)
+    layout = decisions.stage_layout(stage_info(gm).index)
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
     gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]

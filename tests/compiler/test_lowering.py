@@ -16,7 +16,6 @@ import ptc.compiler.estimate as estimate_module
 from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.compiler.capture import capture
 from ptc.compiler.meta import graph_record
-from ptc.compiler.program import stage_layout
 from ptc.errors import CompileError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
 from ptc.lower.verify import Rerun, verify_graph
@@ -60,8 +59,9 @@ def test_the_cost_model_runs_once_per_compile(monkeypatch, parallel):
 def test_stages_read_the_one_layout_the_split_fixed():
     program = compile_plan(plan(zero=3))
     for stage in program.stages:
-        assert stage.layout is stage_layout(stage.graph) is graph_record(stage.graph).layout
-        assert stage.overlap is graph_record(stage.graph).overlap
+        assert stage.layout is program.decisions.layouts[stage.index]
+        assert stage.overlap is program.decisions.overlap[stage.index]
+        assert stage.overlap == graph_record(stage.graph).overlap  # the pass's, as recorded
         assert stage.info.num_stages == 2
 
 
