@@ -388,6 +388,7 @@ def run_ptc(plan, device: torch.device, warmup: int, *, memory: dict | None = No
     `keep_state`: the trained fp32 weights (CPU) under "state", by the model's names."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
+    from ptc.worker import MODELS
     from ptc.runtime.metrics import model_flops_per_step
 
     program = compile_plan(plan)
@@ -395,7 +396,7 @@ def run_ptc(plan, device: torch.device, warmup: int, *, memory: dict | None = No
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     built = time.perf_counter()
-    trainer = Trainer(program, {}, device=device)
+    trainer = Trainer(program, {}, models=MODELS, device=device)
     setup_s = time.perf_counter() - built
     stats = []
 

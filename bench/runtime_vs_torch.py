@@ -86,10 +86,11 @@ def ptc_step(args, zero: int, compiled: bool = False):
     """ptc's runtime at ZeRO stage `zero` (`compiled`: runtime.compile): its step function."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
+    from ptc.worker import MODELS
     from ptc.runtime.mesh import axis_groups, build_mesh
 
     plan = make_plan(args, zero, compiled)
-    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan))).train_step
+    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS).train_step
 
 
 def torch_step(args, wrap: str, compiled: bool = False):
@@ -207,8 +208,9 @@ def ptc_pp_step(program):
     """ptc's pipeline runtime on `program`: its step function."""
     from ptc.runtime.mesh import axis_groups, build_mesh
     from ptc.runtime.executor import Trainer
+    from ptc.worker import MODELS
 
-    return Trainer(program, axis_groups(build_mesh(program.plan))).train_step
+    return Trainer(program, axis_groups(build_mesh(program.plan)), models=MODELS).train_step
 
 
 def torch_pp_step(program):
@@ -314,10 +316,11 @@ def ptc_tp_step_time(args, sp: bool) -> float:
     """ptc's runtime with tp = 2 (and sequence parallelism when `sp`)."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
+    from ptc.worker import MODELS
     from ptc.runtime.mesh import axis_groups, build_mesh
 
     plan = make_tp_plan(args, sp)
-    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
     return timed(trainer.train_step, args.repeat, args.warmup)
 
 

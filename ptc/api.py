@@ -2,7 +2,9 @@
 
 `ptc.compile`, `ptc.run`, `ptc.estimate` and `ptc.search` are thin: each
 delegates to the room that owns the work (compiler, runtime), so that a
-notebook user and the `ptc` command get identical results.
+notebook user and the `ptc` command get identical results. What the runtime
+must not do itself it is handed from here: the compiler, the preflight
+checks, and the built-in models (`ptc.worker.MODELS`) as its model factory.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None,
         allow_oom: bool = False) -> RunResult:
     """Train a plan (or a compiled Program) on local processes and return the losses.
 
-    Before any process starts, what the run needs is checked (`ptc.runtime.preflight`: files,
+    Before any process starts, what the run needs is checked (`ptc.lower.preflight`: files,
     folders, memory); `allow_oom` runs a plan predicted not to fit anyway."""
     from ptc.compiler.program import Program  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
+    from ptc.lower.preflight import preflight  # noqa: PLC0415
     from ptc.runtime.train import run as _run  # noqa: PLC0415
+    from ptc.worker import MODELS  # noqa: PLC0415
 
-    return _run(plan if isinstance(plan, Program) else _as_plan(plan), compiler=compile_plan,
-                steps=steps, allow_oom=allow_oom)
+    return _run(plan if isinstance(plan, Program) else _as_plan(plan), models=MODELS,
+                preflight=preflight, compiler=compile_plan, steps=steps, allow_oom=allow_oom)
 
 
 def export(checkpoint: str | os.PathLike, *, hf: str | os.PathLike | None = None,
@@ -61,14 +65,15 @@ def export(checkpoint: str | os.PathLike, *, hf: str | os.PathLike | None = None
     `model`: the module that trained, when the checkpoint cannot rebuild it (one given to
     `ptc.compile` without a factory in the plan).
     """
+    from ptc.models import build_model  # noqa: PLC0415
     from ptc.runtime.export import export_hf, export_torch  # noqa: PLC0415
 
     if (hf is None) == (torch is None):
         raise ValueError("ptc.export: give exactly one of hf= and torch=")
     if hf is not None:
-        export_hf(checkpoint, hf, model=model)
+        export_hf(checkpoint, hf, build=build_model, model=model)
     else:
-        export_torch(checkpoint, torch, model=model)
+        export_torch(checkpoint, torch, build=build_model, model=model)
 
 
 def estimate(plan: Plan | str | os.PathLike) -> Estimate:

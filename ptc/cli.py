@@ -38,7 +38,7 @@ def _load(path: str, overrides: dict[str, str]):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Validate plan files and what a run of each would need (`ptc.runtime.preflight`); print
+    """Validate plan files and what a run of each would need (`ptc.lower.preflight`); print
     every problem of each, with line and caret."""
     status = EXIT_OK
     for path in args.plans:
@@ -66,7 +66,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _preflight(plan, args: argparse.Namespace) -> None:
     """Raise PlanError with what a run of `plan` would meet (files, folders, factory, memory);
     print the warnings."""
-    from ptc.runtime.preflight import preflight  # noqa: PLC0415 - reads files, imports torch
+    from ptc.lower.preflight import preflight  # noqa: PLC0415 - reads files, imports torch
 
     found = preflight(plan, overrides=args.overrides, allow_oom=getattr(args, "allow_oom", False),
                       compiler=_compile)
@@ -146,6 +146,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine's compute rates and links for the plan; write a hardware profile."""
     from ptc.hwprofile import write_profile  # noqa: PLC0415
+    from ptc.models import build_model  # noqa: PLC0415
     from ptc.runtime.bench_comm import parse_size  # noqa: PLC0415
     from ptc.runtime.calibrate import Settings, calibrate, render_profile  # noqa: PLC0415
 
@@ -158,7 +159,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _err.print(f"error: {exc}", markup=False)
         return EXIT_USAGE
-    profile = calibrate(plan, settings)
+    profile = calibrate(plan, settings, build=build_model)
     write_profile(profile, args.output)
     _out.print(render_profile(profile, plan), markup=False)
     _out.print(f"wrote {args.output}; a plan takes its figures with hardware {{ profile = "
@@ -169,7 +170,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a plan on one process per rank through torch's elastic launcher.
 
-    Inside a launched worker (`torchrun ... -m ptc run PLAN`) it trains as this rank.
+    The plan is read here, once, with its overrides; the launcher writes it into the run's
+    log folder (`ptc.worker.write_plan`) and the workers read that. Inside a launched worker
+    (`torchrun ... -m ptc run PLAN`) it trains the plan read here as this rank.
     """
     from ptc.runtime.launcher import in_worker, launch  # noqa: PLC0415
 
@@ -180,17 +183,14 @@ def cmd_run(args: argparse.Namespace) -> int:
              if value is not None]
     plan = _load(args.plan, args.overrides)  # report plan errors before any process starts
     if in_worker():
-        from ptc.worker import main  # noqa: PLC0415
+        from ptc.worker import train  # noqa: PLC0415 - imports torch
 
-        return main([args.plan, *_flags(args.overrides)])
-    _preflight(plan, args)
-    return launch(args.plan, nproc=args.nproc, extra_launcher_args=extra,
-                  worker_args=_flags(args.overrides), log_dir=args.log_dir)
+        return train(plan)
+    _preflight(plan, args)  # refused on a missing file before torch is imported
+    from ptc.worker import write_plan  # noqa: PLC0415 - imports torch
 
-
-def _flags(overrides: dict[str, str]) -> list[str]:
-    """The overrides as command-line flags again, for the launched workers."""
-    return [f"--{name}={value}" for name, value in overrides.items()]
+    return launch(plan, write_plan, nproc=args.nproc, extra_launcher_args=extra,
+                  log_dir=args.log_dir)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -212,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Print the plan's memory per stage (with its formula) and its time breakdown."""
     from ptc.compiler.report import render_explain  # noqa: PLC0415
-    from ptc.runtime.preflight import memory_problems  # noqa: PLC0415
+    from ptc.lower.preflight import memory_problems  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     _out.print(render_explain(plan))
@@ -235,12 +235,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's trained weights as a torch state dict or a Hugging Face directory."""
+    from ptc.models import build_model  # noqa: PLC0415
     from ptc.runtime.export import export_hf, export_torch  # noqa: PLC0415
 
     if args.hf:
-        written = export_hf(args.checkpoint, args.hf)
+        written = export_hf(args.checkpoint, args.hf, build=build_model)
     else:
-        written = export_torch(args.checkpoint, args.torch)
+        written = export_torch(args.checkpoint, args.torch, build=build_model)
     _out.print(f"wrote {written}", markup=False)
     return EXIT_OK
 

@@ -128,7 +128,7 @@ def test_an_unwritable_checkpoint_dir(tmp_path, capsys, monkeypatch):
     (tmp_path / "ro").mkdir(mode=0o500)
     if os.geteuid() == 0:  # root writes anywhere: the folder answers as it would to a user
         real = os.access
-        monkeypatch.setattr("ptc.runtime.preflight.os.access", lambda path, mode: False
+        monkeypatch.setattr("ptc.lower.preflight.os.access", lambda path, mode: False
                             if Path(path) == tmp_path / "ro" else real(path, mode))
     err = _refused("check", _plan(tmp_path, runtime__checkpoint_dir='"ro/ckpt"'), capsys)
     assert err[0].endswith(f"{tmp_path / 'ro'} is not writable [runtime.checkpoint_dir]")
@@ -310,7 +310,7 @@ def test_ranks_that_would_each_build_a_whole_model_past_the_hosts_memory_are_ref
         "    return nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 512))\n")
     _custom_plan(tmp_path, monkeypatch, "wide:build")
     model_bytes = (512 * 64 + 64 * 512 + 512) * 4
-    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes",
+    monkeypatch.setattr("ptc.lower.preflight._host_available_bytes",
                         lambda: 8 * model_bytes - 1)
     line = _line_of(tmp_path / "plan.ptc", "init = random")
     for command in ("check", "run"):
@@ -322,7 +322,7 @@ def test_ranks_that_would_each_build_a_whole_model_past_the_hosts_memory_are_ref
             f"{format_bytes(8 * model_bytes - 1)} this machine has available; give the "
             f"weights as a file (init = state_dict(path) or hf(dir)), of which each rank reads "
             f"only its part; --allow-oom runs it anyway [train.init]")
-    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes", lambda: 8 * model_bytes)
+    monkeypatch.setattr("ptc.lower.preflight._host_available_bytes", lambda: 8 * model_bytes)
     assert main(["check", str(tmp_path / "plan.ptc")]) == 0  # exactly enough
 
 

@@ -32,7 +32,13 @@ ROOMS = {
     "ptc.compiler": (*BOTTOM, "ptc.dsl", "ptc.models", "ptc.ops"),
     "ptc.passes": (*BOTTOM, "ptc.compiler", "ptc.ops"),
     "ptc.lower": (*BOTTOM, "ptc.models", "ptc.compiler", "ptc.ops", "ptc.passes"),
-    "ptc.runtime": (*BOTTOM, "ptc.dsl", "ptc.models", "ptc.ops", "ptc.compiler"),
+    # Preflight plans (it estimates, builds models, compiles through the compiler it is
+    # handed) and asks the runtime's own readers whether a run would find its token file,
+    # weights and mesh: the one module of a planning room that reads the runtime.
+    "ptc.lower.preflight": (*BOTTOM, "ptc.models", "ptc.compiler", "ptc.ops", "ptc.runtime"),
+    # The runtime runs a Program and a resolved Plan: it never reads plan text (dsl), builds
+    # a model (models: a factory is handed in) or compiles (lower: a compiler is handed in).
+    "ptc.runtime": (*BOTTOM, "ptc.ops", "ptc.compiler"),
 }
 """Rooms from the bottom up; `ptc.cli`, `ptc.api`, `ptc.worker` and `ptc` may import all."""
 

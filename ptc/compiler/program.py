@@ -37,7 +37,7 @@ from ptc.plan import DTYPE_BYTES
 if TYPE_CHECKING:
     from ptc.compiler.decisions import Decisions
     from ptc.compiler.overlap import OverlapPlan
-    from ptc.compiler.schedule import Schedule
+    from ptc.compiler.schedule import Action, Schedule
     from ptc.compiler.stages import StageInfo
     from ptc.compiler.tp_layout import TensorParallelLayout
     from ptc.plan import Plan
@@ -282,6 +282,9 @@ class Program:
     """What each pass logged, in order ("shard_params_pass: inserted 6 gather_params")."""
     schedule: Schedule
     """The pipeline schedule, checked deadlock-free (pp = 1: the one-stage schedule)."""
+    actions: tuple[tuple[Action, ...], ...]
+    """What each pipeline rank runs, in order: the schedule lowered to compute actions and
+    the sends and receives between them (`ptc.compiler.schedule.lower`)."""
     model: nn.Module | None = None
     """The module `ptc.compile` was given (None: the plan's own model). It is what trains:
     its weights are the initial ones (unless the plan's `init` says otherwise), and the

@@ -24,7 +24,7 @@ from ptc.compiler.meta import graph_info, update_graph_record
 from ptc.compiler.positions import check_position_tables
 from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, param_layout,
                                   with_stage_layouts)
-from ptc.compiler.schedule import schedule_for
+from ptc.compiler.schedule import lower as lower_schedule, schedule_for
 from ptc.compiler.stages import stage_info, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
@@ -144,9 +144,11 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
     stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph,
                          layout=decisions.layouts[i], overlap=decisions.overlap[i])
                    for i, graph in enumerate(lowered.stages))
+    schedule = schedule_for(plan)
     return Program(plan=plan, decisions=decisions, stages=stages,
                    layout=whole if whole is not None else stages[0].layout,
-                   pass_log=lowered.log, schedule=schedule_for(plan), model=model)
+                   pass_log=lowered.log, schedule=schedule, actions=lower_schedule(schedule),
+                   model=model)
 
 
 def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,

@@ -1,10 +1,12 @@
 """The runtime: launch processes, build process groups, run a Program's graphs, train.
 
-Public entry points: `run(plan_or_program)` trains from Python (`ptc.run`),
-`launch(plan_path, nproc, extra_launcher_args)` is what `ptc run PLAN`
-calls, `Trainer` is one rank's training state (for tests and notebooks),
-`bench_comm` / `render_comm` measure and show collective bandwidth per mesh
-axis (`ptc bench-comm`).
+Public entry points: `run(plan_or_program, models=, preflight=, compiler=)`
+trains from Python (what `ptc.run` calls, handing in what the runtime must
+not import: the model factory, the preflight checks and the compiler),
+`launch(plan, write_plan, nproc, extra_launcher_args)` is what `ptc run PLAN`
+calls with the plan it read, `Trainer` is one rank's training state (for
+tests and notebooks), `bench_comm` / `render_comm` measure and show
+collective bandwidth per mesh axis (`ptc bench-comm`).
 Submodules load lazily so that `import ptc.runtime` stays cheap.
 """
 

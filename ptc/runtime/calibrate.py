@@ -11,9 +11,9 @@ a model's graph (`ptc.compiler.work.function_work`: GEMM FLOPs, bytes moved,
 ops dispatched):
 
 - dispatch: a one-layer model of the plan's family at hidden size 8 and two
-  tokens, run as the runtime runs a stage graph (counted by
-  `ptc.compiler.work.graph_work`), whose kernels do almost nothing: seconds
-  per op dispatched, o = t / N;
+  tokens (made by the `build` handed in: `ptc.models.build_model`), run as
+  the runtime runs a stage graph (counted by `ptc.compiler.work.graph_work`),
+  whose kernels do almost nothing: seconds per op dispatched, o = t / N;
 - memory: a chain of element-wise, norm, softmax and view ops on a rank's
   activations (micro-batch × the sequence a rank holds × hidden, the plan's
   compute dtype): bytes per second, B = M / (t - N·o) on a CPU, M / t on a GPU;
@@ -60,8 +60,8 @@ from ptc.compiler.program import COMPUTE_DTYPES
 from ptc.compiler.topology import axis_groups as placement
 from ptc.compiler.work import Work, function_work, graph_work
 from ptc.hwprofile import HardwareProfile, Link
-from ptc.models import build_model
 from ptc.plan import ModelSpec, Plan
+from ptc.runtime.init import ModelBuilder
 
 KiB, MiB = 2**10, 2**20
 
@@ -85,17 +85,19 @@ class Settings:
     """Untimed collectives per size."""
 
 
-def calibrate(plan: Plan, settings: Settings = Settings()) -> HardwareProfile:
-    """Measure `plan`'s device and links (starting its processes) and return the profile."""
+def calibrate(plan: Plan, settings: Settings = Settings(), *,
+              build: ModelBuilder) -> HardwareProfile:
+    """Measure `plan`'s device and links (starting its processes) and return the profile;
+    `build` makes the dispatch probe's model (`ptc.models.build_model`, handed in from above)."""
     from ptc.runtime.launcher import in_worker, run_local  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
 
     if in_worker() or dist.is_initialized():
-        return calibrate_worker(plan, settings)
-    return run_local(calibrate_worker, world_size(plan), plan, settings)[0]
+        return calibrate_worker(plan, settings, build)
+    return run_local(calibrate_worker, world_size(plan), plan, settings, build)[0]
 
 
-def calibrate_worker(plan: Plan, settings: Settings) -> HardwareProfile:
+def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> HardwareProfile:
     """One rank's part of `calibrate` (collective over all ranks); rank 0's is the profile."""
     from ptc.runtime.mesh import (  # noqa: PLC0415
         axis_groups,
@@ -109,7 +111,7 @@ def calibrate_worker(plan: Plan, settings: Settings) -> HardwareProfile:
         device = device_for(plan)
         dtype = COMPUTE_DTYPES[plan.train.compute_dtype]
         shapes = probe_shapes(plan)
-        dispatch = dispatch_probe(plan, device, dtype, settings.seconds)
+        dispatch = dispatch_probe(plan, device, dtype, settings.seconds, build)
         o = dispatch.run() / dispatch.work.ops  # sizes the other two probes
         memory = memory_probe(device, dtype, shapes, settings.seconds, o)
         gemm = gemm_probe(device, dtype, shapes, settings.seconds, o)
@@ -249,7 +251,7 @@ def _linears(x: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, up: torch.Te
 
 
 def dispatch_probe(plan: Plan, device: torch.device, dtype: torch.dtype,
-                   seconds: float) -> Probe:
+                   seconds: float, build: ModelBuilder) -> Probe:
     """A one-layer model of the plan's family (GPT for a custom model) at hidden size 8 and
     two tokens, captured and run forward and backward as the runtime runs a stage graph
     (its generated code, its modules, autograd): its kernels do almost nothing, so what it
@@ -258,13 +260,13 @@ def dispatch_probe(plan: Plan, device: torch.device, dtype: torch.dtype,
     family = plan.model.family if plan.model.family in ("gpt", "llama") else "gpt"
     spec = ModelSpec(family=family, layers=1, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=16,
                      max_seq=2)
-    gm = capture(build_model(spec), micro_batch=1, seq_len=2, dtype=dtype)
+    gm = capture(build(spec), micro_batch=1, seq_len=2, dtype=dtype)
     work = Work()
     for node_work in graph_work(gm, [torch.zeros(1, 2, dtype=torch.long, device="meta")] * 2
                                 ).values():
         work.add(node_work.forward)
         work.add(node_work.backward)
-    runnable = with_weights(gm, build_model(spec, device=device).to(dtype))
+    runnable = with_weights(gm, build(spec, device=device).to(dtype))
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
     return Probe(lambda *args: runnable(tokens, tokens), lambda dev, scale: (), device, seconds,
                  work=work)

@@ -59,9 +59,9 @@ from torch import fx, nn
 from ptc.compiler.devices import bind_device
 from ptc.compiler.graph_code import with_code
 from ptc.compiler.meta import get_info
-from ptc.compiler.overlap import OverlapPlan, stage_overlap
+from ptc.compiler.overlap import OverlapPlan
 from ptc.compiler.program import COMPUTE_DTYPES, ParamSlot, Program
-from ptc.compiler.schedule import Action, lower
+from ptc.compiler.schedule import Action
 from ptc.compiler.stages import StageInfo
 from ptc.compiler.step_sync import guard_folds
 from ptc.errors import PtcError
@@ -75,7 +75,7 @@ from ptc.plan import DTYPE_BYTES
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import FoldedGuard, guarded_update
-from ptc.runtime.init import initial_buffers, reference_model
+from ptc.runtime.init import ModelFactory, initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
 from ptc.runtime.mesh import timeout
 from ptc.runtime.offload import HostOptimizer, offload_masters
@@ -279,15 +279,17 @@ class Trainer:
     """One rank's training state for a Program: its stage graphs, weights, optimizer, data."""
 
     def __init__(self, program: Program, groups: Mapping[str, dist.ProcessGroup | None], *,
-                 device: torch.device | str = "cpu", model: nn.Module | None = None,
+                 models: ModelFactory, device: torch.device | str = "cpu",
+                 model: nn.Module | None = None,
                  values: Mapping[str, torch.Tensor] | None = None):
         """Build this rank's chunks: weights bound into copies of its stage graphs, optimizer, data.
 
         `groups` maps axis names to this rank's process groups (empty: one
-        process). `model` is the model whose names, init rules and buffers
-        the weights follow (default: the program's own module, else the
-        plan's model on meta); `values` replaces
-        the plan's initial weights (full tensors by canonical name).
+        process). `models` builds the plan's model and gives its initial
+        values (handed in from above: `ptc.models`). `model` is the model
+        whose names, init rules and buffers the weights follow (default: the
+        program's own module, else the plan's model `models` builds); `values`
+        replaces the plan's initial weights (full tensors by canonical name).
         """
         plan = self.plan = program.plan
         self.program, self.groups = program, dict(groups)
@@ -309,10 +311,11 @@ class Trainer:
         """The non-finite guard when the gradient all-reduce carries it (else None)."""
         seed_dropout(plan, self.tp_group, self.rank)
         schedule = program.schedule
-        self.actions = lower(schedule)[self.pp_rank]
+        self.actions = program.actions[self.pp_rank]
         if model is None:
-            model = program.model if program.model is not None else reference_model(plan)
-        values = rank_values(program, model, values, self.tp_rank)
+            model = program.model if program.model is not None else \
+                reference_model(plan, models.build)
+        values = rank_values(program, model, models.initial_value, values, self.tp_rank)
         tp = program.tensor_parallel
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
                           for alias in slot.aliases}
@@ -350,7 +353,7 @@ class Trainer:
     def _chunk(self, program: Program, s: int, values: Mapping[str, torch.Tensor],
                model: nn.Module) -> Chunk:
         stage = program.stages[s]
-        layout = stage.layout or program.layout
+        layout = stage.layout
         gm = copy.deepcopy(stage.graph)
         bind_device(gm, self.device)  # tensors the graph creates: on this rank's device
         mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
@@ -360,7 +363,7 @@ class Trainer:
                             world=self.dp, device=self.device, grad_dtype=grad_dtype,
                             frozen=self._frozen)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
-        overlap = stage_overlap(stage, layout, self.plan)
+        overlap = stage.overlap
         reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
                               self.plan.parallel.grad_comm, self.guard) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]

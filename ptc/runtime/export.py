@@ -12,6 +12,9 @@ records the model section of the plan and every parameter's names, so
   it and calls its own `save_pretrained`, so `from_pretrained(DIR)` gives
   the trained model.
 
+The module is rebuilt by the `build` handed in (`ptc.models.build_model`,
+given by `ptc.cli` and `ptc.api`): the runtime builds no model of its own.
+
 Nothing half-written replaces a good file: each output is written beside
 its target and renamed into place.
 """
@@ -26,7 +29,7 @@ import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +39,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from ptc.errors import PtcError
 from ptc.plan import ModelSpec
 from ptc.runtime.checkpoint_store import MANIFEST, CheckpointStore, Manifest, parse_step
+
+if TYPE_CHECKING:
+    from ptc.runtime.init import ModelBuilder
 
 PREFIX = "model."
 """Checkpoint keys of parameters: `model.{name}`."""
@@ -73,10 +79,12 @@ def read_weights(checkpoint: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 
 
 def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                 model: nn.Module | None = None) -> Path:
-    """Write the checkpoint's weights as a state dict under the module's own names."""
+                 build: ModelBuilder, model: nn.Module | None = None) -> Path:
+    """Write the checkpoint's weights as a state dict under the module's own names: those of
+    `model`, else of the module `build` makes from the manifest's model section."""
     weights, manifest = read_weights(checkpoint)
-    module = model if model is not None else _rebuild(manifest, what="--torch", required=False)
+    module = model if model is not None else _rebuild(manifest, build, what="--torch",
+                                                      required=False)
     if module is not None:
         state = _loaded(module, weights, checkpoint).state_dict()
     else:
@@ -90,10 +98,13 @@ def export_torch(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-              model: nn.Module | None = None) -> Path:
-    """Write the checkpoint's weights as a Hugging Face save_pretrained directory."""
+              build: ModelBuilder, model: nn.Module | None = None) -> Path:
+    """Write the checkpoint's weights as a Hugging Face save_pretrained directory, through
+    `model`'s own save_pretrained, else that of the module `build` makes from the manifest's
+    model section."""
     weights, manifest = read_weights(checkpoint)
-    module = model if model is not None else _rebuild(manifest, what="--hf", required=True)
+    module = model if model is not None else _rebuild(manifest, build, what="--hf",
+                                                      required=True)
     if not callable(getattr(module, "save_pretrained", None)):
         raise PtcError(f"--hf: the model is a {type(module).__qualname__}, not a transformers "
                        "PreTrainedModel (it has no save_pretrained); use --torch FILE")
@@ -119,10 +130,10 @@ def _step_dir(path: Path) -> Path:
     return store.path(steps[0])
 
 
-def _rebuild(manifest: Manifest, *, what: str, required: bool) -> nn.Module | None:
-    """The module the checkpoint trained, built again from the manifest's model section."""
-    from ptc.models import build_model  # noqa: PLC0415 - the factory may import much
-
+def _rebuild(manifest: Manifest, build: ModelBuilder, *, what: str,
+             required: bool) -> nn.Module | None:
+    """The module the checkpoint trained, built again by `build` from the manifest's model
+    section."""
     record = manifest.info.get("model")
     if record is None or (record["family"] == "custom" and not record.get("factory")):
         if not required:
@@ -130,7 +141,7 @@ def _rebuild(manifest: Manifest, *, what: str, required: bool) -> nn.Module | No
         raise PtcError(f"{what}: the checkpoint does not say how to build its model (it was "
                        "given to ptc.compile as a module); export from Python: "
                        "ptc.export(CHECKPOINT, hf=DIR, model=module)")
-    return build_model(ModelSpec(**record), device="cpu")
+    return build(ModelSpec(**record), device="cpu")
 
 
 def _loaded(module: nn.Module, weights: Mapping[str, torch.Tensor], source) -> nn.Module:

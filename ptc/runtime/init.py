@@ -1,6 +1,10 @@
 """Initial weights and buffers: the same full tensors whatever the parallel layout.
 
-- random(seed), built-in family: each parameter from `ptc.models.initial_value`
+The runtime builds no model of its own: the model and the initial value of
+each parameter come from a `ModelFactory` handed in from above (`ptc.models`'
+`build_model` and `initial_value`, given by `ptc.worker` and `ptc.api`).
+
+- random(seed), built-in family: each parameter from the factory's `initial_value`
   (its own generator, seeded from the run seed and its name), computed from
   the meta model, so no rank ever materialises the whole model.
 - random(seed), custom family: the user's factory run under the seed on CPU.
@@ -22,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -35,85 +39,26 @@ from ptc.plan import Plan
 from ptc.runtime.hf_weights import SafetensorsState
 
 
-def check_init(plan: Plan, *, factory: bool = True) -> None:
-    """Refuse, in one line naming `train.init`, weights that cannot be read or that do not
-    hold the model's parameters (names and shapes, against the model built on the meta
-    device, which costs no memory) — run before any process starts. `factory`: whether the
-    workers build a custom model from the plan's factory (not when they are sent a module,
-    whose names are its own)."""
-    init = plan.train.init
-    if init.kind == "random":
-        return
-    if init.kind == "state_dict" and not Path(init.path).is_file():
-        raise PtcError(f"train.init: state_dict(\"{init.path}\"): no such file")
-    if init.kind == "hf":
-        state = SafetensorsState(init.path)
-        shape_of = state.shape
-    else:
-        try:
-            state = torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - a pickle, zip or format error of the file
-            raise PtcError(f"train.init: state_dict(\"{init.path}\"): cannot be read as a "
-                           f"torch.save state dict ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-        if not isinstance(state, Mapping):
-            raise PtcError(f"train.init: state_dict(\"{init.path}\") holds a "
-                           f"{type(state).__name__}, not a state dict")
-        def shape_of(name: str) -> tuple[int, ...]:
-            return tuple(state[name].shape)
-    if plan.model.family == "custom" and not factory:
-        return  # the workers are sent the module: its names are not the factory's
-    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
+ModelBuilder = Callable[..., nn.Module]
+"""`build(spec, device=..., seed=...)`: the model a plan's model section describes, on
+`device`, its weights (off meta) from `seed` (`ptc.models.build_model`)."""
 
-    try:
-        model = build_model(plan.model, device="meta")
-    except Exception:  # noqa: BLE001 - a factory that fails: the factory check says why
-        if plan.model.family != "custom":
-            raise
-        return
-    _check_names_and_shapes(model, state, shape_of, init.path)
+InitialValue = Callable[[nn.Module, str, int], torch.Tensor]
+"""`initial_value(model, name, seed)`: the full fp32 CPU tensor parameter `name` of `model`
+(built on meta) starts from (`ptc.models.initial_value`)."""
 
 
-def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: str) -> None:
-    """Every parameter of `model` under one of its names (tied ones have several) in `state`,
-    with the model's shape."""
-    names: dict[int, list[str]] = {}
-    params = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    missing = []
-    for key, aliases in names.items():
-        found = next((a for a in aliases if a in state), None)
-        if found is None:
-            missing.append(aliases[0])
-            continue
-        want = tuple(params[key].shape)
-        if shape_of(found) != want:
-            raise PtcError(f"train.init: {source}: {found} has shape {shape_of(found)}, the "
-                           f"model needs {want}")
-    if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
-                                          else "")
-        raise PtcError(f"train.init: {source}: no weights for {shown} (of {len(names)} "
-                       f"parameters); the file holds {len(state)} tensors, e.g. "
-                       f"{', '.join(list(state)[:3])}")
+@dataclass(frozen=True, slots=True)
+class ModelFactory:
+    """Where a run's models and initial weights come from, handed in from above
+    (`ModelFactory(ptc.models.build_model, ptc.models.initial_value)`): the runtime runs a
+    Program and builds no model of its own. Both are module-level functions, so the record
+    travels to spawned workers by name."""
 
-
-def cpu_build_bytes(plan: Plan) -> int:
-    """Bytes of the model each rank builds whole on the CPU to take its part of the initial
-    weights (`reference_model`): a custom factory's with init = random, whose values are its
-    own init under the seed; 0 otherwise (a built-in family's values are made parameter by
-    parameter, a file's read in parts). Measured on the factory's model built on meta."""
-    if plan.model.family != "custom" or plan.train.init.kind != "random":
-        return 0
-    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
-
-    try:
-        model = build_model(plan.model, device="meta")
-    except Exception:  # noqa: BLE001 - a factory that fails: the factory check says why
-        return 0
-    return tensor_bytes(model)
+    build: ModelBuilder
+    """Builds the plan's model (`ModelBuilder`)."""
+    initial_value: InitialValue
+    """A parameter's initial value, computed from the model on meta (`InitialValue`)."""
 
 
 def tensor_bytes(model: nn.Module, *, meta: bool = True) -> int:
@@ -124,20 +69,19 @@ def tensor_bytes(model: nn.Module, *, meta: bool = True) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def reference_model(plan: Plan) -> nn.Module:
-    """The model whose names, init rules and buffers the weights follow: a built-in family's
-    on meta; a custom factory's on the CPU under the seed where its own init gives the
-    weights (random), else with only its buffers real and its parameters on meta (the
-    weights come from the file), so that no rank holds a whole model to read its buffers."""
-    from ptc.models import build_model  # noqa: PLC0415 - only the runtime needs models here
-
+def reference_model(plan: Plan, build: ModelBuilder) -> nn.Module:
+    """The model whose names, init rules and buffers the weights follow, made by `build`: a
+    built-in family's on meta; a custom factory's on the CPU under the seed where its own
+    init gives the weights (random), else with only its buffers real and its parameters on
+    meta (the weights come from the file), so that no rank holds a whole model to read its
+    buffers."""
     seed = plan.train.init.seed
     if plan.model.family != "custom":
-        return build_model(plan.model, device="meta", seed=seed)
+        return build(plan.model, device="meta", seed=seed)
     if plan.train.init.kind == "random":
-        return build_model(plan.model, device="cpu", seed=seed)
+        return build(plan.model, device="cpu", seed=seed)
     with _parameters_on_meta():
-        return build_model(plan.model, device="cpu", seed=seed)
+        return build(plan.model, device="cpu", seed=seed)
 
 
 @contextlib.contextmanager
@@ -159,16 +103,15 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def initial_params(plan: Plan, layout: ParamLayout,
-                   model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Full fp32 CPU value of every parameter of `layout`, by canonical name."""
+def initial_params(plan: Plan, layout: ParamLayout, model: nn.Module,
+                   initial_value: InitialValue) -> dict[str, torch.Tensor]:
+    """Full fp32 CPU value of every parameter of `layout`, by canonical name: from the plan's
+    weights file, else from `model` (`reference_model`, or the module the Program was
+    compiled from), each parameter it holds on meta by `initial_value`."""
     init = plan.train.init
     if init.kind in ("state_dict", "hf"):
         return params_from_state_dict(_saved_state(plan), layout, source=init.path)
-    model = model if model is not None else reference_model(plan)
     if any(p.is_meta for p in model.parameters()):
-        from ptc.models import initial_value  # noqa: PLC0415
-
         names = {n for n, _ in model.named_parameters()}
         return {slot.name: initial_value(model, next(a for a in slot.aliases if a in names),
                                          init.seed)
@@ -195,17 +138,15 @@ def params_from_state_dict(state: Mapping[str, torch.Tensor], layout: ParamLayou
     return values
 
 
-def initial_buffers(gm: fx.GraphModule, plan: Plan,
-                    model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+def initial_buffers(gm: fx.GraphModule, plan: Plan, model: nn.Module) -> dict[str, torch.Tensor]:
     """Real values of the graph module's buffers (they are on meta after compile): a graph
-    constant, the state dict's, the module's own, or for one on the meta device what
-    `_MetaBuffers` recomputes."""
+    constant, the state dict's, `model`'s own (`reference_model`, or the module the Program
+    was compiled from), or for one on the meta device what `_MetaBuffers` recomputes."""
     names = [name for name, _ in gm.named_buffers()]
     if not names:
         return {}
     state = _saved_state(plan) if plan.train.init.kind in ("state_dict", "hf") else {}
     constants = graph_info(gm).constants
-    model = model if model is not None else reference_model(plan)
     meta = _MetaBuffers(model)
     values = {}
     for name in names:

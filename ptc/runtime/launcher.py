@@ -1,11 +1,15 @@
 """Starting one process per rank with PyTorch's elastic launcher (torchrun).
 
-`launch(plan_path, nproc, extra_launcher_args)` is what `ptc run PLAN` calls:
-it hands torchrun `--nproc-per-node`, the user's launcher flags (`--nnodes`,
+`launch(plan, write_plan, nproc, extra_launcher_args)` is what `ptc run PLAN`
+calls with the plan it read (overrides applied): it picks the run's log
+folder, has `write_plan` (handed in from above: the runtime reads and writes
+no plan text) write the plan there as the file the workers read, and hands
+torchrun `--nproc-per-node`, the user's launcher flags (`--nnodes`,
 `--node-rank`, `--rdzv-endpoint`, ... pass through unchanged; without them
 the job is `--standalone` on this machine) and the worker module
-`ptc.worker`. (When we already are a launched worker — `torchrun ... -m
-ptc run PLAN` — the command line trains in this process instead.)
+`ptc.worker` with that file. (When we already are a launched worker —
+`torchrun ... -m ptc run PLAN` — the command line trains in this process
+instead.)
 
 `run_local(fn, nproc, *args)` starts `fn(*args)` on nproc local processes
 through `elastic_launch` and returns each rank's return value; a failing
@@ -27,11 +31,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ptc.plan import Plan
 from ptc.runtime.launch_log import agent_quiet, error_text, how_it_ended
 
 
 WORKER_MODULE = "ptc.worker"
 """The module each launched process runs (above the runtime: it compiles the plan)."""
+
+PlanWriter = Callable[[Plan, Path], Path]
+"""`write_plan(plan, folder)`: writes the plan into the run's folder as the file the workers
+read and returns its path (`ptc.worker.write_plan`)."""
+
 _RENDEZVOUS_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--nnodes", "--master-addr",
                      "--master_addr", "--standalone")
 
@@ -57,40 +67,37 @@ def in_worker() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
-def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = (),
-                  worker_args: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line (without "torchrun") that runs `plan_path` on nproc processes
-    (`worker_args`: the plan's overrides, for every worker)."""
+def launcher_args(plan_path: str, nproc: int, extra: Sequence[str] = ()) -> list[str]:
+    """The torchrun command line (without "torchrun") that runs the plan file `plan_path` on
+    nproc processes."""
     args = [f"--nproc-per-node={nproc}"]
     if not any(a.split("=")[0] in _RENDEZVOUS_FLAGS for a in extra):
         args.append("--standalone")
     if not any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in extra):
         args.append("--max-restarts=0")  # a training failure is not fixed by restarting it
-    return [*args, *extra, "-m", WORKER_MODULE, plan_path, *worker_args]
+    return [*args, *extra, "-m", WORKER_MODULE, plan_path]
 
 
-def launch(plan_path: str, nproc: int | None = None,
-           extra_launcher_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-           log_dir: str | None = None) -> int:
-    """Run the plan file on nproc local processes (per node); return the exit code.
+def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
+           extra_launcher_args: Sequence[str] = (), log_dir: str | None = None) -> int:
+    """Run `plan` on nproc local processes (per node); return the exit code.
 
     nproc defaults to tp * cp * pp * dp divided by the plan's nodes. Every
     worker's output goes to files under `log_dir` (default: the plan's
     checkpoint_dir/logs, else a new temporary folder) and rank 0's stdout
-    to the terminal too (`ptc.runtime.launch_log`). When a rank fails, the
-    others are stopped and one summary names it, its error (step, graph
-    node, source line) and the log folder; with `--max-restarts=N` the
-    agent restarts the group instead, up to N times, saying which rank
-    failed, and the workers resume from the latest checkpoint. With
-    `--nnodes=MIN:MAX` the workers adapt dp to the processes that joined
-    (`ptc.runtime.elastic`).
+    to the terminal too (`ptc.runtime.launch_log`); `write_plan` puts the
+    plan there as the file every worker reads, so that the workers train
+    this very plan, overrides included, without reading the user's file.
+    When a rank fails, the others are stopped and one summary names it, its
+    error (step, graph node, source line) and the log folder; with
+    `--max-restarts=N` the agent restarts the group instead, up to N times,
+    saying which rank failed, and the workers resume from the latest
+    checkpoint. With `--nnodes=MIN:MAX` the workers adapt dp to the
+    processes that joined (`ptc.runtime.elastic`).
     """
-    from ptc.dsl import load_plan  # noqa: PLC0415
-    from ptc.dsl.overrides import split_overrides  # noqa: PLC0415
     from ptc.runtime.health import configure_flight_recorder  # noqa: PLC0415
     from ptc.runtime.mesh import backend_for, world_size  # noqa: PLC0415
 
-    plan = load_plan(plan_path, overrides=split_overrides(worker_args)[1])
     if nproc is None:
         nproc = max(1, world_size(plan) // plan.hardware.nodes)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
@@ -101,9 +108,8 @@ def launch(plan_path: str, nproc: int | None = None,
 
     flags = {name.replace("_", "-"): value for name, value in
              (a.split("=", 1) for a in extra_launcher_args if "=" in a)}
-    logs = Path(flags.get("--log-dir") or log_dir or (
-        Path(plan.runtime.checkpoint_dir, "logs") if plan.runtime.checkpoint_dir
-        else tempfile.mkdtemp(prefix="ptc-logs-")))
+    logs = _log_folder(plan, flags.get("--log-dir") or log_dir)
+    plan_file = write_plan(plan, logs)
     extra = [*extra_launcher_args, *launch_log.log_launcher_args(logs, list(extra_launcher_args),
                                                                    nproc)]
     if backend_for(plan) == "nccl":  # the workers inherit it, before their groups exist
@@ -120,7 +126,7 @@ def launch(plan_path: str, nproc: int | None = None,
     _set_environment(env)
     narrator, loggers = launch_log.narrate(logs, int(flags.get("--node-rank", 0)), nproc)
     try:
-        run(parse_args(launcher_args(plan_path, nproc, extra, worker_args)))
+        run(parse_args(launcher_args(str(plan_file), nproc, extra)))
     except ChildFailedError as exc:
         print(launch_log.failure_summary(exc, logs, int(flags.get("--max-restarts", 0))),
               file=sys.stderr)
@@ -129,6 +135,16 @@ def launch(plan_path: str, nproc: int | None = None,
         launch_log.restore(narrator, loggers)
         _set_environment(saved)
     return 0
+
+
+def _log_folder(plan: Plan, asked: str | None) -> Path:
+    """The run's folder for every rank's output and the plan the workers read: the one
+    asked for, else the plan's checkpoint_dir/logs, else a new temporary folder."""
+    if asked:
+        return Path(asked)
+    if plan.runtime.checkpoint_dir:
+        return Path(plan.runtime.checkpoint_dir, "logs")
+    return Path(tempfile.mkdtemp(prefix="ptc-logs-"))
 
 
 def _set_environment(values: dict[str, str | None]) -> None:

@@ -31,27 +31,29 @@ from ptc.compiler.program import ParamLayout, Program
 from ptc.compiler.tp_layout import TensorParallelLayout
 from ptc.ops.comm import all_reduce_bucket, group_size
 from ptc.plan import Plan
-from ptc.runtime.init import initial_params
+from ptc.runtime.init import InitialValue, initial_params
 from ptc.runtime.params import UnitState, slot_ranges
 
 
 def local_initial_values(plan: Plan, layout: ParamLayout, tp: TensorParallelLayout,
-                         model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+                         model: nn.Module, initial_value: InitialValue,
+                         rank: int) -> dict[str, torch.Tensor]:
     """This tp rank's slice of the plan's initial weights, by canonical name."""
     full = ParamLayout(units=layout.units, params={
         name: dataclasses.replace(slot, shape=tp.full_shape(name, slot.shape))
         for name, slot in layout.params.items()})
-    return tp.local_values(initial_params(plan, full, model), rank)
+    return tp.local_values(initial_params(plan, full, model, initial_value), rank)
 
 
-def rank_values(program: Program, model: nn.Module,
+def rank_values(program: Program, model: nn.Module, initial_value: InitialValue,
                 values: Mapping[str, torch.Tensor] | None, tp_rank: int) -> dict[str, torch.Tensor]:
     """The initial weights this rank holds, by canonical name: `values` (full tensors) or the
-    plan's own initial weights, cut to the rank's tp slice under tensor parallelism."""
+    plan's own initial weights (`initial_params` of `model`), cut to the rank's tp slice
+    under tensor parallelism."""
     plan, layout, tp = program.plan, program.layout, program.tensor_parallel
     if values is None:
-        return initial_params(plan, layout, model) if tp is None else \
-            local_initial_values(plan, layout, tp, model, tp_rank)
+        return initial_params(plan, layout, model, initial_value) if tp is None else \
+            local_initial_values(plan, layout, tp, model, initial_value, tp_rank)
     return dict(values) if tp is None else tp.local_values(values, tp_rank)
 
 

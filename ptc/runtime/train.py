@@ -1,15 +1,19 @@
 """Training a plan or a compiled Program: in this process, or on launched processes.
 
-`run(plan_or_program, compiler=...)` is the Python entry (`ptc.run`).
+`run(plan_or_program, models=..., preflight=..., compiler=...)` is the Python
+entry (`ptc.run`).
 Inside a launched worker (torchrun, `ptc run`), or when the plan needs one
 process, the training runs here; otherwise `run` starts the plan's
 processes with PyTorch's elastic launcher and returns rank 0's result.
 `train_worker` is what each process runs: join the process group, build
 the mesh, compile the plan with the `compiler` it was handed (every rank
-compiles the same Program; the runtime itself never imports the passes), then
-`TrainLoop` resumes from the latest checkpoint, trains and checkpoints,
+compiles the same Program; the runtime itself never imports the passes),
+build the model and its initial weights with the `ModelFactory` it was handed,
+then `TrainLoop` resumes from the latest checkpoint, trains and checkpoints,
 and the reporter records every step. In an elastic job (`ptc run --nnodes
-MIN:MAX`) the plan's dp first adapts to the processes that joined.
+MIN:MAX`) the plan's dp first adapts to the processes that joined. What
+`run` checks before it starts processes (`preflight`) is handed in too:
+checking a plan is planning, not running.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ptc.compiler.program import Program
-from ptc.errors import PlanError, PtcError
+from ptc.errors import Diagnostic, PlanError, PtcError
 from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
-from ptc.runtime.init import check_buffers, tensor_bytes
+from ptc.runtime.init import ModelFactory, check_buffers, tensor_bytes
 from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
@@ -41,7 +45,6 @@ from ptc.runtime.mesh import (
     world_size,
 )
 from ptc.runtime.metrics import StepReporter, model_flops_per_step, run_banner
-from ptc.runtime.preflight import preflight
 
 
 @dataclass
@@ -65,13 +68,19 @@ Compiler = Callable[..., Program]
 """What turns a plan (and optionally the user's `model=`) into a Program
 (`ptc.lower.driver.compile_plan`), handed in from above."""
 
+Preflight = Callable[..., list[Diagnostic]]
+"""What finds, before any process starts, the problems a run would meet
+(`ptc.lower.preflight.preflight`), handed in from above."""
 
-def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
-                 steps: int | None = None, model: nn.Module | None = None) -> RunResult:
+
+def train_worker(plan_or_program: Plan | Program, *, models: ModelFactory,
+                 compiler: Compiler | None = None, steps: int | None = None,
+                 model: nn.Module | None = None) -> RunResult:
     """Run the training as one process of the job (collective with the other ranks).
 
     A Plan is compiled here, after the process group is up, with `compiler`,
-    from `model` when given (the module the Program `run` was handed came from).
+    from `model` when given (the module the Program `run` was handed came from);
+    `models` builds the plan's own model and its initial weights.
     """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     joined = int(os.environ.get("WORLD_SIZE", world_size(plan)))
@@ -89,7 +98,7 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
         else:
             program = compiler(plan) if model is None else compiler(plan, model=model)
         groups = axis_groups(build_mesh(plan))
-        trainer = Trainer(program, groups, device=device_for(plan))
+        trainer = Trainer(program, groups, models=models, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
         loop = TrainLoop(trainer, steps)
         if plan.parallel.dp != asked:
@@ -113,19 +122,20 @@ def train_worker(plan_or_program: Plan | Program, *, compiler: Compiler | None =
             dist.destroy_process_group()
 
 
-def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
-        steps: int | None = None, allow_oom: bool = False) -> RunResult:
+def run(plan_or_program: Plan | Program, *, models: ModelFactory, preflight: Preflight,
+        compiler: Compiler | None = None, steps: int | None = None,
+        allow_oom: bool = False) -> RunResult:
     """Train a plan (compiling it) or a compiled Program; return rank 0's RunResult.
 
-    From a plain Python process, a plan for several processes is run on
-    local processes started by the elastic launcher (one per rank), each
-    compiling the plan itself; inside a launched worker, or for a
-    one-process plan, it runs right here (on the given Program).
+    From a plain Python process, a plan for several processes is checked
+    (`preflight`) and run on local processes started by the elastic launcher
+    (one per rank), each compiling the plan itself; inside a launched worker,
+    or for a one-process plan, it runs right here (on the given Program).
     """
     refuse_while_spawning()
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
     if in_worker() or dist.is_initialized() or world_size(plan) == 1:
-        return train_worker(plan_or_program, compiler=compiler, steps=steps)
+        return train_worker(plan_or_program, models=models, compiler=compiler, steps=steps)
     # Workers get the plan, and the user's module when the Program came from one, and
     # compile again: compiling is deterministic, and a GraphModule may not pickle.
     program = plan_or_program if isinstance(plan_or_program, Program) else None
@@ -142,12 +152,12 @@ def run(plan_or_program: Plan | Program, *, compiler: Compiler | None = None,
     if found:
         raise PlanError(found)
     if program is None or program.model is None:
-        return run_local(train_worker, world_size(plan), plan, compiler=compiler,
-                         steps=steps)[0]
+        return run_local(train_worker, world_size(plan), plan, models=models,
+                         compiler=compiler, steps=steps)[0]
     _check_buffers(program)
     return run_local(_train_received, world_size(plan), plan,
-                     _pickled(program.model, world_size(plan)), compiler=compiler,
-                     steps=steps)[0]
+                     _pickled(program.model, world_size(plan)), models=models,
+                     compiler=compiler, steps=steps)[0]
 
 
 def _check_buffers(program: Program) -> None:

@@ -13,7 +13,7 @@ import resource
 
 import torch
 import torch.distributed as dist
-from dist_helpers import SEQ, tiny_model
+from dist_helpers import MODELS, SEQ, tiny_model
 
 from ptc.plan import (
     DataSpec,
@@ -60,7 +60,7 @@ def _trainer(plan: Plan):
     from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
 
     init_distributed(plan)
-    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
 
 
 def _checkpointer(trainer, directory: str):
@@ -170,7 +170,7 @@ def run_worker(plans: list[Plan], fault: str | None = None) -> list[dict]:
         faults._fired.clear()  # each plan meets the fault afresh
         init_distributed(plan)
         try:
-            result = train_worker(plan, compiler=compile_plan)
+            result = train_worker(plan, compiler=compile_plan, models=MODELS)
             out.append({"events": result.events, "losses": result.losses,
                         "nonfinite": [s.nonfinite for s in result.steps], "error": None})
         except Exception as exc:  # noqa: BLE001 - the test compares errors across ranks
@@ -262,12 +262,13 @@ def damage_worker(plans: list[Plan], hows: list[str], steps: int) -> list[dict]:
     out = []
     for plan, how in zip(plans, hows):
         init_distributed(plan)
-        train_worker(plan, compiler=compile_plan)
+        train_worker(plan, compiler=compile_plan, models=MODELS)
         if dist.get_rank() == 0:
             damage(plan.runtime.checkpoint_dir, how)
         dist.barrier()
         result = train_worker(dataclasses.replace(
-            plan, train=dataclasses.replace(plan.train, steps=steps)), compiler=compile_plan)
+            plan, train=dataclasses.replace(plan.train, steps=steps)), compiler=compile_plan,
+            models=MODELS)
         out.append({"events": result.events, "losses": result.losses})
     dist.destroy_process_group()
     return out

@@ -35,6 +35,7 @@ from ptc.plan import (  # noqa: E402
     RuntimeSpec,
     TrainSpec,
 )
+from ptc.worker import MODELS  # noqa: E402 - the built-in models, as the workers hand them in
 from tests.tolerances import (  # noqa: E402
     Nudge,
     Reference,
@@ -240,7 +241,7 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
         plan = plan_of(case)
         init_distributed(plan)
         program = compile_plan(plan, model=module_of(case) if module_of else None)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        trainer = Trainer(program, axis_groups(build_mesh(plan)), models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         held = trainer.held_bytes()

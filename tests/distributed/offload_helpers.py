@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 
 import torch
-from dist_helpers import tiny_plan
+from dist_helpers import MODELS, tiny_plan
 from pp_helpers import Case, pp_plan
 
 from ptc.plan import Plan
@@ -102,7 +102,7 @@ def read_weights_worker(cases: list[ReadCase]) -> dict:
     for case in cases:
         plan = read_plan(case)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
         reads: dict = {}
         wait_device = Landing.wait_device
         if not case.waits:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import tiny_plan
+from dist_helpers import MODELS, tiny_plan
 
 
 def bucketed_plan(zero: int, dp: int, overlap: bool = True):
@@ -27,7 +27,7 @@ def log_collectives(zeros: list[int], dp: int) -> dict:
     for zero in zeros:
         plan = bucketed_plan(zero, dp)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
         with record_collectives() as log:
             for k in range(plan.train.steps):
                 trainer.train_step(k)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import STEPS, tiny_plan
+from dist_helpers import MODELS, STEPS, tiny_plan
 
 from ptc.plan import HardwareSpec, ParallelSpec, Plan
 
@@ -73,7 +73,7 @@ def run_pp_cases(cases: list[Case]) -> dict:
         plan = pp_plan(case)
         init_distributed(plan)
         groups = axis_groups(build_mesh(plan))
-        trainer = Trainer(compile_plan(plan), groups)
+        trainer = Trainer(compile_plan(plan), groups, models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         peaks = [None] * dist.get_world_size()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import tiny_plan
+from dist_helpers import MODELS, tiny_plan
 from pp_helpers import Case, pp_plan
 from tp_helpers import TPCase, tp_plan
 
@@ -102,7 +102,7 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
         plan = recompute_plan(case)
         init_distributed(plan)
         program = compile_plan(plan)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)))
+        trainer = Trainer(program, axis_groups(build_mesh(plan)), models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         policies = [None] * dist.get_world_size()

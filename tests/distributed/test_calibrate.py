@@ -15,6 +15,7 @@ from ckpt_helpers import ckpt_plan
 from ptc.cli import main
 from ptc.dsl import load_plan
 from ptc.hwprofile import load_profile
+from ptc.models import build_model
 from ptc.runtime.calibrate import Settings, calibrate
 
 QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2, warmup=1)
@@ -24,7 +25,7 @@ QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2,
 @pytest.mark.timeout(240)
 def test_calibrate_measures_every_rate_and_the_dp_link(tmp_path):
     plan = ckpt_plan(dp=2, zero=1)
-    profile = calibrate(plan, QUICK)
+    profile = calibrate(plan, QUICK, build=build_model)
     assert profile.device == "cpu"
     rate = profile.gemm_flops[plan.train.compute_dtype]
     for value in (rate, profile.mem_bandwidth, profile.dispatch_overhead):

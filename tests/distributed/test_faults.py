@@ -26,7 +26,7 @@ from ckpt_helpers import (
 )
 from dist_helpers import ROOT
 
-from ptc.dsl import dump_plan
+from ptc import worker
 from ptc.runtime.checkpoint_store import CheckpointStore
 from ptc.runtime.launcher import launch, run_local
 from tests.tolerances import assert_losses_match
@@ -36,16 +36,10 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(autouse=True)
 def importable_ptc(monkeypatch):
-    # Workers are new interpreters (`python -m ptc.runtime.worker`): they need the repo on the path.
+    # Workers are new interpreters (`python -m ptc.worker`): they need the repo on the path.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("PTC_TIMEOUT", "60")
-
-
-def write_plan(tmp_path, plan, name="plan.ptc") -> str:
-    path = tmp_path / name
-    path.write_text(dump_plan(plan))
-    return str(path)
 
 
 def read_metrics(path) -> list[dict]:
@@ -66,7 +60,7 @@ def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
 
     reference = run_local(run_worker, 2, [plan("whole")])[0][0]["losses"]
     monkeypatch.setenv("PTC_FAULT", "kill:1:5")  # rank 1 dies as step 5 starts, first attempt
-    assert launch(write_plan(tmp_path, plan("killed")), nproc=2,
+    assert launch(plan("killed"), worker.write_plan, nproc=2,
                   extra_launcher_args=["--max-restarts=1"]) == 0
     records = read_metrics(tmp_path / "killed.jsonl")
     before = [r for r in records if r["restart"] == 0]
@@ -155,7 +149,7 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path, monkeypatch, 
     monkeypatch.setenv("PTC_FAULT", "hang:1:2")
     monkeypatch.setenv("PTC_TIMEOUT", "10")
     plan = ckpt_plan(dp=2, zero=0, steps=3)
-    assert launch(write_plan(tmp_path, plan), nproc=2) == 1
+    assert launch(plan, worker.write_plan, nproc=2) == 1
     err = capsys.readouterr().err
     assert "ptc run: rank 0 stopped the job: step 2: a collective timed out after 10 s; " \
            "rank(s) 1 did not answer" in err
@@ -168,13 +162,13 @@ def test_elastic_restart_on_fewer_processes_reshards_and_keeps_the_data_position
 
     plan = ckpt_plan(dp=2, zero=1, steps=4, checkpoint_dir=str(tmp_path / "ckpt"),
                      checkpoint_every=2, metrics=str(tmp_path / "m.jsonl"))
-    assert launch(write_plan(tmp_path, plan), nproc=2) == 0
+    assert launch(plan, worker.write_plan, nproc=2) == 0
     longer = dataclasses.replace(plan, train=dataclasses.replace(plan.train, steps=6))
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("localhost", 0))
         port = probe.getsockname()[1]
     # One "node" of one process joins an elastic job for up to two: dp becomes 1.
-    assert launch(write_plan(tmp_path, longer, "longer.ptc"), nproc=1, extra_launcher_args=[
+    assert launch(longer, worker.write_plan, nproc=1, extra_launcher_args=[
         "--nnodes=1:2", f"--rdzv-endpoint=localhost:{port}", "--rdzv-backend=c10d",
         "--rdzv-conf=last_call_timeout=1"]) == 0
     out = capfd.readouterr().out

@@ -29,7 +29,7 @@ import dataclasses
 import pytest
 import torch
 
-from dist_helpers import tiny_plan
+from dist_helpers import MODELS, tiny_plan
 from ptc.plan import Plan
 from ptc.runtime.launcher import run_local
 
@@ -65,7 +65,7 @@ def train_logged(cases: list) -> dict:
     for case in cases:
         plan = comm_plan(case)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)))
+        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
         with record_collectives() as log:
             losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()

@@ -20,6 +20,7 @@ import torch
 import ptc
 from dist_helpers import ROOT, fail_on_rank_1, reference, tiny_plan
 
+from ptc import worker
 from ptc.cli import main
 from ptc.lower.driver import compile_plan
 from ptc.dsl import dump_plan
@@ -59,7 +60,7 @@ def test_plan_file_with_token_data_and_state_dict_trains_like_eager(tmp_path):
     plan = tiny_plan("gpt", zero=2, dp=2, accum=2, metrics=str(tmp_path / "metrics.jsonl"),
                      data=DataSpec(kind="tokens", path=str(tmp_path / "train.bin"), dtype="uint16"),
                      init=InitSpec(kind="state_dict", path=str(tmp_path / "init.pt")))
-    assert launch(write_plan(tmp_path, plan), nproc=2) == 0
+    assert launch(plan, worker.write_plan, nproc=2) == 0
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert_losses_match([r["loss"] for r in records], reference(plan), "ptc run")
     assert [r["step"] for r in records] == list(range(1, plan.train.steps + 1))
@@ -76,7 +77,7 @@ def test_failing_rank_stops_the_job_and_names_rank_and_cause(tmp_path, capsys):
     tokens.tofile(tmp_path / "bad.bin")
     plan = tiny_plan("gpt", zero=0, dp=2, accum=1,
                      data=DataSpec(kind="tokens", path=str(tmp_path / "bad.bin")))
-    assert launch(write_plan(tmp_path, plan), nproc=2, log_dir=str(tmp_path / "logs")) == 1
+    assert launch(plan, worker.write_plan, nproc=2, log_dir=str(tmp_path / "logs")) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith(f"ptc run: rank 1 stopped the job: train.data: token file "
                              f"{tmp_path / 'bad.bin'}: token 500 at position 33 is outside the "

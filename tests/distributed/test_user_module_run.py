@@ -124,7 +124,7 @@ def test_a_module_whose_copies_would_not_fit_the_host_is_refused_before_launch(m
     # the machine has available (made small here), refused before any process starts.
     module = MODULES["nanogpt"][1]()
     program = ptc.compile(module, plan_for(MODULES["nanogpt"][0], 2))
-    monkeypatch.setattr("ptc.runtime.preflight._host_available_bytes", lambda: 1000)
+    monkeypatch.setattr("ptc.lower.preflight._host_available_bytes", lambda: 1000)
     with pytest.raises(PlanError, match=r"each of the 2 ranks of a host receives the module "
                                         r"given to ptc.compile, its weights whole on the CPU "
                                         r"\(.*\): .*, more than the 1000 B this machine has "

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from dist_helpers import SEQ, STEPS, tiny_model, tiny_plan, train_cases
+from dist_helpers import MODELS, SEQ, STEPS, tiny_model, tiny_plan, train_cases
 
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
 
@@ -184,7 +184,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
         init_distributed(plan)
         groups = axis_groups(build_mesh(plan))
         program = compile_plan(plan)
-        trainer = Trainer(program, groups)
+        trainer = Trainer(program, groups, models=MODELS)
         gm = trainer.chunks[0].gm
         state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
         saved: dict[int, int] = {}

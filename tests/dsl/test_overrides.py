@@ -59,9 +59,8 @@ def test_the_command_line_splits_overrides_from_flags():
                                        "--train.steps=100", "--rdzv-endpoint", "10.0.0.1:1"])
     assert rest == ["run", "p.ptc", "--nproc", "2", "--rdzv-endpoint", "10.0.0.1:1"]
     assert overrides == {"parallel.tp": "4", "train.steps": "100"}
-    # The workers get them too.
-    assert launcher_args("p.ptc", 2, worker_args=["--parallel.tp=4"])[-2:] == [
-        "p.ptc", "--parallel.tp=4"]
+    # The workers get none: they read the plan `ptc run` resolved (tests/runtime/test_launcher.py).
+    assert launcher_args("resolved.ptc", 2)[-3:] == ["-m", "ptc.worker", "resolved.ptc"]
 
 
 def test_dump_prints_the_resolved_plan(capsys):

@@ -14,6 +14,7 @@ from ptc.compiler.memory import d, precision, stage_memory, stage_memory_expr, t
 from ptc.compiler.profile import model_profile
 from ptc.models import build_model
 from ptc.plan import ModelSpec
+from ptc.worker import MODELS
 
 GPT = ModelSpec(family="gpt", layers=2, hidden=64, heads=4, vocab=128, max_seq=32)
 LLAMA = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=160,
@@ -137,7 +138,7 @@ def test_predicted_model_state_equals_what_the_runtime_holds(dtype, zero):
     from ptc.runtime.executor import Trainer
 
     plan = _tiny_plan_in(dtype, zero)
-    trainer = Trainer(compile_plan(plan), {})
+    trainer = Trainer(compile_plan(plan), {}, models=MODELS)
     trainer.train_step(0)
     held = trainer.held_bytes()
     assert held.pop("host") == 0  # nothing offloaded
@@ -190,7 +191,7 @@ def test_offload_moves_master_and_state_bytes_to_the_host(dtype, zero):
     assert after.host_memory_bytes == kept["optimizer"] + own_master + 4 * n
     assert after.host_memory_bytes == 16 * n + counters
 
-    trainer = Trainer(compile_plan(plan), {})
+    trainer = Trainer(compile_plan(plan), {}, models=MODELS)
     trainer.train_step(0)
     held = trainer.held_bytes()
     assert held["host"] == after.host_memory_bytes - counters

@@ -10,6 +10,6 @@ for path in (ROOT, ROOT / "tests" / "distributed"):
     if str(path) not in sys.path:  # plain `pytest` does not put these on the path
         sys.path.insert(0, str(path))
 
-from dist_helpers import reference, tiny_plan  # noqa: E402
+from dist_helpers import MODELS, reference, tiny_plan  # noqa: E402
 
-__all__ = ["ROOT", "reference", "tiny_plan"]
+__all__ = ["MODELS", "ROOT", "reference", "tiny_plan"]

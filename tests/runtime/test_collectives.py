@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import tiny_plan
+from runtime_helpers import MODELS, tiny_plan
 
 from ptc.lower.driver import compile_plan
 from ptc.ops import zero3
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def forward_backward(prefetch: bool, monkeypatch, dtype: str = "fp32"):
     plan = tiny_plan("llama", zero=3, dp=1, accum=1, dtype=dtype, overlap=prefetch)
-    trainer = Trainer(compile_plan(plan), {})
+    trainer = Trainer(compile_plan(plan), {}, models=MODELS)
     tokens, targets = trainer.data.batch(0, 2)
     events: list[tuple[str, int]] = []
     start, regather = GatherHandle.start, zero3.ParamSession._regather

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import ROOT, reference, tiny_plan
+from runtime_helpers import MODELS, ROOT, reference, tiny_plan
 
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def train(plan):
-    trainer = Trainer(compile_plan(plan), {})
+    trainer = Trainer(compile_plan(plan), {}, models=MODELS)
     stats = [trainer.train_step(k) for k in range(plan.train.steps)]
     return trainer, stats
 
@@ -47,7 +47,7 @@ def test_step_stats():
 @pytest.mark.parametrize("zero", [0, 3])
 def test_failure_names_rank_node_and_source_line(monkeypatch, zero):
     plan = tiny_plan("gpt", zero=zero, dp=1, accum=1, data=DataSpec(kind="uniform", seed=7))
-    trainer = Trainer(compile_plan(plan), {})
+    trainer = Trainer(compile_plan(plan), {}, models=MODELS)
     # Data the data check lets through but the embedding table lacks: an op fails in the graph.
     monkeypatch.setattr(trainer.data, "vocab", 10 * plan.model.vocab)
     with pytest.raises(RankError) as info:
@@ -69,7 +69,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
     with pytest.raises(PtcError, match=message):
         check_data(plan.train.data, vocab=64, seq_len=plan.train.seq_len)
     program = compile_plan(plan)
-    trainer = Trainer(program, {})
+    trainer = Trainer(program, {}, models=MODELS)
     with pytest.raises(PtcError, match=message):  # the per-batch check, for files too big to scan
         for step in range(4):
             trainer.train_step(step)
@@ -92,7 +92,7 @@ def test_tp_without_a_tp_group_is_refused():
     plan = Plan(model=base.model, hardware=HardwareSpec.preset("cpu", gpus_per_node=2),
                 parallel=ParallelSpec(tp=2, dp=1), train=base.train)
     with pytest.raises(PtcError, match="split over tp = 2, but this rank's tp group has 1"):
-        Trainer(compile_plan(plan), {})
+        Trainer(compile_plan(plan), {}, models=MODELS)
 
 
 @pytest.mark.timeout(120)
@@ -118,7 +118,7 @@ def test_frozen_parameters_get_no_weight_gradient():
 
     def step(factory: str) -> tuple[Trainer, int]:
         plan = hf_plan(HFCase(factory))
-        trainer = Trainer(compile_plan(plan), {})
+        trainer = Trainer(compile_plan(plan), {}, models=MODELS)
         with FlopCounterMode(display=False) as counter:
             trainer.train_step(0)
         return trainer, counter.get_total_flops()

@@ -25,8 +25,9 @@ from ptc.errors import PtcError  # noqa: E402
 from ptc.plan import HardwareSpec, InitSpec, ModelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.runtime.hf_weights import SafetensorsState  # noqa: E402
 import ptc  # noqa: E402
-from ptc.runtime.init import (check_buffers, check_init, initial_buffers,  # noqa: E402
-                              reference_model)
+from ptc.lower.preflight import check_init  # noqa: E402
+from ptc.models import build_model  # noqa: E402
+from ptc.runtime.init import check_buffers, initial_buffers, reference_model  # noqa: E402
 from tests.user_models.transformers_models import gpt2, llama  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,7 +94,7 @@ def test_a_rank_reads_a_custom_models_buffers_without_building_its_weights(tmp_p
     # With weights from a file, the factory's model is only wanted for its buffers: its
     # parameters stay on meta (no rank holds a whole model), its rotary table is computed.
     llama().save_pretrained(tmp_path)
-    model = reference_model(_plan(InitSpec(kind="hf", path=str(tmp_path))))
+    model = reference_model(_plan(InitSpec(kind="hf", path=str(tmp_path))), build_model)
     assert all(p.is_meta for p in model.parameters())
     buffers = dict(model.named_buffers())
     assert not buffers["model.rotary_emb.inv_freq"].is_meta

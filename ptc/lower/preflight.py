@@ -6,7 +6,8 @@ answered in one diagnostic that points at the plan field it concerns
 checkpoint_dir` when the value came from the command line):
 
 - the token file exists and every id is below the vocabulary (`check_data`);
-- the initial weights exist and hold the model's names and shapes (`check_init`);
+- the initial weights exist and hold the model's names and shapes (`check_init`, against
+  the model built on meta);
 - checkpoint_dir, and the folders of metrics and tensorboard, can be
   created and written (side-effect free: the nearest existing folder is
   asked, nothing is made);
@@ -35,20 +36,29 @@ checkpoint_dir` when the value came from the command line):
 
 The file and folder checks come first and need neither torch nor sympy: when
 one fails, the answer comes before torch would have finished importing.
+
+It is planning, not running: it estimates, builds models and compiles, so it
+sits with the compile driver. What a run would read it asks the runtime's own
+readers (token files, weight files, the mesh's size and backend), the one
+crossing into the runtime the rooms allow (`tests/test_rooms.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ptc.errors import Diagnostic, PtcError, Span, UnpricedError
 from ptc.plan import Plan
 from ptc.runtime.data import check_data
-from ptc.runtime.hf_weights import check_hf_dir
+from ptc.runtime.hf_weights import SafetensorsState, check_hf_dir
 from ptc.units import format_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
@@ -71,8 +81,6 @@ def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = 
     found = _files_and_folders(plan, where, vocab)
     if found:
         return found  # answered before torch is imported: a second, not five
-    from ptc.runtime.init import check_init, cpu_build_bytes  # noqa: PLC0415 - needs torch
-
     try:
         check_init(plan, factory=factory)
     except PtcError as exc:
@@ -134,6 +142,91 @@ def _files_and_folders(plan: Plan, where: _Where, vocab: int | None) -> list[Dia
         found.append(where.error("runtime", "wandb", f"runtime.wandb = \"{runtime.wandb}\" needs "
                                  f"the wandb package; pip install wandb, or remove the field"))
     return found
+
+
+def check_init(plan: Plan, *, factory: bool = True) -> None:
+    """Refuse, in one line naming `train.init`, weights that cannot be read or that do not
+    hold the model's parameters (names and shapes, against the model built on the meta
+    device, which costs no memory) — run before any process starts. `factory`: whether the
+    workers build a custom model from the plan's factory (not when they are sent a module,
+    whose names are its own)."""
+    init = plan.train.init
+    if init.kind == "random":
+        return
+    if init.kind == "state_dict" and not Path(init.path).is_file():
+        raise PtcError(f"train.init: state_dict(\"{init.path}\"): no such file")
+    if init.kind == "hf":
+        state = SafetensorsState(init.path)
+        shape_of = state.shape
+    else:
+        import torch  # noqa: PLC0415 - after the file checks, which answer without it
+
+        try:
+            state = torch.load(init.path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - a pickle, zip or format error of the file
+            raise PtcError(f"train.init: state_dict(\"{init.path}\"): cannot be read as a "
+                           f"torch.save state dict ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(state, Mapping):
+            raise PtcError(f"train.init: state_dict(\"{init.path}\") holds a "
+                           f"{type(state).__name__}, not a state dict")
+        def shape_of(name: str) -> tuple[int, ...]:
+            return tuple(state[name].shape)
+    if plan.model.family == "custom" and not factory:
+        return  # the workers are sent the module: its names are not the factory's
+    from ptc.models import build_model  # noqa: PLC0415 - imports torch
+
+    try:
+        model = build_model(plan.model, device="meta")
+    except Exception:  # noqa: BLE001 - a factory that fails: the factory check says why
+        if plan.model.family != "custom":
+            raise
+        return
+    _check_names_and_shapes(model, state, shape_of, init.path)
+
+
+def _check_names_and_shapes(model: nn.Module, state: Mapping, shape_of, source: str) -> None:
+    """Every parameter of `model` under one of its names (tied ones have several) in `state`,
+    with the model's shape."""
+    names: dict[int, list[str]] = {}
+    params = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    missing = []
+    for key, aliases in names.items():
+        found = next((a for a in aliases if a in state), None)
+        if found is None:
+            missing.append(aliases[0])
+            continue
+        want = tuple(params[key].shape)
+        if shape_of(found) != want:
+            raise PtcError(f"train.init: {source}: {found} has shape {shape_of(found)}, the "
+                           f"model needs {want}")
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                          else "")
+        raise PtcError(f"train.init: {source}: no weights for {shown} (of {len(names)} "
+                       f"parameters); the file holds {len(state)} tensors, e.g. "
+                       f"{', '.join(list(state)[:3])}")
+
+
+def cpu_build_bytes(plan: Plan) -> int:
+    """Bytes of the model each rank builds whole on the CPU to take its part of the initial
+    weights (`ptc.runtime.init.reference_model`): a custom factory's with init = random,
+    whose values are its own init under the seed; 0 otherwise (a built-in family's values
+    are made parameter by parameter, a file's read in parts). Measured on the factory's
+    model built on meta."""
+    if plan.model.family != "custom" or plan.train.init.kind != "random":
+        return 0
+    from ptc.models import build_model  # noqa: PLC0415 - imports torch
+    from ptc.runtime.init import tensor_bytes  # noqa: PLC0415
+
+    try:
+        model = build_model(plan.model, device="meta")
+    except Exception:  # noqa: BLE001 - a factory that fails: the factory check says why
+        return 0
+    return tensor_bytes(model)
 
 
 def memory_problems(plan: Plan, *, overrides: Collection[str] = ()) -> list[Diagnostic]:
