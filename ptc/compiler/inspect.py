@@ -19,7 +19,7 @@ from torch import fx
 from ptc.compiler.meta import get_info
 from ptc.compiler.nodes import op_name
 from ptc.compiler.program import Program
-from ptc.compiler.views import FitTable
+from ptc.compiler.views import FitTable, wrap
 from ptc.units import format_bytes
 
 FORMATS = ("code", "table")
@@ -79,36 +79,144 @@ def overlap_line(program: Program, stage: int = 0) -> str:
 
 def render_graph(program: Program, stage: int = 0, fmt: str = "code", *,
                  color: bool = False, width: int = 160) -> str:
-    """The stage's lowered graph as text: fx's readable code or a table of nodes.
+    """The stage's lowered graph as text at most `width` columns wide (where a word allows):
+    fx's readable code or a table of nodes.
 
-    In "code" every collective's line ends with a comment naming its forward
+    In "code" every collective's statement carries a comment naming its forward
     and backward communication; in "table" collectives are highlighted (with
     ANSI colours when `color`). Both start with `summary_line` and `overlap_line`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     gm = stage_graph(program, stage)
-    head = f"# {summary_line(program, stage)}\n"
-    if overlap_line(program, stage):
-        head += f"# {overlap_line(program, stage)}\n"
+    lines = [line for part in (summary_line(program, stage), overlap_line(program, stage))
+             if part for line in _comment(part, "", width)]
+    head = "\n".join(lines) + "\n"
     if fmt == "code":
-        return head + _annotated_code(gm)
+        return head + _annotated_code(gm, width)
     console = Console(file=io.StringIO(), width=width, force_terminal=color,
                       color_system="standard" if color else None)
     console.print(_table(gm))
     return head + console.file.getvalue()
 
 
-def _annotated_code(gm: fx.GraphModule) -> str:
+def _annotated_code(gm: fx.GraphModule, width: int) -> str:
     notes = {f"{n.name} = ": collective(n) for n in gm.graph.nodes if collective(n)}
     lines = []
     for line in gm.code.splitlines():
         body = line.strip()
         note = next((c for prefix, c in notes.items() if body.startswith(prefix)), None)
-        if note:
-            line = f"{line}  # COLLECTIVE fwd: {note[0]}; bwd: {note[1]}"
-        lines.append(line)
+        lines += _fold(line, f"COLLECTIVE fwd: {note[0]}; bwd: {note[1]}" if note else "", width)
     return "\n".join(lines).strip("\n") + "\n"
+
+
+def _comment(text: str, indent: str, width: int) -> list[str]:
+    """`text` as `# ` comment lines at `indent`, wrapped at `width` (see `views.wrap`)."""
+    return [f"{indent}# {line}" for line in wrap(text, width - len(indent) - 2)]
+
+
+def _fold(line: str, note: str, width: int) -> list[str]:
+    """A line of fx code, with its `note` as a trailing comment, folded to `width`.
+
+    A line that fits stays one line. Otherwise the note becomes a comment above
+    it, each `;`-joined statement (fx frees a value's inputs after its last use
+    with `a = b = None`) takes a line of its own, and a statement still too wide
+    breaks its final call's arguments onto continuation lines. A name or
+    literal is never split: one longer than the width stays whole.
+    """
+    indent = line[:len(line) - len(line.lstrip())]
+    whole = f"{line}  # {note}" if note else line
+    if len(whole) <= width:
+        return [whole]
+    out = _comment(note, indent, width) if note else []
+    for statement in _top_level(line.strip(), ";"):
+        out += _fold_statement(statement.strip(), indent, width)
+    return out
+
+
+def _fold_statement(statement: str, indent: str, width: int) -> list[str]:
+    """One statement at `indent`, folded to `width` where it can be: fx's `a = b = None` as
+    several shorter ones, anything else at its final brackets (`_fold_brackets`); an
+    assignment whose value does not fold within the width gets the value in brackets of
+    its own, on the lines below."""
+    if len(indent) + len(statement) <= width:
+        return [indent + statement]
+    if statement.endswith(" = None"):
+        return _free_lines(statement.split(" = ")[:-1], indent, width)
+    folded = _fold_brackets(statement, indent, width)
+    target, _, value = statement.partition(" = ")
+    if max(map(len, folded)) <= width or not (value and target.isidentifier()):
+        return folded
+    return [f"{indent}{target} = (", *_fold_brackets(value, indent + " " * 4, width, ")")]
+
+
+def _fold_brackets(text: str, indent: str, width: int, suffix: str = "") -> list[str]:
+    """`text` + `suffix` at `indent`. Wider than `width` and ending in a bracket, the
+    bracket's items go on lines four deeper, packed as many a line as fit; an item still too
+    wide folds the same way."""
+    opening = _final_bracket(text)
+    if len(indent) + len(text) + len(suffix) <= width or opening is None:
+        return [indent + text + suffix]
+    items = [item.strip() for item in _top_level(text[opening + 1:-1], ",")]
+    trailing = len(items) > 1 and not items[-1]  # a one-element tuple's comma: `(a,)`
+    items = items[:-1] if trailing else items
+    if items == [""]:
+        return [indent + text + suffix]
+    ends = [","] * (len(items) - 1) + [("," if trailing else "") + text[-1] + suffix]
+    inner, lines = indent + " " * 4, [indent + text[:opening + 1]]
+    joinable = False  # the last line holds whole items of this bracket: more may join it
+    for item, end in zip(items, ends):
+        if joinable and len(lines[-1]) + 1 + len(item) + len(end) <= width:
+            lines[-1] += f" {item}{end}"
+            continue
+        folded = _fold_brackets(item, inner, width, end)
+        lines += folded
+        joinable = len(folded) == 1
+    return lines
+
+
+def _free_lines(names: list[str], indent: str, width: int) -> list[str]:
+    """fx's `a = b = ... = None` for `names` as as few such statements of at most `width`
+    as they go."""
+    groups: list[list[str]] = [[]]
+    for name in names:
+        wider = [*groups[-1], name]
+        if groups[-1] and len(indent + " = ".join(wider) + " = None") > width:
+            groups.append([name])
+        else:
+            groups[-1] = wider
+    return [indent + " = ".join(group) + " = None" for group in groups]
+
+
+def _final_bracket(text: str) -> int | None:
+    """Index of the bracket that the bracket ending `text` closes (None when it ends
+    otherwise)."""
+    if not text or text[-1] not in ")]}":
+        return None
+    opens = [i for i, ch, depth in _code_chars(text) if ch in "([{" and depth == 0]
+    return opens[-1] if opens else None
+
+
+def _top_level(text: str, sep: str) -> list[str]:
+    """`text` split at each `sep` outside brackets and string literals."""
+    cuts = [i for i, ch, depth in _code_chars(text) if ch == sep and depth == 0]
+    return [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+
+
+def _code_chars(text: str):
+    """(index, character, brackets open around it) of each character of Python `text` outside
+    string literals."""
+    quote, depth = "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote and text[i - 1] != "\\" else quote
+            continue
+        if ch in "'\"":
+            quote = ch
+            continue
+        depth -= ch in ")]}"
+        yield i, ch, depth
+        depth += ch in "([{"
 
 
 def _table(gm: fx.GraphModule) -> FitTable:
@@ -138,7 +246,8 @@ def _flops(value: int) -> str:
 def graph_to_dot(program: Program, stage: int = 0) -> str:
     """Graphviz dot text of the stage's graph: one box per node, collectives filled orange."""
     gm = stage_graph(program, stage)
-    out = ["digraph lowered {", "  rankdir=TB;", '  node [shape=box, fontsize=10, fontname="monospace"];',
+    out = ["digraph lowered {", "  rankdir=TB;",
+           '  node [shape=box, fontsize=10, fontname="monospace"];',
            f'  label="{_escape(summary_line(program, stage))}"; labelloc=t;']
     for node in gm.graph.nodes:
         meta = get_info(node)

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import sympy
 from rich.console import Group
-from rich.text import Text
 
 from ptc.compiler.compute import Split, rates, tile_efficiency
 from ptc.compiler.cost import policy_flops, rerun_gathers
@@ -21,12 +20,13 @@ from ptc.compiler.estimate import Estimate, estimate, estimate_layout, plan_prec
 from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.layout import Layout
 from ptc.compiler.memory import TERMS, stage_memory_expr
-from ptc.compiler.overlap import IN_FLIGHT, PredictedBucket, dp_link, predicted_buckets
+from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, PredictedBucket, dp_group, dp_link,
+                                  predicted_buckets)
 from ptc.compiler.profile import plan_profile, with_model_shape
 from ptc.compiler.search import search_all
-from ptc.compiler.views import FitTable
+from ptc.compiler.views import GLUE, FitTable, Prose
 from ptc.hwprofile import ProfileError, load_profile
-from ptc.plan import HardwareSpec, LinkSpec, Plan
+from ptc.plan import DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_seconds
 
@@ -170,22 +170,33 @@ def _vs_budget(headroom: float) -> str:
     return f"{format_bytes(headroom)} free" if headroom >= 0 else f"{format_bytes(-headroom)} OVER"
 
 
-def _expression(plan: Plan, est: Estimate) -> Text:
+def _expression(plan: Plan, est: Estimate) -> Group:
     profile = plan_profile(plan)
     stage = est.stage_memory_bytes.index(est.peak_memory_bytes)
     terms = stage_memory_expr(profile, est.layout, plan_precision(plan, profile), stage)
-    lines = [f"Memory of stage {stage} in bytes (b micro-batch, s sequence, t tp, d dp, "
-             f"m micro-batches):"]
-    lines += [f"  {name} = {sympy.sstr(expr)}" for name, expr in terms.items()]
-    return Text("\n".join(lines))
+    head = Prose(f"Memory of stage {stage} in bytes (b micro-batch, s sequence, t tp, d dp, "
+                 f"m micro-batches):")
+    lines = [f"  {name} = {_breakable(sympy.sstr(expr))}" for name, expr in terms.items()]
+    return Group(head, Prose("\n".join(lines), indent=4))
 
 
-def _fit_hints(plan: Plan) -> Text:
+def _breakable(formula: str) -> str:
+    """`formula` with every space GLUE but those before a top-level `+` or `-`: wrapped, it
+    breaks between terms (the operator opening the next line), never inside a bracket."""
+    out, depth = [], 0
+    for i, ch in enumerate(formula):
+        depth += (ch in "([") - (ch in ")]")
+        between = depth == 0 and formula[i + 1:i + 3] in ("+ ", "- ")
+        out.append(GLUE if ch == " " and not between else ch)
+    return "".join(out)
+
+
+def _fit_hints(plan: Plan) -> Prose:
     mb = largest_micro_batch(plan)
     mp = smallest_model_parallel(plan)
-    return Text(f"Largest micro-batch that fits: {mb if mb is not None else 'none'}; "
-                f"smallest tp x pp that fits: "
-                f"{f'tp{mp[0]} x pp{mp[1]}' if mp else 'none'}")
+    return Prose(f"Largest micro-batch that fits: {mb if mb is not None else 'none'}; "
+                 f"smallest tp x pp that fits: "
+                 f"{f'tp{mp[0]} x pp{mp[1]}' if mp else 'none'}")
 
 
 def render_explain(plan: Plan) -> Group:
@@ -287,8 +298,9 @@ def render_search(plan: Plan, top: int = 5) -> Group:
     return Group(table, misses)
 
 
-def _overlap(plan: Plan, est: Estimate) -> FitTable:
-    """The dp communication buckets of the first (and last) pipeline stage, and what overlaps.
+def _overlap(plan: Plan, est: Estimate) -> Group:
+    """The dp communication buckets of the first (and last) pipeline stage, what overlaps, and
+    the dtype the gradients travel in.
 
     Runs of buckets that carry one layer each collapse into one row.
     """
@@ -314,7 +326,39 @@ def _overlap(plan: Plan, est: Estimate) -> FitTable:
                 ", one each"
             table.add_row(str(stage), str(len(run)), carries, format_bytes(run[0].grad_bytes),
                           format_seconds(run[0].seconds))
-    return table
+    buckets = {stage: found for stage, (_, found) in by_stage.items()}
+    return Group(table, _grad_wire(plan, layout, buckets))
+
+
+WIRE_FORMATS = {"fp8": "e4m3", "fp8_e5m2": "e5m2"}
+"""`parallel.grad_comm` -> the float8 format gradients travel in (`ptc.ops.fp8_comm.FORMATS`)."""
+
+
+def _grad_wire(plan: Plan, layout: Layout, by_stage: dict[int, list[PredictedBucket]]) -> Prose:
+    """The dtype the dp gradient reductions travel in and the bytes the most loaded stage shown
+    reduces; with float8 on the wire (`parallel.grad_comm`), the bytes that saves a step.
+
+    The figures are those the estimate prices: the predicted buckets' gradients (sized in
+    fp32) at `Plan.grad_wire_bytes` an element, as many times a step as the ZeRO stage
+    reduces (ZeRO 2-3 every micro-batch).
+    """
+    par, kept = plan.parallel, plan.train.grad_dtype
+    if dp_group(plan).size == 1:
+        return Prose("No gradient reduction over dp (dp = 1): each rank keeps its gradients.")
+    stage, buckets = max(by_stage.items(), key=lambda item: sum(b.grad_bytes for b in item[1]))
+    elements = sum(b.grad_bytes for b in buckets) // GRAD_BYTES
+    wire, full = plan.grad_wire_bytes, DTYPE_BYTES[kept]
+    times = layout.microbatches if par.zero >= 2 else 1
+    when = "once per step" if times == 1 else f"every micro-batch, {times} a step"
+    moved = f"stage {stage} reduces {format_bytes(elements * wire)} a rank"
+    if par.grad_comm == "none":
+        return Prose(f"Gradients cross dp in {kept} (train.grad_dtype), {full} bytes an "
+                     f"element: {moved}, {when}.")
+    return Prose(f"Gradients cross dp in fp8 {WIRE_FORMATS[par.grad_comm]} (parallel.grad_comm "
+                 f"= {par.grad_comm}: one fp32 scale per bucket and rank, summed in fp32 on "
+                 f"arrival), {wire} byte an element instead of {kept}'s {full}: {moved} instead "
+                 f"of {format_bytes(elements * full)}, {when}; "
+                 f"{format_bytes(elements * (full - wire) * times)} less a step.")
 
 
 def _overlap_summary(plan: Plan) -> str:

@@ -17,6 +17,7 @@ from torch import fx
 
 from ptc.compiler import nodes
 from ptc.compiler.meta import get_info, graph_info
+from ptc.compiler.views import FitTable
 
 MATMUL_KINDS = ("linear", "matmul", "attention")
 
@@ -248,12 +249,11 @@ def summary_rows(summary: ModelSummary) -> list[tuple[str, str]]:
     return rows
 
 
-def render_summary(summary: ModelSummary):
-    """A rich Table of the summary (print it with a rich Console)."""
-    from rich.table import Table  # noqa: PLC0415 - rich only when printing
-
-    table = Table(title=f"ptc: {summary.model_class}", show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
+def render_summary(summary: ModelSummary) -> FitTable:
+    """The summary as a boxed key/value table (print it with a rich Console); a FitTable,
+    so that its values wrap whole at any width."""
+    table = FitTable(title=f"ptc: {summary.model_class}", show_header=False)
+    table.add_column("what")
     table.add_column("value")
     for label, value in summary_rows(summary):
         table.add_row(label, value)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.inspect import graph_to_dot, render_graph, summary_line  # noqa: E402
+from ptc.compiler.inspect import (  # noqa: E402
+    _fold, graph_to_dot, render_graph, summary_line)
 from ptc.lower.driver import compile_plan  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 
@@ -48,13 +51,58 @@ def test_summary_counts_collectives(program):
 
 
 def test_code_marks_each_collective_line(program):
-    text = render_graph(program, 0, "code")
+    text = render_graph(program, 0, "code", width=1000)  # wide: a statement and note a line
     marked = [line for line in text.splitlines() if "# COLLECTIVE" in line]
     assert len(marked) == COLLECTIVES + 2 * gathers(program)
     gather = next(line for line in marked if "column_parallel_linears_seq(" in line)
     assert gather.endswith("# COLLECTIVE fwd: all-gather; bwd: all-gather again, "
                            "reduce-scatter (async, overlaps weight gradients)")
     assert "def forward(self, tokens" in text
+
+
+def test_code_folds_to_the_width_and_stays_the_same_python(program):
+    """At 80 columns a long statement breaks its call's arguments onto continuation lines,
+    fx's frees take lines of their own and a collective's note goes above: the same code."""
+    wide, narrow = (render_graph(program, 0, "code", width=w) for w in (1000, 80))
+    lines = narrow.splitlines()
+    assert max(map(len, lines)) <= 80 < max(map(len, wide.splitlines()))
+    assert statements(narrow) == statements(wide)
+    assert narrow.count("# COLLECTIVE") == wide.count("# COLLECTIVE")
+    call = next(i for i, line in enumerate(lines) if "column_parallel_linears_seq(" in line)
+    assert lines[call].endswith("(") and lines[call + 1].startswith(" " * 8)
+    note = next(i for i in range(call, 0, -1) if "# COLLECTIVE" in lines[i])
+    assert lines[note].strip().startswith("# COLLECTIVE fwd: all-gather; bwd: all-gather again")
+    assert all(line.strip().startswith("#   ") for line in lines[note + 1:call])
+
+
+LONG_LINES = [
+    '    model_layers_0_post_attention_layernorm_weight = getattr(self.model.layers, "0")'
+    '.post_attention_layernorm.weight',
+    "    scaled_dot_product_attention = torch.ops.aten.scaled_dot_product_attention.default("
+    "add_4, reshape, reshape_1, expand_1, scale = 0.25);  add_4 = reshape = reshape_1 = None",
+    "    out = op(first_argument_name, (a_weight_of_some_length, b_weight_of_some_length, "
+    "c_weight,), label = 'a, (b) = c', axis = 'tp')",
+]
+
+
+@pytest.mark.parametrize("line", LONG_LINES)
+def test_a_long_line_folds_to_the_same_statements(line):
+    note = "COLLECTIVE fwd: all-reduce; bwd: identity"
+    folded = _fold(line, note, 80)
+    assert max(map(len, folded)) <= 80 < len(line) and folded[0] == f"    # {note}"
+    assert statements(textwrap.dedent("\n".join(folded))) == statements(line.strip())
+
+
+def statements(code: str) -> list[str]:
+    """Each statement of `code`, fx's frees (`a = b = None`) one per name: folding may split
+    them over lines."""
+    out = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Assign) and ast.dump(node.value) == ast.dump(ast.Constant(None)):
+            out += [f"{target.id} = None" for target in node.targets]
+        elif isinstance(node, ast.stmt) and not isinstance(node, ast.FunctionDef):
+            out.append(ast.dump(node))
+    return out
 
 
 def test_table_lists_every_node_and_highlights_collectives(program):
@@ -87,7 +135,7 @@ def test_bad_stage_and_format(program):
 
 def test_header_states_the_overlap_decisions(program):
     decided = program.stages[0].overlap
-    text = render_graph(program, 0, "code")
+    text = render_graph(program, 0, "code", width=1000)  # wide: each header line whole
     line = text.splitlines()[1]
     assert line.startswith(f"# buckets: {len(decided.buckets)} of <= ")
     assert "[" + " ".join(map(str, decided.buckets[0])) + "]" in line

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ptc.compiler.inspect import render_graph
 from ptc.compiler.report import render_explain, render_search
-from ptc.compiler.views import FitTable
+from ptc.compiler.views import FitTable, Prose, wrap
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 
@@ -47,6 +47,27 @@ def test_a_wide_table_turns_and_then_stacks_keeping_every_cell_whole():
     assert "stage 11\n  term 0   110.5 GiB\n" in stacked
     for text in (turned, stacked):
         assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_a_long_number_column_beside_text_that_wraps_keeps_the_table_within_the_width():
+    """rich alone narrows the widest columns evenly and then widens a number column back to
+    its cells: one column too wide. FitTable sizes the columns itself."""
+    table = FitTable("rates")
+    for name in ("figure", "value", "from"):
+        table.add_column(name, justify="right" if name == "value" else "left")
+    for _ in range(3):
+        table.add_row("dispatch per op (hidden behind longer kernels)",
+                      "95.1% forward, 97.0% backward", "preset H100-SXM")
+    lines = _text(table, 80).splitlines()
+    assert max(map(len, lines)) == 80 and "│ 95.1% forward, 97.0% backward │" in lines[4]
+
+
+def test_prose_wraps_between_words_and_keeps_numbers_with_their_units():
+    lines = _text(Prose("the bucket holds 2.1 MiB; " * 6, indent=4), 40).splitlines()
+    assert len(lines) > 1 and all(len(line) <= 40 for line in lines)
+    assert lines[1].startswith("    ") and not any(line.endswith(" 2.1") for line in lines)
+    path = "a/very/long/path/" * 6  # wider than the width: whole on a line of its own
+    assert wrap(f"see {path} there", 40) == ["see", f"  {path}", "  there"]
 
 
 @pytest.mark.parametrize("render", ["explain", "plan", "inspect"])
