@@ -653,7 +653,7 @@ def _memory_checks(report: Report, key: str, device: torch.device, memory: dict,
                    estimate) -> None:
     """Held bytes against Program.state_bytes() and the estimate's terms; CUDA peak against
     the estimate's peak."""
-    from ptc.compiler.memory import RUNTIME_RESERVE
+    from ptc.compiler.memory.model import RUNTIME_RESERVE
 
     report.data["memory"][key] = memory
     held, program = memory["held"], memory["program_state_bytes"]

@@ -221,7 +221,7 @@ def torch_pp_step(program):
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from ptc.compiler.stages import stage_info
+    from ptc.compiler.graph.stage_graphs import stage_info
     from ptc.models import build_model
     from ptc.runtime.data import TokenSource
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ptc.compiler import profile as profile_mod  # noqa: E402
-from ptc.compiler.report import describe_layout  # noqa: E402
-from ptc.compiler.search import search_all  # noqa: E402
+from ptc.compiler.profile import cache as profile_mod  # noqa: E402
+from ptc.views.explain import describe_layout  # noqa: E402
+from ptc.compiler.search.plan_search import search_all  # noqa: E402
 from ptc.compiler.shapes import plan_from_shape  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 Reads `published_runs.csv` (from $PTC_VALIDATION_DIR, else ../shared/validation
 beside the repository), builds each run as a Plan from its shape numbers,
-predicts the step time with `ptc.compiler.estimate.estimate`, and compares
+predicts the step time with `ptc.compiler.search.estimate.estimate`, and compares
 under the row's own convention:
 
 - rows with an iteration time: predicted vs measured seconds per iteration;
@@ -80,7 +80,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ptc.compiler.estimate import estimate  # noqa: E402
+from ptc.compiler.search.estimate import estimate  # noqa: E402
 from ptc.compiler.shapes import even_cut, plan_from_shape  # noqa: E402
 from ptc.plan import HardwareSpec, LinkSpec  # noqa: E402
 from ptc.presets import PRESETS  # noqa: E402

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ptc.compiler.estimate import estimate  # noqa: E402
+from ptc.compiler.search.estimate import estimate  # noqa: E402
 from ptc.compiler.shapes import even_cut, plan_from_shape  # noqa: E402
 from ptc.errors import PlanError  # noqa: E402
 

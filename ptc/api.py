@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-    from ptc.compiler.estimate import Estimate
-    from ptc.compiler.program import Program
+    from ptc.compiler.records.estimate import Estimate
+    from ptc.compiler.records.program import Program
     from ptc.plan import Plan
     from ptc.runtime.train import RunResult
 
@@ -47,7 +47,7 @@ def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None,
 
     Before any process starts, what the run needs is checked (`ptc.lower.preflight`: files,
     folders, memory); `allow_oom` runs a plan predicted not to fit anyway."""
-    from ptc.compiler.program import Program  # noqa: PLC0415
+    from ptc.compiler.records.program import Program  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.lower.preflight import preflight  # noqa: PLC0415
     from ptc.runtime.train import run as _run  # noqa: PLC0415
@@ -78,13 +78,13 @@ def export(checkpoint: str | os.PathLike, *, hf: str | os.PathLike | None = None
 
 def estimate(plan: Plan | str | os.PathLike) -> Estimate:
     """Predict step time, throughput, MFU and per-stage peak memory of a resolved plan."""
-    from ptc.compiler.estimate import estimate as _estimate  # noqa: PLC0415
+    from ptc.compiler.search.estimate import estimate as _estimate  # noqa: PLC0415
 
     return _estimate(_as_plan(plan))
 
 
 def search(plan: Plan | str | os.PathLike, top: int = 5) -> list[tuple[Plan, Estimate]]:
     """The `top` fastest layouts of `plan` that fit memory, fastest first."""
-    from ptc.compiler.search import search as _search  # noqa: PLC0415
+    from ptc.compiler.search.plan_search import search as _search  # noqa: PLC0415
 
     return _search(_as_plan(plan), top=top)

@@ -88,7 +88,7 @@ def _compile(plan):
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a plan: summarise the captured model and list what the passes did."""
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
-    from ptc.compiler.summary import render_summary, summarize  # noqa: PLC0415
+    from ptc.views.summary import render_summary, summarize  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     program = compile_plan(plan, on_capture=lambda gm: _out.print(render_summary(summarize(gm))))
@@ -99,9 +99,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a stage's lowered graph (with its collectives), its Graphviz, or the schedule."""
-    from ptc.compiler.inspect import graph_to_dot, render_graph  # noqa: PLC0415
+    from ptc.views.inspect import graph_to_dot, render_graph  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
-    from ptc.compiler.schedule import render_schedule  # noqa: PLC0415
+    from ptc.views.schedule_grid import render_schedule  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     if (args.steps or args.ranks) and not args.schedule:
@@ -129,7 +129,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
     """Measure collective bandwidth on each mesh axis against the plan's hardware figures."""
-    from ptc.runtime.bench_comm import bench_comm, parse_size, render_comm  # noqa: PLC0415
+    from ptc.runtime.bench_comm import bench_comm, parse_size  # noqa: PLC0415
+    from ptc.views.comm_report import render_comm  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     try:
@@ -203,7 +204,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the layouts of a plan and print the best ones and why others failed."""
-    from ptc.compiler.report import render_search  # noqa: PLC0415
+    from ptc.views.explain import render_search  # noqa: PLC0415
 
     _out.print(render_search(_load(args.plan, args.overrides), top=args.top))
     return EXIT_OK
@@ -211,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Print the plan's memory per stage (with its formula) and its time breakdown."""
-    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
     from ptc.lower.preflight import memory_problems  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
@@ -224,7 +225,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write one self-contained HTML page: schedule, memory, step time, passes, graphs."""
-    from ptc.compiler.html_report import render_report  # noqa: PLC0415
+    from ptc.views.html_report import render_report  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
 
     page = render_report(compile_plan(_load(args.plan, args.overrides)))

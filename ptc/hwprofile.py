@@ -8,7 +8,7 @@ hardware section replace the profile's in turn. A profile holds:
 - `mem_bandwidth`: bytes/s memory-bound ops (element-wise, norms, softmax) move;
 - `dispatch_overhead`: host seconds per op dispatched;
 - `intra` / `inter`: latency and bandwidth of the links, fitted per mesh axis to
-  the cost model's collectives (`ptc.compiler.comm`); a link no axis used is absent;
+  the cost model's collectives (`ptc.compiler.cost.collectives`); a link no axis used is absent;
 - `device` ("cpu" or "cuda"), which a plan's `gpu` must match ("cpu" with a
   CPU profile, any GPU with a CUDA one), and what it was measured with
   (`world_size`, `device_name`, `torch`, `created`, per axis `axes`, raw

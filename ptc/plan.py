@@ -313,7 +313,7 @@ class HardwareSpec(_Section):
     host queues more, the larger of it and the kernels' time counts."""
     multiprocessors: int = 0
     """Streaming multiprocessors per GPU (cost model): GEMMs are priced at their shape's
-    tile and wave efficiency (`ptc.compiler.gemm_tiles`); 0 prices them by FLOPs alone."""
+    tile and wave efficiency (`ptc.compiler.graph.gemm_tiles`); 0 prices them by FLOPs alone."""
     profile: str | None = None
     """The calibration file (`ptc calibrate`) whose figures this hardware carries, if any."""
     spans: Mapping[str, Span] = _spans()
@@ -893,7 +893,7 @@ class RuntimeSpec(_Section):
     """Run each lowered stage graph through `torch.compile` (inductor): fused kernels, faster
     steps on GPUs, and other rounding (fused ops sum in another order), so opt-in. The cost
     model prices each chain of memory-bound ops between GEMMs as one kernel when set
-    (`ptc.compiler.work`), each op as its own kernel when not."""
+    (`ptc.compiler.graph.work`), each op as its own kernel when not."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 

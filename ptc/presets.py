@@ -6,10 +6,10 @@ matrix products (GEMMs) of a training step reach in full waves: the cost model
 prices each GEMM's FLOPs over its shape's tile and wave efficiency on the
 GPU's `multiprocessors` (the SM counts of NVIDIA's architecture whitepapers:
 A100 108, H100 SXM5 and H200 132, B200 and GB200 148, GB300 160, V100 80;
-`ptc.compiler.gemm_tiles`)
+`ptc.compiler.graph.gemm_tiles`)
 at peak x achievable_fraction, memory-bound ops by the bytes they move at
 `mem_bandwidth` and the host's dispatch of each op at `dispatch_overhead`
-(`ptc.compiler.compute`). The shares are those a tuned transformer step
+(`ptc.compiler.cost.compute`). The shares are those a tuned transformer step
 reaches in practice, set from published runs by one rule, one parameter per
 chip: for each run of `published_runs.csv` (../shared/validation) the share at
 which ptc's prediction of that run equals its measurement, all else as priced,
@@ -103,7 +103,7 @@ class GpuPreset:
     dispatch_overhead: float = 0.0
     """Host seconds to dispatch one op (see module docstring)."""
     multiprocessors: int = 0
-    """Streaming multiprocessors: the GEMM tile model's wave (`ptc.compiler.gemm_tiles`);
+    """Streaming multiprocessors: the GEMM tile model's wave (`ptc.compiler.graph.gemm_tiles`);
     0 for the CPU, whose GEMMs are priced by FLOPs alone."""
 
 

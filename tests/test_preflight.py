@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ptc.cli import main
-from ptc.compiler.estimate import estimate
+from ptc.compiler.search.estimate import estimate
 from ptc.dsl import load_plan
 from ptc.errors import PtcError
 from ptc.models import build_model

@@ -18,6 +18,14 @@ BOTTOM = ("ptc.errors", "ptc.units", "ptc.presets", "ptc.hwprofile", "ptc.plan",
 """The plan's own rooms: errors, units, hardware presets and profiles, dataclasses and their
 checks."""
 
+COMPILER_ORDER = ("schedule", "records", "graph", "capture", "profile", "memory", "cost",
+                  "search")
+"""The compiler's subpackages from the bottom up: the schedule IR, the pure records, facts
+read off graphs, capture, profiles, the memory model, the cost model, estimate and search."""
+
+MAX_COMPILER_TOP = 8
+"""Modules allowed at the top of `ptc/compiler/` (its subpackages aside)."""
+
 ROOMS = {
     # room prefix: the ptc rooms it may import (besides itself)
     "ptc.errors": (),
@@ -29,7 +37,17 @@ ROOMS = {
     "ptc.dsl": BOTTOM,
     "ptc.models": BOTTOM,
     "ptc.ops": BOTTOM,
-    "ptc.compiler": (*BOTTOM, "ptc.dsl", "ptc.models", "ptc.ops"),
+    # The compiler's subpackages, bottom up (COMPILER_ORDER): each imports only those below.
+    **{f"ptc.compiler.{sub}": (*BOTTOM, "ptc.ops", *(f"ptc.compiler.{below}" for below in
+                                                     COMPILER_ORDER[:i]))
+       for i, sub in enumerate(COMPILER_ORDER)},
+    # A profile is read off the model's own graph: built-in families are built by their
+    # room, the one crossing the compiler makes (a custom model comes as its factory).
+    "ptc.compiler.profile": (*BOTTOM, "ptc.ops", "ptc.models",
+                             *(f"ptc.compiler.{below}" for below in
+                               COMPILER_ORDER[:COMPILER_ORDER.index("profile")])),
+    # The compiler's own top (collector, shapes): the plan's rooms only.
+    "ptc.compiler": BOTTOM,
     "ptc.passes": (*BOTTOM, "ptc.compiler", "ptc.ops"),
     "ptc.lower": (*BOTTOM, "ptc.models", "ptc.compiler", "ptc.ops", "ptc.passes"),
     # Preflight plans (it estimates, builds models, compiles through the compiler it is
@@ -39,6 +57,8 @@ ROOMS = {
     # The runtime runs a Program and a resolved Plan: it never reads plan text (dsl), builds
     # a model (models: a factory is handed in) or compiles (lower: a compiler is handed in).
     "ptc.runtime": (*BOTTOM, "ptc.ops", "ptc.compiler"),
+    # What people read: a Program's decisions, rendered (and a run's measured collectives).
+    "ptc.views": (*BOTTOM, "ptc.ops", "ptc.compiler", "ptc.lower", "ptc.runtime"),
 }
 """Rooms from the bottom up; `ptc.cli`, `ptc.api`, `ptc.worker` and `ptc` may import all."""
 
@@ -111,3 +131,13 @@ def test_imports_stay_in_the_rooms_below(name: str, path: Path) -> None:
                       f"(room {room} must not need torch)"
                       for line, module in _imports(path) if module.split(".")[0] == "torch"]
     assert not crossings, "\n".join(crossings)
+
+
+def test_the_compiler_keeps_few_modules_at_its_top() -> None:
+    top = [p.name for p in (PACKAGE / "compiler").glob("*.py")]
+    assert len(top) <= MAX_COMPILER_TOP, f"ptc/compiler/ holds {sorted(top)} at its top"
+
+
+def test_every_compiler_subpackage_is_in_the_order() -> None:
+    subpackages = {p.parent.name for p in (PACKAGE / "compiler").glob("*/__init__.py")}
+    assert subpackages == set(COMPILER_ORDER)

@@ -2,7 +2,7 @@
 
 `compile_plan(plan)` builds the plan's model on the meta device (or takes
 the user's module), captures it as a (tokens, targets) -> loss graph,
-resolves the plan into the Decisions record (`ptc.compiler.decisions`: the
+resolves the plan into the Decisions record (`ptc.compiler.records.decisions`: the
 cost model runs there, once), runs `PASSES` through the generic runner
 (`ptc.lower.runner`) and packages the lowered stage graphs with their
 layouts and reports as a `Program`. Nothing here needs a process group.
@@ -19,13 +19,17 @@ from typing import Any
 from torch import fx, nn
 
 from ptc.compiler.collector import collector_off
-from ptc.compiler.decisions import Decisions, resolve
-from ptc.compiler.meta import graph_info, update_graph_record
-from ptc.compiler.positions import check_position_tables
-from ptc.compiler.program import (COMPUTE_DTYPES, Program, Stage, param_layout,
-                                  with_stage_layouts)
-from ptc.compiler.schedule import lower as lower_schedule, schedule_for
-from ptc.compiler.stages import stage_info, whole_graph_stage
+from ptc.compiler.records.decisions import Decisions
+from ptc.lower.resolve import resolve
+from ptc.compiler.graph.meta import graph_info, update_graph_record
+from ptc.compiler.graph.position_tables import check_position_tables
+from ptc.compiler.records.params import COMPUTE_DTYPES
+from ptc.compiler.records.program import Program, Stage
+from ptc.compiler.graph.params import param_layout
+from ptc.lower.seam import with_stage_layouts
+from ptc.compiler.schedule.lowering import lower as lower_schedule
+from ptc.compiler.schedule.build import schedule_for
+from ptc.compiler.graph.stage_graphs import stage_info, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
 from ptc.lower.stamp import (NotStampable, representative_layers, stamp_layers,

@@ -380,9 +380,9 @@ def _custom_model(plan: Plan, where: _Where, allow_oom: bool,
 
 def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
     """One diagnostic per pipeline stage whose predicted peak exceeds the budget."""
-    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
-    from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel  # noqa: PLC0415
-    from ptc.compiler.profile import with_model_shape  # noqa: PLC0415
+    from ptc.compiler.search.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
+    from ptc.compiler.search.fit import (largest_micro_batch, smallest_model_parallel)  # noqa: PLC0415
+    from ptc.compiler.profile.cache import with_model_shape  # noqa: PLC0415
 
     plan = with_model_shape(plan)  # a custom model's shape, which the hints below read
     est = estimate(plan)

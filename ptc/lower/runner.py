@@ -8,10 +8,10 @@ in three parts around the one seam:
 2. the split cuts it into stage graphs (pp = 1: the graph is the only
    stage); at the seam every stage graph gets its StageInfo, and the
    Decisions what the seam fixes: the tp layout and each stage's parameter
-   layout (`ptc.compiler.program.with_stage_layouts`);
+   layout (`ptc.lower.seam.with_stage_layouts`);
 3. per-stage passes run on each stage graph, reading those Decisions, and
    change it in place; then each stage's overlap plan joins the Decisions
-   (`ptc.compiler.program.with_overlap`).
+   (`ptc.lower.seam.with_overlap`).
 
 No pass asks whether the graph is split. After every pass the verifier
 (`ptc.lower.verify`) checks the graph, so a broken graph names the pass that
@@ -34,11 +34,11 @@ from typing import Any
 
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.graph_code import code_version
-from ptc.compiler.meta import update_graph_record
-from ptc.compiler.program import with_overlap, with_stage_layouts
-from ptc.compiler.stages import pipeline_stages, whole_graph_stage
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.lazy_code import code_version
+from ptc.compiler.graph.meta import update_graph_record
+from ptc.lower.seam import with_overlap, with_stage_layouts
+from ptc.compiler.graph.stage_graphs import pipeline_stages, whole_graph_stage
 from ptc.errors import CompileError
 from ptc.lower.verify import Rerun, verify_graph
 

@@ -51,10 +51,11 @@ from collections import OrderedDict
 import torch
 from torch import fx, nn
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.graph_code import graph_module, owner_module
-from ptc.compiler.meta import KEY, get_info, graph_info, graph_record
-from ptc.compiler.tp_structure import matching_rule
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.lazy_code import graph_module, owner_module
+from ptc.compiler.records.graph_meta import KEY
+from ptc.compiler.graph.meta import get_info, graph_info, graph_record
+from ptc.compiler.graph.tp_structure import matching_rule
 from ptc.ops.dropout import site_attention, site_dropout
 from ptc.plan import Plan
 

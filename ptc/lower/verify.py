@@ -13,7 +13,7 @@ Checks, each cheap enough to run between all passes:
   `ptc inspect` read). Each mesh axis is bound to a `ShapeGroup` of the
   plan's size, so collectives give the shapes that many ranks would; a
   node that records no shapes (a gather handle) is not compared. Identical
-  layers make identical calls, answered once (`ptc.compiler.call_cache`),
+  layers make identical calls, answered once (`ptc.compiler.graph.call_cache`),
   and a node no pass touched since the last check, reading values that
   came out as they did then, is not re-run at all (`Rerun`): after the
   first check a pass costs the meta re-runs of what it changed.
@@ -31,8 +31,9 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from ptc.compiler.call_cache import CallCache, Unkeyable, changes_operands, fresh_tree, signature
-from ptc.compiler.meta import get_info
+from ptc.compiler.graph.call_cache import (CallCache, Unkeyable, changes_operands, fresh_tree,
+                                           signature)
+from ptc.compiler.graph.meta import get_info
 from ptc.errors import CompileError
 from ptc.ops.comm import ShapeGroup, bind_axes
 from ptc.plan import Plan

@@ -119,6 +119,6 @@ def gather_params(handle: GatherHandle,
     return _GatherParams.apply(handle, *shards)
 
 
-# What `ptc.compiler.inspect` shows for these ops (it reads this attribute, not the runtime).
+# What `ptc.views.inspect` shows for these ops (it reads this attribute, not the runtime).
 gather_params_start.ptc_collective = ("all-gather (start)", "none")
 gather_params.ptc_collective = ("all-gather (wait)", "reduce-scatter")

@@ -1,7 +1,7 @@
 """Activation recompute: run a region of the graph under torch's checkpoint.
 
 The activation_checkpoint pass (ptc/passes/activation_checkpoint.py) moves
-what a layer's policy recomputes (`ptc.compiler.recompute`: the layer for
+what a layer's policy recomputes (`ptc.compiler.graph.recompute_regions`: the layer for
 "full" and "ops", its attention core for "selective", the named modules for
 `modules(...)`) into a small GraphModule and calls it through
 `checkpoint_region`. A *saving* region keeps the outputs of its matmuls

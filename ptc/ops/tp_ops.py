@@ -28,7 +28,7 @@ binds axes to groups at run time. An unbound axis, or a group of one rank,
 makes every op local, so a lowered graph also runs in one plain process.
 
 Each communicating op carries `ptc_collective = (forward, backward)`, which
-`ptc.compiler.inspect` reads to highlight collectives without importing
+`ptc.views.inspect` reads to highlight collectives without importing
 the runtime.
 """
 
@@ -50,7 +50,7 @@ TP = "tp"
 
 
 def _collective(forward: str, backward: str):
-    """Mark an op as a collective (read by ptc.compiler.inspect)."""
+    """Mark an op as a collective (read by ptc.views.inspect)."""
     def mark(fn):
         fn.ptc_collective = (forward, backward)
         return fn

@@ -18,7 +18,7 @@ session drops the re-gathered buffers and queues the gradient
 reduce-scatter; it waits for one when more than `in_flight` are running (and
 for the rest in `finish`) and adds the result into each shard's `.grad`.
 How far ahead to prefetch and how many reductions to leave running is the
-comm_overlap pass's decision (`ptc.compiler.overlap.OverlapPlan`).
+comm_overlap pass's decision (`ptc.compiler.records.overlap.OverlapPlan`).
 
 Arrivals: with optimizer offload the updated shards come back from host
 memory while the next step begins (`ptc.runtime.offload`). The session's

@@ -7,10 +7,10 @@ import operator
 
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.graph_code import graph_module
-from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.recompute import recompute_regions
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.lazy_code import graph_module
+from ptc.compiler.graph.meta import copy_meta, get_info
+from ptc.compiler.graph.recompute_regions import recompute_regions
 from ptc.errors import CompileError
 from ptc.plan import RECOMPUTE_MODULES, modules_policy, policy_modules
 from ptc.passes.functional import functionalize
@@ -28,7 +28,7 @@ def checkpoint_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.Graph
 
     The memory model (ptc.compiler.memory) prices the plan's checkpoint policy;
     this pass makes the runtime match it. Which nodes a policy recomputes is
-    `ptc.compiler.recompute.recompute_regions`' answer (a "full" layer is
+    `ptc.compiler.graph.recompute_regions.recompute_regions`' answer (a "full" layer is
     one region, a "selective" layer's attention core is, "ops" keeps the
     matmuls' outputs of one region, `modules(...)` recomputes the named
     modules). Each region's nodes move into one region GraphModule called
@@ -134,7 +134,7 @@ def _invoked(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, *, saving: bool = False
              ) -> None:
     """Move `nodes` (graph order) into a region GraphModule called via checkpoint_region;
-    `saving`: the region keeps its matmuls' outputs (`ptc.compiler.recompute.Region`)."""
+    `saving`: the region keeps its matmuls' outputs (`ptc.compiler.graph.recompute_regions.Region`)."""
     # Leaf modules with parameters become functional ops on get_attr nodes of the outer graph.
     # Parameter-free ones (dropout, activations) are passed in as modules and invoked.
     nodes = [(functionalize(gm, n) if _has_params(gm, n) else _invoked(gm, n))

@@ -33,11 +33,13 @@ import operator
 
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.stages import stage_info
-from ptc.compiler.meta import copy_meta, get_info, update_graph_record
-from ptc.compiler.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan, plan_buckets, resolve_bucket_bytes
-from ptc.compiler.program import ParamLayout, shard_unit
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.stage_graphs import stage_info
+from ptc.compiler.graph.meta import copy_meta, get_info, update_graph_record
+from ptc.compiler.records.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan
+from ptc.compiler.cost.buckets import plan_buckets, resolve_bucket_bytes
+from ptc.compiler.records.params import ParamLayout
+from ptc.compiler.graph.params import shard_unit
 from ptc.errors import CompileError
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.plan import Plan

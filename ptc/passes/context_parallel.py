@@ -32,10 +32,11 @@ import logging
 import torch
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.masks import MaskReader
-from ptc.compiler.meta import copy_meta, graph_info
-from ptc.compiler.nodes import LOSS_OPS, attention_parts, has_effect, mixes_along, op_name, where
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.masks import MaskReader
+from ptc.compiler.graph.meta import copy_meta, graph_info
+from ptc.compiler.graph.nodes import (LOSS_OPS, attention_parts, has_effect, mixes_along, op_name,
+                                      where)
 from ptc.errors import CompileError
 from ptc.ops.context import context_attention, context_chunks
 from ptc.ops.dropout import site_dropout
@@ -133,7 +134,7 @@ def _fused_kwargs(node: fx.Node) -> dict:
 
 
 def _is_constant_causal(mask: fx.Node) -> bool:
-    """Whether `mask` is constant (ptc.compiler.masks: a Hugging Face model's mask built from
+    """Whether `mask` is constant (ptc.compiler.graph.masks: a Hugging Face model's mask built from
     its position ids) and equals the causal mask: True (or 0) where the key's position is at
     most the query's, False (or -inf) elsewhere."""
     value = MaskReader().constant_value(mask)

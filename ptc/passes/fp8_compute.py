@@ -23,9 +23,9 @@ import logging
 
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.meta import copy_meta
-from ptc.compiler.nodes import is_fp8_linear, op_name
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.meta import copy_meta
+from ptc.compiler.graph.nodes import is_fp8_linear, op_name
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ptc.compiler.meta import copy_meta
+from ptc.compiler.graph.meta import copy_meta
 from ptc.errors import CompileError
 
 

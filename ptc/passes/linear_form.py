@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import is_linear, op_name
+from ptc.compiler.graph.meta import copy_meta, get_info
+from ptc.compiler.graph.nodes import is_linear, op_name
 
 _MATRIX_PRODUCTS = frozenset({"addmm", "mm", "matmul"})
 _FOLDS = frozenset({"view", "reshape", "unsafe_view"})

@@ -10,7 +10,7 @@ each op keeps its meaning on the local tensors, then records the local
 shapes, dtypes, FLOPs and parameter counts in every node's NodeInfo. A call
 whose signature came before (the same op on operands of the same metadata:
 every layer after the first of identical ones) reuses that evaluation
-(`ptc.compiler.call_cache`), so the cost stays flat in depth.
+(`ptc.compiler.graph.call_cache`), so the cost stays flat in depth.
 
 Terms:
 - a node's *before* shape is the one its NodeInfo holds when `propagate`
@@ -37,11 +37,11 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from ptc.compiler import flops as flops_mod
-from ptc.compiler.call_cache import CallCache
-from ptc.compiler.meta import copy_meta, get_info, update_info
-from ptc.compiler.nodes import (ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, mixes_along,
-                                op_name, where)
+from ptc.compiler.graph import flops as flops_mod
+from ptc.compiler.graph.call_cache import CallCache
+from ptc.compiler.graph.meta import copy_meta, get_info, update_info
+from ptc.compiler.graph.nodes import (ATTENTION_OPS, CREATION_OPS, POINTWISE_OPS, mixes_along,
+                                      op_name, where)
 from ptc.errors import CompileError
 from ptc.ops.comm import ShapeGroup, bind_axes
 

@@ -7,10 +7,10 @@ one process it computes exactly what the captured graph computed (a test
 checks that), and `PTC_DUMP_DIR` shows the cut. The passes after this one
 run on every stage graph (`ptc.lower.driver.run_passes`), and the
 Program keeps one lowered graph per stage — graphs per stage, never per
-rank. `ptc.compiler.stages` defines what each stage graph records.
+rank. `ptc.compiler.records.stages` defines what each stage graph records.
 
 Where the cut goes is decided before the passes, with the estimate
-(`ptc.compiler.decisions`): the plan the pass reads pins how many layers
+(`ptc.compiler.records.decisions`): the plan the pass reads pins how many layers
 each stage holds (its first/last_stage_layers, as the cost model chose them,
 or its stage_boundaries), else the layers are shared evenly, the later
 stages taking one more where they do not divide. The pass only applies it:
@@ -46,13 +46,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.graph_code import graph_module
-from ptc.compiler.meta import copy_meta, get_info, graph_info, update_graph_record
-from ptc.compiler.nodes import module_path
-from ptc.compiler.program import used_params
-from ptc.compiler.stages import (DATA_ROLES, Boundary, PipelineInfo, pipeline_info,
-                                 StageInfo, stage_info)
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.lazy_code import graph_module
+from ptc.compiler.graph.meta import copy_meta, get_info, graph_info, update_graph_record
+from ptc.compiler.graph.nodes import module_path
+from ptc.compiler.graph.params import used_params
+from ptc.compiler.records.stages import DATA_ROLES, Boundary, PipelineInfo, StageInfo
+from ptc.compiler.graph.stage_graphs import pipeline_info, stage_info
 from ptc.errors import CompileError, DiagnosticSink, did_you_mean
 from ptc.plan import ParallelSpec, Plan
 

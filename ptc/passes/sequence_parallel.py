@@ -35,10 +35,11 @@ import logging
 import torch
 from torch import fx
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.meta import copy_meta, get_info, graph_info, graph_record, update_graph_record
-from ptc.compiler.nodes import (CROSS_ENTROPY_OPS, logits_linear, module_of, op_name,
-                                params_behind, where)
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.meta import (copy_meta, get_info, graph_info, graph_record,
+                                     update_graph_record)
+from ptc.compiler.graph.nodes import (CROSS_ENTROPY_OPS, logits_linear, module_of, op_name,
+                                      params_behind, where)
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq, reduce_from_tp,
                             reduce_scatter_seq, scatter_seq)

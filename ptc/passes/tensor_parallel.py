@@ -1,6 +1,6 @@
 """The tensor_parallel pass: keep 1/tp of every split weight and insert Megatron's collectives.
 
-Given the split `ptc.compiler.tp_structure` finds (or the plan's rules say),
+Given the split `ptc.compiler.graph.tp_structure` finds (or the plan's rules say),
 the pass rewrites the captured graph into the graph every tp rank runs:
 
 - a column-parallel linear (q/k/v, MLP up/gate, the vocabulary-parallel LM
@@ -33,19 +33,20 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.meta import copy_meta, get_info, graph_record, update_graph_record
-from ptc.compiler.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
-                                linear_out_dim, linear_weight, module_of, op_name, param_source,
-                                params_behind, where)
-from ptc.compiler.tp_layout import ParamShard, TensorParallelLayout
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.meta import copy_meta, get_info, graph_record, update_graph_record
+from ptc.compiler.graph.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
+                                      linear_out_dim, linear_weight, module_of, op_name,
+                                      param_source, params_behind, where)
+from ptc.compiler.records.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
                             vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
-from ptc.compiler.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding, find_sharding, layer_glob
+from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, find_sharding,
+                                             layer_glob)
 
 log = logging.getLogger("ptc.passes.tensor_parallel")
 

@@ -4,7 +4,7 @@ The pass rewrites a graph whose weights are module parameters into one
 whose weights are values: every parameter use (a `call_module` Linear /
 Embedding / LayerNorm / RMSNorm, or a `get_attr`) reads a view of a full
 buffer that a `gather_params` node produced from the unit's shards
-(`zero.shard_{i}`, see `ptc.compiler.program.ZeroShards`). One gather per
+(`zero.shard_{i}`, see `ptc.compiler.graph.params.ZeroShards`). One gather per
 *group* — a transformer layer, or another top-level module — sits before the
 group's first use. A tied weight used by two groups (embed and head) is
 gathered by each; both gathers' backwards add into the same shard gradient.
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import module_path
-from ptc.compiler.decisions import Decisions
-from ptc.compiler.stages import stage_info
-from ptc.compiler.program import (COMPUTE_DTYPES, ParamLayout, ParamSlot, ZeroShards, group_key,
-                                  used_params)
+from ptc.compiler.graph.meta import copy_meta, get_info
+from ptc.compiler.graph.nodes import module_path
+from ptc.compiler.records.decisions import Decisions
+from ptc.compiler.graph.stage_graphs import stage_info
+from ptc.compiler.records.params import COMPUTE_DTYPES, ParamLayout, ParamSlot
+from ptc.compiler.graph.params import ZeroShards, group_key, used_params
 from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
 from ptc.ops.collectives import gather_params, gather_params_start

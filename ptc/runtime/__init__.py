@@ -5,8 +5,8 @@ trains from Python (what `ptc.run` calls, handing in what the runtime must
 not import: the model factory, the preflight checks and the compiler),
 `launch(plan, write_plan, nproc, extra_launcher_args)` is what `ptc run PLAN`
 calls with the plan it read, `Trainer` is one rank's training state (for
-tests and notebooks), `bench_comm` / `render_comm` measure and show
-collective bandwidth per mesh axis (`ptc bench-comm`).
+tests and notebooks), `bench_comm` measures collective bandwidth per mesh
+axis (`ptc bench-comm`; `ptc.views.comm_report` shows it).
 Submodules load lazily so that `import ptc.runtime` stays cheap.
 """
 
@@ -25,7 +25,6 @@ _LAZY = {
     "RankError": ("ptc.runtime.executor", "RankError"),
     "StepStats": ("ptc.runtime.executor", "StepStats"),
     "bench_comm": ("ptc.runtime.bench_comm", "bench_comm"),
-    "render_comm": ("ptc.runtime.bench_comm", "render_comm"),
 }
 
 __all__ = list(_LAZY)

@@ -13,14 +13,14 @@ operation and each message size S from `min_size` to `max_size` (doubling;
   (all-gather, reduce-scatter), x 1 (send/recv): nccl-tests' factors, which
   make busbw comparable with one link's bandwidth whatever n is;
 - expected busbw: the same formula applied to the cost model's time for
-  that collective on that axis (`ptc.compiler.comm`: the axis's link —
+  that collective on that axis (`ptc.compiler.cost.collectives`: the axis's link —
   NVLink inside a node, InfiniBand across — and the algorithm NCCL would
   pick), and efficiency = busbw / expected busbw.
 
 An axis is flagged when an operation reaches less than `FLAG_BELOW` of its
 expected bus bandwidth at the largest size, where bandwidth, not latency,
 decides. `bench_comm` starts the plan's processes when it is not already
-running inside them; `render_comm` lays the results out as tables.
+running inside them; `ptc.views.comm_report.render_comm` lays the results out as tables.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from rich.console import Group
 
-from ptc.compiler import comm as cost
-from ptc.compiler.topology import AxisGroup
-from ptc.compiler.topology import axis_groups as placement
-from ptc.compiler.views import FitTable
+from ptc.compiler.cost import collectives as cost
+from ptc.compiler.cost.topology import AxisGroup
+from ptc.compiler.cost.topology import axis_groups as placement
 from ptc.plan import Plan
 from ptc.ops.comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
-from ptc.units import UNITS, format_bytes, format_seconds
+from ptc.units import UNITS
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -220,28 +218,3 @@ def _operation(op: str, elements: int, n: int, group: dist.ProcessGroup, device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def render_comm(report: CommReport) -> Group:
-    """One table per axis (nccl-tests' columns plus the expectation), then the flags."""
-    tables = []
-    for axis in dict.fromkeys(r.axis for r in report.results):
-        rows = [r for r in report.results if r.axis == axis]
-        table = FitTable(title=f"axis {axis}: {rows[0].ranks} ranks on {report.device}")
-        for name in ("op", "size", "time", "algbw GB/s", "busbw GB/s", "expected busbw",
-                     "of expected", "model algorithm"):
-            table.add_column(name, justify="left" if name in ("op", "model algorithm")
-                             else "right")
-        for r in rows:
-            table.add_row(r.op, format_bytes(r.size), format_seconds(r.seconds),
-                          f"{r.algbw / 1e9:.2f}", f"{r.busbw / 1e9:.2f}",
-                          f"{r.expected_busbw / 1e9:.2f}", f"{r.efficiency:.0%}", r.algorithm)
-        tables.append(table)
-    lines = [f"FLAG axis {r.axis}: {r.op} at {format_bytes(r.size)} reaches {r.efficiency:.0%} "
-             f"of the expected {r.expected_busbw / 1e9:.2f} GB/s bus bandwidth "
-             f"(below {FLAG_BELOW:.0%})" for r in report.flagged]
-    if not report.results:
-        lines.append("no mesh axis has more than one rank: nothing to measure")
-    elif not lines:
-        lines.append(f"every axis reaches at least {FLAG_BELOW:.0%} of its expected bandwidth")
-    return Group(*tables, *lines)

@@ -7,12 +7,12 @@ profile (`ptc.hwprofile`) a plan names with `hardware { profile = "hw.json" }`.
 
 Probes, each a forward and backward with autograd, timed over repetitions
 (the same count on every rank) and counted op by op as the cost model counts
-a model's graph (`ptc.compiler.work.function_work`: GEMM FLOPs, bytes moved,
+a model's graph (`ptc.compiler.graph.work.function_work`: GEMM FLOPs, bytes moved,
 ops dispatched):
 
 - dispatch: a one-layer model of the plan's family at hidden size 8 and two
   tokens (made by the `build` handed in: `ptc.models.build_model`), run as
-  the runtime runs a stage graph (counted by `ptc.compiler.work.graph_work`),
+  the runtime runs a stage graph (counted by `ptc.compiler.graph.work.graph_work`),
   whose kernels do almost nothing: seconds per op dispatched, o = t / N;
 - memory: a chain of element-wise, norm, softmax and view ops on a rank's
   activations (micro-batch × the sequence a rank holds × hidden, the plan's
@@ -35,7 +35,7 @@ Links: on every mesh axis with more than one rank, all-reduce, all-gather,
 reduce-scatter and send/recv at message sizes from `min_size` to `max_size`
 (times 4), timed as `ptc bench-comm` times them (the slowest rank's mean);
 each link's latency and bandwidth are fitted to them through the cost
-model's own collectives (`ptc.compiler.linkfit`), and each axis's own fit is
+model's own collectives (`ptc.compiler.cost.linkfit`), and each axis's own fit is
 recorded beside them.
 """
 
@@ -54,11 +54,11 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ptc.compiler.capture import capture, with_weights
-from ptc.compiler.linkfit import Measurement, fit_links
-from ptc.compiler.profile import with_model_shape
-from ptc.compiler.program import COMPUTE_DTYPES
-from ptc.compiler.topology import axis_groups as placement
-from ptc.compiler.work import Work, function_work, graph_work
+from ptc.compiler.cost.linkfit import Measurement, fit_links
+from ptc.compiler.profile.cache import with_model_shape
+from ptc.compiler.records.params import COMPUTE_DTYPES
+from ptc.compiler.cost.topology import axis_groups as placement
+from ptc.compiler.graph.work import Work, function_work, graph_work
 from ptc.hwprofile import HardwareProfile, Link
 from ptc.plan import ModelSpec, Plan
 from ptc.runtime.init import ModelBuilder
@@ -256,7 +256,7 @@ def dispatch_probe(plan: Plan, device: torch.device, dtype: torch.dtype,
     two tokens, captured and run forward and backward as the runtime runs a stage graph
     (its generated code, its modules, autograd): its kernels do almost nothing, so what it
     takes is dispatch. Its ops are counted from the graph as a model's profile counts them
-    (`ptc.compiler.work.graph_work`)."""
+    (`ptc.compiler.graph.work.graph_work`)."""
     family = plan.model.family if plan.model.family in ("gpt", "llama") else "gpt"
     spec = ModelSpec(family=family, layers=1, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=16,
                      max_seq=2)

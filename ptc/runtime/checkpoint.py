@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from ptc.compiler.program import ParamSlot
-from ptc.compiler.tp_layout import ParamShard
+from ptc.compiler.records.params import ParamSlot
+from ptc.compiler.records.tp_layout import ParamShard
 from ptc.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointStore,

@@ -1,7 +1,7 @@
 """The one trainer: a rank's training step over its part of a Program, every layout.
 
 Terms: p pipeline ranks, v chunks per rank, m micro-batches per step. The
-rank holds the stage graphs s = chunk·p + rank (`ptc.compiler.stages` says
+rank holds the stage graphs s = chunk·p + rank (`ptc.compiler.records.stages` says
 what each takes and gives); pp = 1 is one stage, p = v = 1. Each graph runs
 through `GraphRunner`, which turns any failure into a `RankError` naming the
 rank, the graph node and the user's source line.
@@ -56,14 +56,15 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from ptc.compiler.devices import bind_device
-from ptc.compiler.graph_code import with_code
-from ptc.compiler.meta import get_info
-from ptc.compiler.overlap import OverlapPlan
-from ptc.compiler.program import COMPUTE_DTYPES, ParamSlot, Program
-from ptc.compiler.schedule import Action
-from ptc.compiler.stages import StageInfo
-from ptc.compiler.step_sync import guard_folds
+from ptc.compiler.graph.devices import bind_device
+from ptc.compiler.graph.lazy_code import with_code
+from ptc.compiler.graph.meta import get_info
+from ptc.compiler.records.overlap import OverlapPlan
+from ptc.compiler.records.params import COMPUTE_DTYPES, ParamSlot
+from ptc.compiler.records.program import Program
+from ptc.compiler.schedule.actions import Action
+from ptc.compiler.records.stages import StageInfo
+from ptc.compiler.cost.step_sync import guard_folds
 from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
@@ -377,7 +378,7 @@ class Trainer:
 
     def _guard_folds(self) -> bool:
         """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as
-        `ptc.compiler.step_sync.guard_folds` decides for the cost model too. It reads the
+        `ptc.compiler.cost.step_sync.guard_folds` decides for the cost model too. It reads the
         gradients before their reduction: at ZeRO-0 a frozen parameter's stay zero there,
         as autograd computes none (`build_units`)."""
         plan = self.plan

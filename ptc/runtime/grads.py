@@ -6,7 +6,7 @@ with fp32 weights, autograd accumulates straight into that buffer: each
 parameter's `.grad` is a view of its slice (DDP's `gradient_as_bucket_view`),
 the same additions without the copy, and the hook only counts. When the last
 parameter of a *bucket* (consecutive units, chosen by the comm_overlap pass:
-`ptc.compiler.overlap.OverlapPlan`) is in, the bucket's reduction starts
+`ptc.compiler.records.overlap.OverlapPlan`) is in, the bucket's reduction starts
 asynchronously — one collective for all its units — while backward goes on
 with earlier layers:
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptc.compiler.overlap import OverlapPlan
+from ptc.compiler.records.overlap import OverlapPlan
 from ptc.ops.comm import (Piece, Waitable, all_reduce_bucket, group_rank, group_size,
                           reduce_scatter_bucket)
 from ptc.ops.fp8_comm import FORMATS, fp8_reduction

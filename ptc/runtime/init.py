@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ptc.compiler.meta import graph_info
-from ptc.compiler.program import ParamLayout
+from ptc.compiler.graph.meta import graph_info
+from ptc.compiler.records.params import ParamLayout
 from ptc.errors import PtcError
 from ptc.plan import Plan
 from ptc.runtime.hf_weights import SafetensorsState

@@ -42,8 +42,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ptc.compiler.meta import get_info
-from ptc.compiler.program import Program
+from ptc.compiler.graph.meta import get_info
+from ptc.compiler.records.program import Program
 from ptc.errors import PtcError
 from ptc.plan import Plan
 from ptc.runtime.executor import StepStats

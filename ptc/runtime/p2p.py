@@ -3,7 +3,7 @@
 One message per tensor, in boundary order. Between two ranks, messages are
 matched in the order they are posted (what NCCL requires and gloo does for
 one tag); the schedule's lowering posts every receive in the order its peer
-sends (`ptc.compiler.schedule.lower`), so no tags are needed. Peers are
+sends (`ptc.compiler.schedule.lowering.lower`), so no tags are needed. Peers are
 named by their index in the pipeline group.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ptc.compiler.stages import Boundary
+from ptc.compiler.records.stages import Boundary
 
 
 class Transfer:

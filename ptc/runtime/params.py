@@ -1,6 +1,6 @@
 """The rank's parameter storage: flat buffers per unit, bound into the graph module.
 
-Per unit (see `ptc.compiler.program`) a dp rank holds, by ZeRO stage:
+Per unit (see `ptc.compiler.records.program`) a dp rank holds, by ZeRO stage:
 
 | stage | weights the graph reads        | fp32 master the optimizer updates | gradient      |
 |-------|--------------------------------|-----------------------------------|---------------|
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from ptc.compiler.program import ParamLayout, ParamSlot, ShardUnit
+from ptc.compiler.records.params import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import PtcError
 from ptc.ops.comm import Work, all_gather_flat
 

@@ -2,7 +2,7 @@
 
 The dp/ZeRO machinery (`ptc.runtime.params`) works on whatever tensors the
 lowered graph holds; under tensor parallelism those are the tp-local
-parameters (`ptc.compiler.tp_layout`). Three things need the tp axis:
+parameters (`ptc.compiler.records.tp_layout`). Three things need the tp axis:
 
 - initial values: every rank builds the same full tensors as the eager model
   and keeps its slice (`local_initial_values`);
@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptc.compiler.program import ParamLayout, Program
-from ptc.compiler.tp_layout import TensorParallelLayout
+from ptc.compiler.records.params import ParamLayout
+from ptc.compiler.records.program import Program
+from ptc.compiler.records.tp_layout import TensorParallelLayout
 from ptc.ops.comm import all_reduce_bucket, group_size
 from ptc.plan import Plan
 from ptc.runtime.init import InitialValue, initial_params

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from ptc.compiler.program import Program
+from ptc.compiler.records.program import Program
 from ptc.errors import Diagnostic, PlanError, PtcError
 from ptc.plan import Plan
 from ptc.runtime.elastic import elastic, plan_for_world

@@ -1,12 +1,12 @@
 """CallCache: a meta call is evaluated once per key, and only calls that are decided by
-their key are cached (ptc.compiler.call_cache)."""
+their key are cached (ptc.compiler.graph.call_cache)."""
 
 import operator
 
 import torch
 from torch import fx, nn
 
-from ptc.compiler.call_cache import CallCache, module_signature, signature
+from ptc.compiler.graph.call_cache import CallCache, module_signature, signature
 
 
 def meta(*shape, dtype=torch.float32):

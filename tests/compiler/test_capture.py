@@ -13,8 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ptc.compiler.capture import capture, export_door, with_weights
-from ptc.compiler.meta import graph_info
-from ptc.compiler.meta import NodeInfo, info
+from ptc.compiler.graph.meta import graph_info
+from ptc.compiler.records.graph_meta import NodeInfo
+from ptc.compiler.graph.meta import info
 from ptc.errors import CaptureError
 from ptc.models import build_model
 from ptc.plan import ModelSpec

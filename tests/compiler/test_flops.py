@@ -1,6 +1,6 @@
 """FLOP formulas."""
 
-from ptc.compiler.flops import matmul_flops, sdpa_flops
+from ptc.compiler.graph.flops import matmul_flops, sdpa_flops
 
 
 def test_matmul_is_2mnk():

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ptc.compiler.estimate import estimate
-from ptc.compiler.overlap import GRAD_BYTES, predicted_buckets
-from ptc.compiler.profile import plan_profile, with_model_shape
-from ptc.compiler.report import WIRE_FORMATS, render_explain
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.records.overlap import GRAD_BYTES
+from ptc.compiler.cost.buckets import predicted_buckets
+from ptc.compiler.profile.cache import plan_profile, with_model_shape
+from ptc.views.explain import WIRE_FORMATS, render_explain
 from ptc.dsl import load_plan
 from ptc.ops.fp8_comm import FORMATS
 from ptc.units import format_bytes

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ptc.cli import main
-from ptc.compiler.html_report import BACKWARD, BUDGET, FORWARD, render_report
+from ptc.views.html_report import BACKWARD, BUDGET, FORWARD, render_report
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 from ptc.units import format_bytes, format_seconds

@@ -1,4 +1,4 @@
-"""`ptc.compiler.inspect`: the lowered graph as code, as a table and as Graphviz dot."""
+"""`ptc.views.inspect`: the lowered graph as code, as a table and as Graphviz dot."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.inspect import (  # noqa: E402
-    _fold, graph_to_dot, render_graph, summary_line)
+from ptc.views.inspect import _fold, graph_to_dot, render_graph, summary_line
 from ptc.lower.driver import compile_plan  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ptc
-import ptc.compiler.estimate as estimate_module
+import ptc.compiler.search.estimate as estimate_module
 from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.compiler.capture import capture
-from ptc.compiler.meta import graph_record
+from ptc.compiler.graph.meta import graph_record
 from ptc.errors import CompileError
 from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
 from ptc.lower.verify import Rerun, verify_graph

@@ -1,7 +1,7 @@
 """Causality: capture refuses a model whose attention lets a position see later tokens.
 
 ptc trains next-token prediction, so such a model would learn to copy the token it is
-asked to predict. `ptc.compiler.masks` reads each attention's mask at the captured shape;
+asked to predict. `ptc.compiler.graph.masks` reads each attention's mask at the captured shape;
 the cases below write the same tiny attention with each kind of mask, through both front
 doors, and check what the mask hides against the causal mask itself.
 """
@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ptc.compiler.capture import capture
-from ptc.compiler.masks import MaskReader
-from ptc.compiler.nodes import attention_parts
+from ptc.compiler.graph.masks import MaskReader
+from ptc.compiler.graph.nodes import attention_parts
 from ptc.errors import CaptureError
 from ptc.models import build_model
 from ptc.plan import ModelSpec

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import fx
 
-from ptc.compiler.meta import NodeInfo, copy_meta, get_info, info, set_info, update_info
+from ptc.compiler.records.graph_meta import NodeInfo
+from ptc.compiler.graph.meta import copy_meta, get_info, info, set_info, update_info
 
 
 def record(**kw):

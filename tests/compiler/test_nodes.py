@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from ptc.compiler import nodes
+from ptc.compiler.graph import nodes
 from ptc.compiler.capture import capture
-from ptc.compiler.meta import info
+from ptc.compiler.graph.meta import info
 from ptc.models import build_model
 from ptc.plan import ModelSpec
 

@@ -16,7 +16,7 @@ import torch
 
 import ptc
 from ptc.compiler.capture import capture
-from ptc.compiler.positions import check_position_tables
+from ptc.compiler.graph.position_tables import check_position_tables
 from tests.user_models.transformers_models import SEQ, gpt2, llama, opt
 
 warnings.filterwarnings("ignore", message=".*token_id.*")

@@ -17,11 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.layout import layout_of  # noqa: E402
-from ptc.compiler.memory import in_flight  # noqa: E402
-from ptc.compiler.schedule import (COMM, KINDS, Action, Schedule, ScheduleError,  # noqa: E402
-                                   build_schedule, format_grid, format_schedule, lower,
-                                   needed_receive, parse_schedule, render_schedule, simulate)
+from ptc.compiler.records.layout import layout_of  # noqa: E402
+from ptc.compiler.memory.model import in_flight  # noqa: E402
+from ptc.compiler.schedule.actions import (COMM, KINDS, Action, Schedule, ScheduleError,
+                                           format_schedule)
+from ptc.compiler.schedule.build import build_schedule, parse_schedule
+from ptc.views.schedule_grid import format_grid, render_schedule
+from ptc.compiler.schedule.lowering import lower, needed_receive
+from ptc.compiler.schedule.simulation import simulate
 from ptc.errors import PlanError  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 

@@ -24,8 +24,8 @@ import torch
 from rich.console import Console
 from torch import fx
 
-from ptc.compiler.meta import get_info, graph_record
-from ptc.compiler.summary import render_summary, summarize
+from ptc.compiler.graph.meta import get_info, graph_record
+from ptc.views.summary import render_summary, summarize
 from ptc.lower.driver import capture_plan, compile_graph, compile_plan
 from ptc.lower.stamp import MIN_LAYERS, NotStampable, representative_layers, stamp_layers
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule, TrainSpec
@@ -208,7 +208,7 @@ def _attribute(gm: fx.GraphModule, node: fx.Node):
 def test_a_stamp_that_records_a_wrong_shape_is_named_by_the_verifier(monkeypatch, pp):
     """The verifier re-runs the stamped graph on meta, as any pass's output, and names the
     stamp."""
-    from ptc.compiler.meta import update_info
+    from ptc.compiler.graph.meta import update_info
     from ptc.errors import CompileError
     from ptc.lower import driver, stamp
 

@@ -4,7 +4,7 @@ import torch
 from rich.console import Console
 
 from ptc.compiler.capture import capture
-from ptc.compiler.summary import format_summary, render_summary, summarize
+from ptc.views.summary import format_summary, render_summary, summarize
 from ptc.models import build_model
 from ptc.plan import ModelSpec
 

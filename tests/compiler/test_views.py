@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ptc.compiler.inspect import render_graph
-from ptc.compiler.report import render_explain, render_search
-from ptc.compiler.views import FitTable, Prose, wrap
+from ptc.views.inspect import render_graph
+from ptc.views.explain import render_explain, render_search
+from ptc.views.tables import FitTable, Prose, wrap
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 

@@ -18,8 +18,8 @@ import pytest
 from rich.console import Console
 
 from ptc import cli
-from ptc.compiler.inspect import render_graph
-from ptc.compiler.summary import render_summary, summarize
+from ptc.views.inspect import render_graph
+from ptc.views.summary import render_summary, summarize
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 

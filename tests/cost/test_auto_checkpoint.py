@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from ptc.compiler.decisions import resolve
+from ptc.lower.resolve import resolve
 from ptc.lower.driver import capture_plan
-from ptc.compiler.estimate import estimate, plan_precision
-from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
-from ptc.compiler.layout import layout_of
-from ptc.compiler.memory import peak, stage_memory
+from ptc.compiler.search.estimate import estimate, plan_precision
+from ptc.compiler.search.fit import largest_micro_batch, smallest_model_parallel
+from ptc.compiler.records.layout import layout_of
+from ptc.compiler.memory.model import peak, stage_memory
 from ptc.lower.driver import compile_plan
-from ptc.compiler.profile import model_profile
-from ptc.compiler.search import search_all
+from ptc.compiler.profile.cache import model_profile
+from ptc.compiler.search.plan_search import search_all
 from ptc.errors import CompileError
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.units import format_bytes
@@ -219,9 +219,9 @@ def test_auto_over_every_policy_beats_or_equals_the_three_and_is_exact(name: str
     candidates too. Its choice fits, recomputes no more than the three-policy choice, and is
     the least recompute over every assignment of every policy to a stage's layers, checked by
     brute force per stage (it enumerates mixes of at most two recomputing policies)."""
-    from ptc.compiler.cost import policy_flops  # noqa: PLC0415
-    from ptc.compiler.estimate import auto_checkpoint  # noqa: PLC0415
-    from ptc.compiler.recompute import LAYER_POLICIES  # noqa: PLC0415
+    from ptc.compiler.cost.step import policy_flops  # noqa: PLC0415
+    from ptc.compiler.search.estimate import auto_checkpoint  # noqa: PLC0415
+    from ptc.compiler.graph.recompute_regions import LAYER_POLICIES  # noqa: PLC0415
 
     plan = pp2_plan(budget=budgets()[name])
     profile = model_profile(SPEC, "fp32")
@@ -259,8 +259,8 @@ def test_norm_recompute_under_sequence_parallelism_prices_its_rerun_all_gathers(
     reading it: backward's recompute runs it again (2 per layer: attention and MLP norms);
     without sequence parallelism that entry is an identity, and a module region without a
     norm reruns none. `ptc explain` says so in the checkpointing table."""
-    from ptc.compiler import comm  # noqa: PLC0415
-    from ptc.compiler.topology import axis_groups  # noqa: PLC0415
+    from ptc.compiler.cost import collectives as comm  # noqa: PLC0415
+    from ptc.compiler.cost.topology import axis_groups  # noqa: PLC0415
 
     spec = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
                      vocab=128, max_seq=16)
@@ -283,7 +283,7 @@ def test_norm_recompute_under_sequence_parallelism_prices_its_rerun_all_gathers(
     assert tp_comm("modules(norm)", False)[0] == tp_comm("none", False)[0]
     from rich.console import Console  # noqa: PLC0415
 
-    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
 
     console = Console(width=200, record=True)
     console.print(render_explain(plan))

@@ -25,7 +25,7 @@ for extra in (ROOT, ROOT / "tests" / "distributed"):
 
 import ptc  # noqa: E402
 from hf_helpers import HFCase, hf_module, hf_plan  # noqa: E402
-from ptc.compiler.profile import with_model_shape  # noqa: E402
+from ptc.compiler.profile.cache import with_model_shape  # noqa: E402
 from ptc.plan import ModelSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,7 +68,7 @@ def test_a_model_that_cannot_be_profiled_is_profiled_once_until_its_source_chang
     # Profiling captures a model a dozen times: the reason it failed is kept like a profile
     # (every rank and every estimate would otherwise pay it again), and its factory's source
     # is part of the key, so a fixed model is profiled afresh.
-    from ptc.compiler import profile
+    from ptc.compiler.profile import cache as profile
     from ptc.errors import PtcError
 
     (tmp_path / "scratch_model.py").write_text("import torch\n"
@@ -83,7 +83,7 @@ def test_a_model_that_cannot_be_profiled_is_profiled_once_until_its_source_chang
         calls.append(spec.factory)
         raise PtcError(f"model \"{spec.factory}\": no token embedding found")
 
-    monkeypatch.setattr(profile, "_profile_one_layer", refuse)
+    monkeypatch.setattr(profile, "profile_one_layer", refuse)
     spec = ModelSpec(family="custom", factory="scratch_model:build")
     for _ in range(2):
         with pytest.raises(PtcError, match="no token embedding found"):
@@ -116,7 +116,7 @@ def test_processes_that_start_together_profile_a_model_once(tmp_path):
     calls = tmp_path / "calls"
     env = dict(os.environ, PTC_CACHE_DIR=str(tmp_path / "cache"), PTC_TEST_CALLS=str(calls),
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    script = ("from ptc.compiler.profile import model_profile\n"
+    script = ("from ptc.compiler.profile.cache import model_profile\n"
               "from ptc.plan import ModelSpec\n"
               "spec = ModelSpec(family='custom', factory='counted_model:build', max_seq=16)\n"
               "print(model_profile(spec, 'fp32').shape.hidden)\n")
@@ -136,7 +136,7 @@ def test_processes_that_start_together_profile_a_model_once(tmp_path):
 def test_a_model_whose_layers_read_unlike_parameters_is_not_priced(factory, kwargs):
     """The memory and cost models price every layer as the first: a model whose layers hold
     different parameters gets no prediction (never the first layer's times the count)."""
-    from ptc.compiler import profile  # noqa: PLC0415
+    from ptc.compiler.profile import cache as profile  # noqa: PLC0415
     from ptc.errors import PtcError  # noqa: PLC0415
 
     spec = ModelSpec(family="custom", kwargs=kwargs,

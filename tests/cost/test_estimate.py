@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.compute import Split, layer_times, rates
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile
+from ptc.compiler.cost.compute import Split, layer_times, rates
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile
 from ptc.compiler.shapes import plan_from_shape
 
 SHAPE = dict(family="gpt", layers=8, hidden=256, heads=8, vocab=512, seq_len=128,
@@ -118,9 +118,9 @@ def test_offloaded_optimizer_is_priced_at_the_host_link_and_cpu_adam(gpu, zero):
     bf16 weights going up (the tiny final norm steps faster than the last layer's weights
     travel: both show); at ZeRO-3 they hide behind the next forward, as far as it lasts
     (this model's outlasts them). Every other copy is hidden. The rest of the step is unchanged, and the host memory per rank is reported."""
-    from ptc.compiler.cost import CPU_ADAM_ELEMENTS_PER_S, _stage_units, offloaded_step
-    from ptc.compiler.memory import stage_params
-    from ptc.compiler.profile import model_profile
+    from ptc.compiler.cost.step import CPU_ADAM_ELEMENTS_PER_S, _stage_units, offloaded_step
+    from ptc.compiler.memory.model import stage_params
+    from ptc.compiler.profile.cache import model_profile
 
     plan = _plan(num_gpus=8, tp=1, pp=1, dp=8, zero=zero, dtype="bf16", gpu=gpu)
     offloaded = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,
@@ -153,7 +153,7 @@ def test_offloaded_optimizer_is_priced_at_the_host_link_and_cpu_adam(gpu, zero):
 
 
 def test_search_keeps_a_zero_stage_when_offloading():
-    from ptc.compiler.search import enumerate_layouts
+    from ptc.compiler.search.plan_search import enumerate_layouts
 
     plan = _plan(num_gpus=8, tp="auto", pp=1, dp="auto", zero=1)
     plan = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile
 from ptc.dsl import load_plan
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "llama7b_h100x8.ptc"

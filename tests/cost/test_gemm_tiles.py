@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.compute import Split, layer_times, phase_work, rates
-from ptc.compiler.gemm_tiles import efficiency, rank_shapes, tile_efficiency
-from ptc.compiler.profile import model_profile
+from ptc.compiler.cost.compute import Split, layer_times, phase_work, rates
+from ptc.compiler.graph.gemm_tiles import efficiency, rank_shapes, tile_efficiency
+from ptc.compiler.profile.cache import model_profile
 from ptc.plan import HardwareSpec, ModelSpec, ShardRule
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,8 +131,8 @@ def test_explain_shows_the_share_of_waves_a_layers_gemms_use():
 
     from rich.console import Console  # noqa: PLC0415
 
-    from ptc.compiler.compute import tile_efficiency as layer_phase_efficiency  # noqa: PLC0415
-    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.compiler.cost.compute import tile_efficiency as layer_phase_efficiency  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
     from ptc.compiler.shapes import plan_from_shape  # noqa: PLC0415
 
     def shown(gpu):

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.comm import all_gather, all_reduce
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile
-from ptc.compiler.linkfit import OPS, Measurement, fit_links, predict
+from ptc.compiler.cost.collectives import all_gather, all_reduce
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile
+from ptc.compiler.cost.linkfit import OPS, Measurement, fit_links, predict
 from ptc.compiler.shapes import plan_from_shape
-from ptc.compiler.topology import AxisGroup
+from ptc.compiler.cost.topology import AxisGroup
 from ptc.plan import HardwareSpec, LinkSpec
 
 pytestmark = pytest.mark.timeout(120)

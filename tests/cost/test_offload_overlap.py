@@ -14,9 +14,9 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.cost import CPU_ADAM_ELEMENTS_PER_S, _stage_units, offloaded_step
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile
+from ptc.compiler.cost.step import CPU_ADAM_ELEMENTS_PER_S, _stage_units, offloaded_step
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile
 from ptc.compiler.shapes import plan_from_shape
 from ptc.plan import HardwareSpec
 

@@ -14,9 +14,10 @@ import sympy
 import torch
 from torch.nn import functional as F
 
-from ptc.compiler.compute import PhaseWork, Rates, Split, layer_times, phase_work, rates
-from ptc.compiler.profile import b, model_profile, s
-from ptc.compiler.work import FLASH_BACKWARD, function_work
+from ptc.compiler.cost.compute import PhaseWork, Rates, Split, layer_times, phase_work, rates
+from ptc.compiler.profile.types import b, s
+from ptc.compiler.profile.cache import model_profile
+from ptc.compiler.graph.work import FLASH_BACKWARD, function_work
 from ptc.plan import HardwareSpec, ModelSpec
 
 pytestmark = pytest.mark.timeout(300)

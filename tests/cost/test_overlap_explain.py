@@ -8,12 +8,13 @@ import io
 import pytest
 from rich.console import Console
 
-from ptc.compiler.meta import graph_record
-from ptc.compiler.layout import layout_of
-from ptc.compiler.overlap import GRAD_BYTES, predicted_buckets
+from ptc.compiler.graph.meta import graph_record
+from ptc.compiler.records.layout import layout_of
+from ptc.compiler.records.overlap import GRAD_BYTES
+from ptc.compiler.cost.buckets import predicted_buckets
 from ptc.lower.driver import compile_plan
-from ptc.compiler.profile import model_profile
-from ptc.compiler.report import render_explain
+from ptc.compiler.profile.cache import model_profile
+from ptc.views.explain import render_explain
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.units import format_bytes
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ptc.compiler.cost import step_cost
-from ptc.compiler.estimate import auto_checkpoint, estimate, plan_precision
-from ptc.compiler.fit import largest_micro_batch, smallest_model_parallel
-from ptc.compiler.report import render_explain, render_search
-from ptc.compiler.memory import peak, stage_memory_terms
-from ptc.compiler.profile import plan_profile, with_model_shape
-from ptc.compiler.search import enumerate_layouts, search, search_all
+from ptc.compiler.cost.step import step_cost
+from ptc.compiler.search.estimate import auto_checkpoint, estimate, plan_precision
+from ptc.compiler.search.fit import largest_micro_batch, smallest_model_parallel
+from ptc.views.explain import render_explain, render_search
+from ptc.compiler.memory.model import peak, stage_memory_terms
+from ptc.compiler.profile.cache import plan_profile, with_model_shape
+from ptc.compiler.search.plan_search import enumerate_layouts, search, search_all
 from ptc.compiler.shapes import plan_from_shape
 from ptc.plan import HardwareSpec
 

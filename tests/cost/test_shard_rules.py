@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.cost import tp_units
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile, plan_profile
+from ptc.compiler.cost.step import tp_units
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile, plan_profile
 from ptc.compiler.shapes import plan_from_shape
 from ptc.plan import ModelSpec, ShardRule
 
@@ -38,7 +38,7 @@ def test_a_block_kept_whole_is_held_whole_and_leaves_one_tp_region():
 def test_a_whole_attention_under_sequence_parallelism_runs_on_the_whole_sequence():
     """Its work is the same on every rank, at tp 2 as at tp 1, but for the projections that
     read the rank's part of the sequence; with tp splitting it, a rank does about half."""
-    from ptc.compiler.compute import Split, phase_work  # noqa: PLC0415
+    from ptc.compiler.cost.compute import Split, phase_work  # noqa: PLC0415
 
     def attention_flops(shards, tp):
         profile = model_profile(LLAMA, "fp32", shards)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ptc.compiler import comm
-from ptc.compiler.topology import AxisGroup, axis_groups
+from ptc.compiler.cost import collectives as comm
+from ptc.compiler.cost.topology import AxisGroup, axis_groups
 from ptc.plan import HardwareSpec
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from ptc.compiler.compute import Split, layer_times, rates
-from ptc.compiler.estimate import estimate
-from ptc.compiler.profile import model_profile, with_model_shape
+from ptc.compiler.cost.compute import Split, layer_times, rates
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.profile.cache import model_profile, with_model_shape
 from ptc.compiler.shapes import plan_from_shape
 from ptc.errors import PlanError
 

@@ -65,8 +65,8 @@ def auto_budget(plan: Plan) -> float:
     not two) fits without recompute while stage 0 must recompute: "auto"
     resolves to a mix that differs between layers and between stages.
     """
-    from ptc.compiler.estimate import estimate
-    from ptc.compiler.layout import layout_of
+    from ptc.compiler.search.estimate import estimate
+    from ptc.compiler.records.layout import layout_of
 
     policy = ["none"] * plan.model.layers
     policy[layout_of(plan, "none").stage_layers(0)[0]] = "full"

@@ -12,9 +12,9 @@ from ptc.runtime.bench_comm import (
     CommResult,
     bench_comm,
     parse_size,
-    render_comm,
     sizes_between,
 )
+from ptc.views.comm_report import render_comm
 
 
 def result(op: str, size: int, seconds: float, expected: float, ranks: int = 4) -> CommResult:

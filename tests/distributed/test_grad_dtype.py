@@ -24,9 +24,9 @@ import dataclasses
 import pytest
 from dist_helpers import STEPS, assert_same_training, reference, tiny_plan
 
-from ptc.compiler.estimate import estimate
-from ptc.compiler.memory import stage_params
-from ptc.compiler.profile import model_profile
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.memory.model import stage_params
+from ptc.compiler.profile.cache import model_profile
 from ptc.plan import Plan
 from ptc.runtime.launcher import run_local
 

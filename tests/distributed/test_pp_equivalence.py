@@ -35,8 +35,8 @@ import pytest
 from dist_helpers import STEPS, assert_same_training, reference
 from pp_helpers import Case, pp_plan, run_pp_cases
 
-from ptc.compiler.layout import layout_of
-from ptc.compiler.memory import in_flight
+from ptc.compiler.records.layout import layout_of
+from ptc.compiler.memory.model import in_flight
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed

@@ -21,7 +21,7 @@ import pytest
 from dist_helpers import assert_same_training, reference
 from recompute_worker import RecomputeCase, recompute_plan, run_recompute_cases
 
-from ptc.compiler.estimate import estimate
+from ptc.compiler.search.estimate import estimate
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed

@@ -32,9 +32,9 @@ import pytest
 from tp_helpers import (MemoryCase, measure_activations, memory_plan, predicted_activations,
                         resolved_policies)
 
-from ptc.compiler.cost import policy_flops
-from ptc.compiler.estimate import AUTO_POLICIES, estimate
-from ptc.compiler.profile import model_profile
+from ptc.compiler.cost.step import policy_flops
+from ptc.compiler.search.estimate import AUTO_POLICIES, estimate
+from ptc.compiler.profile.cache import model_profile
 from ptc.plan import ModelSpec
 from ptc.runtime.launcher import run_local
 

@@ -23,10 +23,10 @@ import pytest
 from dist_helpers import STEPS, assert_same_training, reference, run_cases, tiny_plan
 from tests.tolerances import Reference
 
-from ptc.compiler.estimate import estimate
-from ptc.compiler.memory import stage_params
+from ptc.compiler.search.estimate import estimate
+from ptc.compiler.memory.model import stage_params
 from ptc.lower.driver import compile_plan
-from ptc.compiler.profile import model_profile
+from ptc.compiler.profile.cache import model_profile
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed

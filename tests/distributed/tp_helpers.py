@@ -125,7 +125,7 @@ def memory_plan(case: MemoryCase, tp: int) -> Plan:
 
 def resolved_policies(case: MemoryCase, tp: int) -> str | tuple[str, ...]:
     """The case's policy; for an "auto" one, the estimate's per-layer choice."""
-    from ptc.compiler.estimate import estimate
+    from ptc.compiler.search.estimate import estimate
     from ptc.plan import is_auto_checkpoint
 
     if not is_auto_checkpoint(case.checkpoint):
@@ -135,9 +135,10 @@ def resolved_policies(case: MemoryCase, tp: int) -> str | tuple[str, ...]:
 
 def predicted_activations(case: MemoryCase, tp: int) -> float:
     """The memory model's activation bytes of one rank for `case` at tensor parallelism `tp`."""
-    from ptc.compiler.layout import Layout
-    from ptc.compiler.memory import precision, stage_memory
-    from ptc.compiler.profile import DTYPES, plan_profile
+    from ptc.compiler.records.layout import Layout
+    from ptc.compiler.memory.model import precision, stage_memory
+    from ptc.compiler.profile.types import DTYPES
+    from ptc.compiler.profile.cache import plan_profile
 
     plan = memory_plan(case, tp)
     layout = Layout(tp=tp, pp=1, dp=1, vstages=1, micro_batch=plan.train.micro_batch,
@@ -167,8 +168,8 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     import torch
     import torch.distributed as dist
 
-    from ptc.compiler.meta import get_info
-    from ptc.compiler.profile import DTYPES
+    from ptc.compiler.graph.meta import get_info
+    from ptc.compiler.profile.types import DTYPES
     from ptc.lower.driver import compile_plan
     from ptc.ops.comm import bind_axes
     from ptc.ops.seq_regather import SeqRegather, _SeqRef

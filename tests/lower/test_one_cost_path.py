@@ -1,7 +1,7 @@
 """The cut that compiles is the cut that is priced.
 
 The pipeline cut is a decision of the cost model, made once before the passes
-(`ptc.compiler.estimate.balanced_cut`, called by `resolve`) and pinned into
+(`ptc.compiler.search.estimate.balanced_cut`, called by `resolve`) and pinned into
 `Program.decisions.plan`; the pipeline_split pass applies it. So the
 Program's predicted step time and per-stage memory are those of a fresh
 `ptc.estimate` of the plan, and of the plan with the compiled cut pinned, and

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import sympy
 
-from ptc.compiler.memory import layer_activations, t
-from ptc.compiler.profile import b, model_profile, s
+from ptc.compiler.memory.model import layer_activations, t
+from ptc.compiler.profile.types import b, s
+from ptc.compiler.profile.cache import model_profile
 from ptc.plan import ModelSpec
 
 

@@ -29,9 +29,10 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import capture, with_weights  # noqa: E402
-from ptc.compiler.layout import Layout  # noqa: E402
-from ptc.compiler.memory import precision, stage_memory  # noqa: E402
-from ptc.compiler.profile import DTYPES, model_profile  # noqa: E402
+from ptc.compiler.records.layout import Layout  # noqa: E402
+from ptc.compiler.memory.model import precision, stage_memory  # noqa: E402
+from ptc.compiler.profile.types import DTYPES  # noqa: E402
+from ptc.compiler.profile.cache import model_profile  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.ops.dropout import Samples, dropout_samples  # noqa: E402
 from ptc.plan import ModelSpec  # noqa: E402

@@ -9,9 +9,9 @@ import sympy
 import torch
 from torch.nn import functional as F
 
-from ptc.compiler.layout import Layout
-from ptc.compiler.memory import d, precision, stage_memory, stage_memory_expr, t
-from ptc.compiler.profile import model_profile
+from ptc.compiler.records.layout import Layout
+from ptc.compiler.memory.model import d, precision, stage_memory, stage_memory_expr, t
+from ptc.compiler.profile.cache import model_profile
 from ptc.models import build_model
 from ptc.plan import ModelSpec
 from ptc.worker import MODELS
@@ -93,7 +93,7 @@ def test_tp_rank_weights_equal_the_lowered_graph(tp, rules):
     """Per tp rank, the predicted weights are the lowered graph's parameters: with 2
     key/value heads, split at tp 2 and replicated whole on every rank at tp 4; a linear a
     `shard ... replicate` rule keeps whole is whole in both."""
-    from ptc.compiler.estimate import estimate  # noqa: PLC0415 - the whole compiler
+    from ptc.compiler.search.estimate import estimate  # noqa: PLC0415 - the whole compiler
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.plan import (HardwareSpec, ParallelSpec, Plan, ShardRule,  # noqa: PLC0415
                           TrainSpec)
@@ -133,7 +133,7 @@ def test_predicted_model_state_equals_what_the_runtime_holds(dtype, zero):
     are left out on both sides (the model charges 4 bytes per tensor, the runtime keeps one
     0-dim counter per flat unit). At ZeRO-3 the graph's parameter is the fp32 master shard
     itself, so only the total compares."""
-    from ptc.compiler.estimate import estimate
+    from ptc.compiler.search.estimate import estimate
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
 
@@ -169,7 +169,7 @@ def test_offload_moves_master_and_state_bytes_to_the_host(dtype, zero):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
     from dist_helpers import tiny_plan
 
-    from ptc.compiler.estimate import estimate
+    from ptc.compiler.search.estimate import estimate
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
 

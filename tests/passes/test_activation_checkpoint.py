@@ -16,17 +16,18 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import with_weights  # noqa: E402
-from ptc.compiler.estimate import estimate  # noqa: E402
-from ptc.compiler.layout import Layout  # noqa: E402
-from ptc.compiler.memory import precision, stage_memory  # noqa: E402
+from ptc.compiler.search.estimate import estimate  # noqa: E402
+from ptc.compiler.records.layout import Layout  # noqa: E402
+from ptc.compiler.memory.model import precision, stage_memory  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
-from ptc.compiler.profile import DTYPES, model_profile  # noqa: E402
-from ptc.compiler.program import param_layout  # noqa: E402
+from ptc.compiler.profile.types import DTYPES  # noqa: E402
+from ptc.compiler.profile.cache import model_profile  # noqa: E402
+from ptc.compiler.graph.params import param_layout  # noqa: E402
 from ptc.models import build_model  # noqa: E402
-from ptc.compiler.stages import pipeline_stages, stage_info  # noqa: E402
+from ptc.compiler.graph.stage_graphs import pipeline_stages, stage_info  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, quantize_gemms_pass,  # noqa: E402
                         shard_params_pass, split_pipeline_pass)
-from ptc.compiler.decisions import resolve  # noqa: E402
+from ptc.lower.resolve import resolve  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.ops.recompute import checkpoint_region  # noqa: E402
 from ptc.units import format_bytes  # noqa: E402
@@ -44,7 +45,7 @@ SPECS = {
 POLICIES = ["none", "full", "selective", ("full", "selective", "none")]
 NEW_POLICIES = ["ops", "modules(mlp)", "modules(norm)", "modules(act)",
                 "modules(core_attn, mlp, norm, act)", ("ops", "modules(norm, act)", "none")]
-"""Op-level and module recompute (`ptc.compiler.recompute`)."""
+"""Op-level and module recompute (`ptc.compiler.graph.recompute_regions`)."""
 REGIONS = {"none": 0, "full": 1, "selective": 1, "ops": 1, "modules(mlp)": 1,
            "modules(norm)": 2, "modules(act)": 1, "modules(core_attn, mlp, norm, act)": 3,
            "modules(norm, act)": 3}
@@ -348,7 +349,7 @@ def test_runs_per_pipeline_stage():
 def test_explain_lists_the_policy_of_every_layer_per_stage():
     from rich.console import Console  # noqa: PLC0415
 
-    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
 
     spec = dataclasses.replace(SPECS["llama"], layers=4)
     console = Console(width=160, record=True)
@@ -387,7 +388,7 @@ def test_explain_states_the_auto_choice_per_stage_against_the_budget():
 def _explain_text(p: Plan) -> str:
     from rich.console import Console  # noqa: PLC0415
 
-    from ptc.compiler.report import render_explain  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
 
     console = Console(width=160, record=True)
     console.print(render_explain(p))
@@ -400,7 +401,7 @@ def _explain_text(p: Plan) -> str:
 def test_a_module_the_layer_lacks_is_one_compile_error_naming_layer_and_module(policy, module):
     """Never recompute nothing silently: two linears have no activation, MLP, attention or
     norm."""
-    from ptc.compiler.recompute import recompute_regions  # noqa: PLC0415
+    from ptc.compiler.graph.recompute_regions import recompute_regions  # noqa: PLC0415
     from ptc.errors import CompileError  # noqa: PLC0415
 
     gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))

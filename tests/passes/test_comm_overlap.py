@@ -14,11 +14,11 @@ import torch
 from test_zero_pass import calls, plan
 from torch import fx
 
-from ptc.compiler.meta import graph_record
-from ptc.compiler.overlap import (GRAD_BYTES, IN_FLIGHT, link_bucket_bytes,
-                                  plan_buckets, resolve_bucket_bytes)
+from ptc.compiler.graph.meta import graph_record
+from ptc.compiler.records.overlap import GRAD_BYTES, IN_FLIGHT
+from ptc.compiler.cost.buckets import link_bucket_bytes, plan_buckets, resolve_bucket_bytes
 from ptc.lower.driver import apply_pass, capture_plan, compile_plan
-from ptc.compiler.program import param_layout
+from ptc.compiler.graph.params import param_layout
 from ptc.models import build_model
 from ptc.passes import overlap_collectives_pass, shard_params_pass
 from ptc.plan import LinkSpec

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.meta import get_info  # noqa: E402
+from ptc.compiler.graph.meta import get_info  # noqa: E402
 from ptc.errors import CompileError, PlanError  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan  # noqa: E402
 from ptc.ops.context import context_attention, context_chunks  # noqa: E402

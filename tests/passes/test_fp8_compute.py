@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ptc.compiler.meta import get_info
+from ptc.compiler.graph.meta import get_info
 from ptc.lower.driver import compile_plan
 from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
 from ptc.ops.recompute import checkpoint_region

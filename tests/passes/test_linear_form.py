@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ptc.compiler.capture import capture, with_weights  # noqa: E402
-from ptc.compiler.nodes import linear_out_dim, linear_weight, op_name  # noqa: E402
+from ptc.compiler.graph.nodes import linear_out_dim, linear_weight, op_name  # noqa: E402
 from ptc.passes.linear_form import to_linear_form  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

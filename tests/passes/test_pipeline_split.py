@@ -23,8 +23,8 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 
 from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan, compile_plan  # noqa: E402
-from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
-from ptc.compiler.stages import pipeline_info, pipeline_stages, stage_info  # noqa: E402
+from ptc.compiler.graph.params import ZeroShards, param_layout  # noqa: E402
+from ptc.compiler.graph.stage_graphs import (pipeline_info, pipeline_stages, stage_info)  # noqa: E402
 from ptc.errors import CompileError, PlanError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import split_pipeline_pass  # noqa: E402

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.meta import graph_record  # noqa: E402
+from ptc.compiler.graph.meta import graph_record  # noqa: E402
 from ptc.compiler.capture import capture  # noqa: E402
-from ptc.compiler.meta import get_info  # noqa: E402
+from ptc.compiler.graph.meta import get_info  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_sequence_pass, shard_tensors_pass  # noqa: E402

@@ -23,18 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.meta import graph_record  # noqa: E402
+from ptc.compiler.graph.meta import graph_record  # noqa: E402
 from ptc.compiler.capture import capture  # noqa: E402
-from ptc.compiler.meta import get_info  # noqa: E402
+from ptc.compiler.graph.meta import get_info  # noqa: E402
 from ptc.lower.driver import apply_pass, capture_plan, compile_graph  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.models.layers import make_mlp  # noqa: E402
 from ptc.models.llama import LlamaAttention  # noqa: E402
-from ptc.compiler.tp_layout import ParamShard  # noqa: E402
+from ptc.compiler.records.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_tensors_pass  # noqa: E402
-from ptc.compiler.nodes import is_linear  # noqa: E402
-from ptc.compiler.tp_structure import find_sharding  # noqa: E402
+from ptc.compiler.graph.nodes import is_linear  # noqa: E402
+from ptc.compiler.graph.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
 from ptc.ops.tp_ops import (copy_to_tp, reduce_from_tp, tp_part,  # noqa: E402

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.inspect import collective  # noqa: E402
-from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.compiler.nodes import module_of  # noqa: E402
+from ptc.views.inspect import collective  # noqa: E402
+from ptc.compiler.graph.meta import get_info  # noqa: E402
+from ptc.compiler.graph.nodes import module_of  # noqa: E402
 from ptc.lower.driver import capture_plan, lower, pass_list  # noqa: E402
-from ptc.compiler.stages import pipeline_stages  # noqa: E402
+from ptc.compiler.graph.stage_graphs import pipeline_stages  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
                         shard_sequence_pass, shard_tensors_pass, split_pipeline_pass)

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from ptc.compiler.meta import get_info  # noqa: E402
-from ptc.compiler.meta import GraphRecord, graph_info, set_graph_record  # noqa: E402
+from ptc.compiler.graph.meta import get_info  # noqa: E402
+from ptc.compiler.records.graph_meta import GraphRecord  # noqa: E402
+from ptc.compiler.graph.meta import graph_info, set_graph_record  # noqa: E402
 from ptc.lower.driver import PASSES, apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
-from ptc.compiler.program import ZeroShards, param_layout  # noqa: E402
+from ptc.compiler.graph.params import ZeroShards, param_layout  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import shard_params_pass  # noqa: E402

@@ -9,7 +9,7 @@ from runtime_helpers import MODELS, tiny_plan
 from ptc.lower.driver import compile_plan
 from ptc.ops import zero3
 from ptc.ops.collectives import GatherHandle
-from ptc.compiler.overlap import IN_FLIGHT
+from ptc.compiler.records.overlap import IN_FLIGHT
 from ptc.ops.comm import all_gather_flat, bind_axes, reduce_scatter_flat
 from ptc.runtime.executor import Trainer
 

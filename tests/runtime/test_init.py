@@ -6,7 +6,7 @@ import pytest
 import torch
 from runtime_helpers import tiny_plan
 
-from ptc.compiler.program import ParamLayout
+from ptc.compiler.records.params import ParamLayout
 from ptc.errors import PtcError
 from ptc.lower.driver import compile_plan
 from ptc.models import build_model, initial_value

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from runtime_helpers import tiny_plan
 
-from ptc.compiler.decisions import resolve
+from ptc.lower.resolve import resolve
 from ptc.lower.driver import capture_plan, compile_plan
 from ptc.runtime.executor import StepStats
 from ptc.runtime.metrics import SCALARS, WANDB_RUN_ID, StepReporter, format_step, plan_config
@@ -96,7 +96,7 @@ def test_health_fields_mfu_nonfinite_steps_and_appending_on_resume(tmp_path):
 
 
 def test_model_flops_are_three_forwards_of_the_global_batch():
-    from ptc.compiler.meta import get_info
+    from ptc.compiler.graph.meta import get_info
     from ptc.runtime.metrics import model_flops_per_step
 
     plan = tiny_plan("gpt", zero=0, dp=1, accum=2)  # two micro-batches of one sample

@@ -16,7 +16,7 @@ Both run on a meta copy of the model in the compute dtype (`weights`), so no
 weight is ever allocated, and call forward by one rule (`call`). The graph is
 then normalised (`normalise`: placeholders `tokens` and, with a loss,
 `targets`; one output), shape-propagated on meta tensors (`evaluate`), and
-every node annotated once with a `NodeInfo` (`annotate`, ptc.compiler.meta).
+every node annotated once with a `NodeInfo` (`annotate`, ptc.compiler.graph.meta).
 What cannot be captured is said by `messages`, with the user's module and line.
 
 Public API: `capture(model, ...)` and `with_weights(gm, model)`.
@@ -38,9 +38,10 @@ from ptc.compiler.capture.messages import (data_dependent_message, lost_constant
                                            untraceable_message)
 from ptc.compiler.capture.normalise import normalise_io
 from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weights
-from ptc.compiler.graph_code import graph_module
-from ptc.compiler.masks import MaskReader
-from ptc.compiler.meta import CaptureInfo, GraphRecord, set_graph_record
+from ptc.compiler.graph.lazy_code import graph_module
+from ptc.compiler.graph.masks import MaskReader
+from ptc.compiler.records.graph_meta import CaptureInfo, GraphRecord
+from ptc.compiler.graph.meta import set_graph_record
 from ptc.errors import CaptureError
 
 __all__ = ["capture", "with_weights"]
@@ -112,7 +113,7 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
 
 def _refuse_a_model_that_sees_later_tokens(gm: fx.GraphModule, model: nn.Module) -> None:
     """CaptureError at the first attention whose mask lets a query see a later key: trained
-    on next tokens, such a model would learn to copy its input (ptc.compiler.masks). Masks
+    on next tokens, such a model would learn to copy its input (ptc.compiler.graph.masks). Masks
     kept as buffers are read from `model` where it holds them off the meta device."""
     reader = MaskReader({name: value for name, value in model.named_buffers()
                          if not value.is_meta})

@@ -7,7 +7,7 @@ the innermost user frame that made it. *Library* code is torch's and
 ptc.compiler's own, and never the user's frame; a frame or stack trace is
 read past it to the user's line.
 
-Job: attach one NodeInfo (ptc.compiler.meta) under node.meta["ptc"] to
+Job: attach one NodeInfo (ptc.compiler.graph.meta) under node.meta["ptc"] to
 every node of the captured graph, and find user frames and source lines
 for that and for the error messages.
 """
@@ -22,10 +22,11 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from ptc.compiler import flops as flops_mod
-from ptc.compiler import nodes
+from ptc.compiler.graph import flops as flops_mod
+from ptc.compiler.graph import nodes
 from ptc.compiler.capture.evaluate import Evaluator
-from ptc.compiler.meta import NodeInfo, set_info
+from ptc.compiler.records.graph_meta import NodeInfo
+from ptc.compiler.graph.meta import set_info
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _COMPILER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

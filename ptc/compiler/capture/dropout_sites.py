@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from ptc.compiler.meta import copy_meta, get_info
-from ptc.compiler.nodes import module_of, op_name
+from ptc.compiler.graph.meta import copy_meta, get_info
+from ptc.compiler.graph.nodes import module_of, op_name
 from ptc.ops.dropout import site_attention, site_dropout
 
 

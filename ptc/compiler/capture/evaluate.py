@@ -20,9 +20,9 @@ import operator
 import torch
 from torch import fx, nn
 
-from ptc.compiler import flops as flops_mod
-from ptc.compiler import nodes
-from ptc.compiler.call_cache import CallCache, changes_operands
+from ptc.compiler.graph import flops as flops_mod
+from ptc.compiler.graph import nodes
+from ptc.compiler.graph.call_cache import CallCache, changes_operands
 
 
 class Evaluator:
@@ -34,7 +34,7 @@ class Evaluator:
     to be counted (flops.needs_running) are kept in `counted`.
 
     Repeated layers cost one evaluation: calls are answered by a
-    `CallCache` (ptc.compiler.call_cache), so layers 1..L-1 of identical
+    `CallCache` (ptc.compiler.graph.call_cache), so layers 1..L-1 of identical
     blocks reuse the evaluations of layer 0, FLOP counts included.
     """
 

@@ -23,7 +23,7 @@ from bisect import bisect_left
 import torch
 from torch import fx, nn
 
-from ptc.compiler import nodes
+from ptc.compiler.graph import nodes
 from ptc.compiler.capture.annotate import user_frame
 from ptc.compiler.capture.call import CallRule
 from ptc.compiler.capture.evaluate import DataDependent, Evaluator, NodeFailed

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ptc.compiler import nodes
+from ptc.compiler.graph import nodes
 from ptc.compiler.capture.annotate import is_library, line_text, short_path, source_line
 from ptc.compiler.capture.evaluate import DataDependent, Evaluator, NodeFailed
 

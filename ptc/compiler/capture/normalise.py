@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_unflatten
 from ptc.compiler.capture.call import CallRule
 from ptc.compiler.capture.evaluate import Evaluator
 from ptc.compiler.capture.messages import no_logits_message
-from ptc.compiler.nodes import has_effect
+from ptc.compiler.graph.nodes import has_effect
 from ptc.errors import CaptureError
 
 # Nodes that only re-check what capture already specialised (concrete args,

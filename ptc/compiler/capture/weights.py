@@ -17,8 +17,8 @@ import copy
 import torch
 from torch import fx, nn
 
-from ptc.compiler.devices import bind_device
-from ptc.compiler.graph_code import graph_module, owner_module
+from ptc.compiler.graph.devices import bind_device
+from ptc.compiler.graph.lazy_code import graph_module, owner_module
 
 
 def meta_model(model: nn.Module, dtype: torch.dtype, *, buffers_as_built: bool = False

@@ -1,0 +1,457 @@
+"""Step time: compute + exposed communication + pipeline bubble + optimizer step.
+
+Terms: F is a layer's forward FLOPs for one micro-batch (from the graph), T_i
+the time stage i spends on one micro-batch (its layers' forward, backward,
+recompute, and the communication it cannot hide).
+
+- compute: each layer's forward and backward priced op by op from the work
+  its captured graph asks for (`ptc.compiler.cost.compute`: GEMMs at the GEMM
+  rate, float8 ones at the fp8 rate, memory-bound ops by the bytes they move
+  at the memory bandwidth, the host's dispatch of each op), per rank as
+  tensor, sequence and context parallelism divide it; recompute adds the
+  layer's forward (full), its attention core's forward (selective), or the
+  forward of the ops another policy's regions rerun.
+- tensor parallel: two all-reduces of b·s·h elements per layer forward, two
+  backward, two more in a full (or `ops`) recompute; with sequence parallelism
+  each is a reduce-scatter plus an all-gather of the same size, and a module
+  region that recomputes a norm's output reruns the all-gather before the
+  linears reading it (`rerun_gathers`). They sit on the
+  critical path, except that with sequence parallelism and overlap they run
+  under the layer's GEMMs (Megatron's tp-comm-overlap): only the excess shows.
+  Key/value heads fewer than t are replicated: their projections' FLOPs are
+  not divided by t, and their gradients are all-reduced over tp once a step.
+- pipeline: one boundary activation forward and one gradient backward per
+  micro-batch per chunk, 1/t of it per rank (scatter/gather, or SP). With
+  overlap only the fill and drain hops are exposed; without, every one is.
+  Step = m · max_i T_i + (p - 1)/v · mean_i T_i; the second part is the bubble.
+- data parallel: ZeRO-0 all-reduces the gradients; ZeRO-1/2 reduce-scatter
+  them and all-gather the updated weights; with overlap these hide behind
+  the last micro-batch's backward and the next forward (the stage's forward
+  and backward seconds as priced op by op). ZeRO-3 gathers each
+  layer's weights for every forward (the recompute forward included) and
+  again for backward, and reduce-scatters its gradients, every micro-batch;
+  with overlap each layer's traffic hides behind that layer's compute.
+- step sync: the guard's and the gradient norm's all-reduces, and the latency of
+  gathering ZeRO 1-2's weights unit by unit (`ptc.compiler.cost.step_sync`).
+- on a CPU (`HardwareSpec.synchronous`) collectives run on the cores that
+  compute: nothing overlaps, whatever `overlap` says.
+- optimizer: memory-bound; it reads gradient and state and writes state and
+  weight once per parameter shard, at the device memory bandwidth. With
+  optimizer offload (`offloaded_step`) instead: per unit (the embedding,
+  each layer, the head), its fp32 gradient shard down over the host link,
+  torch's CPU Adam on it (the node's ranks share the host's CPU), its
+  weights up (fp32 at ZeRO-3, the compute dtype at ZeRO 1-2), pipelined as
+  the runtime runs them: three resources in a row, the units in order
+  (a flow shop). What the step waits for is exposed; the rest of the
+  copies is hidden (`StepCost.hidden`). At ZeRO-3 the weights still on
+  their way when the CPU is done hide behind the next forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ptc.compiler.cost import collectives as comm
+from ptc.compiler.cost.compute import LayerTimes, Split, layer_times, rates
+from ptc.compiler.records.layout import Layout
+from ptc.compiler.memory.model import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
+                                       stage_params)
+from ptc.compiler.profile.types import ModelProfile
+from ptc.compiler.cost.step_sync import step_sync
+from ptc.compiler.cost.topology import AxisGroup, axis_groups
+from ptc.plan import HardwareSpec, policy_modules
+
+
+CPU_ADAM_ELEMENTS_PER_S = 0.72e9
+"""Parameter elements per second torch's Adam steps on a GPU server's host CPU: ZeRO-Offload
+(Ren et al., USENIX ATC 2021), Table 2, PyTorch's CPU Adam 1.39 s per billion parameters
+on a DGX-2's two 24-core Xeons (its vectorised CPU-Adam: 0.22 s). One host, all its cores."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCost:
+    """Predicted time of one optimizer step and where it goes."""
+
+    step_time: float
+    """Seconds per step."""
+    breakdown: dict[str, float]
+    """Seconds by part: compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer,
+    step_sync."""
+    model_flops: float
+    """FLOPs of one step without recompute (forward + backward = 3x forward), all GPUs."""
+    hw_flops: float
+    """FLOPs of one step including recomputed forwards, all GPUs."""
+    algorithms: dict[str, str] = field(default_factory=dict)
+    """Collective algorithm per traffic kind ("tp", "dp", ...)."""
+    hidden: dict[str, float] = field(default_factory=dict)
+    """Seconds of work that runs under other work, by the part it would add to: not in
+    `step_time` ("optimizer": optimizer offload's copies under the CPU step or the next
+    forward)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadTime:
+    """One offloaded optimizer step (`offloaded_step`)."""
+
+    exposed: float
+    """Seconds the step waits for: from the first gradient copy until the weights' first
+    reader may go on."""
+    hidden: float
+    """Seconds of copies that run while the CPU steps or the next forward computes."""
+
+
+@dataclass(slots=True)
+class _Stage:
+    compute: float = 0.0
+    forward: float = 0.0
+    """The forward part of `compute`."""
+    recompute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    pp: float = 0.0
+    dp: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp + self.cp + self.pp + self.dp
+
+
+def _tp_collectives(size: float, layout: Layout, group: AxisGroup, hw: HardwareSpec,
+                    count: int) -> tuple[float, str]:
+    """Seconds of `count` TP all-reduces of `size` bytes (RS + AG pairs with SP)."""
+    if layout.sp:
+        rs, ag = comm.reduce_scatter(size, group, hw), comm.all_gather(size, group, hw)
+        return count * (rs.seconds + ag.seconds), f"rs+ag:{rs.algorithm}"
+    ar = comm.all_reduce(size, group, hw)
+    return count * ar.seconds, ar.algorithm
+
+
+def _cached(memo: dict | None, key: tuple, make):
+    """`make()`, remembered under `key` in `memo` when one is given."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,
+              *, seq_len: int, dtype: str, memo: dict | None = None) -> StepCost:
+    """Predict one optimizer step of `layout` (see module docstring).
+
+    `memo`: a dict to share collective and FLOP figures between calls for the
+    same plan (plan search prices thousands of layouts that repeat them).
+    """
+    if hw.synchronous and layout.overlap:
+        # A CPU's collectives run on the cores that compute: nothing hides behind anything.
+        layout = dataclasses.replace(layout, overlap=False)
+    f, tp, p, v, mb = profile.fn, layout.tp, layout.pp, layout.vstages, layout.microbatches
+    cp = layout.cp
+    bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
+    groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
+                     lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
+                                         layout.order, hw.gpus_per_node))
+    algos: dict[str, str] = {}
+
+    kv_div = profile.kv_divisor(tp)  # 1: fewer key/value heads than tp, computed whole
+    # Under cp a rank's queries (s/cp of them) meet all s keys: its attention core is 1/cp of
+    # the whole sequence's, not that of a sequence of s/cp.
+    keys = _cached(memo, ("keys", bb, seq_len, cp), lambda: (
+        f["core_flops"](bb, seq_len) / cp - f["core_flops"](bb, ss)))
+    layer_f, core_f, boundary, pre_f, post_f, fp8_f = _cached(
+        memo, ("flops", bb, ss, tp, cp), lambda: (
+            (f["flops.layer"](bb, ss) + keys - f["kv_flops"](bb, ss)) / tp
+            + f["kv_flops"](bb, ss) / kv_div,
+            (f["core_flops"](bb, ss) + keys) / tp, prec.weight * f["boundary"](bb, ss),
+            f["flops.pre"](bb, ss) / tp, f["flops.post"](bb, ss) / tp,
+            f["fp8_flops"](bb, ss) / tp))
+    # Seconds of a layer's forward and backward, op by op (`ptc.compiler.cost.compute`).
+    times = _cached(memo, ("times", bb, ss, tp, cp, layout.sp, layout.fused), lambda: layer_times(
+        profile, rates(hw, dtype), bb=bb, ss=ss, seq_len=seq_len,
+        split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp), fused=layout.fused))
+
+    # Per-layer communication, by recompute policy.
+    tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
+                                   lambda: _tp_collectives(boundary, layout, groups["tp"], hw, 1))
+    policies = {pol for i in range(p) for pol, _ in layout.stage_policies(i)}
+    # A layer rerun whole (full, ops) repeats its forward's collectives; regions of modules
+    # rerun only the sequence all-gathers they hold (a norm's, feeding its linears).
+    gather_s = _cached(memo, ("tp_ag", bb, ss, tp, groups["tp"]), lambda: (
+        comm.all_gather(boundary, groups["tp"], hw).seconds if layout.sp else 0.0))
+    tp_layer = {pol: tp_units(profile, pol, layout.sp) * tp_unit
+                + rerun_gathers(profile, pol, layout.sp) * gather_s for pol in policies}
+    if layout.sp and tp > 1:  # what sequence parallelism runs whole: its gathers
+        gathered = comm.all_gather(f["sp_gathered"](bb, ss), groups["tp"], hw).seconds
+        scattered = comm.all_gather(f["sp_scattered"](bb, ss), groups["tp"], hw).seconds
+        for pol in policies:
+            tp_layer[pol] += (2 if pol in RERUN_LAYER else 1) * gathered + scattered
+    z3 = {}
+    if layout.zero >= 3:
+        split, whole = layer_params(profile, tp)
+        layer_bytes = prec.weight * (split / tp + whole)
+        ag, rs = _cached(memo, ("z3", tp, groups["grad"]), lambda: (
+            comm.all_gather(layer_bytes, groups["grad"], hw),
+            comm.reduce_scatter(layer_bytes / prec.weight * prec.grad, groups["grad"], hw)))
+        algos["dp"] = f"ag:{ag.algorithm} rs:{rs.algorithm}"
+        for policy in policies:
+            z3[policy] = (3 if policy in RERUN_LAYER else 2) * ag.seconds + rs.seconds
+
+    # Keys and values all-gathered over cp at each attention (and again when a full layer is
+    # recomputed), their gradients reduce-scattered: exposed, as Llama 3's all-gather runs
+    # before the attention it feeds.
+    kv_bytes = 2 * prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
+    cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
+        comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
+    cp_layer = {pol: (3 if pol in RERUN_LAYER else 2) * cp_unit for pol in policies}
+    extra_f = {pol: _recompute_flops(f, pol, bb, ss, keys, layer_f, core_f, tp)
+               for pol in policies}
+    p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
+                  lambda: comm.send_recv(boundary / tp, groups["pp"], hw))
+    tp_edge = tp_unit if tp > 1 else 0.0
+
+    def stage(first: bool, last: bool, policies: tuple[tuple[str, int], ...]) -> _Stage:
+        st = _Stage()
+        for policy, count in policies:
+            work = times.forward + times.backward
+            extra = times.recompute[policy]
+            st.compute += count * work
+            st.forward += count * times.forward
+            st.recompute += count * extra
+            hide = work + extra if layout.overlap else 0.0
+            exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
+            st.tp += count * exposed_tp
+            st.cp += count * cp_layer[policy]
+            if z3:
+                st.dp += count * max(0.0, z3[policy] - hide)
+        if first:
+            st.compute += times.pre
+            st.forward += times.pre_forward
+        if last:
+            st.compute += times.post
+            st.forward += times.post_forward
+        if first or last:  # vocab-parallel embedding forward, head input backward
+            st.tp += tp_edge
+        if not layout.overlap:
+            st.pp += 2 * v * p2p.seconds
+        return st
+
+    # Stages differ only in being first or last and in their policy mix: price each kind once.
+    kinds: dict[tuple, list] = {}
+    for i in range(p):
+        key = (i == 0, i == p - 1, layout.stage_policies(i))
+        if key not in kinds:
+            kinds[key] = [stage(*key), 0]
+        kinds[key][1] += 1
+    slowest = max((st for st, _ in kinds.values()), key=lambda x: x.total)
+    mean = sum(st.total * n for st, n in kinds.values()) / p
+    bubble = (p - 1) / v * mean
+    fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
+    dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
+        if layout.zero < 3 else 0.0
+    opt_elements = _max_stage_elements(profile, layout) / (
+        layout.grad_ranks if layout.zero >= 1 else 1)
+    hidden = {}
+    if layout.offload:
+        # Every stage steps at once: the step waits for the slowest one's.
+        offload = max((offloaded_step(
+            [g / layout.grad_ranks for g in _stage_units(profile, layout, i)], hw,
+            weight_bytes=MASTER_BYTES if layout.zero >= 3 else prec.weight,
+            behind=slowest.forward if layout.zero >= 3 else 0.0)
+            for i in range(p)), key=lambda t: t.exposed)
+        optimizer, hidden["optimizer"] = offload.exposed, offload.hidden
+    else:
+        optimizer = opt_elements * (2 * prec.optimizer + prec.grad + prec.weight) \
+            / hw.mem_bandwidth
+    # Replicated key/value projections: their partial gradients summed over tp once a step.
+    kv_sync = comm.all_reduce(prec.grad * profile.params["layer"].kv * _most_layers(layout),
+                              groups["tp"], hw).seconds if kv_div == 1 and tp > 1 else 0.0
+
+    breakdown = {
+        "compute": mb * slowest.compute,
+        "recompute": mb * slowest.recompute,
+        "tp_comm": mb * slowest.tp + kv_sync,
+        "cp_comm": mb * slowest.cp,
+        "pp_comm": mb * slowest.pp + fill,
+        "dp_comm": mb * slowest.dp + dp_exposed,
+        "bubble": bubble,
+        "optimizer": optimizer,
+        "step_sync": _cached(memo, ("sync", tp, cp, p, layout.dp, layout.zero), lambda: step_sync(
+            profile, layout, hw, prec, groups)),
+    }
+    per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
+                     + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
+    executed = 3 * tp * cp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
+    recomputed = sum(tp * cp * extra_f[pol] * n for pol, n in layout.policy_counts())
+    micro_total = mb * layout.dp
+    return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
+                    model_flops=per_micro * micro_total,
+                    hw_flops=(executed + recomputed) * micro_total, algorithms=algos,
+                    hidden=hidden)
+
+
+def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
+    """Forward FLOPs one layer recomputes under `policy` per micro-batch, unsharded."""
+    f = profile.fn
+    if policy in ("none", "selective", "full"):
+        return {"none": 0.0, "selective": f["core_flops"](bb, ss),
+                "full": f["flops.layer"](bb, ss)}[policy]
+    return f[f"flops.{policy}"](bb, ss)
+
+
+RERUN_LAYER = frozenset({"full", "ops"})
+"""Policies whose recompute reruns the whole layer's ops, its collectives among them."""
+
+
+def tp_units(profile: ModelProfile, policy: str, sp: bool) -> float:
+    """Tensor-parallel collectives of one layer's step under `policy`, in all-reduces (with
+    sequence parallelism, reduce-scatter + all-gather pairs): one per region entered
+    (backward) and left (forward), and a rerun forward's again under RERUN_LAYER (with
+    sequence parallelism a forward holds half of each pair of both)."""
+    units = profile.tp_entries + profile.tp_exits
+    if policy in RERUN_LAYER:
+        units += (profile.tp_entries + profile.tp_exits) / 2 if sp else profile.tp_exits
+    return units
+
+
+def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:
+    """Sequence all-gathers (of one b·s·h boundary each) that recomputing one layer under
+    `policy` reruns beyond those of RERUN_LAYER's whole forward: with sequence parallelism,
+    one per input of column-parallel linears its regions recompute (`norm`: each norm's
+    output is gathered again before the linears reading it); none without."""
+    if not sp or policy in RERUN_LAYER:
+        return 0
+    return profile.policy_gathers.get(policy, 0)
+
+
+def _recompute_flops(f: dict, policy: str, bb, ss, keys, layer_f, core_f, tp) -> float:
+    """Forward FLOPs one rank recomputes for a layer under `policy` (`layer_f`, `core_f`:
+    the layer's and its attention core's on a rank; `keys`: the core's extra FLOPs under
+    cp): the profile's FLOPs of exactly the ops the policy's regions rerun."""
+    if policy == "none":
+        return 0.0
+    if policy == "full":
+        return layer_f
+    if policy == "selective":
+        return core_f
+    modules = policy_modules(policy) or frozenset()
+    return f[f"flops.{policy}"](bb, ss) / tp + (keys / tp if "core_attn" in modules else 0.0)
+
+
+def offloaded_step(units: list[float], hw: HardwareSpec, *, weight_bytes: float,
+                   behind: float = 0.0) -> OffloadTime:
+    """One offloaded optimizer step of a rank whose units hold `units` elements each (its
+    shards, in the order the runtime steps them), as `ptc.runtime.offload` runs it.
+
+    Three resources in a row, each unit through all three in order: the
+    down copy of its fp32 gradient (MAIN_GRAD_BYTES an element over the
+    rank's host link, `hardware.host_bandwidth` per direction), the CPU
+    step (the host's CPU steps all `gpus_per_node` ranks' shards at once at
+    `CPU_ADAM_ELEMENTS_PER_S`), the up copy of its weights (`weight_bytes`
+    an element). Unit k finishes on resource r at
+
+        C_r(k) = max(C_r(k-1), C_(r-1)(k)) + t_r(k)
+
+    (C_0 = 0; the down copies are all queued at once, so C_down(k) is their
+    running sum). Exposed is C_up(n) of the last unit; with `behind` > 0
+    (ZeRO-3, whose weights' first reader is their gather in the next
+    forward) the up copies still running when the CPU is done, C_up(n) -
+    C_cpu(n), hide behind `behind` seconds of that forward: exposed is
+    C_cpu(n) + max(0, C_up(n) - C_cpu(n) - behind). Hidden is what the three
+    would take one after the other less the exposed part.
+    """
+    down = cpu = up = serial = 0.0
+    for x in units:
+        times = (x * MAIN_GRAD_BYTES / hw.host_bandwidth,
+                 x * hw.gpus_per_node / CPU_ADAM_ELEMENTS_PER_S,
+                 x * weight_bytes / hw.host_bandwidth)
+        down += times[0]
+        cpu = max(cpu, down) + times[1]
+        up = max(up, cpu) + times[2]
+        serial += sum(times)
+    exposed = cpu + max(0.0, up - cpu - behind) if behind > 0 else up
+    return OffloadTime(exposed=exposed, hidden=serial - exposed)
+
+
+def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
+                  dtype: str, extra_recompute: float = 0.0) -> float:
+    """A lower bound of `step_cost(...).step_time`: compute and recompute plus their bubble.
+
+    The step is at least m times the mean stage's work plus the bubble, both
+    without any communication; plan search prices layouts fully only while
+    this bound can still beat the ones it has. `extra_recompute` is
+    recompute seconds per micro-batch, over all stages, beyond what the
+    layout's own policies rerun (search's bound for a mix not yet chosen).
+    """
+    times = floor_layer_times(profile, layout, hw, seq_len=seq_len, dtype=dtype)
+    work = layout.layers * (times.forward + times.backward) + times.pre + times.post
+    work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts()) + extra_recompute
+    mean_stage = work / layout.pp
+    return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
+
+
+def floor_layer_times(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,
+                      dtype: str) -> LayerTimes:
+    """One layer's kernel times per micro-batch under `layout` (no communication), as
+    `compute_floor` counts them."""
+    return layer_times(profile, rates(hw, dtype), bb=layout.micro_batch,
+                       ss=layout.rank_seq(seq_len), seq_len=seq_len,
+                       split=Split(tp=layout.tp, kv_divisor=profile.kv_divisor(layout.tp),
+                                   sp=layout.sp, cp=layout.cp), fused=layout.fused)
+
+
+def _most_layers(layout: Layout) -> int:
+    """Layers of the pipeline rank holding most."""
+    return max(len(layout.stage_layers(i)) for i in range(layout.pp))
+
+
+def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
+    """Parameter elements per tp rank on the stage holding most (the first or the last when
+    the layers split evenly, any stage when they do not)."""
+    def per_rank(stage: int) -> float:
+        split, whole, _ = stage_params(profile, layout, stage)
+        return split / layout.tp + whole
+    stages = range(layout.pp) if layout.chunk_layers else (0, layout.pp - 1)
+    return max(per_rank(stage) for stage in stages)
+
+
+def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[float]:
+    """Parameter elements per tp rank of each unit pipeline rank `stage` holds, in the order
+    of first use: the embedding (first stage), each layer, the final norm and head (last
+    stage; with pp > 1 the head's copy of a tied embedding too). They add up to
+    `stage_params`."""
+    pr, tp = profile.params, layout.tp
+    split, whole = layer_params(profile, tp)
+    units = [split / tp + whole] * len(layout.stage_layers(stage))
+    if stage == 0:
+        units.insert(0, pr["pre"].split / tp + pr["pre"].replicated)
+    if stage == layout.pp - 1:
+        tied = profile.tied_elements if profile.tied and layout.pp > 1 else 0
+        units.append((pr["post"].split + tied) / tp + pr["post"].replicated)
+    return [u for u in units if u > 0]
+
+
+def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,
+                prec: Precision, slowest: _Stage, algos: dict[str, str], memo: dict | None
+                ) -> float:
+    """Exposed seconds of the once-per-step gradient sync (ZeRO 0-2)."""
+    if group.size == 1:
+        return 0.0
+    elements = _max_stage_elements(profile, layout)
+    if layout.zero == 0:
+        ar = _cached(memo, ("ar", elements, group, prec.grad_wire), lambda: comm.all_reduce(
+            elements * prec.grad_wire, group, hw))
+        algos["dp"] = ar.algorithm
+        grad_sync, gather = ar.seconds, 0.0
+    else:
+        rs, ag = _cached(memo, ("rs+ag", elements, group, prec.grad_wire), lambda: (
+            comm.reduce_scatter(elements * prec.grad_wire, group, hw),
+            comm.all_gather(elements * prec.weight, group, hw)))
+        algos["dp"] = f"rs:{rs.algorithm} ag:{ag.algorithm}"
+        grad_sync, gather = rs.seconds, ag.seconds
+    if not layout.overlap:
+        return grad_sync + gather
+    # Buckets reduce while the last micro-batch's backward runs; the gather feeds the next forward.
+    backward = slowest.compute - slowest.forward + slowest.recompute
+    forward = slowest.forward
+    return max(0.0, grad_sync - backward) + max(0.0, gather - forward)
