@@ -57,12 +57,12 @@ def run_mode(args, mode: str) -> dict:
     from ptc.runtime.checkpoint_store import CheckpointStore
     from ptc.runtime.executor import Trainer
     from ptc.worker import MODELS
-    from ptc.runtime.mesh import axis_groups, build_mesh, device_for, init_distributed, timeout
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, device_for, init_distributed, timeout
 
     with tempfile.TemporaryDirectory() as directory:
         plan = make_plan(args, directory if mode != "none" else None, mode == "async")
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS,
+        trainer = Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS,
                           device=device_for(plan))
         checkpointer = None if mode == "none" else Checkpointer(
             trainer, CheckpointStore(directory), group=checkpoint_group(timeout()), keep=2,

@@ -55,11 +55,11 @@ def measure(args) -> dict[str, dict[str, float]] | None:
     from ptc.ops.comm import comm_wait_seconds
     from ptc.runtime.executor import Trainer
     from ptc.worker import MODELS
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     plans = {"overlap": make_plan(args, True), "no overlap": make_plan(args, False)}
     init_distributed(plans["overlap"])
-    groups = axis_groups(build_mesh(plans["overlap"]))
+    groups = axis_process_groups(build_mesh(plans["overlap"]))
     trainers = {name: Trainer(compile_plan(plan), groups, models=MODELS)
                 for name, plan in plans.items()}
     samples: dict[str, dict[str, list[float]]] = {n: {"step": [], "exposed": []} for n in plans}

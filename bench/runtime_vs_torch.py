@@ -87,10 +87,10 @@ def ptc_step(args, zero: int, compiled: bool = False):
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.worker import MODELS
-    from ptc.runtime.mesh import axis_groups, build_mesh
+    from ptc.runtime.mesh import axis_process_groups, build_mesh
 
     plan = make_plan(args, zero, compiled)
-    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS).train_step
+    return Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS).train_step
 
 
 def torch_step(args, wrap: str, compiled: bool = False):
@@ -206,11 +206,11 @@ def timed_in_turns(steps: dict, repeat: int, warmup: int) -> dict[str, float]:
 
 def ptc_pp_step(program):
     """ptc's pipeline runtime on `program`: its step function."""
-    from ptc.runtime.mesh import axis_groups, build_mesh
+    from ptc.runtime.mesh import axis_process_groups, build_mesh
     from ptc.runtime.executor import Trainer
     from ptc.worker import MODELS
 
-    return Trainer(program, axis_groups(build_mesh(program.plan)), models=MODELS).train_step
+    return Trainer(program, axis_process_groups(build_mesh(program.plan)), models=MODELS).train_step
 
 
 def torch_pp_step(program):
@@ -317,10 +317,10 @@ def ptc_tp_step_time(args, sp: bool) -> float:
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.worker import MODELS
-    from ptc.runtime.mesh import axis_groups, build_mesh
+    from ptc.runtime.mesh import axis_process_groups, build_mesh
 
     plan = make_tp_plan(args, sp)
-    trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
+    trainer = Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
     return timed(trainer.train_step, args.repeat, args.warmup)
 
 

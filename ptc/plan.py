@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ptc.errors import DiagnosticSink, Span, did_you_mean
@@ -481,7 +481,7 @@ class ParallelSpec(_Section):
     bucket_size: float | Auto = "auto"
     """Bytes per communication bucket: small per-unit collectives (ZeRO-3 gathers, gradient
     reductions) are merged up to this size; "auto" derives it from the link and the model
-    (see ptc.passes.comm_overlap)."""
+    (see ptc.passes.overlap_collectives)."""
     order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
     """Mesh axes from innermost (fastest-varying rank) to outermost; an order that leaves
     out cp puts it just outside tp."""
@@ -992,8 +992,3 @@ def _each_stage_has_layers(starts: dict[int, int]) -> bool:
     """Whether pinned stage starts {stage: first layer} leave every stage a layer."""
     pinned = sorted(starts.items())
     return all(l1 - l0 >= s1 - s0 for (s0, l0), (s1, l1) in zip(pinned, pinned[1:]))
-
-
-def section_fields(cls: type) -> list[str]:
-    """Names of the user-settable fields of a plan section class (not spans)."""
-    return [f.name for f in fields(cls) if f.name != "spans"]

@@ -47,12 +47,6 @@ def units_of(dimension: str) -> list[str]:
     return [u for u, (dim, _) in sorted(UNITS.items(), key=lambda kv: kv[1][1]) if dim == dimension]
 
 
-def to_base(value: float, unit: str) -> tuple[str, float]:
-    """Convert `value unit` to (dimension, value in base units); KeyError for an unknown unit."""
-    dimension, scale = UNITS[unit]
-    return dimension, value * scale
-
-
 def format_bytes(n: float) -> str:
     """Human-readable binary size, e.g. `140.0 GiB`."""
     for unit, scale in (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):

@@ -27,7 +27,7 @@ from ptc.compiler.records.params import COMPUTE_DTYPES
 from ptc.compiler.records.program import Program, Stage
 from ptc.compiler.graph.params import param_layout
 from ptc.lower.seam import with_stage_layouts
-from ptc.compiler.schedule.lowering import lower as lower_schedule
+from ptc.compiler.schedule.lowering import per_rank_actions
 from ptc.compiler.schedule.build import schedule_for
 from ptc.compiler.graph.stage_graphs import stage_info, whole_graph_stage
 from ptc.errors import CompileError
@@ -143,22 +143,22 @@ def compile_graph(gm: fx.GraphModule, plan: Plan, *, passes: PassList = PASSES,
     check_position_tables(gm, plan.train.seq_len)
     # Split into stages, the model's parameters live in several graphs: lay them out whole first.
     whole = param_layout(gm, plan.grad_ranks) if plan.parallel.pp > 1 else None
-    decisions, lowered = lower(gm, plan, passes, knobs=knobs, disabled=disabled,
-                               representative=representative)
+    decisions, lowered = lower_graph(gm, plan, passes, knobs=knobs, disabled=disabled,
+                                     representative=representative)
     stages = tuple(Stage(index=i, info=stage_info(graph), graph=graph,
                          layout=decisions.layouts[i], overlap=decisions.overlap[i])
                    for i, graph in enumerate(lowered.stages))
     schedule = schedule_for(plan)
     return Program(plan=plan, decisions=decisions, stages=stages,
                    layout=whole if whole is not None else stages[0].layout,
-                   pass_log=lowered.log, schedule=schedule, actions=lower_schedule(schedule),
+                   pass_log=lowered.log, schedule=schedule, actions=per_rank_actions(schedule),
                    model=model)
 
 
-def lower(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
-          knobs: Mapping[str, Mapping[str, Any]] | None = None,
-          disabled: Sequence[str] = (),
-          representative: fx.GraphModule | None = None) -> tuple[Decisions, Lowered]:
+def lower_graph(gm: fx.GraphModule, plan: Plan, passes: PassList = PASSES, *,
+                knobs: Mapping[str, Mapping[str, Any]] | None = None,
+                disabled: Sequence[str] = (),
+                representative: fx.GraphModule | None = None) -> tuple[Decisions, Lowered]:
     """Resolve `plan` for the captured graph `gm` and run `passes` on it: the Decisions as the
     runner completed them, and its result; with a `representative` of it, the whole-graph
     passes run on that, stamped out after."""

@@ -1,6 +1,6 @@
 """Activation recompute: run a region of the graph under torch's checkpoint.
 
-The activation_checkpoint pass (ptc/passes/activation_checkpoint.py) moves
+The activation_checkpoint pass (ptc/passes/checkpoint_layers.py) moves
 what a layer's policy recomputes (`ptc.compiler.graph.recompute_regions`: the layer for
 "full" and "ops", its attention core for "selective", the named modules for
 `modules(...)`) into a small GraphModule and calls it through

@@ -21,13 +21,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-# A module global, not a contextvar: backward may run on autograd's own threads.
-_SESSION: SeqRegather | None = None
-
+from ptc.ops.session import Session
 
 def current_session() -> SeqRegather | None:
     """The session of the forward being run, if any (read by `all_gather_seq`)."""
-    return _SESSION
+    return SeqRegather.current()
 
 
 @contextmanager
@@ -35,12 +33,11 @@ def no_session() -> Iterator[None]:
     """Run without the current session: what a checkpoint region runs under, in forward
     and in its recompute alike (which runs in backward, without a session), so that what
     reads the session (a float8 linear, `ptc.ops.fp8_linear`) saves the same both times."""
-    global _SESSION
-    outer, _SESSION = _SESSION, None
+    outer = SeqRegather.swap(None)
     try:
         yield
     finally:
-        _SESSION = outer
+        SeqRegather.swap(outer)
 
 
 class _SeqRef:
@@ -54,7 +51,7 @@ class _SeqRef:
         self.offset, self.size, self.stride = offset, size, stride
 
 
-class SeqRegather(AbstractContextManager):
+class SeqRegather(Session):
     """Saved-tensor hooks that store gathered sequence activations as their local chunk."""
 
     def __init__(self) -> None:
@@ -62,15 +59,6 @@ class SeqRegather(AbstractContextManager):
         self._live: dict[int, tuple[weakref.ref, torch.Tensor,
                                     Callable[[torch.Tensor], torch.Tensor]]] = {}
         self._full: dict[int, torch.Tensor] = {}  # key -> re-gathered tensor, until released
-
-    def __enter__(self) -> SeqRegather:
-        global _SESSION
-        _SESSION = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _SESSION
-        _SESSION = None
 
     def track(self, out: torch.Tensor, chunk: torch.Tensor,
               gather: Callable[[torch.Tensor], torch.Tensor]) -> int:

@@ -31,21 +31,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
+
+from ptc.ops.session import Session
 
 if TYPE_CHECKING:
     from ptc.ops.collectives import GatherHandle
     from ptc.ops.comm import Piece, Work
 
-# A module global, not a contextvar: backward may run on autograd's own threads.
-_SESSION: ParamSession | None = None
 
 def current_session() -> ParamSession | None:
     """The session of the micro-batch being run, if any."""
-    return _SESSION
+    return ParamSession.current()
 
 
 class Arrivals:
@@ -80,7 +79,7 @@ class _Ref:
         self.size, self.stride = size, stride
 
 
-class ParamSession(AbstractContextManager):
+class ParamSession(Session):
     """Saved-tensor hooks, backward re-gather with prefetch, and deferred gradient reductions."""
 
     def __init__(self, *, prefetch: bool, in_flight: int, arrivals: Arrivals | None = None):
@@ -93,15 +92,6 @@ class ParamSession(AbstractContextManager):
         self._full: dict[int, list[torch.Tensor]] = {}  # id(handle) -> re-gathered buffers
         self._released: set[int] = set()
         self._deferred: list[tuple[GatherHandle, list[Work | Piece]]] = []
-
-    def __enter__(self) -> ParamSession:
-        global _SESSION
-        _SESSION = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _SESSION
-        _SESSION = None
 
     def before_gather(self, shards: Iterable[torch.Tensor]) -> None:
         """Called by a gather before it reads `shards`: wait for copies still landing there."""

@@ -7,14 +7,14 @@ inserted. A pass that does not apply to a plan returns the graph unchanged.
 The ordered list and the runner live above, in `ptc.lower`.
 """
 
-from ptc.passes.activation_checkpoint import checkpoint_layers_pass
-from ptc.passes.comm_overlap import overlap_collectives_pass
-from ptc.passes.context_parallel import split_context_pass
-from ptc.passes.fp8_compute import quantize_gemms_pass
-from ptc.passes.pipeline_split import split_pipeline_pass
-from ptc.passes.sequence_parallel import shard_sequence_pass
-from ptc.passes.tensor_parallel import shard_tensors_pass
-from ptc.passes.zero import shard_params_pass
+from ptc.passes.checkpoint_layers import checkpoint_layers_pass
+from ptc.passes.overlap_collectives import overlap_collectives_pass
+from ptc.passes.quantize_gemms import quantize_gemms_pass
+from ptc.passes.shard_params import shard_params_pass
+from ptc.passes.shard_sequence import shard_sequence_pass
+from ptc.passes.shard_tensors import shard_tensors_pass
+from ptc.passes.split_context import split_context_pass
+from ptc.passes.split_pipeline import split_pipeline_pass
 
 __all__ = ["checkpoint_layers_pass", "overlap_collectives_pass", "quantize_gemms_pass",
            "shard_params_pass", "shard_sequence_pass", "shard_tensors_pass", "split_context_pass",

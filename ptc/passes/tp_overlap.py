@@ -35,7 +35,7 @@ from torch import fx, nn
 from ptc.compiler.graph.meta import copy_meta, get_info
 from ptc.compiler.graph.nodes import module_of, op_name
 from ptc.compiler.graph.stage_graphs import pipeline_stages
-from ptc.passes.activation_checkpoint import checkpoint_regions
+from ptc.passes.checkpoint_layers import checkpoint_regions
 from ptc.passes.functional import param_node
 from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
                                 column_parallel_linears_seq, copy_to_tp)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ptc.compiler.cost import collectives as cost
 from ptc.compiler.cost.topology import AxisGroup
-from ptc.compiler.cost.topology import axis_groups as placement
+from ptc.compiler.cost.topology import axis_placements as placement
 from ptc.plan import Plan
 from ptc.ops.comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from ptc.units import UNITS
@@ -140,7 +140,7 @@ def bench_comm(plan: Plan, *, min_size: int = MiB, max_size: int = GiB, iters: i
 def bench_worker(plan: Plan, sizes: list[int], iters: int, warmup: int) -> CommReport:
     """One rank's part of `bench_comm` (collective over all ranks); rank 0's report is complete."""
     from ptc.runtime.mesh import (  # noqa: PLC0415
-        axis_groups,
+        axis_process_groups,
         build_mesh,
         device_for,
         init_distributed,
@@ -149,7 +149,7 @@ def bench_worker(plan: Plan, sizes: list[int], iters: int, warmup: int) -> CommR
     created = init_distributed(plan)
     try:
         device = device_for(plan)
-        groups = axis_groups(build_mesh(plan))
+        groups = axis_process_groups(build_mesh(plan))
         p = plan.parallel
         places = placement({a: p.degree(a) for a in p.order}, p.order, plan.hardware.gpus_per_node)
         report = CommReport(device=str(device))

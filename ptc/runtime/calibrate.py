@@ -57,7 +57,7 @@ from ptc.compiler.capture import capture, with_weights
 from ptc.compiler.cost.linkfit import Measurement, fit_links
 from ptc.compiler.profile.cache import with_model_shape
 from ptc.compiler.records.params import COMPUTE_DTYPES
-from ptc.compiler.cost.topology import axis_groups as placement
+from ptc.compiler.cost.topology import axis_placements as placement
 from ptc.compiler.graph.work import Work, function_work, graph_work
 from ptc.hwprofile import HardwareProfile, Link
 from ptc.plan import ModelSpec, Plan
@@ -100,7 +100,7 @@ def calibrate(plan: Plan, settings: Settings = Settings(), *,
 def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> HardwareProfile:
     """One rank's part of `calibrate` (collective over all ranks); rank 0's is the profile."""
     from ptc.runtime.mesh import (  # noqa: PLC0415
-        axis_groups,
+        axis_process_groups,
         build_mesh,
         device_for,
         init_distributed,
@@ -126,7 +126,7 @@ def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> Har
         bandwidth = memory.work.memory / max(memory_s, 0.1 * memory.seconds)
         gemm_s = gemm.seconds - gemm.work.memory / bandwidth - (gemm.work.ops * o if sync else 0.0)
         rate = gemm.work.gemm / max(gemm_s, 0.1 * gemm.seconds)
-        measurements, axes = _links(plan, device, settings, axis_groups(build_mesh(plan)))
+        measurements, axes = _links(plan, device, settings, axis_process_groups(build_mesh(plan)))
         if dist.get_rank() != 0:
             return None
         fit = fit_links(measurements, plan.hardware)
@@ -304,7 +304,7 @@ MAX_SCALE = 256
 def _links(plan: Plan, device: torch.device, settings: Settings,
            groups: dict[str, dist.ProcessGroup]) -> tuple[list[Measurement], dict]:
     """Collectives on every axis with more than one rank; (measurements, per-axis fits)."""
-    from ptc.runtime.bench_comm import OPS, _time, sizes_between  # noqa: PLC0415
+    from ptc.runtime.bench_comm import OPS, _time
 
     p = plan.parallel
     places = placement({a: p.degree(a) for a in p.order}, p.order, plan.hardware.gpus_per_node)

@@ -89,7 +89,7 @@ def _options(backend: str):
     return options
 
 
-def axis_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+def axis_process_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
     """Axis name -> this rank's process group along that mesh dimension.
 
     With context parallelism (cp > 1) "dp" is the group gradients are

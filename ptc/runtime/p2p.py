@@ -3,7 +3,7 @@
 One message per tensor, in boundary order. Between two ranks, messages are
 matched in the order they are posted (what NCCL requires and gloo does for
 one tag); the schedule's lowering posts every receive in the order its peer
-sends (`ptc.compiler.schedule.lowering.lower`), so no tags are needed. Peers are
+sends (`ptc.compiler.schedule.lowering.per_rank_actions`), so no tags are needed. Peers are
 named by their index in the pipeline group.
 """
 

@@ -37,7 +37,7 @@ from ptc.runtime.init import ModelFactory, check_buffers, tensor_bytes
 from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
-    axis_groups,
+    axis_process_groups,
     backend_for,
     build_mesh,
     device_for,
@@ -97,7 +97,7 @@ def train_worker(plan_or_program: Plan | Program, *, models: ModelFactory,
             raise TypeError("train_worker of a Plan needs the compiler that lowers it")
         else:
             program = compiler(plan) if model is None else compiler(plan, model=model)
-        groups = axis_groups(build_mesh(plan))
+        groups = axis_process_groups(build_mesh(plan))
         trainer = Trainer(program, groups, models=models, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
         loop = TrainLoop(trainer, steps)

@@ -17,7 +17,7 @@ from ptc import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
 from ptc.compiler.capture import capture
 from ptc.compiler.graph.meta import graph_record
 from ptc.errors import CompileError
-from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower
+from ptc.lower.driver import PASSES, capture_plan, compile_graph, compile_plan, lower_graph
 from ptc.lower.verify import Rerun, verify_graph
 from ptc.ops.collectives import gather_params
 from ptc.ops.comm import ShapeGroup, bind_axes
@@ -178,7 +178,7 @@ def test_a_shape_group_gives_the_shapes_its_ranks_would():
 def test_disabling_an_optional_pass_skips_it(monkeypatch):
     monkeypatch.setenv("PTC_DISABLE_PASSES", "overlap_collectives_pass")
     p = plan(pp=1)
-    _, lowered = lower(capture_plan(p), p)
+    _, lowered = lower_graph(capture_plan(p), p)
     assert not any(line.startswith("overlap_collectives_pass") for line in lowered.log)
     assert graph_record(lowered.stages[0]).overlap is None
 
@@ -254,7 +254,7 @@ def test_a_compile_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     import gc
 
     seen = []
-    real = lower
+    real = lower_graph
 
     def spying_lower(*args, **kwargs):
         seen.append(gc.isenabled())
@@ -262,7 +262,7 @@ def test_a_compile_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
             raise CompileError("a pass failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("ptc.lower.driver.lower", spying_lower)
+    monkeypatch.setattr("ptc.lower.driver.lower_graph", spying_lower)
     assert gc.isenabled()
     compile_plan(plan())
     assert seen == [False] and gc.isenabled()

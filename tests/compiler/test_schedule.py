@@ -23,7 +23,7 @@ from ptc.compiler.schedule.actions import (COMM, KINDS, Action, Schedule, Schedu
                                            format_schedule)
 from ptc.compiler.schedule.build import build_schedule, parse_schedule
 from ptc.views.schedule_grid import format_grid, render_schedule
-from ptc.compiler.schedule.lowering import lower, needed_receive
+from ptc.compiler.schedule.lowering import per_rank_actions, needed_receive
 from ptc.compiler.schedule.simulation import simulate
 from ptc.errors import PlanError  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
@@ -138,7 +138,7 @@ class TestLowering:
     def test_receives_come_before_their_compute_and_sends_right_after(
             self, kind: str, p: int, m: int, v: int) -> None:
         schedule = build_schedule(kind, p, m, v)
-        for rank, program in enumerate(lower(schedule)):
+        for rank, program in enumerate(per_rank_actions(schedule)):
             assert [a for a in program if a.kind not in COMM] == list(schedule.ranks[rank])
             for i, action in enumerate(program):
                 needed = needed_receive(action, schedule.num_stages)
@@ -149,7 +149,7 @@ class TestLowering:
                     assert program[i - 1] == Action(action.stage, compute, action.microbatch)
 
     def test_receives_are_posted_one_compute_ahead(self) -> None:
-        program = lower(build_schedule("1f1b", 2, 2))[1]
+        program = per_rank_actions(build_schedule("1f1b", 2, 2))[1]
         assert [str(a) for a in program] == [
             "1RECV_F0", "1F0", "1RECV_F1", "1B0", "1SEND_B0", "1F1", "1B1", "1SEND_B1"]
 
@@ -170,8 +170,8 @@ class TestSimulationFailures:
         schedule = Schedule(kind="custom", pp=2, virtual=1, microbatches=2, ranks=(
             tuple(map(Action.parse, "0F0 0F1 0B0 0B1".split())),
             tuple(map(Action.parse, "1F1 1B1 1F0 1B0".split()))))
-        assert [str(a) for a in lower(schedule)[1][:3]] == ["1RECV_F0", "1RECV_F1", "1F1"]
-        assert [str(a) for a in lower(schedule)[0] if a.kind == "RECV_B"] == ["0RECV_B1",
+        assert [str(a) for a in per_rank_actions(schedule)[1][:3]] == ["1RECV_F0", "1RECV_F1", "1F1"]
+        assert [str(a) for a in per_rank_actions(schedule)[0] if a.kind == "RECV_B"] == ["0RECV_B1",
                                                                               "0RECV_B0"]
         assert len(simulate(schedule).steps) == 8
 
@@ -180,7 +180,7 @@ class TestSimulationFailures:
         (("0F0 0B0 1F0 1B0", ""), r"rank 0: 1F0 belongs to rank 1"),
         (("0B0 0F0", "1F0 1B0"), r"rank 0: 0B0 comes before 0F0"),
         (("0F0 0F0 0B0", "1F0 1B0"), r"rank 0: 0F0 appears twice"),
-        (("0F0 0SEND_F0 0B0", "1F0 1B0"), r"lower\(\) adds the sends"),
+        (("0F0 0SEND_F0 0B0", "1F0 1B0"), r"per_rank_actions\(\) adds the sends"),
     ])
     def test_malformed_schedules_are_named(self, ranks: tuple[str, str], needle: str) -> None:
         schedule = Schedule(kind="custom", pp=2, virtual=1, microbatches=1, ranks=tuple(

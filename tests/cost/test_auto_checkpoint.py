@@ -260,7 +260,7 @@ def test_norm_recompute_under_sequence_parallelism_prices_its_rerun_all_gathers(
     without sequence parallelism that entry is an identity, and a module region without a
     norm reruns none. `ptc explain` says so in the checkpointing table."""
     from ptc.compiler.cost import collectives as comm  # noqa: PLC0415
-    from ptc.compiler.cost.topology import axis_groups  # noqa: PLC0415
+    from ptc.compiler.cost.topology import axis_placements  # noqa: PLC0415
 
     spec = ModelSpec(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
                      vocab=128, max_seq=16)
@@ -273,7 +273,7 @@ def test_norm_recompute_under_sequence_parallelism_prices_its_rerun_all_gathers(
         return estimate(plan).breakdown["tp_comm"], plan
 
     hw = HardwareSpec.preset("H100-SXM", gpus_per_node=2)
-    group = axis_groups({"tp": 2, "cp": 1, "pp": 1, "dp": 1}, ("tp", "cp", "dp", "pp"),
+    group = axis_placements({"tp": 2, "cp": 1, "pp": 1, "dp": 1}, ("tp", "cp", "dp", "pp"),
                         hw.gpus_per_node)["tp"]
     gather = comm.all_gather(2 * 2 * 16 * 64, group, hw).seconds  # bf16 b·s·h
     none, _ = tp_comm("none", True)

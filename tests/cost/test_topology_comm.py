@@ -7,24 +7,24 @@ import math
 import pytest
 
 from ptc.compiler.cost import collectives as comm
-from ptc.compiler.cost.topology import AxisGroup, axis_groups
+from ptc.compiler.cost.topology import AxisGroup, axis_placements
 from ptc.plan import HardwareSpec
 
 
 def test_tp_innermost_stays_in_node_and_dp_spans():
-    groups = axis_groups({"tp": 8, "dp": 4, "pp": 2}, ("tp", "dp", "pp"), 8)
+    groups = axis_placements({"tp": 8, "dp": 4, "pp": 2}, ("tp", "dp", "pp"), 8)
     assert groups["tp"].link == "intra"
     assert (groups["dp"].stride, groups["dp"].per_node, groups["dp"].nodes) == (8, 1, 4)
     assert groups["pp"].spans_nodes
 
 
 def test_partial_node_groups():
-    groups = axis_groups({"tp": 2, "dp": 16, "pp": 1}, ("tp", "dp", "pp"), 8)
+    groups = axis_placements({"tp": 2, "dp": 16, "pp": 1}, ("tp", "dp", "pp"), 8)
     assert (groups["dp"].per_node, groups["dp"].nodes) == (4, 4)
 
 
 def test_order_decides_which_axis_gets_nvlink():
-    groups = axis_groups({"tp": 8, "dp": 8, "pp": 1}, ("dp", "tp", "pp"), 8)
+    groups = axis_placements({"tp": 8, "dp": 8, "pp": 1}, ("dp", "tp", "pp"), 8)
     assert groups["dp"].link == "intra" and groups["tp"].link == "inter"
 
 

@@ -57,10 +57,10 @@ def with_runtime(plan: Plan, **runtime) -> Plan:
 def _trainer(plan: Plan):
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     init_distributed(plan)
-    return Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
+    return Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
 
 
 def _checkpointer(trainer, directory: str):

@@ -234,14 +234,14 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
     for case in cases:
         plan = plan_of(case)
         init_distributed(plan)
         program = compile_plan(plan, model=module_of(case) if module_of else None)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)), models=MODELS)
+        trainer = Trainer(program, axis_process_groups(build_mesh(plan)), models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         held = trainer.held_bytes()

@@ -96,13 +96,13 @@ def read_weights_worker(cases: list[ReadCase]) -> dict:
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.host_copies import Landing
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
     for case in cases:
         plan = read_plan(case)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
+        trainer = Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
         reads: dict = {}
         wait_device = Landing.wait_device
         if not case.waits:

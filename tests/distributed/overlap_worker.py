@@ -21,13 +21,13 @@ def log_collectives(zeros: list[int], dp: int) -> dict:
     from ptc.lower.driver import compile_plan
     from ptc.ops.comm import record_collectives
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
     for zero in zeros:
         plan = bucketed_plan(zero, dp)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
+        trainer = Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
         with record_collectives() as log:
             for k in range(plan.train.steps):
                 trainer.train_step(k)

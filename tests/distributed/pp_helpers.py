@@ -65,14 +65,14 @@ def run_pp_cases(cases: list[Case]) -> dict:
     import torch.distributed as dist
 
     from ptc.lower.driver import compile_plan
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
     from ptc.runtime.executor import Trainer
 
     results = {}
     for case in cases:
         plan = pp_plan(case)
         init_distributed(plan)
-        groups = axis_groups(build_mesh(plan))
+        groups = axis_process_groups(build_mesh(plan))
         trainer = Trainer(compile_plan(plan), groups, models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()

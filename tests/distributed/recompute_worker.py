@@ -77,7 +77,7 @@ def auto_budget(plan: Plan) -> float:
 
 def program_policies(program) -> tuple[str, ...]:
     """Per layer, the policy the compiled graphs apply, read off their checkpoint regions."""
-    from ptc.passes.activation_checkpoint import region_layer_policy
+    from ptc.passes.checkpoint_layers import region_layer_policy
     from ptc.ops.recompute import checkpoint_region
 
     policies = ["none"] * program.plan.model.layers
@@ -95,14 +95,14 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
     for case in cases:
         plan = recompute_plan(case)
         init_distributed(plan)
         program = compile_plan(plan)
-        trainer = Trainer(program, axis_groups(build_mesh(plan)), models=MODELS)
+        trainer = Trainer(program, axis_process_groups(build_mesh(plan)), models=MODELS)
         losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()
         policies = [None] * dist.get_world_size()

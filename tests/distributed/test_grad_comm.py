@@ -59,13 +59,13 @@ def train_logged(cases: list) -> dict:
     from ptc.lower.driver import compile_plan
     from ptc.ops.comm import record_collectives
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
     for case in cases:
         plan = comm_plan(case)
         init_distributed(plan)
-        trainer = Trainer(compile_plan(plan), axis_groups(build_mesh(plan)), models=MODELS)
+        trainer = Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
         with record_collectives() as log:
             losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
         state = trainer.full_state_dict()

@@ -174,7 +174,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     from ptc.ops.comm import bind_axes
     from ptc.ops.seq_regather import SeqRegather, _SeqRef
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
     from recompute_worker import program_policies
     from tests.memory.measure import cached_by_regions, kept_norm_nodes
     from tests.memory.test_measured_activations import cpu_statistics_gap
@@ -183,7 +183,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     for case in cases:
         plan = memory_plan(case, tp)
         init_distributed(plan)
-        groups = axis_groups(build_mesh(plan))
+        groups = axis_process_groups(build_mesh(plan))
         program = compile_plan(plan)
         trainer = Trainer(program, groups, models=MODELS)
         gm = trainer.chunks[0].gm

@@ -19,7 +19,7 @@ from ptc.compiler.capture import with_weights  # noqa: E402
 from ptc.compiler.search.estimate import estimate  # noqa: E402
 from ptc.compiler.records.layout import Layout  # noqa: E402
 from ptc.compiler.memory.model import precision, stage_memory  # noqa: E402
-from ptc.lower.driver import apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
+from ptc.lower.driver import apply_pass, capture_plan, compile_graph, lower_graph, pass_list  # noqa: E402
 from ptc.compiler.profile.types import DTYPES  # noqa: E402
 from ptc.compiler.profile.cache import model_profile  # noqa: E402
 from ptc.compiler.graph.params import param_layout  # noqa: E402
@@ -144,7 +144,7 @@ def test_fp8_recompute_gives_the_uncheckpointed_fp8_graph_bit_for_bit(family, po
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
 
     def run(passes):
-        gm = lower(with_weights(capture_plan(p), model), p, pass_list(*passes))[1].graph
+        gm = lower_graph(with_weights(capture_plan(p), model), p, pass_list(*passes))[1].graph
         return len(regions(gm)), loss_and_grads(gm, model, tokens, targets)
 
     _, (ref_loss, ref_grads) = run(dtype_passes("fp8"))
@@ -186,7 +186,7 @@ def test_saved_bytes_match_the_memory_model(family, policy, dtype):
     p = plan(family, policy, dtype=dtype)
     model = build_model(p.model, device="cpu", seed=0).to(DTYPES[dtype])
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
-    gm = lower(with_weights(capture_plan(p), model), p,
+    gm = lower_graph(with_weights(capture_plan(p), model), p,
                pass_list(*dtype_passes(dtype, checkpoint_layers_pass)))[1].graph
     measured = measured_saved_bytes(buffers_as_built(gm), tokens, targets)
     layout = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0, sp=False,
@@ -260,7 +260,7 @@ def test_saved_bytes_per_pipeline_stage_match_the_memory_model(family, policy, d
     spec = dataclasses.replace(SPECS[family], layers=4)
     p = plan(family, policy, pp=2, spec=spec, dtype=dtype)
     model = build_model(spec, device="cpu", seed=0).to(DTYPES[dtype])
-    pipeline = lower(with_weights(capture_plan(p), model), p, pass_list(
+    pipeline = lower_graph(with_weights(capture_plan(p), model), p, pass_list(
         *dtype_passes(dtype, split_pipeline_pass, checkpoint_layers_pass)))[1].graph
     stages = [stage_info(s) for _, s in pipeline_stages(pipeline)]
     assert [a for a in stages[0].atoms if a.startswith("layers.")] == ["layers.0", "layers.1"]

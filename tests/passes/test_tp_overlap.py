@@ -30,12 +30,12 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from ptc.views.inspect import collective  # noqa: E402
 from ptc.compiler.graph.meta import get_info  # noqa: E402
 from ptc.compiler.graph.nodes import module_of  # noqa: E402
-from ptc.lower.driver import capture_plan, lower, pass_list  # noqa: E402
+from ptc.lower.driver import capture_plan, lower_graph, pass_list  # noqa: E402
 from ptc.compiler.graph.stage_graphs import pipeline_stages  # noqa: E402
 from ptc.models import build_model  # noqa: E402
 from ptc.passes import (checkpoint_layers_pass, shard_params_pass,  # noqa: E402
                         shard_sequence_pass, shard_tensors_pass, split_pipeline_pass)
-from ptc.passes.activation_checkpoint import REGION_PREFIX  # noqa: E402
+from ptc.passes.checkpoint_layers import REGION_PREFIX  # noqa: E402
 from ptc.passes.tp_overlap import fuse_column_parallel_linears  # noqa: E402
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 from ptc.ops import tp_ops  # noqa: E402
@@ -65,7 +65,7 @@ def plan(family: str, *, sp: bool = False, pp: int = 1, zero: int = 0,
 
 
 def lowered(p: Plan, passes=TP_PASSES) -> fx.GraphModule:
-    return lower(capture_plan(p), p, pass_list(*passes))[1].graph
+    return lower_graph(capture_plan(p), p, pass_list(*passes))[1].graph
 
 
 def calls(gm: fx.GraphModule, *targets) -> list[fx.Node]:

@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from ptc.compiler.graph.meta import get_info  # noqa: E402
 from ptc.compiler.records.graph_meta import GraphRecord  # noqa: E402
 from ptc.compiler.graph.meta import graph_info, set_graph_record  # noqa: E402
-from ptc.lower.driver import PASSES, apply_pass, capture_plan, compile_graph, lower, pass_list  # noqa: E402
+from ptc.lower.driver import PASSES, apply_pass, capture_plan, compile_graph, lower_graph, pass_list  # noqa: E402
 from ptc.compiler.graph.params import ZeroShards, param_layout  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.models import build_model  # noqa: E402
@@ -169,7 +169,7 @@ class TestRunPasses:
         p = plan_ = plan("gpt", zero=0)
         with pytest.raises(CompileError, match=r"pass broken_pass failed \(passes run before it: "
                                                r"first_pass\): ValueError: boom"):
-            lower(capture_plan(p), plan_, pass_list(first_pass, broken_pass))
+            lower_graph(capture_plan(p), plan_, pass_list(first_pass, broken_pass))
 
     def test_dump_dir_gets_the_graph_after_each_pass(self, tmp_path, monkeypatch):
         monkeypatch.setenv("PTC_DUMP_DIR", str(tmp_path))
@@ -185,7 +185,7 @@ class TestRunPasses:
 
     def test_knobs_reach_their_pass(self):
         p = plan("gpt")
-        gm = lower(capture_plan(p), p, knobs={"overlap_collectives_pass": {"prefetch": 0}})[1].graph
+        gm = lower_graph(capture_plan(p), p, knobs={"overlap_collectives_pass": {"prefetch": 0}})[1].graph
         for start in calls(gm, gather_params_start):
             assert start.next.target is gather_params
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ptc.compiler.cost.collectives import all_gather, all_reduce, reduce_scatter
-from ptc.compiler.cost.topology import AxisGroup, axis_groups
+from ptc.compiler.cost.topology import AxisGroup, axis_placements
 from ptc.compiler.records.overlap import GRAD_BYTES
 from ptc.plan import DTYPE_BYTES, LinkSpec, Plan
 
@@ -44,7 +44,7 @@ def dp_group(plan: Plan) -> AxisGroup:
     """Where a group of the (resolved) plan's gradient ranks (dp·cp) sits on the nodes."""
     par = plan.parallel
     degrees = {a: par.degree(a) for a in par.order}
-    return axis_groups(degrees, par.order, plan.hardware.gpus_per_node)["grad"]
+    return axis_placements(degrees, par.order, plan.hardware.gpus_per_node)["grad"]
 
 
 def dp_link(plan: Plan) -> LinkSpec:

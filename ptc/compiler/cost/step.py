@@ -59,7 +59,7 @@ from ptc.compiler.memory.model import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision,
                                        stage_params)
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.cost.step_sync import step_sync
-from ptc.compiler.cost.topology import AxisGroup, axis_groups
+from ptc.compiler.cost.topology import AxisGroup, axis_placements
 from ptc.plan import HardwareSpec, policy_modules
 
 
@@ -150,7 +150,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     cp = layout.cp
     bb, ss = layout.micro_batch, layout.rank_seq(seq_len)  # the positions a rank holds
     groups = _cached(memo, ("groups", tp, cp, p, layout.dp, layout.order),
-                     lambda: axis_groups({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
+                     lambda: axis_placements({"tp": tp, "cp": cp, "pp": p, "dp": layout.dp},
                                          layout.order, hw.gpus_per_node))
     algos: dict[str, str] = {}
 

@@ -45,7 +45,7 @@ def world_group(layout: Layout, gpus_per_node: int) -> AxisGroup:
 def step_sync(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,
               groups: dict[str, AxisGroup]) -> float:
     """Seconds per step of the collectives above (see the module docstring); `groups` are
-    the mesh axes' placements (`ptc.compiler.cost.topology.axis_groups`)."""
+    the mesh axes' placements (`ptc.compiler.cost.topology.axis_placements`)."""
     world = world_group(layout, hw.gpus_per_node)
     folded = guard_folds(zero=layout.zero, dp=layout.dp, world=world.size,
                          offload=layout.offload, grad_bytes=prec.grad, wire_bytes=prec.grad_wire)

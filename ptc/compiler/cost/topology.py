@@ -45,7 +45,7 @@ class AxisGroup:
         return "inter" if self.spans_nodes else "intra"
 
 
-def axis_groups(degrees: dict[str, int], order: tuple[str, ...],
+def axis_placements(degrees: dict[str, int], order: tuple[str, ...],
                 gpus_per_node: int) -> dict[str, AxisGroup]:
     """Placement of every mesh axis, innermost first in `order` (an axis missing from
     `degrees` has degree 1), and of "grad": the dp·cp ranks gradients are reduced over."""

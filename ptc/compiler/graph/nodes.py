@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,21 @@ CROSS_ENTROPY_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 _SCORE_OPS = TRANSPARENT_OPS | {"mul", "div", "truediv", "add", "sub", "masked_fill", "where",
                                  "tanh"}  # tanh: Gemma 2's soft-capping of the scores
 _PROBS_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
+
+
+def walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]
+         ) -> Iterator[fx.Node]:
+    """Each node reachable from `starts` by `step` (a node -> the nodes to visit from it),
+    once, depth first: the one graph walk of the passes (a caller stops it early by
+    leaving the loop, or raises from `step`)."""
+    todo, seen = list(starts), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(step(node))
 
 
 def op_name(node: fx.Node) -> str:

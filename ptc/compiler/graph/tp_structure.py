@@ -44,7 +44,7 @@ from torch import fx
 from ptc.compiler.graph.meta import get_info, graph_info
 from ptc.compiler.graph.nodes import (CROSS_ENTROPY_OPS, DROPOUT_OPS, TRANSPARENT_OPS,
                                       attention_parts, is_embedding, is_linear, node_shape,
-                                      op_name)
+                                      op_name, walk)
 from ptc.errors import CompileError
 from ptc.plan import Plan, ShardRule
 
@@ -277,19 +277,11 @@ class _Finder:
     def _routes(self, node: fx.Node) -> bool:
         """Whether a linear's output reaches a top-k through casts and a softmax or
         sigmoid: a mixture-of-experts router, which stays whole."""
-        todo, seen = [node], set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            for user in n.users:
-                name = op_name(user)
-                if name == "topk":
-                    return True
-                if name in TRANSPARENT_OPS or name in _ROUTER_SCORES:
-                    todo.append(user)
-        return False
+        def onward(n: fx.Node) -> list[fx.Node]:
+            return [u for u in n.users
+                    if op_name(u) in TRANSPARENT_OPS or op_name(u) in _ROUTER_SCORES]
+
+        return any(op_name(u) == "topk" for n in walk([node], onward) for u in n.users)
 
     def _elementwise_sources(self, x) -> tuple[list[fx.Node], fx.Node | None]:
         """Linears that `x` is computed from elementwise, and the first non-elementwise op."""

@@ -72,7 +72,7 @@ def kv_nodes(gm: torch.fx.GraphModule, sharding: Sharding, sharded: set[str]) ->
 
 def whole_under_sp(gm: torch.fx.GraphModule, sharded: set[str]) -> set[str]:
     """Nodes outside the tp regions that sequence parallelism runs on the whole sequence,
-    as `ptc.passes.sequence_parallel` lowers them: an op that mixes positions (an attention,
+    as `ptc.passes.shard_sequence` lowers them: an op that mixes positions (an attention,
     a product of two activations, a convolution) on activations a rule keeps whole, or a
     head kept whole whose logits reach the loss, gets them gathered, and what follows it
     stays whole until an elementwise op meets the split sequence again (the residual add,

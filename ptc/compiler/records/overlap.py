@@ -1,5 +1,5 @@
 """The overlap plan of one stage graph: its communication buckets and overlap decisions,
-which the comm_overlap pass makes (`ptc.passes.comm_overlap`) and the runtime follows as
+which the comm_overlap pass makes (`ptc.passes.overlap_collectives`) and the runtime follows as
 is; how bucket sizes are chosen and priced is `ptc.compiler.cost.buckets`."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ s + 1), `RECV_B` (post the receive of the gradient of stage s's outputs),
 `SEND_B` (send the gradient of stage s's inputs to stage s - 1).
 
 A `Schedule` holds each rank's compute actions (F, B) in execution order.
-`lower` adds the communication: a send right after the compute that made
+`per_rank_actions` adds the communication: a send right after the compute that made
 its data, and each receive posted one compute action before the one that
 needs it (so the transfer overlaps that compute) and, per directed pair of
 ranks, in the order the peer sends — messages between two ranks are matched

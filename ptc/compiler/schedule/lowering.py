@@ -45,7 +45,7 @@ def _message(action: Action) -> tuple[str, int, int]:
     return ("act" if action.kind == "RECV_F" else "grad"), action.stage, action.microbatch
 
 
-def lower(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+def per_rank_actions(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     """Each rank's full program: its compute actions with the sends and receives added.
 
     See the module docstring for where sends and receives go.
@@ -100,7 +100,7 @@ def check(schedule: Schedule) -> None:
         for action in actions:
             if action.kind not in COMPUTE:
                 raise ScheduleError(f"rank {rank}: {action} is a {action.kind}; a schedule lists "
-                                    f"only F and B (lower() adds the sends and receives)")
+                                    f"only F and B (per_rank_actions() adds the sends and receives)")
             if not (0 <= action.stage < n and 0 <= action.microbatch < m):
                 raise ScheduleError(f"rank {rank}: {action} is outside stages 0..{n - 1}, "
                                     f"micro-batches 0..{m - 1}")

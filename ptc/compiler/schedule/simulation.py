@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptc.compiler.schedule.actions import Action, Schedule, ScheduleError
-from ptc.compiler.schedule.lowering import check, check_pairs, lower, matching_send, needed_receive
+from ptc.compiler.schedule.lowering import check, check_pairs, per_rank_actions, matching_send, needed_receive
 
 # ----------------------------------------------------------------- simulation
 
@@ -31,7 +31,7 @@ class Timeline:
 def simulate(schedule: Schedule) -> Timeline:
     """Run the lowered schedule in lockstep; ScheduleError if it is malformed or deadlocks."""
     check(schedule)
-    programs = lower(schedule)
+    programs = per_rank_actions(schedule)
     check_pairs(programs, schedule)
     n, p = schedule.num_stages, schedule.pp
     pc = [0] * p

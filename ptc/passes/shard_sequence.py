@@ -1,4 +1,4 @@
-"""The sequence_parallel pass: split the activations outside tp regions along the sequence.
+"""The shard_sequence pass: split the activations outside tp regions along the sequence.
 
 Between tensor-parallel regions (norms, residual adds, dropout) every tp
 rank holds the same full activation. Sequence parallelism (Korthikanti et
@@ -46,7 +46,7 @@ from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq, reduce_from_
 from ptc.passes.functional import functionalize
 from ptc.passes.local_shapes import Propagation, fold_sizes, is_shape_only, propagate
 
-log = logging.getLogger("ptc.passes.sequence_parallel")
+log = logging.getLogger("ptc.passes.shard_sequence")
 
 SEQ_DIM = 1
 """The sequence dim of [b, s, ...] activations."""

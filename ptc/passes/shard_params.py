@@ -1,4 +1,4 @@
-"""ZeRO-3: parameters live as dp shards and are gathered where the graph uses them.
+"""The shard_params pass (ZeRO-3): parameters live as dp shards, gathered where used.
 
 The pass rewrites a graph whose weights are module parameters into one
 whose weights are values: every parameter use (a `call_module` Linear /
@@ -12,7 +12,7 @@ gathered by each; both gathers' backwards add into the same shard gradient.
 Each start sits right before its wait: when to issue it (a layer early, so
 the weights travel while the previous layer computes) and which small
 gathers to merge is the comm_overlap pass's decision
-(`ptc.passes.comm_overlap`); the runtime's session prefetches in backward
+(`ptc.passes.overlap_collectives`); the runtime's session prefetches in backward
 (see `ptc.ops.zero3`).
 """
 
@@ -35,7 +35,7 @@ from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
 from ptc.ops.collectives import gather_params, gather_params_start
 
-log = logging.getLogger("ptc.passes.zero")
+log = logging.getLogger("ptc.passes.shard_params")
 
 SHARDS_ATTR = "zero"
 

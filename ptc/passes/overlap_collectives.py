@@ -1,4 +1,4 @@
-"""comm_overlap: bucket small collectives and schedule starts early, waits late.
+"""The overlap_collectives pass: bucket small collectives and schedule starts early, waits late.
 
 The last pass of the pipeline: it sees every collective earlier passes put in
 the graph and decides when each is issued and waited for.
@@ -46,7 +46,7 @@ from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
 from ptc.units import format_bytes
 
-log = logging.getLogger("ptc.passes.comm_overlap")
+log = logging.getLogger("ptc.passes.overlap_collectives")
 
 
 def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,

@@ -1,4 +1,4 @@
-"""The tensor_parallel pass: keep 1/tp of every split weight and insert Megatron's collectives.
+"""The shard_tensors pass: keep 1/tp of every split weight and insert Megatron's collectives.
 
 Given the split `ptc.compiler.graph.tp_structure` finds (or the plan's rules say),
 the pass rewrites the captured graph into the graph every tp rank runs:
@@ -37,7 +37,7 @@ from ptc.compiler.records.decisions import Decisions
 from ptc.compiler.graph.meta import copy_meta, get_info, graph_record, update_graph_record
 from ptc.compiler.graph.nodes import (GROUPED_MM_OPS, TRANSPARENT_OPS, is_linear, linear_in_dim,
                                       linear_out_dim, linear_weight, module_of, op_name,
-                                      param_source, params_behind, where)
+                                      param_source, params_behind, walk, where)
 from ptc.compiler.records.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
@@ -48,7 +48,7 @@ from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
 from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, find_sharding,
                                              layer_glob)
 
-log = logging.getLogger("ptc.passes.tensor_parallel")
+log = logging.getLogger("ptc.passes.shard_tensors")
 
 _FREE = dict(flops=0, params=0, param_bytes=0)
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -498,18 +498,13 @@ def _keep_whole_rule(node: fx.Node) -> str:
 def _check_region(gm: fx.GraphModule, rewrite: _Rewrite, prop: Propagation) -> set[fx.Node]:
     """Split tensors stay split until a row-parallel linear or the loss consumes them;
     returns the nodes between (the split region)."""
-    region, todo = set(), list(rewrite.starts)
-    while todo:
-        node = todo.pop()
-        if node in region:
-            continue
-        region.add(node)
-        for user in node.users:
-            if user.op == "output":
-                raise CompileError(f"tensor parallelism: the split output of {where(node)} "
-                                   "reaches the graph's output without being reduced")
-            if user not in rewrite.stops and not is_shape_only(user):
-                todo.append(user)
+    def onward(node: fx.Node) -> list[fx.Node]:
+        if any(user.op == "output" for user in node.users):
+            raise CompileError(f"tensor parallelism: the split output of {where(node)} "
+                               "reaches the graph's output without being reduced")
+        return [u for u in node.users if u not in rewrite.stops and not is_shape_only(u)]
+
+    region = set(walk(rewrite.starts, onward))
     for node in (n for n in gm.graph.nodes if n in region):  # graph order: the first is named
         if prop.is_split(node):
             _check_reduction(node, prop)

@@ -1,4 +1,4 @@
-"""pipeline_split: cut the captured graph into pp × v stage graphs.
+"""The split_pipeline pass: cut the captured graph into pp × v stage graphs.
 
 The pass returns a *pipeline graph*: a GraphModule whose submodules
 `stage_0` .. `stage_{p·v-1}` are the stage graphs and whose own graph calls
@@ -49,14 +49,14 @@ from torch import fx, nn
 from ptc.compiler.records.decisions import Decisions
 from ptc.compiler.graph.lazy_code import graph_module
 from ptc.compiler.graph.meta import copy_meta, get_info, graph_info, update_graph_record
-from ptc.compiler.graph.nodes import module_path
+from ptc.compiler.graph.nodes import module_path, walk
 from ptc.compiler.graph.params import used_params
 from ptc.compiler.records.stages import DATA_ROLES, Boundary, PipelineInfo, StageInfo
 from ptc.compiler.graph.stage_graphs import pipeline_info, stage_info
 from ptc.errors import CompileError, DiagnosticSink, did_you_mean
 from ptc.plan import ParallelSpec, Plan
 
-log = logging.getLogger("ptc.passes.pipeline_split")
+log = logging.getLogger("ptc.passes.split_pipeline")
 
 _FREE = dict(flops=0, params=0, param_bytes=0)
 
@@ -321,22 +321,19 @@ def _closure(mine: list[fx.Node], stage_of: dict[fx.Node, int], c: int) -> set[f
     stages (with their own inputs when they are recomputed from graph inputs).
     Tensors of earlier stages are boundary inputs and are left out.
     """
-    needed: set[fx.Node] = set()
-    stack = list(mine)
-    while stack:
-        node = stack.pop()
-        if node in needed:
-            continue
-        needed.add(node)
+    constants: set[fx.Node] = set()  # read as the value capture specialised them to
+
+    def reads(node: fx.Node) -> list[fx.Node]:
+        out = []
         for arg in node.all_input_nodes:
-            if stage_of.get(arg) == c or arg.op in ("placeholder", "get_attr"):
-                stack.append(arg)
+            if stage_of.get(arg) == c or arg.op in ("placeholder", "get_attr") or (
+                    not _is_tensor(arg) and _recomputable(arg)):
+                out.append(arg)
             elif not _is_tensor(arg):
-                if _recomputable(arg):
-                    stack.append(arg)
-                else:
-                    needed.add(arg)
-    return needed
+                constants.add(arg)
+        return out
+
+    return set(walk(mine, reads)) | constants
 
 
 def _constant(node: fx.Node):

@@ -1,4 +1,4 @@
-"""The fp8_compute pass: run the layers' linears through float8 GEMMs (`train.dtype = fp8`).
+"""The quantize_gemms pass: run the layers' linears through float8 GEMMs (`train.dtype = fp8`).
 
 Each linear `nodes.is_fp8_linear` picks (those of the transformer layers;
 not the embedding, the LM head or expert stacks, which Transformer Engine
@@ -31,7 +31,7 @@ from ptc.passes.linear_form import to_linear_form
 from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
 from ptc.ops.tp_ops import TP
 
-log = logging.getLogger("ptc.passes.fp8_compute")
+log = logging.getLogger("ptc.passes.quantize_gemms")
 
 STATE_PREFIX = "fp8"
 """Submodule of the graph that holds the linears' `Fp8Scaling` modules."""

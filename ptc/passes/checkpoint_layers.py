@@ -1,4 +1,4 @@
-"""Activation checkpointing: apply the plan's per-layer recompute policy to the graph."""
+"""The checkpoint_layers pass: apply the plan's per-layer recompute policy to the graph."""
 
 from __future__ import annotations
 

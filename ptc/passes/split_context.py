@@ -1,4 +1,4 @@
-"""The context_parallel pass: give each cp rank two chunks of every sample's sequence.
+"""The split_context pass: give each cp rank two chunks of every sample's sequence.
 
 Context parallelism (`parallel.cp`) splits the sequence of every sample
 over the cp ranks: rank r holds chunks r and 2·cp−1−r of 2·cp (balanced
@@ -43,7 +43,7 @@ from ptc.ops.dropout import site_dropout
 from ptc.passes.local_shapes import (Propagation, fold_sizes, is_shape_only, propagate,
                                      shape_of)
 
-log = logging.getLogger("ptc.passes.context_parallel")
+log = logging.getLogger("ptc.passes.split_context")
 
 SEQ_DIM = 1
 """The sequence dim of the [b, s] tokens and targets."""
