@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ptc.compiler.collector import collector_off
-from ptc.errors import PlanError, PtcError
+from ptc.errors import PlanError, PtcError, UnpricedError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -211,13 +211,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Print the plan's memory per stage (with its formula) and its time breakdown."""
-    from ptc.views.explain import render_explain  # noqa: PLC0415
+    """Print the plan's memory per stage (with its formula) and its time breakdown: the
+    decisions of its compile (the estimate made once, there), or with --plan-only the
+    plan's own estimate."""
+    from ptc.compiler.search.estimate import estimate  # noqa: PLC0415
     from ptc.lower.preflight import memory_problems  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
-    _out.print(render_explain(plan))
-    problems = memory_problems(plan, overrides=args.overrides)
+    if args.plan_only:
+        est = estimate(plan)
+    else:
+        decisions = _compile(plan).decisions
+        if decisions.estimate is None:
+            raise UnpricedError(decisions.unpriced or "the compile made no prediction")
+        plan, est = decisions.plan, decisions.estimate
+    _out.print(render_explain(plan, est, compiled=not args.plan_only))
+    problems = memory_problems(plan, est, overrides=args.overrides)
     if problems:
         raise PlanError(problems)  # printed after the explanation: exit 1
     return EXIT_OK
@@ -341,8 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
 
     p = command("explain", cmd_explain, "Explain a plan: memory per stage against HBM with "
-                "the symbolic formula, step-time breakdown, bubble and warnings.")
+                "the symbolic formula, step-time breakdown, bubble and warnings, as the "
+                "compile decided them.")
     p.add_argument("plan", metavar="PLAN", help="plan file (.ptc)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="estimate the plan without compiling its model (faster; the cut and "
+                        "policies are those a compile would choose)")
 
     p = command("report", cmd_report, "Write an HTML page of the compiled plan: the pipeline "
                 "schedule as a Gantt chart, memory per stage against the budget, the step-time "

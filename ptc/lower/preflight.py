@@ -60,6 +60,8 @@ from ptc.units import format_bytes
 if TYPE_CHECKING:
     from torch import nn
 
+    from ptc.compiler.records.estimate import Estimate
+
 
 def preflight(plan: Plan, *, overrides: Collection[str] = (), allow_oom: bool = False,
               vocab: int | None = None, factory: bool = True, module_priced: bool = False,
@@ -229,11 +231,13 @@ def cpu_build_bytes(plan: Plan) -> int:
     return tensor_bytes(model)
 
 
-def memory_problems(plan: Plan, *, overrides: Collection[str] = ()) -> list[Diagnostic]:
-    """The memory check alone (`ptc explain`): a diagnostic per stage over the budget."""
+def memory_problems(plan: Plan, est: Estimate, *, overrides: Collection[str] = ()
+                    ) -> list[Diagnostic]:
+    """The memory check alone (`ptc explain`), of the estimate `est` it has already made: a
+    diagnostic per stage over the budget."""
     if plan.model.family == "custom" or not plan.is_resolved:
         return []
-    return _memory(plan, _Where(plan, overrides), allow_oom=False)
+    return _memory(plan, _Where(plan, overrides), allow_oom=False, est=est)
 
 
 class _Where:
@@ -378,14 +382,16 @@ def _custom_model(plan: Plan, where: _Where, allow_oom: bool,
     return found
 
 
-def _memory(plan: Plan, where: _Where, allow_oom: bool) -> list[Diagnostic]:
-    """One diagnostic per pipeline stage whose predicted peak exceeds the budget."""
+def _memory(plan: Plan, where: _Where, allow_oom: bool, est: Estimate | None = None
+            ) -> list[Diagnostic]:
+    """One diagnostic per pipeline stage whose predicted peak exceeds the budget (of `est`,
+    else of the plan's estimate)."""
     from ptc.compiler.search.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
     from ptc.compiler.search.fit import (largest_micro_batch, smallest_model_parallel)  # noqa: PLC0415
     from ptc.compiler.profile.cache import with_model_shape  # noqa: PLC0415
 
     plan = with_model_shape(plan)  # a custom model's shape, which the hints below read
-    est = estimate(plan)
+    est = estimate(plan) if est is None else est
     if est.fits:
         return []
     over = [(stage, peak) for stage, peak in enumerate(est.stage_memory_bytes)

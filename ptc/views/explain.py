@@ -17,10 +17,10 @@ from rich.console import Group
 from ptc.compiler.cost.compute import Split, rates, tile_efficiency
 from ptc.compiler.cost.step import policy_flops, rerun_gathers
 from ptc.compiler.records.estimate import Estimate
-from ptc.compiler.search.estimate import estimate, estimate_layout, plan_precision
+from ptc.compiler.search.estimate import estimate, plan_precision
 from ptc.compiler.search.fit import largest_micro_batch, smallest_model_parallel
 from ptc.compiler.records.layout import Layout
-from ptc.compiler.memory.model import TERMS, stage_memory_expr
+from ptc.compiler.memory.model import TERMS, peak, stage_memory, stage_memory_expr
 from ptc.compiler.records.overlap import GRAD_BYTES, IN_FLIGHT
 from ptc.compiler.cost.buckets import PredictedBucket, dp_group, dp_link, predicted_buckets
 from ptc.compiler.profile.cache import plan_profile, with_model_shape
@@ -110,8 +110,9 @@ def _checkpointing(plan: Plan, est: Estimate) -> FitTable:
     """
     layout = est.layout
     profile = plan_profile(plan)
-    before = estimate_layout(profile, replace(layout, checkpoint="none"), plan,
-                             plan_precision(plan, profile)).stage_memory_bytes
+    before = [peak(terms) for terms in stage_memory(
+        profile, replace(layout, checkpoint="none"), plan_precision(plan, profile),
+        plan.train.seq_len)]
     b, s = layout.micro_batch, plan.train.seq_len
     ckpt = plan.parallel.checkpoint
     how = {"auto": "auto: per stage, the least recompute that fits",
@@ -200,12 +201,22 @@ def _fit_hints(plan: Plan) -> Prose:
                  f"{f'tp{mp[0]} x pp{mp[1]}' if mp else 'none'}")
 
 
-def render_explain(plan: Plan) -> Group:
-    """The full explanation of one resolved plan, as a rich renderable."""
+def render_explain(plan: Plan, est: Estimate | None = None, *, compiled: bool = False
+                   ) -> Group:
+    """The full explanation of one resolved plan, as a rich renderable.
+
+    `est`: the estimate to render, a compile's (`Program.decisions`, `compiled`) or the
+    plan's alone; None estimates the plan here. Nothing below estimates again: the
+    other figures (memory without recompute, what would fit) are the memory model's.
+    """
     plan = with_model_shape(plan)
-    est = estimate(plan)
-    parts = [_summary(est, plan.hardware.gpus_per_node), _breakdown(est), _rates(plan, est),
-             _memory(est)]
+    est = estimate(plan) if est is None else est
+    source = Prose("Predicted from the compile's decisions: the pipeline cut, recompute "
+                   "policies and buckets ptc lowers." if compiled else
+                   "Predicted from the plan alone, not compiled (--plan-only): the cut and "
+                   "policies a compile would choose.")
+    parts = [source, _summary(est, plan.hardware.gpus_per_node), _breakdown(est),
+             _rates(plan, est), _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))

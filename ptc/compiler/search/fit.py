@@ -22,7 +22,7 @@ from ptc.compiler.search.estimate import auto_checkpoint, auto_choices, plan_pre
 from ptc.compiler.records.layout import layout_of
 from ptc.compiler.memory.model import peak, stage_memory
 from ptc.compiler.profile.cache import plan_profile
-from ptc.compiler.search.plan_search import axis_choices
+from ptc.compiler.search.plan_search import NO_CUT, axis_choices
 from ptc.errors import CompileError
 from ptc.plan import Plan, is_auto_checkpoint
 from ptc.presets import GiB
@@ -57,7 +57,7 @@ def largest_micro_batch(plan: Plan) -> int | None:
 
 def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
     """The (tp, pp) of least tp·pp that fits (ties: less pp), dp taking the remaining GPUs."""
-    auto = dataclasses.replace(plan.parallel, tp="auto", pp="auto", dp="auto")
+    auto = dataclasses.replace(plan.parallel, tp="auto", pp="auto", dp="auto", **NO_CUT)
     choices = sorted(((tp, pp, dp) for tp, _, pp, dp in
                       axis_choices(dataclasses.replace(plan, parallel=auto))),
                      key=lambda c: (c[0] * c[1], c[1]))

@@ -145,14 +145,21 @@ def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
     return (1, 2, 3) if offload else (0, 1, 2, 3)
 
 
+NO_CUT = dict(first_stage_layers=None, last_stage_layers=None, stage_boundaries=())
+"""The parallel fields that unpin a pipeline cut: a cut is for its own pp and v."""
+
+
 def to_plan(plan: Plan, layout: Layout) -> Plan:
     """`plan` with its parallel section and micro-batch set to `layout` (per-layer policies
-    as checkpoint = "auto", which chooses them again)."""
+    as checkpoint = "auto", which chooses them again; a pinned cut kept only where the
+    pipeline it was pinned for stays)."""
     ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "auto"
+    par = plan.parallel
+    cut = NO_CUT if (layout.pp, layout.vstages) != (par.pp, par.virtual_stages) else {}
     parallel = dataclasses.replace(
-        plan.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
+        par, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
         sequence_parallel=layout.sp, schedule=layout.schedule, virtual_stages=layout.vstages,
-        checkpoint=ckpt, microbatches=None)
+        checkpoint=ckpt, microbatches=None, **cut)
     train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
     return dataclasses.replace(plan, parallel=parallel, train=train)
 
