@@ -89,11 +89,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a plan: summarise the captured model and list what the passes did."""
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
     from ptc.views.summary import render_summary, summarize  # noqa: PLC0415
+    from ptc.views.tables import Prose  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     program = compile_plan(plan, on_capture=lambda gm: _out.print(render_summary(summarize(gm))))
     for line in program.pass_log:
-        _out.print(f"pass: {line}", markup=False)
+        _out.print(Prose(f"pass: {line}"))
     return EXIT_OK
 
 
