@@ -10,8 +10,8 @@ import fcntl
 import functools
 import hashlib
 import inspect
+import logging
 import os
-import pickle
 from pathlib import Path
 
 import torch
@@ -20,9 +20,12 @@ import torch.fx
 from ptc.compiler.graph.tp_structure import matching_rule
 from ptc.compiler.profile.capture import profile_one_layer
 from ptc.compiler.profile.fit import profile_functions
+from ptc.compiler.profile.store import Unreadable, read_profile, write_profile
 from ptc.compiler.profile.types import ModelProfile, Unprofiled
 from ptc.errors import CaptureError, PtcError, UnpricedError
 from ptc.plan import ModelSpec, Plan, ShardRule
+
+log = logging.getLogger("ptc.compiler.profile")
 
 
 def _shape_key(spec: ModelSpec) -> tuple:
@@ -134,28 +137,39 @@ def _load_or_capture(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
         for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
             digest.update(path.read_bytes())
     digest.update(_factory_source(spec))
-    path = cache_dir() / f"{digest.hexdigest()[:32]}.pkl"
-    if path.exists():
-        return _read(path)
+    path = cache_dir() / f"{digest.hexdigest()[:32]}.json"
+    stored = _read(path)
+    if stored is not None:
+        return stored
     path.parent.mkdir(parents=True, exist_ok=True)
     with _only_one_profiler(path.with_suffix(".lock")):
-        if path.exists():  # another process profiled it while this one waited
-            return _read(path)
+        stored = _read(path)  # another process may have profiled it while this one waited
+        if stored is not None:
+            return stored
         try:
             profile = profile_one_layer(spec, dtype, shards)
         except CaptureError:
             raise  # not a profile's failure: the model cannot be trained at all
         except PtcError as exc:
             profile = Unprofiled(str(exc))
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(pickle.dumps(profile if isinstance(profile, Unprofiled)
-                                     else dataclasses.replace(profile, fn={}, memo={})))
-        tmp.replace(path)  # atomic: a concurrent reader sees no file or the whole new one
+        try:
+            write_profile(path, profile)
+        except TypeError as exc:  # kept in this process only
+            log.warning("profile of %s not cached on disk: %s", spec.family, exc)
     return profile
 
 
-def _read(path: Path) -> ModelProfile | Unprofiled:
-    stored = pickle.loads(path.read_bytes())
+def _read(path: Path) -> ModelProfile | Unprofiled | None:
+    """The profile cached at `path`, None when there is none; a damaged file is set aside
+    (`*.damaged`) and the profile computed again."""
+    if not path.exists():
+        return None
+    try:
+        stored = read_profile(path)
+    except Unreadable as exc:
+        log.warning("profile cache: %s; profiling again", exc)
+        path.replace(path.with_suffix(".damaged"))
+        return None
     if isinstance(stored, Unprofiled):
         return stored
     return dataclasses.replace(stored, fn=profile_functions(stored), memo={})
