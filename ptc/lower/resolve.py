@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
+from ptc.compiler.cost.step_sync import guard_folds
 from ptc.compiler.graph.meta import graph_info
 from ptc.compiler.graph.recompute_regions import LAYER_POLICIES
 from ptc.compiler.records.decisions import Decisions
 from ptc.errors import CompileError, PtcError, UnpricedError
-from ptc.plan import Plan, is_auto_checkpoint
+from ptc.plan import DTYPE_BYTES, Plan, is_auto_checkpoint
 
 if TYPE_CHECKING:
     from ptc.compiler.records.estimate import Estimate
@@ -45,8 +46,13 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
     except (PtcError, ValueError) as exc:
         priced, unpriced = None, f"no predicted step time: {exc}"
         log.warning(unpriced)
+    par = plan.parallel
+    folds = guard_folds(zero=par.zero, dp=par.dp, world=par.tp * par.cp * par.pp * par.dp,
+                        offload=par.offload != "none",
+                        grad_bytes=DTYPE_BYTES[plan.train.grad_dtype],
+                        wire_bytes=plan.grad_wire_bytes)
     return Decisions(plan=plan, checkpoint=_policies(plan, layers, priced), estimate=priced,
-                     unpriced=unpriced)
+                     unpriced=unpriced, guard_folds=folds)
 
 
 def _check_priced_model(gm: fx.GraphModule, plan: Plan) -> None:

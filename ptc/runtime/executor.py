@@ -64,7 +64,6 @@ from ptc.compiler.records.params import COMPUTE_DTYPES, ParamSlot
 from ptc.compiler.records.program import Program
 from ptc.compiler.schedule.actions import Action
 from ptc.compiler.records.stages import StageInfo
-from ptc.compiler.cost.step_sync import guard_folds
 from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
@@ -72,7 +71,6 @@ from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.fp8_linear import advance_amax_history
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
-from ptc.plan import DTYPE_BYTES
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import FoldedGuard, guarded_update
@@ -377,15 +375,11 @@ class Trainer:
         return not self.frozen_names.isdisjoint(slot.aliases)
 
     def _guard_folds(self) -> bool:
-        """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as
-        `ptc.compiler.cost.step_sync.guard_folds` decides for the cost model too. It reads the
-        gradients before their reduction: at ZeRO-0 a frozen parameter's stay zero there,
-        as autograd computes none (`build_units`)."""
-        plan = self.plan
-        return dist.is_initialized() and guard_folds(
-            zero=self.zero, dp=self.dp, world=dist.get_world_size(),
-            offload=plan.parallel.offload != "none",
-            grad_bytes=DTYPE_BYTES[plan.train.grad_dtype], wire_bytes=plan.grad_wire_bytes)
+        """Whether the non-finite guard rides the gradient all-reduce (`FoldedGuard`), as the
+        compile decided (`Decisions.guard_folds`, priced so). It reads the gradients before
+        their reduction: at ZeRO-0 a frozen parameter's stay zero there, as autograd computes
+        none (`build_units`)."""
+        return dist.is_initialized() and self.program.decisions.guard_folds
 
     def _tied_groups(self) -> list[_Tied]:
         """A process group per tied weight and coordinate of the other axes (made by every rank)."""

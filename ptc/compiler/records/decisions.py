@@ -59,6 +59,9 @@ class Decisions:
     """The cost model's `ptc.compiler.records.estimate.Estimate` of the plan (None: not priced)."""
     unpriced: str | None
     """Why there is no estimate (a custom model, a plan the cost model cannot price)."""
+    guard_folds: bool = False
+    """Whether the non-finite guard rides the step's gradient all-reduce
+    (`ptc.compiler.cost.step_sync.guard_folds`, priced so by the cost model)."""
     tensor_parallel: TensorParallelLayout | None = None
     """How tp splits each parameter (None when tp = 1): fixed at the seam."""
     layouts: Mapping[int, ParamLayout] = field(default_factory=dict)
