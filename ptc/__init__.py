@@ -48,6 +48,23 @@ __all__ = [
 ]
 
 
+def _hand_down_the_models() -> None:
+    """Give the compiler's profiles the model zoo's builder (`ptc.compiler.profile.models`):
+    the compiler never imports `ptc.models`. Both load only when a profile is made."""
+    from ptc.compiler.profile.models import ModelSource, use_models  # noqa: PLC0415
+
+    def build(spec: ModelSpec, device: str):
+        return import_module("ptc.models").build_model(spec, device=device)
+
+    def factory(name: str):
+        return import_module("ptc.models.build").resolve_factory(name)
+
+    use_models(ModelSource(build=build, factory=factory))
+
+
+_hand_down_the_models()
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]

@@ -41,11 +41,6 @@ ROOMS = {
     **{f"ptc.compiler.{sub}": (*BOTTOM, "ptc.ops", *(f"ptc.compiler.{below}" for below in
                                                      COMPILER_ORDER[:i]))
        for i, sub in enumerate(COMPILER_ORDER)},
-    # A profile is read off the model's own graph: built-in families are built by their
-    # room, the one crossing the compiler makes (a custom model comes as its factory).
-    "ptc.compiler.profile": (*BOTTOM, "ptc.ops", "ptc.models",
-                             *(f"ptc.compiler.{below}" for below in
-                               COMPILER_ORDER[:COMPILER_ORDER.index("profile")])),
     # The compiler's own top (collector, shapes): the plan's rooms only.
     "ptc.compiler": BOTTOM,
     "ptc.passes": (*BOTTOM, "ptc.compiler", "ptc.ops"),

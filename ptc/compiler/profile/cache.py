@@ -20,6 +20,7 @@ import torch.fx
 from ptc.compiler.graph.tp_structure import matching_rule
 from ptc.compiler.profile.capture import profile_one_layer
 from ptc.compiler.profile.fit import profile_functions
+from ptc.compiler.profile.models import model_source
 from ptc.compiler.profile.store import Unreadable, read_profile, write_profile
 from ptc.compiler.profile.types import ModelProfile, Unprofiled
 from ptc.errors import CaptureError, PtcError, UnpricedError
@@ -196,12 +197,10 @@ def _only_one_profiler(lock_path: Path):
 def _factory_source(spec: ModelSpec) -> bytes:
     """The source file of a custom model's factory (empty where there is none): editing the
     user's model invalidates its kept profile, or the reason it had none."""
-    from ptc.models.build import resolve_factory  # noqa: PLC0415 - the model zoo
-
     if spec.family != "custom" or not spec.factory:
         return b""
     try:
-        path = inspect.getsourcefile(resolve_factory(spec.factory))
+        path = inspect.getsourcefile(model_source().factory(spec.factory))
     except (TypeError, PtcError):  # a builtin, or nothing to import: the profile says why
         return b""
     return Path(path).read_bytes() if path else b""

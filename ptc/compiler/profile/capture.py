@@ -18,6 +18,7 @@ from ptc.compiler.profile.classes import (is_saved_term, saved_classes, tp_regio
 from ptc.compiler.profile.fit import (fit_gemms, fit_polynomial, fit_work, profile_functions,
                                       profile_points, work_points)
 from ptc.compiler.profile.measure import measure_saved, measure_work
+from ptc.compiler.profile.models import model_source
 from ptc.compiler.profile.regions import layer_nodes, node_regions
 from ptc.compiler.profile.types import DTYPES, SAVED_REGIONS, ModelProfile, ParamGroups, b, s
 from ptc.errors import CompileError, PtcError
@@ -30,10 +31,9 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
     one layer, a custom model whole (its first layer stands for the others). `shards`: the
     rules that override how tensor parallelism splits a linear (`infer_sharding`)."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
-    from ptc.models import build_model  # noqa: PLC0415
-
     custom = spec.family == "custom"
-    model = build_model(spec if custom else dataclasses.replace(spec, layers=1), device="meta")
+    model = model_source().build(spec if custom else dataclasses.replace(spec, layers=1),
+                                 "meta")
     config = getattr(model, "config", None)  # a transformers model says how long it may be
     max_seq = spec.max_seq or getattr(config, "max_position_embeddings", None)
     points = profile_points(max_seq or 64)
