@@ -5,15 +5,8 @@ not per rank: the dp ranks of a stage share a graph and differ only in the
 shards they hold), the *layout* that says where every parameter lives, and
 the reports (pass log, predicted step time, per-rank state bytes).
 
-Terms. A *unit* is a group of parameters that the runtime stores as one flat
-buffer, padded to a multiple of dp and cut into dp equal *shards* (rank r of
-the dp axis holds shard r). It is the ZeRO-3 gather granularity and, at every
-ZeRO stage, the gradient-reduction bucket. Units follow the graph: one per
-transformer layer (`layers.{i}`) and one per other top-level module (`embed`,
-`pos_embed`, `norm`, `head`), in order of first use, so that backward
-completes them in reverse order and each reduction overlaps the rest of
-backward. A parameter belongs to the unit of its first use; a tied parameter
-(head sharing embed's weight) has one slot and several names (*aliases*).
+The layout's terms (units, shards, slots, aliases) are
+`ptc.compiler.records.params`'s.
 """
 
 from __future__ import annotations
