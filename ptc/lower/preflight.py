@@ -387,7 +387,8 @@ def _memory(plan: Plan, where: _Where, allow_oom: bool, est: Estimate | None = N
     """One diagnostic per pipeline stage whose predicted peak exceeds the budget (of `est`,
     else of the plan's estimate)."""
     from ptc.compiler.search.estimate import estimate  # noqa: PLC0415 - sympy, and torch to profile
-    from ptc.compiler.search.fit import (largest_micro_batch, smallest_model_parallel)  # noqa: PLC0415
+    from ptc.compiler.search.fit import (  # noqa: PLC0415
+        largest_micro_batch, smallest_model_parallel)
     from ptc.compiler.profile.cache import with_model_shape  # noqa: PLC0415
 
     plan = with_model_shape(plan)  # a custom model's shape, which the hints below read

@@ -135,7 +135,8 @@ def _load_or_capture(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
     root = Path(__file__).resolve().parents[2]  # ptc/
     digest = hashlib.sha256(repr((key, torch.__version__)).encode())
     for name in _SOURCES:
-        for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+        folder = (root / name).is_dir()
+        for path in sorted((root / name).rglob("*.py")) if folder else [root / name]:
             digest.update(path.read_bytes())
     digest.update(_factory_source(spec))
     path = cache_dir() / f"{digest.hexdigest()[:32]}.json"

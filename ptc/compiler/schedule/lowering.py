@@ -100,7 +100,8 @@ def check(schedule: Schedule) -> None:
         for action in actions:
             if action.kind not in COMPUTE:
                 raise ScheduleError(f"rank {rank}: {action} is a {action.kind}; a schedule lists "
-                                    f"only F and B (per_rank_actions() adds the sends and receives)")
+                                    f"only F and B (per_rank_actions() adds the sends and "
+                                    f"receives)")
             if not (0 <= action.stage < n and 0 <= action.microbatch < m):
                 raise ScheduleError(f"rank {rank}: {action} is outside stages 0..{n - 1}, "
                                     f"micro-batches 0..{m - 1}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptc.compiler.schedule.actions import Action, Schedule, ScheduleError
-from ptc.compiler.schedule.lowering import check, check_pairs, per_rank_actions, matching_send, needed_receive
+from ptc.compiler.schedule.lowering import (check, check_pairs, matching_send, needed_receive,
+                                           per_rank_actions)
 
 # ----------------------------------------------------------------- simulation
 
