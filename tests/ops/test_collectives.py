@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import MODELS, tiny_plan
+from dist_helpers import MODELS, tiny_plan
 
 from ptc.lower.driver import compile_plan
 from ptc.ops import zero3

@@ -28,7 +28,7 @@ from ptc.errors import PtcError
 from ptc.models import build_model
 from ptc.units import format_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_gpt_cpu.ptc"
 BIG = ROOT / "examples" / "llama70b_h100x64_tp8_pp4_dp2.ptc"
 

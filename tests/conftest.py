@@ -1,0 +1,19 @@
+"""What every test directory finds on the import path.
+
+Test files are imported by their own folder (pytest's default "prepend" mode, no
+`__init__.py`), so a test outside tests/distributed would not find the shared helpers
+there — the tiny plans, the eager reference and the workers (`dist_helpers`) — nor the
+repository root that `tests.tolerances` and `tests.user_models` are imported from.
+Both go on `sys.path` here, once, before any test module is collected; processes that
+the tests spawn inherit the path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT / "tests" / "distributed", ROOT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
