@@ -35,7 +35,7 @@ driver compiles the model at full depth instead. `representative_layers` says wh
 plans are lowered this way: the built-in families, 4 layers and more, and
 only the whole-graph passes whose work is per layer (tensor and sequence
 parallelism; context parallelism and fp8 lower at full depth).
-`tests/compiler/test_stamp.py` compares stamped programs with programs
+`tests/lower/test_stamp.py` compares stamped programs with programs
 lowered at full depth, node by node, over the layouts the passes handle.
 """
 
