@@ -223,6 +223,28 @@ def reference(plan: Plan, module: torch.nn.Module | None = None) -> Reference:
     return _references[key]
 
 
+def profile_ahead(plans: list[Plan]) -> None:
+    """Worker: put the profile of every plan's model on disk, the ranks sharing the work.
+
+    Compiling prices the plan from its model's profile (`ptc.compiler.profile.cache`),
+    kept on disk under a lock: when every rank compiles the same case, one profiles and
+    the others wait on the lock, and on a 2-core machine a core idles. Here rank r
+    profiles every world-th model first, so the ranks profile different models at once;
+    each case's compile then reads them. Only the time changes: a failure here is left
+    for the compile to raise again, where the test sees it.
+    """
+    from ptc.compiler.profile.cache import plan_profile, with_model_shape
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # One plan per profile: the model, its compute dtype and the shard rules decide it.
+    distinct: dict[str, Plan] = {}
+    for plan in plans:
+        distinct.setdefault(repr((plan.model, plan.train.dtype, plan.parallel.shards)), plan)
+    for plan in list(distinct.values())[rank::world]:
+        with contextlib.suppress(Exception):  # raised again, where it counts, by the compile
+            plan_profile(with_model_shape(plan))
+
+
 def train_cases(cases: list, plan_of, module_of=None) -> dict:
     """Worker body: train every case in turn, each under its own plan's process groups.
 
@@ -237,6 +259,7 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
     from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
+    profile_ahead([plan_of(case) for case in cases])
     for case in cases:
         plan = plan_of(case)
         init_distributed(plan)

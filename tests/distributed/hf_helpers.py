@@ -63,7 +63,10 @@ def hf_plan(case: HFCase) -> Plan:
     """A plan around the module: one sample per micro-batch, 4 per step, fp32, AdamW."""
     world = case.tp * case.pp * case.dp * case.cp
     return Plan(
-        model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}", kwargs=dict(case.config)),
+        # max_seq as the profile resolves it (the configs' max_position_embeddings = SEQ):
+        # without it the model is profiled twice, once per spelling of its spec.
+        model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}", kwargs=dict(case.config),
+                        max_seq=SEQ),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, cp=case.cp, zero=case.zero,
                               sequence_parallel=case.sp, checkpoint=case.checkpoint,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, STEPS, tiny_plan
+from dist_helpers import MODELS, STEPS, profile_ahead, tiny_plan
 
 from ptc.plan import HardwareSpec, ParallelSpec, Plan
 
@@ -69,6 +69,7 @@ def run_pp_cases(cases: list[Case]) -> dict:
     from ptc.runtime.executor import Trainer
 
     results = {}
+    profile_ahead([pp_plan(case) for case in cases])
     for case in cases:
         plan = pp_plan(case)
         init_distributed(plan)

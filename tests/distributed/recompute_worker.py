@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, tiny_plan
+from dist_helpers import MODELS, profile_ahead, tiny_plan
 from pp_helpers import Case, pp_plan
 from tp_helpers import TPCase, tp_plan
 
@@ -98,6 +98,7 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
     from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     results = {}
+    profile_ahead([recompute_plan(case) for case in cases])
     for case in cases:
         plan = recompute_plan(case)
         init_distributed(plan)

@@ -45,11 +45,12 @@ the gathered input and gathers it again in backward: the same bytes."""
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    """tp = 1 cases in this process, tp = 2 in one launch of two processes."""
+    """tp = 2 cases in one launch of two processes, tp = 1 cases in one launch of one
+    (each case compiles and trains a Trainer of its own: nothing but the process group is
+    shared, as between the tp = 2 cases)."""
     out = {}
     out.update(run_local(run_fp8_cases, 2, [c for c in CASES if c[1] == 2])[0])
-    for case in (c for c in CASES if c[1] == 1):
-        out.update(run_local(run_fp8_cases, 1, [case])[0])
+    out.update(run_local(run_fp8_cases, 1, [c for c in CASES if c[1] == 1])[0])
     return out
 
 

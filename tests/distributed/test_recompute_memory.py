@@ -22,6 +22,10 @@ keep (a head kept whole keeps torch's loss, and the scalar). Under sequence para
 model says so (`SavedClasses.whole`): token ids and targets, and the output
 of a row-parallel linear that a saving region (`ops`, `act`) keeps, made
 before its reduce-scatter.
+
+The same launch shows what tp and sequence parallelism save (fp32, no recompute, and
+a Llama with one key/value head, whole on both ranks): each rank keeps a share of what
+one process keeps of the whole model. One launch of 2 processes measures every case.
 """
 
 from __future__ import annotations
@@ -85,6 +89,11 @@ CASES += [MemoryCase(spec, sp, dtype, policy, shards=WHOLE[what]) for spec in SP
 # layer, which the memory model does not follow).
 CASES += [MemoryCase(SPECS[1], True, dtype, policy, shards=(("head", "replicate"),))
           for dtype, policy in (("fp32", "none"), ("bf16", "ops"))]
+TP_CASES = [MemoryCase(spec, sp) for spec in (*SPECS, dataclasses.replace(SPECS[1], kv_heads=1))
+            for sp in (False, True)]
+"""fp32 without recompute, and a Llama with one key/value head (whole on both ranks: the
+model's `kv` class): what tp and sequence parallelism save."""
+CASES += [case for case in TP_CASES if case not in CASES]
 LOSS_SCALAR = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""
@@ -125,3 +134,14 @@ def test_auto_over_every_policy_fits_and_keeps_what_the_model_predicts(case: Mem
     assert flops(chosen) < flops(plain)
     for rank, (_, _, applied) in enumerate(_measured_case(case)):
         assert applied == chosen, f"rank {rank}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", TP_CASES, ids=str)
+def test_tp_and_sequence_parallelism_save_their_share(case: MemoryCase) -> None:
+    """Each rank of tp 2 keeps under 3/4 of what one process keeps of the whole model (the
+    embedding, norms and the sequence-long tensors stay whole), under 0.55 with sequence
+    parallelism (those split too); the memory model's whole-model figure at tp 1."""
+    whole = predicted_activations(dataclasses.replace(case, sp=False), 1)
+    for rank, (measured, _, _) in enumerate(_measured_case(case)):
+        assert measured < (0.55 if case.sp else 0.75) * whole, f"{case} rank {rank}"

@@ -30,13 +30,17 @@ from tests.user_models.transformers_models import llama as transformers_llama
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ = 64, 16
+SIZES = {
+    "nanogpt": dict(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ, bias=True,
+                    dropout=0.0),
+    "hf_llama": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ),
+}
+"""Each module's arguments: the plans name its factory with them, so the model ptc prices
+is the module that trains (a plan pricing another model: tests/cost/test_custom_profile)."""
 MODULES = {
-    "nanogpt": ("tests.user_models.nanogpt:nanogpt", lambda: nanogpt(
-        n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ, bias=True,
-        dropout=0.0)),
-    "hf_llama": ("tests.user_models.hf_llama:hf_llama", lambda: hf_llama(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)),
+    "nanogpt": ("tests.user_models.nanogpt:nanogpt", lambda: nanogpt(**SIZES["nanogpt"])),
+    "hf_llama": ("tests.user_models.hf_llama:hf_llama", lambda: hf_llama(**SIZES["hf_llama"])),
 }
 
 
@@ -49,7 +53,9 @@ def importable_tests(monkeypatch):
 
 
 def plan_for(factory: str, dp: int) -> Plan:
-    return Plan(model=ModelSpec(family="custom", factory=factory, vocab=VOCAB, max_seq=SEQ),
+    kwargs = next((SIZES[name] for name, (f, _) in MODULES.items() if f == factory), {})
+    return Plan(model=ModelSpec(family="custom", factory=factory, kwargs=kwargs, vocab=VOCAB,
+                                max_seq=SEQ),
                 hardware=HardwareSpec.preset("cpu", gpus_per_node=dp),
                 parallel=ParallelSpec(dp=dp, zero=1 if dp > 1 else 0),
                 train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=2, steps=3, dtype="fp32",

@@ -10,9 +10,9 @@ Tolerances (fp32): derived per case by `tests/tolerances.py` from the same
 eager training in float64 — the fp32 reference's own rounding, the compared
 magnitudes and, per element, Adam's amplification of gradient rounding.
 
-Each process count launches once per model family and trains all 8 cases
-in a row (module-scoped fixtures), so start-up is paid six times in all (3
-processes: every unit padded to a multiple of dp, the odd case).
+Each process count launches once and trains all 17 cases in a row
+(module-scoped cache), so start-up is paid three times in all (3 processes:
+every unit padded to a multiple of dp, the odd case).
 The bytes each rank holds afterwards are checked against the Program's
 prediction, the ZeRO formulas and the compiler's memory model.
 """
@@ -36,17 +36,16 @@ ZERO = (0, 1, 2, 3)
 ACCUM = (1, 2)
 CASES = [(f, z, a) for f in FAMILIES for z in ZERO for a in ACCUM]
 NO_OVERLAP = ("llama", 3, 2, False)
-"""ZeRO-3 without prefetch (gathers on demand), run with every llama launch."""
+"""ZeRO-3 without prefetch (gathers on demand), run in every launch."""
 
-_runs: dict[tuple[int, str], dict] = {}
+_runs: dict[int, dict] = {}
 
 
-def _run(dp: int, family: str) -> dict:
-    if (dp, family) not in _runs:
-        cases = [(family, z, a) for z in ZERO for a in ACCUM]
-        cases += [NO_OVERLAP] if family == NO_OVERLAP[0] else []
-        _runs[(dp, family)] = run_local(run_cases, dp, cases, dp)[0]
-    return _runs[(dp, family)]
+def _run(dp: int) -> dict:
+    """Every case of `dp` processes, both families, from one launch."""
+    if dp not in _runs:
+        _runs[dp] = run_local(run_cases, dp, [*CASES, NO_OVERLAP], dp)[0]
+    return _runs[dp]
 
 
 def _reference(dp: int, family: str, accum: int) -> Reference:
@@ -57,7 +56,7 @@ def _reference(dp: int, family: str, accum: int) -> Reference:
 @pytest.mark.parametrize("dp", [2, 3, 4])
 @pytest.mark.parametrize("family,zero,accum", CASES)
 def test_matches_single_process_adamw(dp: int, family: str, zero: int, accum: int) -> None:
-    got = _run(dp, family)[(family, zero, accum)]
+    got = _run(dp)[(family, zero, accum)]
     assert len(got["losses"]) == STEPS
     assert_same_training(got, _reference(dp, family, accum),
                          what=f"{family} zero={zero} dp={dp} accum={accum}")
@@ -67,7 +66,7 @@ def test_matches_single_process_adamw(dp: int, family: str, zero: int, accum: in
 @pytest.mark.parametrize("dp", [2, 3, 4])
 def test_zero3_without_prefetch_matches_too(dp: int) -> None:
     family, zero, accum, _ = NO_OVERLAP
-    got = _run(dp, family)[NO_OVERLAP]
+    got = _run(dp)[NO_OVERLAP]
     assert got["log"][0] == "shard_params_pass: inserted 5 gather_params"
     assert got["log"][1].endswith("gathers start 0 ahead"), got["log"]
     assert_same_training(got, _reference(dp, family, accum),
@@ -78,7 +77,7 @@ def test_zero3_without_prefetch_matches_too(dp: int) -> None:
 @pytest.mark.parametrize("dp", [2, 3, 4])
 @pytest.mark.parametrize("family,zero", [(f, z) for f in FAMILIES for z in ZERO])
 def test_held_bytes_match_prediction_and_zero_formulas(dp: int, family: str, zero: int) -> None:
-    got = _run(dp, family)[(family, zero, 1)]
+    got = _run(dp)[(family, zero, 1)]
     held, predicted = got["held"], got["predicted"]
     assert held == predicted
     layout = compile_plan(tiny_plan(family, zero=zero, dp=dp, accum=1)).layout
@@ -100,7 +99,7 @@ def test_held_bytes_match_memory_model(family: str, zero: int) -> None:
     unit, and `held_bytes` leaves 0-dim counters out.
     """
     dp = 2
-    held = _run(dp, family)[(family, zero, 1)]["held"]
+    held = _run(dp)[(family, zero, 1)]["held"]
     plan = tiny_plan(family, zero=zero, dp=dp, accum=1)
     est = estimate(plan)
     terms = est.memory_terms[0]

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from dist_helpers import MODELS, SEQ, STEPS, tiny_model, tiny_plan, train_cases
+from dist_helpers import MODELS, SEQ, STEPS, profile_ahead, tiny_model, tiny_plan, train_cases
 
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
 
@@ -180,6 +180,7 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     from tests.memory.test_measured_activations import cpu_statistics_gap
 
     results = []
+    profile_ahead([memory_plan(case, tp) for case in cases])
     for case in cases:
         plan = memory_plan(case, tp)
         init_distributed(plan)
