@@ -65,7 +65,21 @@ With --solve-shares it also prints, per chip, the GEMM share of peak that
 makes each run exact and their median: the presets' `achievable_fraction`
 (ptc/presets.py) is that median, one parameter per chip.
 
+The presets' shares are solved from these rows, so the figures above are in
+sample: each chip's share is fitted to the rows it is scored on. With
+--held-out it also scores every source out of sample (leave one source out):
+for each source S, each chip's share is the median of the shares solved by
+the rows of the other sources (each row's share is solved once and
+recombined), and S's rows are priced with it, all else as priced. A chip with
+no row outside S takes the share of the chip the presets price it by (H200,
+B200, GB200 and GB300 take H100's), and failing that the median over every
+row outside S, all chips together (H100 when S is the 2024 README, V100 when
+it is the 2020 README). It prints per source the median and max |error| in
+sample and held out, then for each the median, p90, max and the rows within
+10 % and 25 %.
+
 Usage: python bench/validate_cost_model.py [--csv PATH] [--worst N] [--solve-shares]
+       [--held-out]
 """
 
 from __future__ import annotations
@@ -218,15 +232,83 @@ def solved_share(row: dict, plan) -> float:
     return (lo + hi) / 2
 
 
-def print_shares(scored: list) -> None:
+FAMILY = {"H200": "H100", "B200": "H100", "GB200": "H100", "GB300": "H100"}
+"""Chips the presets price with another chip's share (ptc/presets.py): Hopper's H100 share."""
+
+
+def _chip(plan) -> str:
+    """The chip a row's share belongs to: both A100 memory sizes are one chip."""
+    return plan.hardware.gpu.split("-")[0]
+
+
+def print_shares(scored: list, shares: list[float]) -> None:
     """Per chip, the share each run solves for and their median: the presets' shares."""
     print("\nGEMM share of peak that makes each run exact, per chip (the presets take the median)")
     by_chip: dict[str, list[float]] = {}
+    for (_, plan, _, _), share in zip(scored, shares):
+        by_chip.setdefault(_chip(plan), []).append(share)
+    for chip, solved in by_chip.items():
+        listed = " ".join(f"{x:.2f}" for x in sorted(solved))
+        print(f"  {chip:<6}{len(solved):>4} runs  median {statistics.median(solved):.3f}: {listed}")
+
+
+def held_out_share(chip: str, others: list[tuple[str, float]]) -> tuple[float, str]:
+    """The share a chip is priced with when its source is held out, and whose it is: the
+    median of `others` ((chip, solved share) of the rows outside the source) on the chip, else
+    on the chip the presets price it by, else on every chip (module docstring)."""
+    for key in (chip, FAMILY.get(chip)):
+        solved = [x for c, x in others if c == key]
+        if solved:
+            return statistics.median(solved), key
+    return statistics.median(x for _, x in others), "all"
+
+
+def error_summary(errors: list[float]) -> str:
+    """Median, p90 and max of |error| and the rows within 10 % and 25 %: the one summary line
+    every validation script prints, so in-sample and out-of-sample figures read alike."""
+    errs = sorted(abs(e) for e in errors)
+    p90 = statistics.quantiles(errs, n=10, method="inclusive")[-1]
+    within = [sum(e <= bound for e in errs) for bound in (0.10, 0.25)]
+    return (f"median |error| {statistics.median(errs):.1%}, p90 {p90:.1%}, max {errs[-1]:.1%}; "
+            f"{within[0]} of {len(errs)} within 10 %, {within[1]} within 25 %")
+
+
+def held_out_errors(scored: list, shares: list[float], source: str) -> tuple[list, dict]:
+    """The errors of `source`'s rows priced with the shares the other sources' rows solve
+    for, and the share used per chip (with whose rows set it)."""
+    others = [(_chip(plan), x) for (row, plan, _, _), x in zip(scored, shares)
+              if _short(row["source"]) != source]
+    errors, used = [], {}
     for row, plan, _, _ in scored:
-        by_chip.setdefault(plan.hardware.gpu.split("-")[0], []).append(solved_share(row, plan))
-    for chip, shares in by_chip.items():
-        listed = " ".join(f"{x:.2f}" for x in sorted(shares))
-        print(f"  {chip:<6}{len(shares):>4} runs  median {statistics.median(shares):.3f}: {listed}")
+        if _short(row["source"]) != source:
+            continue
+        used.setdefault(_chip(plan), held_out_share(_chip(plan), others))
+        hw = dataclasses.replace(plan.hardware, achievable_fraction=used[_chip(plan)][0])
+        _, pred, meas = score(row, estimate(dataclasses.replace(plan, hardware=hw)).step_time_s)
+        errors.append((pred - meas) / meas)
+    return errors, used
+
+
+def print_held_out(scored: list, shares: list[float]) -> None:
+    """Per source, |error| in sample (the presets' shares, fitted to every row) and held out
+    (shares solved from the other sources' rows only); then both summaries."""
+    print("\nleave one source out: each source priced with each chip's median share over the "
+          "other sources' rows")
+    print(f"  {'source':<31}{'rows':>4}{'in sample med/max':>18}{'held out med/max':>19}   "
+          "share used (whose rows)")
+    inside, held = [], []
+    for source in dict.fromkeys(_short(r["source"]) for r, *_ in scored):
+        errs_in = [abs(e) for r, _, _, e in scored if _short(r["source"]) == source]
+        errs_out, used = held_out_errors(scored, shares, source)
+        errs_out = [abs(e) for e in errs_out]
+        inside += errs_in
+        held += errs_out
+        shown = ", ".join(f"{chip} {x:.3f} ({key})" for chip, (x, key) in used.items())
+        print(f"  {source:<31}{len(errs_in):>4} {statistics.median(errs_in):>8.1%}"
+              f"{max(errs_in):>8.1%}   {statistics.median(errs_out):>8.1%}"
+              f"{max(errs_out):>8.1%}   {shown}")
+    print(f"in sample (presets' shares):      {error_summary(inside)}")
+    print(f"held out (leave one source out):  {error_summary(held)}")
 
 
 def _short(source: str) -> str:
@@ -241,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solve-shares", action="store_true",
                         help="also print, per chip, the GEMM share of peak each run solves for "
                              "(how the presets' achievable_fraction is set; about a minute)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="also score each source with shares solved from the other "
+                             "sources' rows only (leave one source out; about a minute)")
     args = parser.parse_args(argv)
     rows = list(csv.DictReader(_csv_path(args.csv).open()))
     scored, skipped = [], []
@@ -273,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(scored)} of {len(rows)} rows expressible; {len(skipped)} not:")
     for row, why in skipped:
         print(f"  {row['model']} on {row['num_gpus']} ({_short(row['source'])}): {why}")
+    shares = [solved_share(row, plan) for row, plan, _, _ in scored] \
+        if args.solve_shares or args.held_out else []
     if args.solve_shares:
-        print_shares(scored)
+        print_shares(scored, shares)
+    if args.held_out:
+        print_held_out(scored, shares)
     errors = [abs(e) for *_, e in scored]
     print(f"\n{len(errors)} rows scored; median |error| {statistics.median(errors):.1%}, "
           f"max |error| {max(errors):.1%}")

@@ -13,9 +13,12 @@ recompute, and the communication it cannot hide).
   forward of the ops another policy's regions rerun.
 - tensor parallel: two all-reduces of b·s·h elements per layer forward, two
   backward, two more in a full (or `ops`) recompute; with sequence parallelism
-  each is a reduce-scatter plus an all-gather of the same size, and a module
+  each is a reduce-scatter plus an all-gather of the same size, a module
   region that recomputes a norm's output reruns the all-gather before the
-  linears reading it (`rerun_gathers`). They sit on the
+  linears reading it (`rerun_gathers`), and backward gathers each entry's
+  input again where no region recomputes it, for the column-parallel
+  linears' weight gradients (`regathers`: the runtime keeps only the rank's
+  chunk of it, as Megatron-LM does). They sit on the
   critical path, except that with sequence parallelism and overlap they run
   under the layer's GEMMs (Megatron's tp-comm-overlap): only the excess shows.
   Key/value heads fewer than t are replicated: their projections' FLOPs are
@@ -180,7 +183,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     gather_s = _cached(memo, ("tp_ag", bb, ss, tp, groups["tp"]), lambda: (
         comm.all_gather(boundary, groups["tp"], hw).seconds if layout.sp else 0.0))
     tp_layer = {pol: tp_units(profile, pol, layout.sp) * tp_unit
-                + rerun_gathers(profile, pol, layout.sp) * gather_s for pol in policies}
+                + (rerun_gathers(profile, pol, layout.sp) + regathers(profile, pol, layout.sp))
+                * gather_s for pol in policies}
     if layout.sp and tp > 1:  # what sequence parallelism runs whole: its gathers
         gathered = comm.all_gather(f["sp_gathered"](bb, ss), groups["tp"], hw).seconds
         scattered = comm.all_gather(f["sp_scattered"](bb, ss), groups["tp"], hw).seconds
@@ -322,6 +326,17 @@ def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:
     if not sp or policy in RERUN_LAYER:
         return 0
     return profile.policy_gathers.get(policy, 0)
+
+
+def regathers(profile: ModelProfile, policy: str, sp: bool) -> int:
+    """Sequence all-gathers (of one b·s·h boundary each) one layer's backward runs again to
+    read what its forward saved: with sequence parallelism the runtime keeps the rank's chunk
+    of each entry's gathered input and gathers it again for the column-parallel linears'
+    weight gradients (`ptc.ops.seq_regather`), except where a checkpoint region holds the
+    entry (its recompute reruns the gather instead: RERUN_LAYER, `rerun_gathers`)."""
+    if not sp or policy in RERUN_LAYER:
+        return 0
+    return max(0, profile.tp_entries - rerun_gathers(profile, policy, sp))
 
 
 def _recompute_flops(f: dict, policy: str, bb, ss, keys, layer_f, core_f, tp) -> float:
