@@ -32,8 +32,8 @@ tp 2, its seq_len 64 by 2·cp = 4 (cp's load-balanced chunks), and its global
 batch of 16 splits into micro-batches of 1 over dp 8 or dp 4 (4 per
 pipeline, enough for pp 2). Only the steps change (`--steps`, default 12: the
 step loop takes a few seconds; most of a run is starting 8 processes and
-compiling the plan in each: about a minute a run on a 2-core machine busy
-with other work); rank 0 prints only its opening line, its last step
+compiling the plan in each: about 20 s a run on a quiet 2-core machine,
+11 minutes for the whole benchmark at 5 repeats); rank 0 prints only its opening line, its last step
 and its summary, and no metrics file is written (the plan's own
 `metrics.jsonl` would land in `examples/`). `--layouts` picks some of the
 layouts; dp 8 always runs, as the baseline.
