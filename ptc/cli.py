@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -164,8 +165,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(plan, settings, build=build_model)
     write_profile(profile, args.output)
     _out.print(render_profile(profile, plan), markup=False)
-    _out.print(f"wrote {args.output}; a plan takes its figures with hardware {{ profile = "
-               f"\"{args.output}\" }} (a path from the plan's folder)", markup=False)
+    from_plan = os.path.relpath(Path(args.output).resolve(), Path(args.plan).resolve().parent)
+    _out.print(f"wrote {args.output}; the plan takes its figures with hardware {{ profile = "
+               f"\"{from_plan}\" }} (a path from the plan's folder)", markup=False)
     return EXIT_OK
 
 
@@ -248,13 +250,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's trained weights as a torch state dict or a Hugging Face directory."""
     from ptc.models import build_model  # noqa: PLC0415
-    from ptc.runtime.export import export_hf, export_torch  # noqa: PLC0415
+    from ptc.runtime.export import checkpoint_step, export_hf, export_torch  # noqa: PLC0415
 
     if args.hf:
         written = export_hf(args.checkpoint, args.hf, build=build_model)
     else:
         written = export_torch(args.checkpoint, args.torch, build=build_model)
-    _out.print(f"wrote {written}", markup=False)
+    _out.print(f"wrote {written}: the weights of step {checkpoint_step(args.checkpoint)} "
+               f"({args.checkpoint})", markup=False)
     return EXIT_OK
 
 

@@ -119,9 +119,9 @@ def stamp_layers_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModul
     """
     layers = decisions.plan.model.layers
     out = stamp_layers(gm, layers, decisions.plan)
+    copies = "layer 2" if layers == 4 else f"layers 2..{layers - 2}"
     log.info("the passes above lowered layers 0, 1 and 2 of %d (their counts are of those); "
-             "layer 1 copied to layers 2..%d, layer 2 moved to layer %d", layers, layers - 2,
-             layers - 1)
+             "layer 1 copied to %s, layer 2 moved to layer %d", layers, copies, layers - 1)
     return out
 
 

@@ -12,7 +12,10 @@ only on g and the data source, never on the parallel layout:
 - tokens(path): a flat token file read by memory map (`.npy`, or raw `.bin`
   of the plan's uint16/uint32). Sample g is the window starting at token
   (g mod W)·seq_len, where W = (N - 1) // seq_len windows fit in N tokens:
-  windows follow the file in order and wrap around at its end.
+  windows follow the file in order and wrap around at its end. A raw file
+  whose size is not a whole number of tokens, or whose start reads as ids of
+  a wider integer type (each id, then zeros: int64 ids declared uint16), is
+  refused: read as declared it would train on another stream.
 
 Every token id must be below the model's vocab: a batch holding one that is
 not is refused (PtcError naming the file and the token's position) before it
@@ -123,4 +126,39 @@ def _open_tokens(spec: DataSpec) -> np.ndarray:
             raise PtcError(f"{path}: a .npy token file must be 1-D uint16 or uint32, "
                            f"got {tokens.ndim}-D {tokens.dtype}")
         return tokens
-    return np.memmap(path, dtype=np.dtype(spec.dtype), mode="r")
+    dtype = np.dtype(spec.dtype)
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise PtcError(f"train.data: token file {path} is {size:,} bytes, not a whole number "
+                       f"of {dtype.name} tokens of {dtype.itemsize} bytes: it holds another "
+                       f"dtype or was cut short (train.data's dtype: uint16 or uint32)")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    wider = _wider_file(tokens, dtype)
+    if wider is not None:
+        name, k = wider
+        fix = 'dtype = "uint32"' if name == "uint32" else "the ids written as uint16 or uint32"
+        raise PtcError(f"train.data: token file {path} read as {dtype.name} is every {k}th token "
+                       f"an id and the {k - 1} between 0, as a file of {name} ids reads: train "
+                       f"on it as it is and the model sees mostly token 0; give it {fix}")
+    return tokens
+
+
+SNIFF_TOKENS = 1 << 20
+"""Tokens of a raw file's start that `_wider_file` reads."""
+
+
+def _wider_file(tokens: np.ndarray, dtype: np.dtype) -> tuple[str, int] | None:
+    """(dtype, k) when the raw file `tokens` (read as `dtype`) holds ids of a wider integer
+    type: little-endian, each wide id reads as its value then k - 1 zeros (an int64 id below
+    2^16 read as uint16: the id and three 0s), which a real token stream never shows at
+    every k-th place. None when its first SNIFF_TOKENS tokens do not show it (or are too few,
+    under 64, to tell)."""
+    head = np.asarray(tokens[:SNIFF_TOKENS])
+    for name in ("int64", "uint32"):
+        k = np.dtype(name).itemsize // dtype.itemsize
+        if k < 2 or len(head) < 64:
+            continue
+        rows = head[:len(head) // k * k].reshape(-1, k)
+        if rows[:, 0].any() and not rows[:, 1:].any():
+            return name, k
+    return None

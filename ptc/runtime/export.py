@@ -118,6 +118,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     return target
 
 
+def checkpoint_step(checkpoint: str | os.PathLike) -> int:
+    """The step a checkpoint holds: the step directory's own, or the latest intact one of a
+    checkpoint_dir (the one `read_weights` exports)."""
+    return parse_step(_step_dir(Path(checkpoint)).name)
+
+
 def _step_dir(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         return path

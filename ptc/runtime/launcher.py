@@ -93,13 +93,16 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
     `--max-restarts=N` the agent restarts the group instead, up to N times,
     saying which rank failed, and the workers resume from the latest
     checkpoint. With `--nnodes=MIN:MAX` the workers adapt dp to the
-    processes that joined (`ptc.runtime.elastic`).
+    processes that joined (`ptc.runtime.elastic`). Stopped by a signal (Ctrl-C,
+    SIGTERM), the agent stops the workers and this says so in one line and
+    returns 128 + the signal's number, as a shell does (130 for Ctrl-C).
     """
     from ptc.runtime.health import configure_flight_recorder  # noqa: PLC0415
     from ptc.runtime.mesh import backend_for, world_size  # noqa: PLC0415
 
     if nproc is None:
         nproc = max(1, world_size(plan) // plan.hardware.nodes)
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.run import parse_args, run  # noqa: PLC0415
 
@@ -131,6 +134,10 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
         print(launch_log.failure_summary(exc, logs, int(flags.get("--max-restarts", 0))),
               file=sys.stderr)
         return 1
+    except SignalException as exc:  # Ctrl-C or a kill of the launcher: the agent stopped them
+        print(f"ptc run: stopped by {exc.sigval.name}; the workers were stopped with it "
+              f"(their logs: {logs})", file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
         launch_log.restore(narrator, loggers)
         _set_environment(saved)

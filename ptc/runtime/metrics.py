@@ -170,6 +170,8 @@ def run_banner(program: Program) -> str:
                  if est is not None else program.decisions.unpriced or "no prediction")
     if est is not None and plan.hardware.profile:
         predicted += f" (rates from {plan.hardware.profile})"
+    elif est is not None and plan.hardware.synchronous:  # a CPU preset guesses at some CPU
+        predicted += " (the cpu preset's rates, a guess: ptc calibrate measures this machine's)"
     return (f"ptc run: {model} on {plan.num_gpus} x {plan.hardware.gpu}, {layout}, "
             f"{plan.train.dtype}; {predicted}")
 

@@ -44,13 +44,17 @@ def test_calibrate_measures_every_rate_and_the_dp_link(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_the_command_writes_a_profile_a_plan_takes(tmp_path, capsys):
-    plan_path = tmp_path / "plan.ptc"
+    """The profile is written where -o says; the line after names it as the plan's folder
+    reaches it, and a plan that names it so takes its figures."""
+    plan_path = tmp_path / "plans" / "plan.ptc"
+    plan_path.parent.mkdir()
     plan_path.write_text(PLAN)
     out = tmp_path / "hw.json"
     assert main(["calibrate", str(plan_path), "-o", str(out), "--seconds", "0.02", "--rounds", "1",
                  "--min-size", "4K", "--max-size", "4K", "--iters", "1", "--warmup", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "dispatch" in printed and f"wrote {out}" in printed
+    assert "dispatch" in printed and f"wrote {out}; the plan takes its figures with hardware " \
+        '{ profile = "../hw.json" }' in printed
     data = json.loads(out.read_text())
     assert data["ptc_hardware_profile"] == 1 and data["device"] == "cpu"
     profile = load_profile(out)
@@ -58,6 +62,9 @@ def test_the_command_writes_a_profile_a_plan_takes(tmp_path, capsys):
     assert with_profile.hardware.gemm_rate("fp32") == profile.gemm_flops["fp32"]
     assert with_profile.hardware.mem_bandwidth == profile.mem_bandwidth
     assert with_profile.hardware.dispatch_overhead == profile.dispatch_overhead
+    named = plan_path.parent / "named.ptc"  # the line as printed, in a plan beside this one
+    named.write_text(PLAN.replace("hardware {", 'hardware {\n  profile = "../hw.json"', 1))
+    assert load_plan(named).hardware.gemm_rate("fp32") == profile.gemm_flops["fp32"]
 
 
 PLAN = """\

@@ -39,7 +39,8 @@ CASES = [HFCase("llama", tp=2, pp=2), HFCase("gpt2", tp=2, dp=2, config=(("vocab
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_weights_round_trip_through_training_under_tp_and_pp(case: HFCase, tmp_path) -> None:
+def test_weights_round_trip_through_training_under_tp_and_pp(case: HFCase, tmp_path,
+                                                             capsys) -> None:
     module = hf_module(case)
     module.save_pretrained(tmp_path / "in")
     base = hf_plan(case)
@@ -51,7 +52,11 @@ def test_weights_round_trip_through_training_under_tp_and_pp(case: HFCase, tmp_p
     ref = reference(base, module)
     assert_losses_match(result.losses, ref, str(case))
 
+    capsys.readouterr()
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")]) == 0
+    # The checkpoint folder's latest step is the last one trained: the export says which.
+    assert capsys.readouterr().out.strip() == \
+        f"wrote {tmp_path / 'out'}: the weights of step {plan.train.steps} ({tmp_path / 'ckpt'})"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert_params_match(dict(loaded.named_parameters()), ref, f"{case} exported")
 

@@ -163,3 +163,25 @@ def test_a_failed_rank_is_one_line_naming_its_error_and_where_its_traceback_is(c
         run_local(fail_on_rank_1, 2, "kill")
     said = capfd.readouterr().err
     assert "Traceback" not in said and "torch/distributed" not in said, said
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_run_in_one_line_with_exit_130(tmp_path):
+    """Ctrl-C on `ptc run` (SIGINT to the launcher while rank 0 trains): the workers are
+    stopped, the launcher says so in one line, no traceback, and exits 130 as a shell
+    does."""
+    import signal  # noqa: PLC0415
+
+    plan = tiny_plan("gpt", zero=1, dp=2, accum=1, steps=100000)
+    job = subprocess.Popen([sys.executable, "-m", "ptc", "run", write_plan(tmp_path, plan),
+                            "--log-dir", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in job.stdout:  # rank 0's steps reach the terminal
+        if line.startswith("step "):
+            break
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=90)
+    assert job.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"ptc run: stopped by SIGINT; the workers were stopped with it (their logs: " \
+        f"{tmp_path / 'logs'}" in err

@@ -95,6 +95,9 @@ def test_the_pass_log_says_which_layers_the_whole_graph_passes_saw():
     assert stamp == ["stamp_layers_pass: the passes above lowered layers 0, 1 and 2 of 6 "
                      "(their counts are of those); layer 1 copied to layers 2..4, layer 2 "
                      "moved to layer 5"]
+    four = dataclasses.replace(plan, model=dataclasses.replace(plan.model, layers=4))
+    assert "layer 1 copied to layer 2, layer 2 moved to layer 3" in \
+        next(line for line in compile_plan(four).pass_log if line.startswith("stamp_layers"))
 
 
 def test_a_shard_rule_naming_one_layer_is_lowered_at_full_depth(caplog):

@@ -104,3 +104,28 @@ def test_bad_token_files_are_reported(tmp_path):
     with pytest.raises(PtcError, match="one sample needs"):
         TokenSource(DataSpec(kind="tokens", path=str(tmp_path / "short.bin")), vocab=10,
                     seq_len=4)
+
+
+def test_a_raw_token_file_of_another_dtype_is_refused_in_one_line(tmp_path):
+    """A raw file whose size is not a whole number of the declared tokens, or whose ids are
+    a wider integer type (each id then zeros), would train on a stream that is not the one
+    written: refused, naming the file and what to declare."""
+    ids = np.random.default_rng(0).integers(1, 500, size=1000)
+    path = tmp_path / "t.bin"
+    ids.astype(np.uint16)[:999].tofile(path)
+    path.write_bytes(path.read_bytes() + b"x")  # 1999 bytes: not whole uint16 tokens
+    with pytest.raises(PtcError, match=r"1,999 bytes, not a whole number of uint16 tokens"):
+        TokenSource(DataSpec(kind="tokens", path=str(path), dtype="uint16"), vocab=512,
+                    seq_len=8)
+    for written, declared, k, fix in (("int64", "uint16", 4, "written as uint16"),
+                                      ("int64", "uint32", 2, "written as uint16"),
+                                      ("uint32", "uint16", 2, 'dtype = "uint32"')):
+        ids.astype(written).tofile(path)
+        with pytest.raises(PtcError, match=rf"read as {declared} is every {k}th token an id "
+                           rf"and the {k - 1} between 0, as a file of {written} ids.*{fix}"):
+            TokenSource(DataSpec(kind="tokens", path=str(path), dtype=declared), vocab=512,
+                        seq_len=8)
+    ids.astype(np.uint16).tofile(path)  # as declared: it reads back
+    source = TokenSource(DataSpec(kind="tokens", path=str(path), dtype="uint16"), vocab=512,
+                         seq_len=8)
+    assert list(source.sample(0)) == list(ids[:9])

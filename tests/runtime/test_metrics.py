@@ -247,7 +247,8 @@ def test_a_run_opens_with_its_banner_and_closes_with_a_summary():
                       f"x cpu, tp1 pp1 dp1 zero1, fp32; predicted "
                       f"{format_bytes(est.peak_memory_bytes)} peak of "
                       f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} "
-                      f"per step")
+                      f"per step (the cpu preset's rates, a guess: ptc calibrate measures this "
+                      f"machine's)")
     out = io.StringIO()
     with StepReporter(plan, steps=3, enabled=True, console=Console(file=out, width=300),
                       predicted_step_time=0.15, banner=banner) as reporter:
