@@ -250,14 +250,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a checkpoint's trained weights as a torch state dict or a Hugging Face directory."""
     from ptc.models import build_model  # noqa: PLC0415
-    from ptc.runtime.export import checkpoint_step, export_hf, export_torch  # noqa: PLC0415
+    from ptc.runtime.export import export_hf, export_torch, step_directory  # noqa: PLC0415
 
+    source, step = step_directory(args.checkpoint)
     if args.hf:
-        written = export_hf(args.checkpoint, args.hf, build=build_model)
+        written = export_hf(source, args.hf, build=build_model)
     else:
-        written = export_torch(args.checkpoint, args.torch, build=build_model)
-    _out.print(f"wrote {written}: the weights of step {checkpoint_step(args.checkpoint)} "
-               f"({args.checkpoint})", markup=False)
+        written = export_torch(source, args.torch, build=build_model)
+    _out.print(f"wrote {written}: the weights of step {step} ({args.checkpoint})", markup=False)
     return EXIT_OK
 
 

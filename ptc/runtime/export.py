@@ -118,10 +118,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     return target
 
 
-def checkpoint_step(checkpoint: str | os.PathLike) -> int:
-    """The step a checkpoint holds: the step directory's own, or the latest intact one of a
-    checkpoint_dir (the one `read_weights` exports)."""
-    return parse_step(_step_dir(Path(checkpoint)).name)
+def step_directory(checkpoint: str | os.PathLike) -> tuple[Path, int]:
+    """(directory, step) of what a checkpoint path names: a step directory itself, or the
+    latest intact step of a checkpoint_dir. Resolved once, it is what an export reads and
+    what its message names, even while training writes newer steps."""
+    step_dir = _step_dir(Path(checkpoint))
+    return step_dir, parse_step(step_dir.name)
 
 
 def _step_dir(path: Path) -> Path:
