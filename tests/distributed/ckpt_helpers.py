@@ -1,7 +1,7 @@
 """Workers and plans of the checkpoint and fault-injection tests.
 
-Workers run in processes started by `run_local` (spawn), so they live in
-this importable module. Plans are tiny (2 layers, hidden 32, seq 16) with a
+Workers run in processes started by `run_local`, which import this module
+afresh: it must be importable. Plans are tiny (2 layers, hidden 32, seq 16) with a
 global batch of 8 samples, so that dp 1, 2 and 4 all divide it.
 """
 

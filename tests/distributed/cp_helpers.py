@@ -1,7 +1,7 @@
 """Helpers of the context-parallel tests: plans of the tiny models with cp, and the worker.
 
-Workers run inside processes started by `ptc.runtime.run_local` (spawn), so
-they live here, importable, not in a test file. One launch trains every case
+Workers run inside processes started by `ptc.runtime.run_local`, which import
+this module afresh: they live here, importable, not in a test file. One launch trains every case
 of one process count in a row: process start-up is paid once per count.
 """
 

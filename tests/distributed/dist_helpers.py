@@ -1,7 +1,7 @@
 """Shared helpers of the multi-process tests: tiny plans, the eager reference, workers.
 
 Workers run inside processes started by `ptc.runtime.run_local` (the elastic
-launcher, spawn): they must live in an importable module, not a test file.
+launcher; each imports it afresh): they must live in an importable module, not a test file.
 One launch runs many cases in a row so that process start-up (seconds on a
 shared 2-core machine) is paid once per process count.
 """

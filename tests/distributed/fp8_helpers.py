@@ -1,5 +1,5 @@
 """Worker of the float8 compute tests: the tiny models trained under `train.dtype = fp8`
-(emulated) and bf16, with and without tp. Importable, for the spawned processes."""
+(emulated) and bf16, with and without tp. Importable, for the started processes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Helpers of the Hugging Face model tests: plans, seeded modules, and the worker.
 
-Workers run inside processes started by `ptc.runtime.run_local` (spawn), so
-they live here, importable. Every rank builds the module from the same
+Workers run inside processes started by `ptc.runtime.run_local`, which import
+this module afresh: they live here, importable. Every rank builds the module from the same
 factory under the same seed, so all start from one set of weights, the ones
 the eager reference starts from.
 """

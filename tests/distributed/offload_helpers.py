@@ -1,6 +1,7 @@
 """Worker of the optimizer-offload tests that records the weights each step's forward reads.
 
-Runs in processes started by `run_local` (spawn), so it lives in this importable module.
+Runs in processes started by `run_local`, which import this
+module afresh: it must be importable.
 """
 
 from __future__ import annotations

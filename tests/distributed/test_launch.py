@@ -123,9 +123,31 @@ def test_python_api_runs_a_program_on_local_processes():
     assert result.held_bytes["params"] == compile_plan(plan).state_bytes()["params"]
 
 
+def environment_of_rank(names: tuple[str, ...]) -> dict:
+    """Worker: the values (None where unset) of `names` in this rank's environment."""
+    return {name: os.environ.get(name) for name in (*names, "RANK", "WORLD_SIZE")}
+
+
+@pytest.mark.timeout(120)
+def test_each_launch_hands_its_ranks_the_environment_it_has_then(monkeypatch):
+    # The ranks fork from a server started by the first launch: what the launcher set or
+    # removed since must reach them all the same, beside the agent's own variables.
+    names = ("PTC_ENV_SET_LATER", "PTC_ENV_REMOVED_LATER")
+    monkeypatch.setenv("PTC_ENV_REMOVED_LATER", "first")
+    first = run_local(environment_of_rank, 2, names)
+    assert first[1] == {"PTC_ENV_SET_LATER": None, "PTC_ENV_REMOVED_LATER": "first",
+                        "RANK": "1", "WORLD_SIZE": "2"}
+    monkeypatch.delenv("PTC_ENV_REMOVED_LATER")
+    monkeypatch.setenv("PTC_ENV_SET_LATER", "second")
+    later = run_local(environment_of_rank, 2, names)
+    assert [later[rank] for rank in (0, 1)] == [
+        {"PTC_ENV_SET_LATER": "second", "PTC_ENV_REMOVED_LATER": None, "RANK": str(rank),
+         "WORLD_SIZE": "2"} for rank in (0, 1)]
+
+
 @pytest.mark.timeout(120)
 def test_a_script_calling_run_without_a_main_guard_is_told_so_in_one_line(tmp_path):
-    # Workers are spawned: each imports the script, reaches ptc.run again and must stop there
+    # Workers import the script afresh: each reaches ptc.run again and must stop there
     # (not start processes of its own, nor compile), saying why.
     script = tmp_path / "unguarded.py"
     script.write_text(
