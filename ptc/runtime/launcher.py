@@ -25,8 +25,10 @@ so (`refuse_while_spawning`) instead of starting processes of its own.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -73,6 +75,30 @@ def refuse_while_spawning() -> None:
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         print(UNGUARDED_CALL, file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal the kernel sends a process when its parent dies."""
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process (SIGKILL) when the process that started it dies.
+
+    A rank whose launcher or elastic agent is killed (by an out-of-memory
+    killer, or with its login node) would otherwise live on as an orphan,
+    training or waiting on its peers forever and holding its ports, memory
+    and shared-memory buffers. SIGKILL, not a signal it could handle: a rank
+    blocked in a collective runs no handler. The parent of a `ptc run` rank is
+    the elastic agent (the `ptc run` process); of a `run_local` rank the fork
+    server, which exits when its launcher does. Linux only (prctl); elsewhere
+    nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it died before the kernel was told
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def in_worker() -> bool:
@@ -201,6 +227,7 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, environment: dict) 
     """A rank's entry: the launcher's environment, a thread count, then `fn`."""
     import torch  # noqa: PLC0415
 
+    die_with_parent()
     _take_environment(environment)
     # As torchrun does: n processes with all cores' threads each would oversubscribe. Set
     # here, not left to OpenMP, which read the fork server's environment when it loaded.

@@ -34,7 +34,7 @@ from ptc.runtime.elastic import elastic, plan_for_world
 from ptc.runtime.executor import StepStats, Trainer
 from ptc.runtime.health import configure_flight_recorder
 from ptc.runtime.init import ModelFactory, check_buffers, tensor_bytes
-from ptc.runtime.launcher import in_worker, refuse_while_spawning, run_local
+from ptc.runtime.launcher import die_with_parent, in_worker, refuse_while_spawning, run_local
 from ptc.runtime.loop import TrainLoop
 from ptc.runtime.mesh import (
     axis_process_groups,
@@ -83,6 +83,8 @@ def train_worker(plan_or_program: Plan | Program, *, models: ModelFactory,
     `models` builds the plan's own model and its initial weights.
     """
     plan = plan_or_program.plan if isinstance(plan_or_program, Program) else plan_or_program
+    if in_worker():
+        die_with_parent()
     joined = int(os.environ.get("WORLD_SIZE", world_size(plan)))
     asked = plan.parallel.dp
     if elastic() and isinstance(plan_or_program, Plan):

@@ -207,3 +207,47 @@ def test_ctrl_c_stops_the_run_in_one_line_with_exit_130(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     assert f"ptc run: stopped by SIGINT; the workers were stopped with it (their logs: " \
         f"{tmp_path / 'logs'}" in err
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (every thread's children, from /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for task in tasks.iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_workers_die_within_seconds_of_a_killed_launcher(tmp_path):
+    """`ptc run` SIGKILLed mid-run (as an out-of-memory killer or a lost login node would):
+    its ranks, which would otherwise train on as orphans, are gone within 10 s."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    plan = tiny_plan("gpt", zero=1, dp=2, accum=1, steps=100000)
+    job = subprocess.Popen([sys.executable, "-m", "ptc", "run", write_plan(tmp_path, plan),
+                            "--log-dir", str(tmp_path / "logs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in job.stdout:  # rank 0 trains
+        if line.startswith("step "):
+            break
+    ranks = _children(job.pid)
+    assert len(ranks) == 2, ranks
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in ranks if _alive(pid)]
+    for pid in left:  # leave nothing running whatever the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher by 10 s"
