@@ -50,7 +50,8 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
             if gathered is not None:
                 samples[-1].update({f"sp:{name}": value for name, value in measure_saved(
                     gathered, split, fp8=dtype == "fp8").items() if is_saved_term(name)})
-        work_samples[pb, ps], gemm_samples[pb, ps] = measure_work(gm, split)
+        work_samples[pb, ps], gemm_samples[pb, ps] = measure_work(gm, split,
+                                                                   fp8=dtype == "fp8")
         if first is None:  # a custom model whose shape cannot be read says so before the rest
             if custom and not graph_info(gm).num_layers:
                 raise PtcError(f"model \"{spec.factory}\": ptc finds no stack of like layers "

@@ -16,7 +16,7 @@ from ptc.compiler.graph.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding
 from ptc.compiler.graph.work import GemmCall, graph_work
 from ptc.compiler.profile.classes import (kv_nodes, linear_styles, saved_whole, sp_moves,
                                           tp_sharded, whole_under_sp)
-from ptc.compiler.profile.fp8 import kept_as, with_fp8_copies
+from ptc.compiler.profile.fp8 import fp8_casts, kept_as, with_fp8_copies
 from ptc.compiler.profile.regions import (boundary_nodes, layer_nodes, meta_inputs, node_regions,
                                           placeholder_names)
 from ptc.compiler.profile.types import (COUNTS, SAVED_CLASS_TERMS, SAVED_REGIONS, WORK_CLASSES,
@@ -188,11 +188,12 @@ def _reruns(gm: torch.fx.GraphModule, region: dict[str, str]) -> dict[str, set[s
     return out
 
 
-def measure_work(gm: torch.fx.GraphModule, sharding: Sharding
+def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: bool = False
           ) -> tuple[dict[str, int], dict[str, list[tuple[GemmCall, frozenset[str], str | None]]]]:
     """Forward and backward device work by region and class (`ModelProfile.work`), split
     as `sharding` says; and per "{region}.{phase}" its GEMMs, each with its node's classes
-    and the dimension tensor parallelism divides (`gemm_tiles.split_dim`)."""
+    and the dimension tensor parallelism divides (`gemm_tiles.split_dim`). `fp8`: the
+    layers' linears quantise their operands as train dtype "fp8" runs them (`fp8_casts`)."""
     region, sharded = node_regions(gm), tp_sharded(gm, sharding)
     core = {n.name for c in attention_cores(layer_nodes(gm, region)) for n in c}
     reruns = _reruns(gm, region)
@@ -220,6 +221,9 @@ def measure_work(gm: torch.fx.GraphModule, sharding: Sharding
                              ("bwd", node_work.backward, node_work.backward_gemms)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
                       "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
+            if fp8 and name in nodes and is_fp8_linear(nodes[name]) and node_work.forward_gemms:
+                for q, value in fp8_casts(node_work.forward_gemms[0], ph).items():
+                    values[q] += value
             shaped = [(call, frozenset(classes) - {"all"}, split_dim(call, *split_by))
                       for call in calls]
             for target in (*targets, *(reran if ph == "fwd" else ())):
