@@ -8,7 +8,8 @@ steps are reported), for example `PTC_FAULT=kill:1:3`:
   (TORCHELASTIC_RESTART_COUNT 0), so that the restarted group runs through.
 - nan: a NaN is written into the rank's gradient in step STEP, once per
   process (a rolled-back run that reaches STEP again trains normally).
-- hang: the rank sleeps as step STEP starts, until the launcher stops it.
+- hang: the rank sleeps as step STEP starts, until the launcher stops it (in
+  the first attempt only: a restarted group trains on, as after a kill).
 
 Unset, every hook does nothing. The fault-injection tests are its only users.
 """
@@ -41,7 +42,7 @@ def at_step_start(rank: int, step: int) -> None:
     """Kill or hang this rank if `PTC_FAULT` says so for `step` (1-based)."""
     if _wanted("kill", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
-    if _wanted("hang", rank, step):
+    if _wanted("hang", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _fired.add(("hang", rank, step))
         time.sleep(3600)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import signal
 import sys
 from pathlib import Path
@@ -126,7 +127,8 @@ class AgentNarrator(logging.Handler):
                 text = error_text(json.loads(path.read_text()).get("message", ""))
             except (OSError, ValueError):
                 return ""
-            return text.splitlines()[0] if text else ""
+            # The rank is named already: "rank 1: ..." says it twice.
+            return re.sub(r"^rank \d+: ", "", text.splitlines()[0]) if text else ""
         return ""
 
     @staticmethod

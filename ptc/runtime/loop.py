@@ -30,13 +30,16 @@ rank, with the automatic collector off in between (`scheduled_collection`).
 Checkpoints are taken every `checkpoint_every` steps and/or
 `checkpoint_interval` seconds (rank 0's clock, broadcast so that all ranks
 save at the same step), and after the last step. A collective that times
-out is reported with the ranks that did not answer (`health`).
+out is reported with the ranks that did not answer (`health`); a step that
+takes far longer than the steps before it is a stall, noticed within seconds
+and reported with the rank that stalled it (`watchdog`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -54,6 +57,7 @@ from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
+from ptc.runtime.watchdog import StallWatchdog
 
 MAX_ROLLBACKS = 3
 """Rollbacks to the same checkpoint before the run stops."""
@@ -78,6 +82,7 @@ class TrainLoop:
         self._last_saved: int | None = None
         self.checkpointer = self._checkpointer()
         self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
+        self.watchdog = _watchdog(self.rank)
         if self.checkpointer is not None:
             self._resume()
 
@@ -127,6 +132,7 @@ class TrainLoop:
         try:
             with scheduled_collection(self.plan.runtime.gc_every) as collect:
                 while self.step < self.steps:
+                    self.watchdog.started(self.step + 1)
                     faults.at_step_start(self.rank, self.step + 1)
                     stats = self._train_step()
                     report(stats)
@@ -137,6 +143,7 @@ class TrainLoop:
                     if self._save_due():
                         self._save()
                     collect()
+                    self.watchdog.finished()
             if self.checkpointer is not None and self._last_saved != self.step:
                 self._save()
         except BaseException:
@@ -174,7 +181,8 @@ class TrainLoop:
             self.step, self.position = self.step + 1, self.position + batch
             return
         bad_position = self.position
-        manifest = self.checkpointer.restore()
+        with self.watchdog.paused():
+            manifest = self.checkpointer.restore()
         if manifest is None:
             raise PtcError(f"{what}; nan_policy = rollback, but no intact checkpoint is left")
         count = self._rollbacks[manifest.step] = self._rollbacks.get(manifest.step, 0) + 1
@@ -213,7 +221,9 @@ class TrainLoop:
                 "model": self._model_record(),
                 "names": {slot.name: list(slot.aliases)
                           for slot in self.trainer.program.layout.params.values()}}
-        if self.checkpointer.save(self.step, self.position, info):
+        with self.watchdog.paused():
+            saved = self.checkpointer.save(self.step, self.position, info)
+        if saved:
             self._last_saved = self.step
         self._last_save_time = time.monotonic()
 
@@ -233,6 +243,29 @@ class TrainLoop:
         p = self.plan.parallel
         cp = {"cp": p.cp} if p.cp != 1 else {}  # checkpoints without cp read as cp 1
         return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+
+
+def _watchdog(rank: int) -> StallWatchdog | _NoWatchdog:
+    """The stall watchdog of a rank of a launched job of several ranks (their launcher
+    set MASTER_ADDR, where the job's store is); else one that watches nothing."""
+    world = dist.get_world_size()
+    if world == 1 or "MASTER_ADDR" not in os.environ:
+        return _NoWatchdog()
+    return StallWatchdog(rank, world)
+
+
+class _NoWatchdog:
+    """A single process's watchdog: there is nobody to hold up."""
+
+    def started(self, step: int) -> None:  # noqa: D102 - StallWatchdog's
+        pass
+
+    def finished(self) -> None:  # noqa: D102
+        pass
+
+    @contextlib.contextmanager
+    def paused(self):  # noqa: D102
+        yield
 
 
 @contextlib.contextmanager

@@ -85,6 +85,44 @@ def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
 
 
 @pytest.mark.timeout(240)
+def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkeypatch, capfd):
+    """A rank that hangs as step 5 starts, with no timeout set (the collective timeout stays
+    at its 300 s): the stall watchdog notices within 10 s (steps take well under a second),
+    names the rank and where it is, and the group restarts and trains on from the latest
+    checkpoint, every loss as the uninterrupted run's; the whole run takes at most 30 s more
+    than that one."""
+    import time  # noqa: PLC0415
+
+    monkeypatch.delenv("PTC_TIMEOUT")
+
+    def plan(name):
+        return ckpt_plan(dp=2, zero=1, steps=6, checkpoint_dir=str(tmp_path / name),
+                         checkpoint_every=2, metrics=str(tmp_path / f"{name}.jsonl"))
+
+    start = time.monotonic()
+    assert launch(plan("whole"), worker.write_plan, nproc=2) == 0
+    clean = time.monotonic() - start
+    reference = [r["loss"] for r in read_metrics(tmp_path / "whole.jsonl")]
+    monkeypatch.setenv("PTC_FAULT", "hang:1:5")  # first attempt only
+    start = time.monotonic()
+    assert launch(plan("hung"), worker.write_plan, nproc=2,
+                  extra_launcher_args=["--max-restarts=1"]) == 0
+    hung = time.monotonic() - start
+    records = read_metrics(tmp_path / "hung.jsonl")
+    assert [r["step"] for r in records if r["restart"] == 0] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["restart"] == 1] == [5, 6]  # from step 4's save
+    for record in records:
+        assert record["loss"] == reference[record["step"] - 1], record
+    said = capfd.readouterr().err
+    assert re.search(r"ptc run: rank [01] exited with code 1 \(step 5: no progress for 1\d s; "
+                     r"rank 1 stalled in step 5 at ptc/runtime/faults\.py:\d+ in at_step_start; "
+                     r"rank\(s\) 0 wait\(s\) in a collective \(ptc/.+\)\); restarting the "
+                     r"group: restart 1 of 1", said), said
+    print(f"hung run {hung:.1f} s, uninterrupted {clean:.1f} s")
+    assert hung - clean < 30, f"{hung:.1f} s against {clean:.1f} s uninterrupted"
+
+
+@pytest.mark.timeout(240)
 def test_nonfinite_gradient_every_rank_takes_the_same_action_under_each_policy(tmp_path):
     base = ckpt_plan(dp=2, zero=2, steps=6, checkpoint_every=2, keep=1)
     plans = [with_runtime(base, nan_policy=policy, checkpoint_dir=str(tmp_path / policy))
@@ -146,12 +184,13 @@ def test_damaged_newest_checkpoint_resume_takes_the_previous_and_says_so(tmp_pat
 
 @pytest.mark.timeout(180)
 def test_hung_rank_is_named_after_the_collective_timeout(tmp_path, monkeypatch, capsys):
+    # A timeout below the stall watchdog's 10 s, so that the collective gives up first.
     monkeypatch.setenv("PTC_FAULT", "hang:1:2")
-    monkeypatch.setenv("PTC_TIMEOUT", "10")
+    monkeypatch.setenv("PTC_TIMEOUT", "3")
     plan = ckpt_plan(dp=2, zero=0, steps=3)
     assert launch(plan, worker.write_plan, nproc=2) == 1
     err = capsys.readouterr().err
-    assert "ptc run: rank 0 stopped the job: step 2: a collective timed out after 10 s; " \
+    assert "ptc run: rank 0 stopped the job: step 2: a collective timed out after 3 s; " \
            "rank(s) 1 did not answer" in err
 
 
