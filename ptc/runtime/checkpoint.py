@@ -32,11 +32,18 @@ the files (split over ranks) and rank 0 checks DCP's index, writes the
 manifest, publishes the directory, moves `latest` and applies keep-k. One
 save is in flight at a time; the next save, a restore and `close` wait for
 it. Non-finite weights are never written.
+
+A save that fails (a full disk, a lost mount, on any rank) does not stop
+training: the ranks agree on it when they wait for the save (`wait`), rank 0
+removes its partial directory, one line says so, and the previous checkpoint
+stays the latest; the next save due tries again. `saved_step` is the newest
+step every rank knows was published.
 """
 
 from __future__ import annotations
 
 import datetime
+import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -58,9 +65,14 @@ from ptc.runtime.checkpoint_store import (
     step_name,
 )
 from ptc.runtime.dcp_chunks import FlatChunks, LoadPlanner, SavePlanner
+from ptc.runtime import faults
 from ptc.runtime.fp8_state import history_reads, restore_histories, saved_histories
 from ptc.runtime.health import nonfinite_ranks
 from ptc.runtime.params import publish
+
+SAVE_ERRORS = (Exception, dcp.CheckpointException)
+"""What a failed save raises (DCP's CheckpointException, naming the ranks whose part
+failed, is no Exception): agreed on and reported, never the end of training."""
 
 Source = Callable[[int, str], tuple[int, torch.Tensor]]
 """(unit index, kind) -> (first element in the unit's flat buffer, flat tensor from there)."""
@@ -258,11 +270,15 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._snapshot: Snapshot | None = None
         self._pending: Future | None = None
+        self._pending_step: int | None = None
+        self.saved_step: int | None = None
+        """The newest step whose save every rank knows was published (None: none yet)."""
 
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, position: int, info: Mapping[str, Any]) -> bool:
-        """Checkpoint the state after `step` steps; False when the weights are not finite.
+        """Checkpoint the state after `step` steps; False when the weights are not finite
+        or (synchronous) the save failed.
 
         Asynchronous when configured: returns once the state is copied to
         host memory. Waits for the previous save first.
@@ -273,16 +289,22 @@ class Checkpointer:
             self.log(f"step {step}: non-finite weights on rank(s) {list(bad)}: not checkpointed")
             return False
         ensure_optimizer_state(self.trainer)
-        writer = FileSystemWriter(self.store.partial_path(step))
+        writer_type = _FailingWriter if faults.save_fails(self.rank, step) else FileSystemWriter
+        writer = writer_type(self.store.partial_path(step))
         manifest = dict(step=step, position=position, info={**info, "world": self.world})
         if not self.async_save:
             state = {**chunked_state(self.trainer, owned(self.trainer)),
                      **_rng_state(self.trainer.rank), **_fp8_state(self.trainer)}
             if _adam_step(self.trainer) is not None:
                 state["optim.step"] = _adam_step(self.trainer)
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
-            self._finalize(manifest)
-            return True
+            try:
+                dcp.save(state, storage_writer=writer, planner=SavePlanner(),
+                         process_group=self.group)
+                self._finalize(manifest)
+                error = None
+            except SAVE_ERRORS as exc:
+                error = exc
+            return self._settle(step, error)
         if self._snapshot is None:
             self._snapshot = Snapshot(self.trainer)
         upload = dcp.async_save(self._snapshot.take(), storage_writer=writer,
@@ -299,7 +321,7 @@ class Checkpointer:
                 done.set_exception(exc)
 
         upload.add_done_callback(finish)
-        self._pending = done
+        self._pending, self._pending_step = done, step
         return True
 
     def _finalize(self, manifest: dict) -> None:
@@ -321,14 +343,46 @@ class Checkpointer:
                  (f" (removed {', '.join(step_name(s) for s in pruned)})" if pruned else ""))
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is published; raise its error."""
+        """Block until the save in flight (if any) is published or has failed on some rank
+        (then say so: training goes on, `saved_step` stays)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+            error = None
+        except SAVE_ERRORS as exc:
+            error = exc
+        self._settle(self._pending_step, error)
+
+    def _settle(self, step: int, error: BaseException | None) -> bool:
+        """Agree over the ranks whether the save of `step` was published (collective);
+        when a rank's part failed, rank 0 removes the partial save and says which rank and
+        why. True when it was published."""
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, None if error is None else _failure(error, self.rank),
+                               group=self.group)
+        failed = sorted(f for f in everyone if f is not None)
+        if not failed:
+            self.saved_step = step
+            return True
+        if self.rank == 0:
+            shutil.rmtree(self.store.partial_path(step), ignore_errors=True)
+            kept = "none yet" if self.saved_step is None else step_name(self.saved_step)
+            rank, why = failed[0]
+            self.log(f"step {step}: checkpoint not saved (rank {rank}: {why}); the latest "
+                     f"stays {kept}; training goes on and the next save tries again")
+        return False
+
+    def close(self, *, failing: bool = False) -> None:
+        """Finish the save in flight. `failing`: this rank is stopping on an error, and the
+        others may not reach this call: wait for the save without agreeing on it."""
+        if not failing:
+            self.wait()
+            return
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        """Finish the save in flight."""
-        self.wait()
+            pending.exception()  # done, whichever way
 
     # --------------------------------------------------------------- restoring
 
@@ -345,6 +399,7 @@ class Checkpointer:
             manifest, problems = self._verify(step)
             if not problems:
                 self._load(step, manifest)
+                self.saved_step = step
                 return manifest
             if self.rank == 0:
                 self.store.mark_damaged(step)
@@ -411,6 +466,21 @@ class Checkpointer:
             torch.manual_seed(trainer.plan.runtime.seed + leader + self.world * step)
         publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
                 world=trainer.dp)
+
+
+def _failure(error: BaseException, rank: int) -> tuple[int, str]:
+    """(the rank whose part failed, its error's first line) of a failed save: DCP's
+    CheckpointException, which every rank raises, names the ranks that failed."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+    return rank, f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+class _FailingWriter(FileSystemWriter):
+    """A writer whose every write fails as a full disk does (the `savefail` test fault)."""
+
+    def write_data(self, plan, planner):  # noqa: D102 - StorageWriter protocol
+        raise OSError(28, "No space left on device (injected)")
 
 
 def _check_index(path: Path, files: Mapping[str, tuple[int, int]]) -> None:

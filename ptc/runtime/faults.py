@@ -8,6 +8,8 @@ steps are reported), for example `PTC_FAULT=kill:1:3`:
   (TORCHELASTIC_RESTART_COUNT 0), so that the restarted group runs through.
 - nan: a NaN is written into the rank's gradient in step STEP, once per
   process (a rolled-back run that reaches STEP again trains normally).
+- savefail: the rank's part of the checkpoint of step STEP fails to write,
+  as on a full disk.
 - hang: the rank sleeps as step STEP starts, until the launcher stops it (in
   the first attempt only: a restarted group trains on, as after a kill).
 
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 ENV = "PTC_FAULT"
-KINDS = ("kill", "nan", "hang")
+KINDS = ("kill", "nan", "hang", "savefail")
 _fired: set[tuple[str, int, int]] = set()
 
 
@@ -52,3 +54,11 @@ def corrupt_gradients(rank: int, step: int, grads: Sequence[torch.Tensor]) -> No
     if grads and _wanted("nan", rank, step):
         _fired.add(("nan", rank, step))
         grads[0].view(-1)[0] = float("nan")
+
+
+def save_fails(rank: int, step: int) -> bool:
+    """Whether this rank's checkpoint write of `step` should fail (`PTC_FAULT` savefail)."""
+    if _wanted("savefail", rank, step):
+        _fired.add(("savefail", rank, step))
+        return True
+    return False

@@ -144,13 +144,15 @@ class TrainLoop:
                         self._save()
                     collect()
                     self.watchdog.finished()
-            if self.checkpointer is not None and self._last_saved != self.step:
-                self._save()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # the save in flight may have failed: then again
+                if self.checkpointer.saved_step != self.step:
+                    self._save()
         except BaseException:
             if self.checkpointer is not None:
                 # Finish (or fail) the save in flight, but report the error that stopped us.
                 with contextlib.suppress(Exception):
-                    self.checkpointer.close()
+                    self.checkpointer.close(failing=True)
             raise
         if self.checkpointer is not None:
             self.checkpointer.close()

@@ -123,6 +123,30 @@ def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkey
 
 
 @pytest.mark.timeout(240)
+def test_a_failed_save_is_said_and_retried_and_training_goes_on(tmp_path):
+    """Rank 1's part of step 4's checkpoint fails to write (a full disk), asynchronous and
+    synchronous saves alike: every rank trains on to step 6 with the losses of a run
+    without the fault, one line says what failed, step 4's partial save is gone, step 2
+    stays the latest until step 6's save succeeds."""
+    base = ckpt_plan(dp=2, zero=1, steps=6, checkpoint_every=2)
+    plans = [with_runtime(base, async_save=mode == "async", checkpoint_dir=str(tmp_path / mode))
+             for mode in ("async", "sync")]
+    clean = run_local(run_worker, 2, [with_runtime(base, checkpoint_dir=str(tmp_path / "clean"))])
+    faulted = run_local(run_worker, 2, plans, "savefail:1:4")
+    for mode, runs in zip(("async", "sync"), zip(*faulted.values())):
+        for rank, run in enumerate(runs):
+            assert run["error"] is None, (mode, rank, run["error"])
+            assert run["losses"] == clean[rank][0]["losses"], (mode, rank)
+        said = [e for e in runs[0]["events"] if "not saved" in e]
+        assert said == ["step 4: checkpoint not saved (rank 1: OSError: [Errno 28] No space "
+                        "left on device (injected)); the latest stays step_00000002; training "
+                        "goes on and the next save tries again"], (mode, runs[0]["events"])
+        store = CheckpointStore(tmp_path / mode)
+        assert store.visible() == [6, 2], mode
+        assert not store.partial_path(4).exists(), mode
+
+
+@pytest.mark.timeout(240)
 def test_nonfinite_gradient_every_rank_takes_the_same_action_under_each_policy(tmp_path):
     base = ckpt_plan(dp=2, zero=2, steps=6, checkpoint_every=2, keep=1)
     plans = [with_runtime(base, nan_policy=policy, checkpoint_dir=str(tmp_path / policy))
