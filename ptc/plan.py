@@ -863,10 +863,16 @@ class RuntimeSpec(_Section):
     """"auto" (nccl on GPUs, gloo on CPUs), "nccl" or "gloo"."""
     checkpoint_dir: str | None = None
     """Directory of checkpoints; None disables checkpointing."""
-    checkpoint_every: int | None = None
-    """Save every N steps (None: only by time, if set)."""
+    checkpoint_every: int | Auto | None = None
+    """Save every N steps (None: only by time, if set); "auto": every τ seconds, Young and
+    Daly's interval for the measured pause a save costs and the job's `mtbf`
+    (`ptc.compiler.cost.goodput`)."""
     checkpoint_interval: float | None = None
     """Save every T seconds (None: only by steps)."""
+    mtbf: float | None = None
+    """The job's mean time between failures, seconds, for checkpoint_every = "auto" and the
+    goodput `ptc explain` predicts; None: Llama 3's failure rate per GPU, scaled to the
+    plan's GPUs."""
     keep: int = 3
     """Complete checkpoints to keep."""
     async_save: bool = True
@@ -900,8 +906,9 @@ class RuntimeSpec(_Section):
     def __post_init__(self) -> None:
         sink = self._sink()
         self._choice(sink, "backend", BACKENDS)
-        self._int(sink, "checkpoint_every", allow_none=True)
+        self._int(sink, "checkpoint_every", allow_none=True, allow_auto=True)
         self._number(sink, "checkpoint_interval", strict=True, allow_none=True)
+        self._number(sink, "mtbf", strict=True, allow_none=True)
         self._int(sink, "keep")
         self._bool(sink, "async_save")
         self._choice(sink, "nan_policy", NAN_POLICIES)

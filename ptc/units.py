@@ -62,3 +62,14 @@ def format_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.2f} ms"
     return f"{t * 1e6:.1f} us"
+
+
+def format_duration(t: float) -> str:
+    """Human-readable duration that may be long, e.g. `12.3 ms`, `42 min`, `5.7 h`."""
+    if t < 60:
+        return format_seconds(t)
+    if t < 3600:
+        return f"{t / 60:.0f} min"
+    if t < 2 * 86400:
+        return f"{t / 3600:.1f} h"
+    return f"{t / 86400:.0f} days"

@@ -44,11 +44,11 @@ _KEYWORDS = {"true", "false", "none"}
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
 _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp",
-                "bucket_size", "offload"}
+                "bucket_size", "offload", "checkpoint_every"}
 
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
-                    "checkpoint_interval": "time", "memory_margin": "bytes",
+                    "checkpoint_interval": "time", "mtbf": "time", "memory_margin": "bytes",
                     "bucket_size": "bytes", "host_bandwidth": "bandwidth",
                     "dispatch_overhead": "time"}
 

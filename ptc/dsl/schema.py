@@ -156,8 +156,9 @@ TRAIN_KEYS: dict[str, Key] = {
 RUNTIME_KEYS: dict[str, Key] = {
     "backend": Key("backend", word(BACKENDS)),
     "checkpoint_dir": Key("checkpoint_dir", optional(string)),
-    "checkpoint_every": Key("checkpoint_every", optional(integer)),
+    "checkpoint_every": Key("checkpoint_every", optional(int_or_auto)),
     "checkpoint_interval": Key("checkpoint_interval", optional(quantity("time"))),
+    "mtbf": Key("mtbf", optional(quantity("time")), example="mtbf = 3 h"),
     "keep": Key("keep", integer),
     "async_save": Key("async_save", boolean),
     "nan_policy": Key("nan_policy", word(NAN_POLICIES)),

@@ -29,7 +29,9 @@ rank, with the automatic collector off in between (`scheduled_collection`).
 
 Checkpoints are taken every `checkpoint_every` steps and/or
 `checkpoint_interval` seconds (rank 0's clock, broadcast so that all ranks
-save at the same step), and after the last step. A collective that times
+save at the same step), and after the last step; `checkpoint_every = auto`
+saves after the first step, then every Young/Daly interval for the pause
+that save cost and the job's MTBF (`ptc.compiler.cost.goodput`). A collective that times
 out is reported with the ranks that did not answer (`health`); a step that
 takes far longer than the steps before it is a stall, noticed within seconds
 and reported with the rank that stalled it (`watchdog`).
@@ -48,7 +50,9 @@ import torch
 import torch.distributed as dist
 
 from ptc.compiler.collector import collector_off
+from ptc.compiler.cost.goodput import checkpoint_interval, job_mtbf
 from ptc.errors import PtcError
+from ptc.plan import AUTO
 from ptc.runtime import faults
 from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
 from ptc.runtime.checkpoint_store import CheckpointStore, step_name
@@ -58,6 +62,7 @@ from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
 from ptc.runtime.watchdog import StallWatchdog
+from ptc.units import format_duration
 
 MAX_ROLLBACKS = 3
 """Rollbacks to the same checkpoint before the run stops."""
@@ -80,6 +85,8 @@ class TrainLoop:
         self._rollbacks: dict[int, int] = {}
         self._last_save_time = time.monotonic()
         self._last_saved: int | None = None
+        self._save_pause: float | None = None  # what the last save cost training, seconds
+        self._interval_said = False
         self.checkpointer = self._checkpointer()
         self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
         self.watchdog = _watchdog(self.rank)
@@ -202,15 +209,34 @@ class TrainLoop:
         if self.checkpointer is None:
             return False
         rt = self.plan.runtime
-        due = bool(rt.checkpoint_every) and self.step % rt.checkpoint_every == 0
-        if rt.checkpoint_interval:
+        auto = rt.checkpoint_every == AUTO
+        due = not auto and bool(rt.checkpoint_every) and self.step % rt.checkpoint_every == 0
+        intervals = [t for t in (rt.checkpoint_interval, self._auto_interval() if auto else None)
+                     if t is not None]
+        if intervals:
             # Clocks differ: rank 0 decides, so that every rank joins the same save.
             late = torch.tensor(
-                [time.monotonic() - self._last_save_time >= rt.checkpoint_interval],
+                [time.monotonic() - self._last_save_time >= min(intervals)],
                 dtype=torch.uint8, device=self.trainer.device)
             dist.broadcast(late, src=0)
             due = due or bool(late.item())
         return due and self.step != self._last_saved  # not again right after a rollback to it
+
+    def _auto_interval(self) -> float:
+        """checkpoint_every = auto: Young and Daly's interval for the pause the last save
+        cost this rank and the job's MTBF (`goodput`); 0 before any save, so that the first
+        step's save measures it."""
+        if self._save_pause is None:
+            return 0.0
+        mtbf = job_mtbf(dist.get_world_size(), self.plan.runtime.mtbf)
+        interval = checkpoint_interval(self._save_pause, mtbf)
+        if not self._interval_said:
+            self._interval_said = True
+            self.log(f"checkpoint_every = auto: a save pauses training "
+                     f"{format_duration(self._save_pause)} and the job's MTBF is "
+                     f"{format_duration(mtbf)}, so a save every {format_duration(interval)} "
+                     f"(Young/Daly)")
+        return interval
 
     def _save(self) -> None:
         train = self.plan.train
@@ -223,8 +249,10 @@ class TrainLoop:
                 "model": self._model_record(),
                 "names": {slot.name: list(slot.aliases)
                           for slot in self.trainer.program.layout.params.values()}}
+        started = time.monotonic()
         with self.watchdog.paused():
             saved = self.checkpointer.save(self.step, self.position, info)
+        self._save_pause = time.monotonic() - started
         if saved:
             self._last_saved = self.step
         self._last_save_time = time.monotonic()

@@ -15,6 +15,7 @@ import sympy
 from rich.console import Group
 
 from ptc.compiler.cost.compute import Split, rates, tile_efficiency
+from ptc.compiler.cost.goodput import checkpoint_interval, goodput, job_mtbf, save_pause
 from ptc.compiler.cost.step import policy_flops, rerun_gathers
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.search.estimate import estimate, plan_precision
@@ -27,9 +28,9 @@ from ptc.compiler.profile.cache import plan_profile, with_model_shape
 from ptc.compiler.search.plan_search import search_all
 from ptc.views.tables import GLUE, FitTable, Prose
 from ptc.hwprofile import ProfileError, load_profile
-from ptc.plan import DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
+from ptc.plan import AUTO, DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
-from ptc.units import format_bytes, format_seconds
+from ptc.units import format_bytes, format_duration, format_seconds
 
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
          "step_sync")
@@ -220,7 +221,42 @@ def render_explain(plan: Plan, est: Estimate | None = None, *, compiled: bool = 
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))
-    return Group(*parts, _expression(plan, est), _fit_hints(plan))
+    return Group(*parts, _expression(plan, est), _fit_hints(plan), _failures(plan, est))
+
+
+def _failures(plan: Plan, est: Estimate) -> Prose:
+    """What failures cost the run: the pause a save takes, the job's MTBF, the checkpoint
+    interval that loses least (Young/Daly) and the goodput at it and at the plan's
+    (`ptc.compiler.cost.goodput`)."""
+    rt, gpus = plan.runtime, plan.hardware.num_gpus
+    mtbf = job_mtbf(gpus, rt.mtbf)
+    source = "the plan's mtbf" if rt.mtbf is not None else \
+        f"Llama 3's failure rate per GPU, for {gpus} GPUs"
+    if not rt.checkpoint_dir:
+        return Prose(f"Failures: the job's MTBF is {format_duration(mtbf)} ({source}); with no "
+                     f"checkpoint_dir a failure loses all training since the start.")
+    if not rt.async_save:
+        return Prose(f"Failures: the job's MTBF is {format_duration(mtbf)} ({source}); saves "
+                     f"are synchronous, so a save pauses training for its whole write to "
+                     f"storage, which ptc does not predict.")
+    profile = plan_profile(plan)
+    pause = save_pause(profile, est.layout, plan.hardware, plan_precision(plan, profile))
+    best = checkpoint_interval(pause, mtbf)
+    step = est.step_time_s
+    text = (f"Failures: a save pauses training {format_duration(pause)} (the rank's share of "
+            f"masters and optimizer state copied to host memory, written meanwhile); the "
+            f"job's MTBF is {format_duration(mtbf)} ({source}). Young/Daly: a save every "
+            f"{format_duration(best)} (~{max(1, round(best / step)):,} steps), goodput "
+            f"{goodput(best, pause, mtbf):.2%}")
+    planned = [t for t in (rt.checkpoint_interval,
+                           rt.checkpoint_every * step if isinstance(rt.checkpoint_every, int)
+                           else None) if t]
+    if rt.checkpoint_every == AUTO:
+        text += " (checkpoint_every = auto: the run measures the pause and saves so)"
+    elif planned:
+        text += (f"; at the plan's save every {format_duration(min(planned))}: "
+                 f"{goodput(min(planned), pause, mtbf):.2%}")
+    return Prose(text + ".")
 
 
 def _rates(plan: Plan, est: Estimate) -> FitTable:

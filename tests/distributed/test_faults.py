@@ -127,13 +127,25 @@ def test_a_failed_save_is_said_and_retried_and_training_goes_on(tmp_path):
     """Rank 1's part of step 4's checkpoint fails to write (a full disk), asynchronous and
     synchronous saves alike: every rank trains on to step 6 with the losses of a run
     without the fault, one line says what failed, step 4's partial save is gone, step 2
-    stays the latest until step 6's save succeeds."""
+    stays the latest until step 6's save succeeds. In the same launch, checkpoint_every =
+    auto: a save after the first step, which measures what a save costs, then at the
+    Young/Daly interval it gives."""
     base = ckpt_plan(dp=2, zero=1, steps=6, checkpoint_every=2)
     plans = [with_runtime(base, async_save=mode == "async", checkpoint_dir=str(tmp_path / mode))
              for mode in ("async", "sync")]
+    # In the same launch (the fault is step 4's): checkpoint_every = auto, 3 steps.
+    auto = with_runtime(ckpt_plan(dp=2, zero=1, steps=3), checkpoint_every="auto",
+                        checkpoint_dir=str(tmp_path / "auto"))
     clean = run_local(run_worker, 2, [with_runtime(base, checkpoint_dir=str(tmp_path / "clean"))])
-    faulted = run_local(run_worker, 2, plans, "savefail:1:4")
-    for mode, runs in zip(("async", "sync"), zip(*faulted.values())):
+    faulted = run_local(run_worker, 2, [*plans, auto], "savefail:1:4")
+    auto_run = faulted[0][2]
+    assert auto_run["error"] is None, auto_run["error"]
+    said = [e for e in auto_run["events"] if e.startswith("checkpoint_every = auto")]
+    assert len(said) == 1 and "(Young/Daly)" in said[0], auto_run["events"]
+    # Saved after the first step (which measures the pause), then not again before the end:
+    # the default MTBF of 2 CPU "GPUs" is years, and Young/Daly's interval with it.
+    assert CheckpointStore(tmp_path / "auto").visible() == [3, 1]
+    for mode, runs in zip(("async", "sync"), zip(*(r[:2] for r in faulted.values()))):
         for rank, run in enumerate(runs):
             assert run["error"] is None, (mode, rank, run["error"])
             assert run["losses"] == clean[rank][0]["losses"], (mode, rank)
