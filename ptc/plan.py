@@ -875,6 +875,9 @@ class RuntimeSpec(_Section):
     plan's GPUs."""
     keep: int = 3
     """Complete checkpoints to keep."""
+    snapshot_every: int | None = None
+    """Keep the training state in host memory every N steps, replicated on a peer, and
+    restore a restarted group from it (`ptc.runtime.snapshot`); None: storage only."""
     async_save: bool = True
     """Write checkpoints while training goes on."""
     nan_policy: str = "stop"
@@ -910,6 +913,11 @@ class RuntimeSpec(_Section):
         self._number(sink, "checkpoint_interval", strict=True, allow_none=True)
         self._number(sink, "mtbf", strict=True, allow_none=True)
         self._int(sink, "keep")
+        self._int(sink, "snapshot_every", allow_none=True)
+        if self.snapshot_every is not None and not self.checkpoint_dir:
+            self._bad(sink, "snapshot_every", "snapshot_every needs checkpoint_dir: a "
+                      "restarted group finds its snapshots by it, and storage checkpoints "
+                      "stay the fallback", ("none",))
         self._bool(sink, "async_save")
         self._choice(sink, "nan_policy", NAN_POLICIES)
         self._int(sink, "seed", minimum=0)

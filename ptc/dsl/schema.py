@@ -160,6 +160,7 @@ RUNTIME_KEYS: dict[str, Key] = {
     "checkpoint_interval": Key("checkpoint_interval", optional(quantity("time"))),
     "mtbf": Key("mtbf", optional(quantity("time")), example="mtbf = 3 h"),
     "keep": Key("keep", integer),
+    "snapshot_every": Key("snapshot_every", optional(integer)),
     "async_save": Key("async_save", boolean),
     "nan_policy": Key("nan_policy", word(NAN_POLICIES)),
     "metrics": Key("metrics", optional(string)),

@@ -187,7 +187,8 @@ def tp_chunks(chunks: FlatChunks, split: ParamShard, rank: int, tp: int) -> Flat
     return FlatChunks(split.full_shape, pieces)
 
 
-def _adam_step(trainer) -> torch.Tensor | None:
+def adam_step(trainer) -> torch.Tensor | None:
+    """AdamW's update count (one tensor the units share), or None for SGD."""
     if trainer.plan.train.optimizer.name != "adamw":
         return None
     return trainer.optimizer.inner.state[trainer.units[0].master]["step"]
@@ -236,7 +237,7 @@ class Snapshot:
         if self.trainer.device.type == "cuda":
             torch.cuda.synchronize(self.trainer.device)  # the writer thread reads the buffers
         state: dict[str, Any] = dict(self.chunks)
-        step = _adam_step(self.trainer)
+        step = adam_step(self.trainer)
         if step is not None:
             state["optim.step"] = self.step.copy_(step)
         state.update(_rng_state(self.trainer.rank))
@@ -295,8 +296,8 @@ class Checkpointer:
         if not self.async_save:
             state = {**chunked_state(self.trainer, owned(self.trainer)),
                      **_rng_state(self.trainer.rank), **_fp8_state(self.trainer)}
-            if _adam_step(self.trainer) is not None:
-                state["optim.step"] = _adam_step(self.trainer)
+            if adam_step(self.trainer) is not None:
+                state["optim.step"] = adam_step(self.trainer)
             try:
                 dcp.save(state, storage_writer=writer, planner=SavePlanner(),
                          process_group=self.group)
@@ -432,8 +433,8 @@ class Checkpointer:
         trainer.settle_copies()  # no copy may still read a master we overwrite
         ensure_optimizer_state(trainer)
         state: dict[str, Any] = dict(chunked_state(trainer, held(trainer)))
-        adam_step = _adam_step(trainer)
-        if adam_step is not None:
+        count = adam_step(trainer)
+        if count is not None:
             state["optim.step"] = torch.zeros((), dtype=torch.float32)
         metadata = FileSystemReader(path).read_metadata()
         saved = manifest.info.get("layout", {})
@@ -453,7 +454,7 @@ class Checkpointer:
         if trainer.plan.train.dtype == "fp8" and not restore_histories(trainer, histories):
             self.log(f"{step_name(step)} holds no float8 amax history: delayed scaling "
                      f"starts afresh (its first step scales as current)")
-        if adam_step is not None:
+        if count is not None:
             for unit in trainer.units:
                 trainer.optimizer.inner.state[unit.master]["step"].copy_(state["optim.step"])
         if f"rng.{trainer.rank}.cpu" in state:

@@ -6,6 +6,8 @@ steps are reported), for example `PTC_FAULT=kill:1:3`:
 - kill: the rank kills itself (SIGKILL: no cleanup, like a lost machine) as
   step STEP starts — only in the launcher's first attempt
   (TORCHELASTIC_RESTART_COUNT 0), so that the restarted group runs through.
+- wipe: as kill, and the rank's own in-memory snapshot is lost with it (its
+  file under PTC_SNAPSHOT_DIR removed): only its peer's copy is left.
 - nan: a NaN is written into the rank's gradient in step STEP, once per
   process (a rolled-back run that reaches STEP again trains normally).
 - savefail: the rank's part of the checkpoint of step STEP fails to write,
@@ -22,11 +24,12 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 ENV = "PTC_FAULT"
-KINDS = ("kill", "nan", "hang", "savefail")
+KINDS = ("kill", "wipe", "nan", "hang", "savefail")
 _fired: set[tuple[str, int, int]] = set()
 
 
@@ -42,9 +45,14 @@ def _wanted(kind: str, rank: int, step: int) -> bool:
 
 def at_step_start(rank: int, step: int) -> None:
     """Kill or hang this rank if `PTC_FAULT` says so for `step` (1-based)."""
-    if _wanted("kill", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if _wanted("wipe", rank, step) and first:
+        for path in Path(os.environ["PTC_SNAPSHOT_DIR"]).glob(f"*/rank{rank}.safetensors"):
+            path.unlink()
         os.kill(os.getpid(), signal.SIGKILL)
-    if _wanted("hang", rank, step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if _wanted("kill", rank, step) and first:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _wanted("hang", rank, step) and first:
         _fired.add(("hang", rank, step))
         time.sleep(3600)
 

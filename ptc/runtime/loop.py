@@ -61,6 +61,7 @@ from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
+from ptc.runtime.snapshot import MemorySnapshots, snapshot_folder
 from ptc.runtime.watchdog import StallWatchdog
 from ptc.units import format_duration
 
@@ -90,6 +91,7 @@ class TrainLoop:
         self.checkpointer = self._checkpointer()
         self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
         self.watchdog = _watchdog(self.rank)
+        self.snapshots = self._snapshots()
         if self.checkpointer is not None:
             self._resume()
 
@@ -112,7 +114,31 @@ class TrainLoop:
         return Checkpointer(self.trainer, store, group=checkpoint_group(timeout()),
                             keep=rt.keep, async_save=rt.async_save, log=self.log)
 
+    def _snapshots(self) -> MemorySnapshots | None:
+        rt = self.plan.runtime
+        if not rt.snapshot_every:
+            return None
+        return MemorySnapshots(self.trainer, snapshot_folder(rt.checkpoint_dir),
+                               dist.new_group(backend="gloo", timeout=timeout()))
+
+    def _from_snapshot(self) -> bool:
+        """Resume from the newest in-memory snapshot when no storage checkpoint is newer."""
+        newest = [self.checkpointer.store.visible()[:1] if self.rank == 0 else None]
+        dist.broadcast_object_list(newest, src=0)
+        storage = newest[0][0] if newest[0] else None
+        restored = self.snapshots.restore(storage)
+        if restored is None:
+            return False
+        self.step, self.position = restored
+        self.resumed_from = self.step
+        where = "none" if storage is None else step_name(storage)
+        self.log(f"resumed from the in-memory snapshot of step {self.step} (the newest "
+                 f"checkpoint in storage: {where}): next sample {self.position}")
+        return True
+
     def _resume(self) -> None:
+        if self.snapshots is not None and self._from_snapshot():
+            return
         manifest = self.checkpointer.restore()
         if manifest is None:
             self.log(f"no checkpoint in {self.plan.runtime.checkpoint_dir}: starting fresh")
@@ -149,6 +175,10 @@ class TrainLoop:
                         self.step, self.position = self.step + 1, self.position + batch
                     if self._save_due():
                         self._save()
+                    if self.snapshots is not None and \
+                            self.step % self.plan.runtime.snapshot_every == 0:
+                        with self.watchdog.paused():
+                            self.snapshots.take(self.step, self.position)
                     collect()
                     self.watchdog.finished()
             if self.checkpointer is not None:
@@ -163,6 +193,8 @@ class TrainLoop:
             raise
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.snapshots is not None:  # the run ended well: its snapshots are not needed
+            self.snapshots.close(remove=True)
 
     def _train_step(self) -> StepStats:
         try:

@@ -122,6 +122,40 @@ def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkey
     assert hung - clean < 30, f"{hung:.1f} s against {clean:.1f} s uninterrupted"
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["kill", "wipe"])
+def test_a_killed_rank_resumes_from_host_memory_losing_at_most_the_step_in_flight(
+        tmp_path, monkeypatch, capfd, fault):
+    """snapshot_every = 1, storage checkpoints every 8 steps, rank 1 killed as step 13
+    starts (`wipe`: its own snapshot lost with it, as with its node's memory): the group
+    restarts from the snapshot of step 12 (11 if step 12's was still being written when the
+    rank died), not from storage's step 8, every loss as the uninterrupted run's; `wipe`
+    restores rank 1 from the copy its peer keeps. The run ending well removes the
+    snapshots."""
+    monkeypatch.setenv("PTC_SNAPSHOT_DIR", str(tmp_path / "shm"))
+
+    def plan(name):
+        return ckpt_plan(dp=2, zero=1, steps=16, checkpoint_dir=str(tmp_path / name),
+                         checkpoint_every=8, snapshot_every=1,
+                         metrics=str(tmp_path / f"{name}.jsonl"))
+
+    reference = run_local(run_worker, 2, [plan("whole")])[0][0]["losses"]
+    monkeypatch.setenv("PTC_FAULT", f"{fault}:1:13")
+    assert launch(plan("killed"), worker.write_plan, nproc=2,
+                  extra_launcher_args=["--max-restarts=1"]) == 0
+    records = read_metrics(tmp_path / "killed.jsonl")
+    assert [r["step"] for r in records if r["restart"] == 0] == list(range(1, 13))
+    after = [r["step"] for r in records if r["restart"] == 1]
+    resumed = after[0] - 1
+    assert resumed in (11, 12) and after == list(range(resumed + 1, 17)), after
+    for record in records:
+        assert record["loss"] == reference[record["step"] - 1], record
+    said = capfd.readouterr().out
+    assert (f"resumed from the in-memory snapshot of step {resumed} (the newest checkpoint in "
+            f"storage: step_00000008): next sample {resumed * GLOBAL_BATCH}") in said
+    assert not list((tmp_path / "shm").glob("*/*.safetensors"))
+
+
 @pytest.mark.timeout(240)
 def test_a_failed_save_is_said_and_retried_and_training_goes_on(tmp_path):
     """Rank 1's part of step 4's checkpoint fails to write (a full disk), asynchronous and
