@@ -119,7 +119,7 @@ class TrainLoop:
         if not rt.snapshot_every:
             return None
         return MemorySnapshots(self.trainer, snapshot_folder(rt.checkpoint_dir),
-                               dist.new_group(backend="gloo", timeout=timeout()))
+                               dist.new_group(backend="gloo", timeout=timeout()), log=self.log)
 
     def _from_snapshot(self) -> bool:
         """Resume from the newest in-memory snapshot when no storage checkpoint is newer."""

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -67,10 +68,12 @@ def peer_of(rank: int, world: int, local_world: int) -> int:
 class MemorySnapshots:
     """One rank's snapshots (module docstring); collective where it says so."""
 
-    def __init__(self, trainer, folder: Path, group: dist.ProcessGroup):
+    def __init__(self, trainer, folder: Path, group: dist.ProcessGroup, *,
+                 log: Callable[[str], None] = print):
         """`group`: a gloo group of all ranks for snapshots only (its thread sends peers'
-        copies over it). Collective: every rank constructs it."""
-        self.trainer, self.folder, self.group = trainer, folder, group
+        copies over it); `log`: where a damaged snapshot is reported. Collective: every rank
+        constructs it."""
+        self.trainer, self.folder, self.group, self.log = trainer, folder, group, log
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.peer = peer_of(self.rank, self.world, local)
@@ -166,13 +169,15 @@ class MemorySnapshots:
         for r in range(self.world):  # a lost snapshot comes back from its peer's copy
             if own[r] != step:
                 self._send_back(r, step)
-        problem = self._load(step)
+        tensors, meta, problem = self._read(step)
         problems: list = [None] * self.world
         dist.all_gather_object(problems, problem, group=self.group)
-        if any(problems):
+        if any(problems):  # checked on every rank before any rank loads anything
+            self.log(f"the in-memory snapshot of step {step} is not usable "
+                     f"({'; '.join(p for p in problems if p)}): resuming from storage")
             return None
-        with safe_open(self.own_path(), "pt") as f:
-            return step, int(f.metadata()["position"])
+        self._apply(tensors)
+        return step, int(meta["position"])
 
     def peer_of_rank(self, rank: int) -> int:
         """The rank that keeps `rank`'s copy."""
@@ -210,22 +215,26 @@ class MemorySnapshots:
             _write_atomically(self.own_path(),
                               lambda path: Path(path).write_bytes(data.numpy().tobytes()))
 
-    def _load(self, step: int) -> str | None:
-        """Load this rank's snapshot of `step` into the trainer; the problem, if any."""
-        trainer = self.trainer
+    def _read(self, step: int) -> tuple[dict, dict, str | None]:
+        """This rank's snapshot of `step`: (tensors, metadata, None), or the problem that
+        makes it unusable (unreadable, another step, a checksum that does not match)."""
         try:
             with safe_open(self.own_path(), "pt") as f:
                 meta = f.metadata()
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (OSError, ValueError, RuntimeError) as exc:
-            return f"rank {self.rank}: {exc}"
+            return {}, {}, f"rank {self.rank}: {exc}"
         if int(meta["step"]) != step or str(_checksum(tensors)) != meta["crc"]:
-            return f"rank {self.rank}: its snapshot of step {step} is damaged"
+            return {}, {}, f"rank {self.rank}: its snapshot of step {step} is damaged"
+        return tensors, meta, None
+
+    def _apply(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put a snapshot's state back into the trainer, as it was when taken."""
+        trainer = self.trainer
         trainer.settle_copies()
         for name, live in self.live.items():
             live.copy_(tensors[name])
-        count = adam_step(trainer)
-        if count is not None:
+        if adam_step(trainer) is not None:
             for unit in trainer.units:
                 trainer.optimizer.inner.state[unit.master]["step"].copy_(
                     tensors["adam_step"].reshape(()))
@@ -236,7 +245,6 @@ class MemorySnapshots:
             restore_histories(trainer, {k: v for k, v in tensors.items() if k.startswith("fp8")})
         publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
                 world=trainer.dp)
-        return None
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> int:

@@ -157,6 +157,37 @@ def test_a_killed_rank_resumes_from_host_memory_losing_at_most_the_step_in_fligh
 
 
 @pytest.mark.timeout(240)
+def test_a_damaged_snapshot_is_said_and_the_run_resumes_from_storage(tmp_path, monkeypatch):
+    """A run with snapshots stops at step 5 (a NaN, nan_policy = stop: its snapshots of step
+    4, complete, stay); every snapshot file then has a byte of its data changed (the header
+    still reads). The next run finds the damage by the files' checksums before any rank
+    loads anything, says so, and resumes from storage's step 4, every loss as an
+    uninterrupted run's."""
+    monkeypatch.setenv("PTC_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    plan = ckpt_plan(dp=2, zero=1, steps=6, checkpoint_every=2, snapshot_every=1,
+                     checkpoint_dir=str(tmp_path / "ckpt"))
+    reference = run_local(run_worker, 2, [with_runtime(plan, checkpoint_dir=str(
+        tmp_path / "whole"))])[0][0]["losses"]
+    stopped = run_local(run_worker, 2, [plan], "nan:1:5")
+    assert "nan_policy = stop" in stopped[0][0]["error"]
+    files = list((tmp_path / "shm").glob("*/*.safetensors"))
+    assert len(files) == 4  # each rank's own and the copy it keeps of its peer's
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    runs = run_local(run_worker, 2, [plan])
+    for rank, (run,) in runs.items():
+        assert run["error"] is None, run["error"]
+        said = [e for e in run["events"] if "in-memory snapshot" in e]
+        assert said == ["the in-memory snapshot of step 4 is not usable (rank 0: its snapshot "
+                        "of step 4 is damaged; rank 1: its snapshot of step 4 is damaged): "
+                        "resuming from storage"], said
+        assert "resumed from step_00000004: step 4, next sample 32" in run["events"]
+        assert run["losses"] == reference[4:], rank
+
+
+@pytest.mark.timeout(240)
 def test_a_failed_save_is_said_and_retried_and_training_goes_on(tmp_path):
     """Rank 1's part of step 4's checkpoint fails to write (a full disk), asynchronous and
     synchronous saves alike: every rank trains on to step 6 with the losses of a run
