@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -216,7 +217,8 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> 
     multiprocessing.set_forkserver_preload(list(PRELOADED))  # read when the server starts
     try:
         with agent_quiet():
-            return elastic_launch(config, _call)(fn, args, kwargs, dict(os.environ))
+            returned = elastic_launch(config, _call)(fn, args, kwargs, dict(os.environ))
+        return {rank: pickle.loads(value) for rank, value in returned.items()}
     except ChildFailedError as exc:
         from ptc.runtime.executor import RankError  # noqa: PLC0415
 
@@ -232,7 +234,10 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, environment: dict) 
     # As torchrun does: n processes with all cores' threads each would oversubscribe. Set
     # here, not left to OpenMP, which read the fork server's environment when it loaded.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    return fn(*args, **kwargs)
+    # Pickled here, tensors with their bytes: handed back as they are, each tensor would
+    # travel as a shared-memory segment whose file the launcher keeps open while the
+    # value lives, thousands over a test session (more than `ulimit -n`).
+    return pickle.dumps(fn(*args, **kwargs))
 
 
 def _take_environment(launcher: dict[str, str]) -> None:

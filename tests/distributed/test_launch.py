@@ -123,6 +123,21 @@ def test_python_api_runs_a_program_on_local_processes():
     assert result.held_bytes["params"] == compile_plan(plan).state_bytes()["params"]
 
 
+def tensors_of_rank(count: int) -> list:
+    """Worker: `count` small tensors, as the equivalence tests' workers hand back weights."""
+    return [torch.full((64,), float(i)) for i in range(count)]
+
+
+@pytest.mark.timeout(120)
+def test_values_handed_back_hold_no_open_file_each():
+    # Kept, as a test module keeps its ranks' results: no descriptor may stay open for each
+    # tensor in them (thousands over a session would pass `ulimit -n 1024`).
+    before = len(os.listdir("/proc/self/fd"))
+    kept = [run_local(tensors_of_rank, 2, 50) for _ in range(3)]
+    assert all(torch.equal(got[1][7], torch.full((64,), 7.0)) for got in kept)
+    assert len(os.listdir("/proc/self/fd")) - before < 20
+
+
 def environment_of_rank(names: tuple[str, ...]) -> dict:
     """Worker: the values (None where unset) of `names` in this rank's environment."""
     return {name: os.environ.get(name) for name in (*names, "RANK", "WORLD_SIZE")}
