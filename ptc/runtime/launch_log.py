@@ -20,6 +20,8 @@ import re
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
                  "torch.distributed.launcher")
@@ -104,8 +106,10 @@ class AgentNarrator(logging.Handler):
             exitcode, local_rank = int(record.args[0]), int(record.args[1])
             rank = self.node_rank * self.nproc + local_rank
             error = self._error(local_rank)
-            self._failed = f"rank {rank} {how_it_ended(exitcode)}" + (f" ({error})" if error
-                                                                      else "")
+            # The rank that failed first, not one that lost it as a peer (`PEER_LOST`).
+            if not self._failed or any(m in self._failed for m in PEER_LOST):
+                self._failed = f"rank {rank} {how_it_ended(exitcode)}" + (
+                    f" ({error})" if error else "")
         elif "attempts left" in text and len(record.args or ()) >= 4:
             remaining, most = int(record.args[2]), int(record.args[3])
             self._attempt += 1
@@ -164,14 +168,58 @@ def restore(narrator: AgentNarrator, saved: dict) -> None:
     narrator.close()
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "remote process exited")
+"""What a rank's error says when it failed because another rank went away first."""
+
+
+def root_failure(exc) -> tuple[int, Any]:
+    """(rank, failure) of a failed launch (torch's ChildFailedError) that caused the others:
+    the earliest failure that is not a rank losing a peer that failed before it (timestamps
+    are whole seconds, so a peer's broken connection may carry the same one), else the
+    earliest failure."""
+    def order(item):
+        rank, failure = item
+        message = str(failure.message)
+        return (any(marker in message for marker in PEER_LOST), failure.timestamp, rank)
+    failures = getattr(exc, "failures", None)
+    return min(failures.items(), key=order) if failures else exc.get_first_failure()
+
+
+def _sibling_cause(rank: int, failure) -> tuple[int, Any]:
+    """When `failure` is a rank losing its peer (`PEER_LOST`), the failure of another rank of
+    the same attempt on this node that caused it, read from its error file: the agent may
+    stop the job before that rank has exited and been counted. Else (rank, failure)."""
+    if not failure.error_file or not any(m in str(failure.message) for m in PEER_LOST):
+        return rank, failure
+    mine = Path(failure.error_file).parent
+    for other in sorted(mine.parent.glob("*/error.json")):
+        if other.parent == mine or not other.parent.name.isdigit():
+            continue
+        try:
+            message = json.loads(other.read_text()).get("message", "")
+        except (OSError, ValueError):
+            continue
+        if message and not any(m in str(message) for m in PEER_LOST):
+            # Stopped before it printed its traceback: keep the one its error file holds.
+            stack = message.get("extraInfo", {}).get("py_callstack", "") \
+                if isinstance(message, dict) else ""
+            kept = other.with_name("traceback.txt")
+            kept.write_text(stack)
+            local = int(other.parent.name) - int(mine.name)
+            return rank + local, SimpleNamespace(message=message, error_file=str(kept),
+                                                 exitcode=1, timestamp=failure.timestamp)
+    return rank, failure
+
+
 def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
     """The job's end: the first failed rank and its error (its first line, then the node and
     source lines the runtime added), after how many restarts, and where that rank's
     traceback and every rank's output are."""
-    get_first = getattr(exc, "get_first_failure", None)
-    if get_first is None:
+    if not getattr(exc, "failures", None) and not hasattr(exc, "get_first_failure"):
         return f"ptc run: the job failed: {exc} (every rank's output: {log_dir})"
-    rank, failure = get_first()
+    rank, failure = root_failure(exc)
+    rank, failure = _sibling_cause(rank, failure)
     error = error_text(failure.message) if failure.message else ""
     if not error or error.startswith("Signal "):
         error = how_it_ended(failure.exitcode)
@@ -179,7 +227,9 @@ def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
         error = error.removeprefix(f"rank {rank}: ")
     after = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" \
         if max_restarts else ""
-    trace = Path(failure.error_file).with_name("stderr.log") if failure.error_file else None
+    trace = None if not failure.error_file else Path(failure.error_file) \
+        if failure.error_file.endswith("traceback.txt") else \
+        Path(failure.error_file).with_name("stderr.log")
     where = f"traceback: {trace}" if trace is not None and trace.is_file() else \
         f"every rank's output: {log_dir}"
     first, _, rest = error.partition("\n")

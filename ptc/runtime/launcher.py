@@ -4,10 +4,11 @@
 calls with the plan it read (overrides applied): it picks the run's log
 folder, has `write_plan` (handed in from above: the runtime reads and writes
 no plan text) write the plan there as the file the workers read, and hands
-torchrun `--nproc-per-node`, the user's launcher flags (`--nnodes`,
+torchrun's parser `--nproc-per-node`, the user's launcher flags (`--nnodes`,
 `--node-rank`, `--rdzv-endpoint`, ... pass through unchanged; without them
 the job is `--standalone` on this machine) and the worker module
-`ptc.worker` with that file. (When we already are a launched worker —
+`ptc.worker` with that file; the elastic agent then starts each rank as
+`run_local` does, forked from the fork server (`start_ranks`). (When we already are a launched worker —
 `torchrun ... -m ptc run PLAN` — the command line trains in this process
 instead.)
 
@@ -26,29 +27,52 @@ so (`refuse_while_spawning`) instead of starting processes of its own.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import tempfile
+import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ptc.plan import Plan
-from ptc.runtime.launch_log import agent_quiet, error_text, how_it_ended
+from ptc.runtime.launch_log import (PEER_LOST, agent_quiet, error_text, how_it_ended,
+                                   root_failure)
 
 
 _FORK_SERVER_ENVIRONMENT = dict(os.environ)
 """The environment this module was imported with: in a rank, the fork server's, which it
 inherited when the first launch started it (`_take_environment`)."""
 
+def _stream_identity(fd: int) -> tuple[int, int] | None:
+    """(device, inode) of the file open as `fd`, or None when it is not open."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+_FORK_SERVER_STREAMS = {fd: _stream_identity(fd) for fd in (1, 2)}
+"""The files stdout and stderr were when this module was imported: in a rank, the fork
+server's, which it inherited when the first launch started it (`_take_streams`)."""
+
+_own_log = {1: False, 2: False}
+"""Whether this rank's stdout and stderr are its own log files (`_take_streams`)."""
+
 PRELOADED = ("torch", "torch.distributed", "torch.fx", "torch.export",
              "torch.distributed.checkpoint", "torch._dynamo", "ptc.runtime.launcher")
 """What the fork server imports once, before it forks the ranks of every local launch: an
 8-rank launch on 2 cores takes 0.4 s forked against 6 s where each rank imports torch."""
+
+PEER_LOST_GRACE_S = 2.0
+"""How long a rank that failed for want of a peer waits before it exits (`_call`)."""
 
 WORKER_MODULE = "ptc.worker"
 """The module each launched process runs (above the runtime: it compiles the plan)."""
@@ -145,7 +169,7 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
         nproc = max(1, world_size(plan) // plan.hardware.nodes)
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.run import parse_args, run  # noqa: PLC0415
+    from torch.distributed.run import parse_args  # noqa: PLC0415
 
     from ptc.runtime import launch_log  # noqa: PLC0415
     from ptc.runtime.elastic import ENV, is_elastic_range  # noqa: PLC0415
@@ -170,7 +194,7 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
     _set_environment(env)
     narrator, loggers = launch_log.narrate(logs, int(flags.get("--node-rank", 0)), nproc)
     try:
-        run(parse_args(launcher_args(str(plan_file), nproc, extra)))
+        start_ranks(parse_args(launcher_args(str(plan_file), nproc, extra)))
     except ChildFailedError as exc:
         print(launch_log.failure_summary(exc, logs, int(flags.get("--max-restarts", 0))),
               file=sys.stderr)
@@ -183,6 +207,33 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
         launch_log.restore(narrator, loggers)
         _set_environment(saved)
     return 0
+
+
+def start_ranks(args) -> None:
+    """Run the job torchrun's parsed command line `args` describes, as `torchrun` would (its
+    `--standalone` and port defaults, its launch config), but each rank forked from the fork
+    server (`PRELOADED`) with the launcher's environment (`_call`) rather than a new
+    interpreter importing torch: the worker module's `main(argv)` is called in the rank."""
+    from torch.distributed.launcher.api import elastic_launch  # noqa: PLC0415
+    from torch.distributed.run import config_from_args  # noqa: PLC0415
+
+    if args.standalone:  # as torch.distributed.run.run: a c10d store on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = \
+            "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.set_forkserver_preload(list(PRELOADED))
+    elastic_launch(config, _call)(_module_main, (args.training_script,
+                                                 list(args.training_script_args)), {},
+                                  dict(os.environ), os.getpid())
+
+
+def _module_main(module: str, argv: list[str]) -> int:
+    """A rank of `ptc run`: `module.main(argv)` (the worker, named: the runtime imports no
+    module above it)."""
+    return importlib.import_module(module).main(argv)
 
 
 def _log_folder(plan: Plan, asked: str | None) -> Path:
@@ -217,7 +268,8 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> 
     multiprocessing.set_forkserver_preload(list(PRELOADED))  # read when the server starts
     try:
         with agent_quiet():
-            returned = elastic_launch(config, _call)(fn, args, kwargs, dict(os.environ))
+            returned = elastic_launch(config, _call)(fn, args, kwargs, dict(os.environ),
+                                                     os.getpid())
         return {rank: pickle.loads(value) for rank, value in returned.items()}
     except ChildFailedError as exc:
         from ptc.runtime.executor import RankError  # noqa: PLC0415
@@ -225,19 +277,81 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, **kwargs: Any) -> 
         raise RankError(_failure_text(exc)) from None
 
 
-def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, environment: dict) -> Any:
-    """A rank's entry: the launcher's environment, a thread count, then `fn`."""
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, environment: dict,
+          launcher: int) -> Any:
+    """A rank's entry: the launcher's (process `launcher`'s) environment and output streams,
+    a thread count, then `fn`."""
     import torch  # noqa: PLC0415
 
+    _release_fork_server()
     die_with_parent()
     _take_environment(environment)
+    _take_streams(launcher)
     # As torchrun does: n processes with all cores' threads each would oversubscribe. Set
     # here, not left to OpenMP, which read the fork server's environment when it loaded.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the rank so
+        _fail(exc)
     # Pickled here, tensors with their bytes: handed back as they are, each tensor would
     # travel as a shared-memory segment whose file the launcher keeps open while the
     # value lives, thousands over a test session (more than `ulimit -n`).
-    return pickle.dumps(fn(*args, **kwargs))
+    return pickle.dumps(result)
+
+
+def _fail(exc: BaseException) -> None:
+    """End a failed rank: its error in the error file the launcher reads, its traceback in
+    its own log (its stderr, where the agent redirected it), exit code 1. Not left to
+    multiprocessing, which would print the traceback on the launcher's terminal once the
+    agent has put the rank's streams back. A rank that failed for want of a peer that
+    failed first waits a moment, so that the launcher sees that one go first and names it
+    as the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler  # noqa: PLC0415
+
+    if any(marker in str(exc) for marker in PEER_LOST):
+        time.sleep(PEER_LOST_GRACE_S)
+    ErrorHandler().record_exception(exc)
+    if _own_log[2]:  # the launcher's own stream: the error file holds it for the summary
+        traceback.print_exception(exc, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _take_streams(launcher: int) -> None:
+    """Write this rank's stdout and stderr where the launcher's go now, where the elastic
+    agent left them as they came (not redirected to the log files). They came from the fork
+    server, which kept the streams of when it started (the first launch): a terminal, or
+    a file a test captured output in, maybe gone since. Each is reopened for appending
+    through /proc (Linux); where that fails (a socket) it stays."""
+    for fd in (1, 2):
+        _own_log[fd] = _stream_identity(fd) != _FORK_SERVER_STREAMS[fd]
+        if _own_log[fd]:
+            continue  # the agent redirected it to the rank's log file
+        try:
+            target = os.open(f"/proc/{launcher}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _release_fork_server() -> None:
+    """Close this rank's copy of the launcher's end of the fork server's liveness pipe.
+
+    The fork server exits when every copy of that end is closed, and each
+    process it forks inherits one (to fork processes of its own through it):
+    kept by the ranks, it would keep the server alive after its launcher was
+    killed, and the ranks, whose parent it is, would outlive it too
+    (`die_with_parent`). A rank starts no processes through it."""
+    from multiprocessing import forkserver  # noqa: PLC0415
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _take_environment(launcher: dict[str, str]) -> None:
@@ -256,10 +370,9 @@ def _take_environment(launcher: dict[str, str]) -> None:
 def _failure_text(exc: Exception) -> str:
     """The first failed rank's error message (the root cause), with where its traceback was
     kept; else the launcher's summary."""
-    get_first = getattr(exc, "get_first_failure", None)
-    if get_first is None:
+    if not getattr(exc, "failures", None) and not hasattr(exc, "get_first_failure"):
         return str(exc)
-    rank, failure = get_first()
+    rank, failure = root_failure(exc)
     message, stack = failure.message, ""
     if isinstance(message, dict):
         stack = message.get("extraInfo", {}).get("py_callstack", "")

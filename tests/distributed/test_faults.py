@@ -36,7 +36,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(autouse=True)
 def importable_ptc(monkeypatch):
-    # Workers are new interpreters (`python -m ptc.worker`): they need the repo on the path.
+    # A plan file's factory may name modules of the repository: on the path for every rank.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("PTC_TIMEOUT", "60")

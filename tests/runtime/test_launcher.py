@@ -60,15 +60,13 @@ def test_nccl_workers_get_the_flight_recorder_before_they_start(tmp_path, monkey
     set before they create a process group; gloo ignores it and gets none."""
     import os
 
-    import torch.distributed.run
-
     from ptc.runtime import launcher
 
     for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(name, raising=False)
     seen = {}
-    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.update(os.environ))
+    monkeypatch.setattr(launcher, "start_ranks", lambda args: seen.update(os.environ))
     plan = parse(TINY.read_text().replace("backend = gloo", f"backend = {backend}"))
     assert launcher.launch(plan, write_plan, 8, log_dir=str(tmp_path / "logs")) == 0
     dump = seen.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -85,9 +83,7 @@ def test_ptc_run_reads_the_plan_once_and_the_workers_train_it_overrides_included
     """The launching process parses the plan file once, with the command line's overrides,
     and writes the result into the log folder; each worker reads that file alone and trains
     a plan equal to it, the file's relative paths still naming the files beside the plan."""
-    import torch.distributed.run
-
-    from ptc.runtime import train
+    from ptc.runtime import launcher, train
     from ptc.worker import main as worker_main
 
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
@@ -100,7 +96,7 @@ def test_ptc_run_reads_the_plan_once_and_the_workers_train_it_overrides_included
     monkeypatch.setattr(ptc.dsl, "parse",
                         lambda *args, **kwargs: parses.append(args) or real_parse(*args, **kwargs))
     launched = []
-    monkeypatch.setattr(torch.distributed.run, "run", launched.append)  # no processes
+    monkeypatch.setattr(launcher, "start_ranks", launched.append)  # no processes
     overrides = ["--train.steps", "3", "--parallel.tp", "2", "--parallel.dp", "4"]
     assert main(["run", "../plans/p.ptc", *overrides, "--log-dir", "logs"]) == 0
     assert len(parses) == 1
