@@ -653,8 +653,9 @@ def _memory_checks(report: Report, key: str, device: torch.device, memory: dict,
                    estimate) -> None:
     """Held bytes against Program.state_bytes() and the estimate's terms; CUDA peak against
     the estimate's peak."""
-    from ptc.compiler.memory.model import RUNTIME_RESERVE
+    from ptc.plan import CPU_PROCESS_BYTES, GPU_RUNTIME_RESERVE
 
+    reserve = GPU_RUNTIME_RESERVE if device.type == "cuda" else CPU_PROCESS_BYTES
     report.data["memory"][key] = memory
     held, program = memory["held"], memory["program_state_bytes"]
     bad = [k for k in held if abs(held[k] - program[k]) > STATE_RTOL * max(program[k], 1)]
@@ -666,7 +667,7 @@ def _memory_checks(report: Report, key: str, device: torch.device, memory: dict,
     terms = dict(estimate.memory_terms[0])
     memory["estimate_terms"] = terms
     memory["estimate_peak_bytes"] = estimate.peak_memory_bytes
-    memory["estimate_reserve_bytes"] = RUNTIME_RESERVE
+    memory["estimate_reserve_bytes"] = reserve
     pairs = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
     ratios = {k: held[k] / terms[t] if terms[t] else None for k, t in pairs.items()}
     memory["held_over_estimate"] = ratios
@@ -682,13 +683,13 @@ def _memory_checks(report: Report, key: str, device: torch.device, memory: dict,
         return
     peak = memory["cuda_peak_bytes"]
     predicted = estimate.peak_memory_bytes
-    modelled = predicted - RUNTIME_RESERVE
+    modelled = predicted - reserve
     memory["peak_over_estimate"] = peak / predicted
     memory["peak_over_estimate_less_reserve"] = peak / modelled if modelled > 0 else None
     ok = peak <= PEAK_HIGH * predicted and modelled <= peak / PEAK_LOW
     report.checked(name, ok, f"measured {peak / 2**30:.2f} GiB, predicted "
                    f"{predicted / 2**30:.2f} GiB ({modelled / 2**30:.2f} GiB less the "
-                   f"{RUNTIME_RESERVE / 2**30:.0f} GiB reserve)")
+                   f"{reserve / 2**30:.0f} GiB reserve)")
 
 
 # --------------------------------------------------------------------------- multi-GPU

@@ -48,7 +48,7 @@ _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "p
 
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
-                    "checkpoint_interval": "time", "mtbf": "time", "memory_margin": "bytes",
+                    "checkpoint_interval": "time", "mtbf": "time", "hang_timeout": "time", "memory_margin": "bytes",
                     "bucket_size": "bytes", "host_bandwidth": "bandwidth",
                     "dispatch_overhead": "time"}
 

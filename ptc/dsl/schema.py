@@ -161,6 +161,8 @@ RUNTIME_KEYS: dict[str, Key] = {
     "mtbf": Key("mtbf", optional(quantity("time")), example="mtbf = 3 h"),
     "keep": Key("keep", integer),
     "snapshot_every": Key("snapshot_every", optional(integer)),
+    "hang_timeout": Key("hang_timeout", optional(quantity_or_auto("time")),
+                        example="hang_timeout = 2 min"),
     "async_save": Key("async_save", boolean),
     "nan_policy": Key("nan_policy", word(NAN_POLICIES)),
     "metrics": Key("metrics", optional(string)),

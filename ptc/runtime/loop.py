@@ -90,7 +90,7 @@ class TrainLoop:
         self._interval_said = False
         self.checkpointer = self._checkpointer()
         self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
-        self.watchdog = _watchdog(self.rank)
+        self.watchdog = _watchdog(self.rank, self.plan.runtime.hang_timeout)
         self.snapshots = self._snapshots()
         if self.checkpointer is not None:
             self._resume()
@@ -307,13 +307,14 @@ class TrainLoop:
         return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
 
 
-def _watchdog(rank: int) -> StallWatchdog | _NoWatchdog:
+def _watchdog(rank: int, hang_timeout: float | str | None) -> StallWatchdog | _NoWatchdog:
     """The stall watchdog of a rank of a launched job of several ranks (their launcher
-    set MASTER_ADDR, where the job's store is); else one that watches nothing."""
+    set MASTER_ADDR, where the job's store is), with `runtime.hang_timeout`'s limit ("auto":
+    the steps' own); else, or with hang_timeout = none, one that watches nothing."""
     world = dist.get_world_size()
-    if world == 1 or "MASTER_ADDR" not in os.environ:
+    if world == 1 or "MASTER_ADDR" not in os.environ or hang_timeout is None:
         return _NoWatchdog()
-    return StallWatchdog(rank, world)
+    return StallWatchdog(rank, world, timeout=None if hang_timeout == AUTO else hang_timeout)
 
 
 class _NoWatchdog:

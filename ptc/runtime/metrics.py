@@ -173,7 +173,19 @@ def run_banner(program: Program) -> str:
     elif est is not None and plan.hardware.synchronous:  # a CPU preset guesses at some CPU
         predicted += " (the cpu preset's rates, a guess: ptc calibrate measures this machine's)"
     return (f"ptc run: {model} on {plan.num_gpus} x {plan.hardware.gpu}, {layout}, "
-            f"{plan.train.dtype}; {predicted}")
+            f"{plan.train.dtype}; {predicted}{_crowded(plan)}")
+
+
+def _crowded(plan) -> str:
+    """What the banner adds when a CPU job's ranks outnumber this machine's cores: they take
+    turns on them, so steps take longer than with a core per rank (a calibration made with
+    the plan's own processes measures the rates as shared)."""
+    cores = os.cpu_count() or 1
+    ranks = plan.num_gpus // plan.hardware.nodes
+    if not plan.hardware.synchronous or ranks <= cores:
+        return ""
+    return (f"; {ranks} ranks share this machine's {cores} core{'s' if cores > 1 else ''} "
+            f"and take turns on them")
 
 
 def run_summary(steps: list[StepStats], predicted: float | None) -> str:

@@ -7,18 +7,20 @@ for the slowest legitimate wait, not for a step that takes a fraction of a
 second. `StallWatchdog` is a thread on every rank that knows how long steps
 take: once a step has completed, a step that has not finished within
 
-    limit = max(MIN_STALL_S, STALL_FACTOR × the slowest step so far)
+    limit = max(MIN_STALL_S, STALL_FACTOR × the median step so far)
 
-(10 s for steps under a second, 10 × the step beyond) is a stall, with no
-timeout set by hand. Checkpoint saves and restores are not steps: the loop
-pauses the watchdog around them.
+(10 s for steps under 2 s, 5 × the step beyond) is a stall, with no timeout
+set by hand (`runtime.hang_timeout` sets the limit instead, or turns the
+watchdog off). Checkpoint saves and restores are not steps: the loop pauses
+the watchdog around them.
 
 On a stall each rank says where its main thread is (`main_thread_at`: the
 innermost frame in ptc, and whether it waits in a collective) under a key
 of the job's store, waits up to `REPORT_GRACE_S` for the others' reports,
 and ends the same verdict (`stall_verdict`): the ranks not waiting in a
 collective stalled the step; a rank that does not report is hung in native
-code or dead; every rank in a collective is a deadlock. It records the
+code or dead; every rank in a collective is a deadlock. Every thread's
+stack goes to the rank's log (faulthandler). It records the
 verdict as the rank's error for the launcher (torch elastic's error file)
 and exits, so the launcher stops the job with that one line, or restarts
 the group (`--max-restarts`), which resumes from the latest checkpoint.
@@ -26,7 +28,9 @@ the group (`--max-restarts`), which resumes from the latest checkpoint.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import faulthandler
 import linecache
 import os
 import sys
@@ -40,8 +44,8 @@ import torch.distributed as dist
 MIN_STALL_S = 10.0
 """The shortest stall noticed: steps under a second would otherwise be stopped by a pause
 of the machine."""
-STALL_FACTOR = 10.0
-"""A step this many times the slowest so far is a stall."""
+STALL_FACTOR = 5.0
+"""A step this many times the median so far is a stall."""
 REPORT_GRACE_S = 5.0
 """How long a rank that noticed a stall waits for the others' reports."""
 POLL_S = 0.25
@@ -101,10 +105,13 @@ class StallWatchdog:
     """This rank's stall watchdog (module docstring). `started(step)` and `finished()` mark
     each step; `paused()` brackets what is not a step (a checkpoint save)."""
 
-    def __init__(self, rank: int, world: int, *, exit_code: int = 1):
+    def __init__(self, rank: int, world: int, *, timeout: float | None = None,
+                 exit_code: int = 1):
         """Start the thread; it reports through a client of the job's store
-        (MASTER_ADDR:MASTER_PORT, which the launcher set)."""
+        (MASTER_ADDR:MASTER_PORT, which the launcher set). `timeout`: the limit in seconds
+        (`runtime.hang_timeout`), else the steps' own (module docstring)."""
         self.rank, self.world, self.exit_code = rank, world, exit_code
+        self.timeout = timeout
         self._store = dist.PrefixStore(
             f"ptc-stall-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
             dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -112,7 +119,7 @@ class StallWatchdog:
         self._lock = threading.Lock()
         self._step: int | None = None
         self._since = time.monotonic()
-        self._slowest: float | None = None  # of the completed steps; None: none yet
+        self._times: list[float] = []  # of the completed steps
         self._paused = 0
         threading.Thread(target=self._watch, name="ptc-stall-watchdog", daemon=True).start()
 
@@ -124,8 +131,7 @@ class StallWatchdog:
     def finished(self) -> None:
         """The step started last is done: its time counts towards the limit."""
         with self._lock:
-            took = time.monotonic() - self._since
-            self._slowest = took if self._slowest is None else max(self._slowest, took)
+            bisect.insort(self._times, time.monotonic() - self._since)
             self._step = None
 
     @contextlib.contextmanager
@@ -142,9 +148,11 @@ class StallWatchdog:
 
     def limit(self) -> float | None:
         """Seconds after which the running step is a stall; None before a step completed."""
-        if self._slowest is None:
+        if not self._times:
             return None
-        return max(MIN_STALL_S, STALL_FACTOR * self._slowest)
+        if self.timeout is not None:
+            return self.timeout
+        return max(MIN_STALL_S, STALL_FACTOR * self._times[len(self._times) // 2])
 
     def _watch(self) -> None:
         while True:
@@ -172,6 +180,7 @@ class StallWatchdog:
         from ptc.runtime.executor import RankError  # noqa: PLC0415
 
         error = RankError(f"rank {self.rank}: {stall_verdict(reports, self.world, waited)}")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # into the rank's log
         _record(error)
         print(f"ptc: {error}", file=sys.stderr, flush=True)
         os._exit(self.exit_code)

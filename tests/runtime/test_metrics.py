@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,11 @@ def test_a_run_opens_with_its_banner_and_closes_with_a_summary():
                       f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} "
                       f"per step (the cpu preset's rates, a guess: ptc calibrate measures this "
                       f"machine's)")
+    two_ranks = compile_plan(tiny_plan("gpt", zero=1, dp=2, accum=1))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "cpu_count", lambda: 1)
+        assert run_banner(two_ranks).endswith(
+            "; 2 ranks share this machine's 1 core and take turns on them")
     out = io.StringIO()
     with StepReporter(plan, steps=3, enabled=True, console=Console(file=out, width=300),
                       predicted_step_time=0.15, banner=banner) as reporter:

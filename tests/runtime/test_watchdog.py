@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from ptc.runtime.watchdog import main_thread_at, stall_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_rank_not_in_a_collective_is_named_as_the_one_that_stalled():
@@ -41,3 +44,15 @@ def test_the_main_thread_is_seen_from_another_thread():
     time.sleep(0.05)  # the main thread sleeps here, in this test file: outside ptc
     worker.join()
     assert seen == [("outside ptc", False)]
+
+
+def test_hang_timeout_reads_as_a_time_auto_or_none_and_writes_back():
+    import ptc
+    from ptc.dsl import dump_plan
+
+    base = (ROOT / "examples" / "tiny_gpt_cpu.ptc").read_text()
+    for text, value in (("2 min", 120.0), ("auto", "auto"), ("none", None)):
+        plan = ptc.parse_plan(base.replace("runtime {", f"runtime {{\n  hang_timeout = {text}"))
+        assert plan.runtime.hang_timeout == value
+        assert ptc.parse_plan(dump_plan(plan)) == plan
+    assert ptc.parse_plan(base).runtime.hang_timeout == "auto"

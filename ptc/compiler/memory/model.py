@@ -47,12 +47,11 @@ import sympy
 from ptc.compiler.records.layout import Layout
 from ptc.compiler.profile.types import ModelProfile, b, s
 from ptc.errors import CompileError
+from ptc.plan import GPU_RUNTIME_RESERVE
 
 t, d, m = sympy.symbols("t d m", positive=True, integer=True)
 """Symbols of the tp degree, dp degree and micro-batches per step."""
 
-RUNTIME_RESERVE = 1 << 30
-"""Bytes the runtime holds beside the model: CUDA context, cuBLAS and NCCL workspaces."""
 GRAD_BUCKET_ELEMENTS = 25 * 2**20
 """Elements of one data-parallel gradient bucket (torch DDP's 25 MiB cap, in elements)."""
 
@@ -67,7 +66,8 @@ MASTER_BYTES = 4
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Precision:
-    """Bytes per parameter element of each kind of model state."""
+    """Bytes per parameter element of each kind of model state, and what a rank holds beside
+    the model."""
 
     weight: int
     """Working weight (compute dtype)."""
@@ -77,6 +77,9 @@ class Precision:
     """Optimizer state incl. the fp32 master copy when weights are 16-bit."""
     grad_wire: int = MAIN_GRAD_BYTES
     """Gradient bytes per element in the data-parallel reduction (`Plan.grad_wire_bytes`)."""
+    reserve: float = GPU_RUNTIME_RESERVE
+    """Bytes a rank holds beside the model (`HardwareSpec.runtime_reserve`): the plan's
+    hardware, so it travels with the other per-plan figures."""
 
     @property
     def main_grad(self) -> int:
@@ -87,14 +90,16 @@ class Precision:
 
 
 def precision(dtype_bytes: int, optimizer: str, momentum: float = 0.0,
-              grad_bytes: int = MAIN_GRAD_BYTES, grad_wire: int | None = None) -> Precision:
+              grad_bytes: int = MAIN_GRAD_BYTES, grad_wire: int | None = None,
+              reserve: float = GPU_RUNTIME_RESERVE) -> Precision:
     """Model-state bytes for a compute dtype width, optimizer ("adamw", "sgd") and gradient
     width (`train.grad_dtype`: fp32 main gradients unless the plan says otherwise);
-    `grad_wire`: bytes a gradient element takes in the dp reduction (default: its width)."""
+    `grad_wire`: bytes a gradient element takes in the dp reduction (default: its width);
+    `reserve`: what a rank holds beside the model (`HardwareSpec.runtime_reserve`)."""
     master = 4 if dtype_bytes < 4 else 0
     states = 8 if optimizer == "adamw" else (4 if momentum else 0)
     return Precision(weight=dtype_bytes, grad=grad_bytes, optimizer=master + states,
-                     grad_wire=grad_bytes if grad_wire is None else grad_wire)
+                     grad_wire=grad_bytes if grad_wire is None else grad_wire, reserve=reserve)
 
 
 def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
@@ -320,7 +325,7 @@ def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> 
 def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt) -> object:
     """Communication buffers and runtime reserve of one rank."""
     boundary = prec.weight * profile.fn["boundary"](bb, ss)
-    buffers = RUNTIME_RESERVE
+    buffers = prec.reserve
     if layout.pp > 1:
         buffers += 2 * boundary / (tt if layout.sp else 1)
     if layout.sp:

@@ -34,7 +34,8 @@ def plan_precision(plan: Plan, profile: ModelProfile) -> Precision:
     """Model-state bytes per parameter for the plan's dtype and optimizer."""
     opt = plan.train.optimizer
     return precision(profile.dtype_bytes, opt.name, opt.momentum,
-                     DTYPE_BYTES[plan.train.grad_dtype], plan.grad_wire_bytes)
+                     DTYPE_BYTES[plan.train.grad_dtype], plan.grad_wire_bytes,
+                     plan.hardware.runtime_reserve)
 
 
 def estimate(plan: Plan) -> Estimate:
