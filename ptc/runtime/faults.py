@@ -7,7 +7,7 @@ steps are reported), for example `PTC_FAULT=kill:1:3`:
   step STEP starts — only in the launcher's first attempt
   (TORCHELASTIC_RESTART_COUNT 0), so that the restarted group runs through.
 - wipe: as kill, and the rank's own in-memory snapshot is lost with it (its
-  file under PTC_SNAPSHOT_DIR removed): only its peer's copy is left.
+  file under `snapshot.snapshot_root()` removed): only its peer's copy is left.
 - nan: a NaN is written into the rank's gradient in step STEP, once per
   process (a rolled-back run that reaches STEP again trains normally).
 - savefail: the rank's part of the checkpoint of step STEP fails to write,
@@ -24,7 +24,6 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -47,7 +46,9 @@ def at_step_start(rank: int, step: int) -> None:
     """Kill or hang this rank if `PTC_FAULT` says so for `step` (1-based)."""
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if _wanted("wipe", rank, step) and first:
-        for path in Path(os.environ["PTC_SNAPSHOT_DIR"]).glob(f"*/rank{rank}.safetensors"):
+        from ptc.runtime.snapshot import snapshot_root  # noqa: PLC0415
+
+        for path in snapshot_root().glob(f"*/rank{rank}.safetensors"):
             path.unlink()
         os.kill(os.getpid(), signal.SIGKILL)
     if _wanted("kill", rank, step) and first:

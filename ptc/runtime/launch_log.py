@@ -20,7 +20,6 @@ import re
 import signal
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
@@ -107,7 +106,7 @@ class AgentNarrator(logging.Handler):
             rank = self.node_rank * self.nproc + local_rank
             error = self._error(local_rank)
             # The rank that failed first, not one that lost it as a peer (`PEER_LOST`).
-            if not self._failed or any(m in self._failed for m in PEER_LOST):
+            if not self._failed or lost_a_peer(self._failed):
                 self._failed = f"rank {rank} {how_it_ended(exitcode)}" + (
                     f" ({error})" if error else "")
         elif "attempts left" in text and len(record.args or ()) >= 4:
@@ -173,6 +172,11 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 """What a rank's error says when it failed because another rank went away first."""
 
 
+def lost_a_peer(message: object) -> bool:
+    """Whether a rank's error says it failed because another rank went away (`PEER_LOST`)."""
+    return any(marker in str(message) for marker in PEER_LOST)
+
+
 def root_failure(exc) -> tuple[int, Any]:
     """(rank, failure) of a failed launch (torch's ChildFailedError) that caused the others:
     the earliest failure that is not a rank losing a peer that failed before it (timestamps
@@ -180,36 +184,9 @@ def root_failure(exc) -> tuple[int, Any]:
     earliest failure."""
     def order(item):
         rank, failure = item
-        message = str(failure.message)
-        return (any(marker in message for marker in PEER_LOST), failure.timestamp, rank)
+        return (lost_a_peer(failure.message), failure.timestamp, rank)
     failures = getattr(exc, "failures", None)
     return min(failures.items(), key=order) if failures else exc.get_first_failure()
-
-
-def _sibling_cause(rank: int, failure) -> tuple[int, Any]:
-    """When `failure` is a rank losing its peer (`PEER_LOST`), the failure of another rank of
-    the same attempt on this node that caused it, read from its error file: the agent may
-    stop the job before that rank has exited and been counted. Else (rank, failure)."""
-    if not failure.error_file or not any(m in str(failure.message) for m in PEER_LOST):
-        return rank, failure
-    mine = Path(failure.error_file).parent
-    for other in sorted(mine.parent.glob("*/error.json")):
-        if other.parent == mine or not other.parent.name.isdigit():
-            continue
-        try:
-            message = json.loads(other.read_text()).get("message", "")
-        except (OSError, ValueError):
-            continue
-        if message and not any(m in str(message) for m in PEER_LOST):
-            # Stopped before it printed its traceback: keep the one its error file holds.
-            stack = message.get("extraInfo", {}).get("py_callstack", "") \
-                if isinstance(message, dict) else ""
-            kept = other.with_name("traceback.txt")
-            kept.write_text(stack)
-            local = int(other.parent.name) - int(mine.name)
-            return rank + local, SimpleNamespace(message=message, error_file=str(kept),
-                                                 exitcode=1, timestamp=failure.timestamp)
-    return rank, failure
 
 
 def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
@@ -219,7 +196,6 @@ def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
     if not getattr(exc, "failures", None) and not hasattr(exc, "get_first_failure"):
         return f"ptc run: the job failed: {exc} (every rank's output: {log_dir})"
     rank, failure = root_failure(exc)
-    rank, failure = _sibling_cause(rank, failure)
     error = error_text(failure.message) if failure.message else ""
     if not error or error.startswith("Signal "):
         error = how_it_ended(failure.exitcode)
@@ -227,9 +203,7 @@ def failure_summary(exc: Exception, log_dir: Path, max_restarts: int) -> str:
         error = error.removeprefix(f"rank {rank}: ")
     after = f" after {max_restarts} restart{'s' if max_restarts != 1 else ''}" \
         if max_restarts else ""
-    trace = None if not failure.error_file else Path(failure.error_file) \
-        if failure.error_file.endswith("traceback.txt") else \
-        Path(failure.error_file).with_name("stderr.log")
+    trace = Path(failure.error_file).with_name("stderr.log") if failure.error_file else None
     where = f"traceback: {trace}" if trace is not None and trace.is_file() else \
         f"every rank's output: {log_dir}"
     first, _, rest = error.partition("\n")

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ptc.plan import Plan
-from ptc.runtime.launch_log import (PEER_LOST, agent_quiet, error_text, how_it_ended,
+from ptc.runtime.launch_log import (agent_quiet, error_text, how_it_ended, lost_a_peer,
                                    root_failure)
 
 
@@ -309,7 +309,7 @@ def _fail(exc: BaseException) -> None:
     as the cause."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler  # noqa: PLC0415
 
-    if any(marker in str(exc) for marker in PEER_LOST):
+    if lost_a_peer(exc):
         time.sleep(PEER_LOST_GRACE_S)
     ErrorHandler().record_exception(exc)
     if _own_log[2]:  # the launcher's own stream: the error file holds it for the summary

@@ -50,10 +50,15 @@ ROOT_ENV = "PTC_SNAPSHOT_DIR"
 """Where snapshot folders live: this variable, else /dev/shm/ptc-snapshots (tmpfs)."""
 
 
+def snapshot_root() -> Path:
+    """Where every run's snapshot folder lives (`ROOT_ENV`)."""
+    return Path(os.environ.get(ROOT_ENV) or "/dev/shm/ptc-snapshots")
+
+
 def snapshot_folder(checkpoint_dir: str) -> Path:
     """The folder of the snapshots of the run that checkpoints into `checkpoint_dir`: a
     restarted group finds them again by it."""
-    root = Path(os.environ.get(ROOT_ENV) or "/dev/shm/ptc-snapshots")
+    root = snapshot_root()
     key = hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:16]
     return root / key
 

@@ -242,7 +242,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) and /proc are Linux-only")
 def test_workers_die_within_seconds_of_a_killed_launcher(tmp_path):
     """`ptc run` SIGKILLed mid-run (as an out-of-memory killer or a lost login node would):
     its ranks, which would otherwise train on as orphans, are gone within 10 s, and so is
