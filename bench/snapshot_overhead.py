@@ -3,12 +3,14 @@
 The README plan (`examples/tiny_gpt_cpu.ptc`, 8 local gloo processes) trains
 `--steps` steps with a checkpoint folder and storage checkpoints only at the
 end, once without snapshots and once with a snapshot after every step
-(`runtime.snapshot_every = 1`, `ptc.runtime.snapshot`: each rank copies its
-state to host buffers, then a background thread writes it to tmpfs and sends
-it to its peer). Each run's median step time after `--warmup` steps is rank
-0's `StepStats.step_time`; the two plans take turns `--repeats` times and the
-medians over runs are compared: the ratio is the snapshot's cost per step, in
-the same run of the benchmark, on the same machine.
+(`runtime.snapshot_every = 1`, `ptc.runtime.snapshot`: each rank writes its
+state to tmpfs, then a background thread sends it to its peer while the next
+step trains). A step here is the wall time between two of rank 0's metrics
+records (their `time`): the step and everything the loop does around it, the
+snapshot's pause included. Each run's median after `--warmup` steps is
+taken; the two plans take turns `--repeats` times and the medians over runs
+are compared: the ratio is the snapshot's cost per step, in the same run of
+the benchmark, on the same machine.
 
     python bench/snapshot_overhead.py [--repeats 5] [--steps 20] [--warmup 3]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
@@ -30,22 +33,27 @@ PLAN = ROOT / "examples" / "tiny_gpt_cpu.ptc"
 
 def plan_with(snapshots: bool, folder: Path, steps: int):
     """The README plan training `steps` steps into a checkpoint folder of its own, saving
-    to storage only at the end, with or without a snapshot after every step; no metrics
-    file, and only the last step's line printed."""
+    to storage only at the end, with or without a snapshot after every step; its metrics
+    file in that folder, and only the last step's line printed."""
     import ptc
 
     plan = ptc.load_plan(PLAN, overrides={"train.steps": steps, "runtime.log_every": steps})
-    runtime = dataclasses.replace(plan.runtime, metrics=None, checkpoint_every=None,
-                                  checkpoint_interval=None, checkpoint_dir=str(folder),
+    runtime = dataclasses.replace(plan.runtime, metrics=str(folder / "metrics.jsonl"),
+                                  checkpoint_every=None, checkpoint_interval=None,
+                                  checkpoint_dir=str(folder),
                                   snapshot_every=1 if snapshots else None)
     return dataclasses.replace(plan, runtime=runtime)
 
 
 def median_step(plan, warmup: int) -> float:
-    """Train `plan` once; the median of rank 0's step times after the first `warmup`."""
+    """Train `plan` once; the median wall time between rank 0's metrics records after the
+    first `warmup` steps."""
     import ptc
 
-    return statistics.median(s.step_time for s in ptc.run(plan).steps[warmup:])
+    ptc.run(plan)
+    records = Path(plan.runtime.metrics).read_text().splitlines()
+    times = [json.loads(line)["time"] for line in records][warmup:]
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
 def main(argv: list[str] | None = None) -> None:

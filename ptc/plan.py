@@ -308,6 +308,9 @@ class HardwareSpec(_Section):
     host_bandwidth: float = PCIE4_X16
     """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
     what optimizer offload's copies move at (default PCIe Gen4 x16)."""
+    host_memory_bytes: float = 2 * 10**12
+    """Host memory per node, bytes: where in-memory snapshots live (`runtime.snapshot_every`),
+    half of it as tmpfs by default."""
     memory_margin: float = 0.0
     """Bytes of each accelerator's memory kept out of the budget (CUDA context, communication
     buffers, fragmentation): plans must fit in hbm_bytes - memory_margin."""
@@ -347,7 +350,8 @@ class HardwareSpec(_Section):
             intra=LinkSpec(bandwidth=p.intra_bandwidth, latency=p.intra_latency),
             inter=LinkSpec(bandwidth=p.inter_bandwidth, latency=p.inter_latency),
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
-            host_bandwidth=p.host_bandwidth, dispatch_overhead=p.dispatch_overhead,
+            host_bandwidth=p.host_bandwidth, host_memory_bytes=p.host_memory_bytes,
+            dispatch_overhead=p.dispatch_overhead,
             multiprocessors=p.multiprocessors,
         )
         if overrides.get("profile"):
@@ -364,6 +368,7 @@ class HardwareSpec(_Section):
         self._number(sink, "achievable_fraction", strict=True)
         self._number(sink, "memory_margin")
         self._number(sink, "host_bandwidth", strict=True)
+        self._number(sink, "host_memory_bytes", strict=True)
         self._number(sink, "dispatch_overhead")
         self._int(sink, "multiprocessors", minimum=0)
         for dtype, value in dict(self.gemm_flops).items():
@@ -893,9 +898,12 @@ class RuntimeSpec(_Section):
     """Seconds a step may run before it is a stall that stops (or restarts) the job, naming
     the rank that stalled it (`ptc.runtime.watchdog`); "auto": max(10 s, 5 × the median
     step so far); None: no stall watchdog (collectives still time out, `PTC_TIMEOUT`)."""
-    snapshot_every: int | None = None
+    snapshot_every: int | Auto | None = "auto"
     """Keep the training state in host memory every N steps, replicated on a peer, and
-    restore a restarted group from it (`ptc.runtime.snapshot`); None: storage only."""
+    restore a restarted group from it (`ptc.runtime.snapshot`); "auto": every step when
+    the run checkpoints and the node's tmpfs holds a rank's state twice (its own copy
+    and a peer's) for each of its ranks with half of it to spare, else none; None:
+    storage only."""
     async_save: bool = True
     """Write checkpoints while training goes on."""
     nan_policy: str = "stop"
@@ -931,10 +939,10 @@ class RuntimeSpec(_Section):
         self._number(sink, "checkpoint_interval", strict=True, allow_none=True)
         self._number(sink, "mtbf", strict=True, allow_none=True)
         self._int(sink, "keep")
-        self._int(sink, "snapshot_every", allow_none=True)
+        self._int(sink, "snapshot_every", allow_none=True, allow_auto=True)
         if self.hang_timeout != AUTO:
             self._number(sink, "hang_timeout", strict=True, allow_none=True)
-        if self.snapshot_every is not None and not self.checkpoint_dir:
+        if self.snapshot_every not in (None, AUTO) and not self.checkpoint_dir:
             self._bad(sink, "snapshot_every", "snapshot_every needs checkpoint_dir: a "
                       "restarted group finds its snapshots by it, and storage checkpoints "
                       "stay the fallback", ("none",))

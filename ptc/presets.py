@@ -45,6 +45,10 @@ datasheet "PCIe Gen4: 64 GB/s" counts both directions), PCIe Gen5 x16 on
 H100 and H200 (63 GB/s; NVIDIA's H100 datasheet "PCIe Gen5: 128 GB/s", both
 directions). For the CPU preset the "device" is host memory itself: its
 memory bandwidth.
+
+`host_memory_bytes` is the usual node's: 1 TB (DGX A100), 2 TB (DGX H100,
+DGX H200, DGX B200), 1.5 TB (DGX-2), 36 Grace CPUs of 480 GB each (GB200 and
+GB300 NVL72 racks); for the CPU preset, the memory of its 8 ranks.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from dataclasses import dataclass
 from ptc.units import UNITS
 
 GiB = UNITS["GiB"][1]
+GB = 10**9
+TB = 10**12
 GB_S = UNITS["GB/s"][1]
 TFLOPS = UNITS["TFLOP/s"][1]
 US = UNITS["us"][1]
@@ -100,6 +106,8 @@ class GpuPreset:
     docstring)."""
     host_bandwidth: float
     """Per-GPU, per-direction bandwidth to host memory (PCIe), bytes/s."""
+    host_memory_bytes: float
+    """Host memory of the usual node, bytes (what its in-memory snapshots may use)."""
     dispatch_overhead: float = 0.0
     """Host seconds to dispatch one op (see module docstring)."""
     multiprocessors: int = 0
@@ -121,7 +129,8 @@ GB200 = GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
                   mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=72,
                   nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148)
+                  host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148,
+                  host_memory_bytes=36 * 480 * GB)
 """NVIDIA GB200: the Blackwell GPU of an NVL72 rack (GB300 is this with its own memory, NIC
 and SMs)."""
 
@@ -139,14 +148,16 @@ PRESETS: dict[str, GpuPreset] = {
                   mem_bandwidth=1555 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
-                  host_bandwidth=PCIE4_X16, multiprocessors=108),
+                  host_bandwidth=PCIE4_X16, multiprocessors=108,
+                  host_memory_bytes=1 * TB),
         GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
                   mem_bandwidth=2039 * GB_S, intra_bandwidth=300 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
-                  host_bandwidth=PCIE4_X16, multiprocessors=108),
+                  host_bandwidth=PCIE4_X16, multiprocessors=108,
+                  host_memory_bytes=1 * TB),
         # NVIDIA H100 Tensor Core GPU datasheet (SXM column, sparsity figures halved):
         # 80 GB HBM3 at 3.35 TB/s, FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2
         # TFLOP/s; NVLink 4: 900 GB/s per GPU, both directions. Node: DGX H100, 8 GPUs on
@@ -158,7 +169,8 @@ PRESETS: dict[str, GpuPreset] = {
                   mem_bandwidth=3350 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=PCIE5_X16, multiprocessors=132),
+                  host_bandwidth=PCIE5_X16, multiprocessors=132,
+                  host_memory_bytes=2 * TB),
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
         # with sparsity, halved here): 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both
         # directions), FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2 TFLOP/s. Node:
@@ -170,7 +182,8 @@ PRESETS: dict[str, GpuPreset] = {
                   mem_bandwidth=4800 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=PCIE5_X16, multiprocessors=132),
+                  host_bandwidth=PCIE5_X16, multiprocessors=132,
+                  host_memory_bytes=2 * TB),
         # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
         # with sparsity halved): 1,440 GB HBM3e (180 GB per GPU) at 64 TB/s (8 TB/s per GPU);
         # FP8 72 PFLOP/s -> 4.5 dense, FP16 = BF16 36 -> 2.25, TF32 18 -> 1.125 PFLOP/s,
@@ -184,7 +197,8 @@ PRESETS: dict[str, GpuPreset] = {
                   mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
-                  host_bandwidth=PCIE5_X16, multiprocessors=148),
+                  host_bandwidth=PCIE5_X16, multiprocessors=148,
+                  host_memory_bytes=2 * TB),
         GB200,
         # NVIDIA GB300 NVL72 specifications (Blackwell Ultra; per GPU = rack total / 72):
         # FP8 360 PFLOP/s dense -> 5, FP16 = BF16 180 -> 2.5 PFLOP/s, as GB200; 288 GB
@@ -204,13 +218,15 @@ PRESETS: dict[str, GpuPreset] = {
                   mem_bandwidth=900 * GB_S, intra_bandwidth=150 * GB_S, intra_latency=3 * US,
                   inter_bandwidth=8 * 12.5 * GB_S / 16, inter_latency=6 * US,
                   gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.69,
-                  host_bandwidth=PCIE3_X16, multiprocessors=80),
+                  host_bandwidth=PCIE3_X16, multiprocessors=80,
+                  host_memory_bytes=1.5 * TB),
         GpuPreset(name="cpu", hbm_bytes=16 * GiB,
                   peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
                   mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,
                   inter_bandwidth=1 * GB_S, inter_latency=50 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.3,
-                  host_bandwidth=20 * GB_S, dispatch_overhead=6.4 * US),
+                  host_bandwidth=20 * GB_S, dispatch_overhead=6.4 * US,
+                  host_memory_bytes=8 * 16 * GiB),
     )
 }
 """Preset name -> figures. Names are matched exactly (case-sensitive)."""

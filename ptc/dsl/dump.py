@@ -44,13 +44,14 @@ _KEYWORDS = {"true", "false", "none"}
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
 _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp",
-                "bucket_size", "offload", "checkpoint_every"}
+                "bucket_size", "offload", "checkpoint_every",
+                "snapshot_every"}
 
 # Which dimension each quantity field measures, keyed by plan field name.
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
                     "checkpoint_interval": "time", "mtbf": "time", "hang_timeout": "time", "memory_margin": "bytes",
                     "bucket_size": "bytes", "host_bandwidth": "bandwidth",
-                    "dispatch_overhead": "time"}
+                    "host_memory_bytes": "bytes", "dispatch_overhead": "time"}
 
 
 def dump_plan(plan: Plan) -> str:
@@ -126,7 +127,7 @@ def _hardware(hw: HardwareSpec) -> str:
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu, profile=hw.profile)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
                  "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
-                 "gemm_flops", "dispatch_overhead", "multiprocessors"):
+                 "host_memory_bytes", "gemm_flops", "dispatch_overhead", "multiprocessors"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else profiled.get(
             name, _default(HardwareSpec, name))

@@ -71,6 +71,7 @@ from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.fp8_linear import advance_amax_history
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
+from ptc.runtime import faults
 from ptc.runtime.data import TokenSource, microbatch_start
 from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import FoldedGuard, guarded_update
@@ -124,9 +125,14 @@ def located(exc: Exception, rank: int, step: int, action) -> RankError:
     kind = "" if isinstance(exc, PtcError) else f"{type(exc).__name__}: "  # ptc's say enough
     text = str(exc) if isinstance(exc, RankError) else f"rank {rank}: {kind}{exc}"
     first, _, rest = text.partition("\n")
-    where = (f"  at step {step + 1}, micro-batch {action.microbatch}, "
-             f"{_DOING.get(action.kind, action.kind)} stage {action.stage}")
-    return RankError("\n".join(filter(None, (first, where, rest))))
+    return RankError("\n".join(filter(None, (first, f"  at step {step + 1}, {doing(action)}",
+                                               rest))))
+
+
+def doing(action) -> str:
+    """What `action` does, in words: `micro-batch 1, forward of stage 0`."""
+    return (f"micro-batch {action.microbatch}, {_DOING.get(action.kind, action.kind)} "
+            f"stage {action.stage}")
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -205,6 +211,10 @@ class StepStats:
     comm_wait: float = 0.0
     """Seconds this rank spent blocked waiting for collectives during the step: the
     communication that computation did not hide (exposed)."""
+    rank_work: tuple[float, ...] = ()
+    """Seconds each rank (by global rank) worked in the step rather than waited for
+    collectives (its step_time - comm_wait): where a slow rank shows; empty when not
+    gathered."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -305,6 +315,8 @@ class Trainer:
                 raise PtcError(f"the program is split over {axis} = {plan.parallel.degree(axis)},"
                                f" but this rank's {axis} group has {size} rank(s)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.action: Action | None = None
+        """The action of the step running now, if any (what a stall report names)."""
         self.zero = plan.parallel.zero
         self.guard = FoldedGuard(self.rank, self.dp, self.device) if self._guard_folds() else None
         """The non-finite guard when the gradient all-reduce carries it (else None)."""
@@ -430,11 +442,13 @@ class Trainer:
             self.guard.start(step, state.loss_sum, [u.grad for u in self.units])
         with bind_axes(self.groups):
             for action in self.actions:
+                self.action = action
                 try:
                     self._handlers[action.kind](action, state)
                 except Exception as exc:
                     raise located(exc, self.rank, step, action) from exc
                 state.sends = [t for t in state.sends if not t.done()]
+            self.action = None
             for transfer in state.sends:
                 transfer.wait()
             for chunk in self.chunks.values():
@@ -448,6 +462,7 @@ class Trainer:
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
+                faults.at_phase("optimizer", self.rank, step + 1)
                 if self.offload is not None:  # clips, steps and publishes unit by unit
                     return self.offload.update(self.optimizer, lr, train.grad_clip,
                                                uncounted=self._uncounted, pp_group=self.pp_group)
@@ -514,6 +529,7 @@ class Trainer:
                                                 micro_batch=train.micro_batch)
 
     def _forward(self, action: Action, state: _StepState) -> None:
+        faults.at_phase("forward", self.rank, state.step + 1)
         s, mb = action.stage, action.microbatch
         chunk = self.chunks[s]
         info = chunk.info
@@ -549,6 +565,7 @@ class Trainer:
         self.peak_in_flight = max(self.peak_in_flight, state.in_flight)
 
     def _backward(self, action: Action, state: _StepState) -> None:
+        faults.at_phase("backward", self.rank, state.step + 1)
         s, mb = action.stage, action.microbatch
         chunk, live = self.chunks[s], state.live[s, mb]
         info = chunk.info

@@ -1,19 +1,24 @@
 """Test hook: failures injected at a chosen step of a chosen rank, from `PTC_FAULT`.
 
-`PTC_FAULT` is a comma-separated list of KIND:RANK:STEP (STEP 1-based, as
-steps are reported), for example `PTC_FAULT=kill:1:3`:
+`PTC_FAULT` is a comma-separated list of KIND[@PHASE]:RANK:STEP[:ATTEMPT]
+(STEP 1-based, as steps are reported; ATTEMPT the launcher's restart count
+it fires in, 0 by default, so that a restarted group runs through), for
+example `PTC_FAULT=kill:1:3` or `PTC_FAULT=kill@backward:1:5,kill:0:9:1`:
 
-- kill: the rank kills itself (SIGKILL: no cleanup, like a lost machine) as
-  step STEP starts — only in the launcher's first attempt
-  (TORCHELASTIC_RESTART_COUNT 0), so that the restarted group runs through.
+- kill: the rank kills itself (SIGKILL: no cleanup, like a lost machine) at
+  PHASE of step STEP (`hang` takes a PHASE too): `start` (the default: as the step starts), `forward`
+  (its first forward), `backward` (its first backward), `optimizer` (as the
+  optimizer step begins, gradients reduced) or `snapshot` (while it writes
+  its in-memory snapshot of step STEP, the file half written).
 - wipe: as kill, and the rank's own in-memory snapshot is lost with it (its
   file under `snapshot.snapshot_root()` removed): only its peer's copy is left.
 - nan: a NaN is written into the rank's gradient in step STEP, once per
   process (a rolled-back run that reaches STEP again trains normally).
 - savefail: the rank's part of the checkpoint of step STEP fails to write,
   as on a full disk.
-- hang: the rank sleeps as step STEP starts, until the launcher stops it (in
-  the first attempt only: a restarted group trains on, as after a kill).
+- hang: the rank sleeps at PHASE of step STEP, until the launcher stops it.
+- slow: from step STEP on, the rank sleeps `SLOW_S` in each forward (a
+  straggler: a slow GPU, a throttled node).
 
 Unset, every hook does nothing. The fault-injection tests are its only users.
 """
@@ -28,34 +33,57 @@ from collections.abc import Sequence
 import torch
 
 ENV = "PTC_FAULT"
-KINDS = ("kill", "wipe", "nan", "hang", "savefail")
+KINDS = ("kill", "wipe", "nan", "hang", "savefail", "slow")
+PHASES = ("start", "forward", "backward", "optimizer", "snapshot")
+"""Where in a step a `kill` fires."""
+SLOW_S = 0.1
+"""What a `slow` rank sleeps in each forward."""
 _fired: set[tuple[str, int, int]] = set()
 
 
-def _wanted(kind: str, rank: int, step: int) -> bool:
+def _wanted(kind: str, rank: int, step: int, phase: str = "start") -> bool:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for item in filter(None, os.environ.get(ENV, "").split(",")):
-        k, r, s = item.split(":")
-        if k not in KINDS:
-            raise ValueError(f"{ENV}: unknown fault {k!r}, known: {', '.join(KINDS)}")
-        if (k, int(r), int(s)) == (kind, rank, step) and (kind, rank, step) not in _fired:
+        what, r, s, *when = item.split(":")
+        k, _, p = what.partition("@")
+        if k not in KINDS or p not in ("", *PHASES):
+            raise ValueError(f"{ENV}: unknown fault {what!r}, known: {', '.join(KINDS)}, "
+                             f"kill@PHASE and hang@PHASE for PHASE in {', '.join(PHASES)}")
+        if (k, int(r), int(s), p or "start") == (kind, rank, step, phase) \
+                and (kind, rank, step) not in _fired \
+                and (kind in ("nan", "savefail") or int((when or ["0"])[0]) == attempt):
             return True
     return False
 
 
 def at_step_start(rank: int, step: int) -> None:
-    """Kill or hang this rank if `PTC_FAULT` says so for `step` (1-based)."""
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if _wanted("wipe", rank, step) and first:
+    """Kill or hang this rank if `PTC_FAULT` says so for the start of `step` (1-based)."""
+    if _wanted("wipe", rank, step):
         from ptc.runtime.snapshot import snapshot_root  # noqa: PLC0415
 
         for path in snapshot_root().glob(f"*/rank{rank}.safetensors"):
             path.unlink()
         os.kill(os.getpid(), signal.SIGKILL)
-    if _wanted("kill", rank, step) and first:
+    at_phase("start", rank, step)
+
+
+def at_phase(phase: str, rank: int, step: int) -> None:
+    """Kill or hang this rank if `PTC_FAULT` says so for `phase` of `step` (1-based); slow it
+    down in a forward if it is slow by then."""
+    if _wanted("kill", rank, step, phase):
         os.kill(os.getpid(), signal.SIGKILL)
-    if _wanted("hang", rank, step) and first:
+    if _wanted("hang", rank, step, phase):
         _fired.add(("hang", rank, step))
         time.sleep(3600)
+    if phase == "forward" and _slow(rank, step):
+        time.sleep(SLOW_S)
+
+
+def _slow(rank: int, step: int) -> bool:
+    """Whether `PTC_FAULT` makes this rank slow in `step` (a `slow` fault at or before it)."""
+    return any(k == "slow" and int(r) == rank and int(s) <= step
+               for k, r, s, *_ in (item.split(":") for item in
+                                   filter(None, os.environ.get(ENV, "").split(","))))
 
 
 def corrupt_gradients(rank: int, step: int, grads: Sequence[torch.Tensor]) -> None:

@@ -31,6 +31,7 @@ import importlib
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -206,7 +207,18 @@ def launch(plan: Plan, write_plan: PlanWriter, nproc: int | None = None,
     finally:
         launch_log.restore(narrator, loggers)
         _set_environment(saved)
+        _remove_snapshots(plan)
     return 0
+
+
+def _remove_snapshots(plan: Plan) -> None:
+    """Free the host memory of the job's in-memory snapshots on this node once its launcher
+    is done, however it ended: they serve the restarts of this job; a new job resumes from
+    storage."""
+    if plan.runtime.checkpoint_dir:
+        from ptc.runtime.snapshot import snapshot_folder  # noqa: PLC0415
+
+        shutil.rmtree(snapshot_folder(plan.runtime.checkpoint_dir), ignore_errors=True)
 
 
 def start_ranks(args) -> None:

@@ -40,6 +40,7 @@ and reported with the rank that stalled it (`watchdog`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -56,14 +57,15 @@ from ptc.plan import AUTO
 from ptc.runtime import faults
 from ptc.runtime.checkpoint import Checkpointer, checkpoint_group
 from ptc.runtime.checkpoint_store import CheckpointStore, step_name
-from ptc.runtime.executor import RankError, StepStats
+from ptc.runtime.executor import RankError, StepStats, doing
 from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
-from ptc.runtime.snapshot import MemorySnapshots, snapshot_folder
+from ptc.runtime.snapshot import (MemorySnapshots, room_for_snapshots, snapshot_folder,
+                                  snapshots_fit)
 from ptc.runtime.watchdog import StallWatchdog
-from ptc.units import format_duration
+from ptc.units import format_bytes, format_duration
 
 MAX_ROLLBACKS = 3
 """Rollbacks to the same checkpoint before the run stops."""
@@ -90,7 +92,7 @@ class TrainLoop:
         self._interval_said = False
         self.checkpointer = self._checkpointer()
         self._spare = dist.new_group(backend="gloo", timeout=timeout())  # hang diagnosis only
-        self.watchdog = _watchdog(self.rank, self.plan.runtime.hang_timeout)
+        self.watchdog = _watchdog(self.rank, self.plan.runtime.hang_timeout, trainer)
         self.snapshots = self._snapshots()
         if self.checkpointer is not None:
             self._resume()
@@ -115,11 +117,27 @@ class TrainLoop:
                             keep=rt.keep, async_save=rt.async_save, log=self.log)
 
     def _snapshots(self) -> MemorySnapshots | None:
+        """The run's in-memory snapshots, or None; `snapshot_every = auto` decided here, the
+        same on every rank (collective)."""
         rt = self.plan.runtime
-        if not rt.snapshot_every:
+        if rt.snapshot_every is None or not rt.checkpoint_dir:
             return None
-        return MemorySnapshots(self.trainer, snapshot_folder(rt.checkpoint_dir),
-                               dist.new_group(backend="gloo", timeout=timeout()), log=self.log)
+        folder, group = snapshot_folder(rt.checkpoint_dir), dist.new_group(
+            backend="gloo", timeout=timeout())
+        self.snapshot_every = rt.snapshot_every
+        if rt.snapshot_every == AUTO:
+            need, free = room_for_snapshots(self.trainer, folder)
+            fits = torch.tensor([int(snapshots_fit(need, free))])
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
+            room = (f"{format_bytes(need)} for this node's ranks, their own and a peer's, "
+                    f"{format_bytes(free)} free in {folder.parent}")
+            if not fits.item():
+                self.log(f"in-memory snapshots off (snapshot_every = auto): {room} on some "
+                         f"node, and they may take half; restarts resume from storage")
+                return None
+            self.snapshot_every = 1
+            self.log(f"in-memory snapshots every step (snapshot_every = auto): {room}")
+        return MemorySnapshots(self.trainer, folder, group, log=self.log)
 
     def _from_snapshot(self) -> bool:
         """Resume from the newest in-memory snapshot when no storage checkpoint is newer."""
@@ -168,7 +186,7 @@ class TrainLoop:
                     self.watchdog.started(self.step + 1)
                     faults.at_step_start(self.rank, self.step + 1)
                     stats = self._train_step()
-                    report(stats)
+                    report(dataclasses.replace(stats, rank_work=self._rank_work(stats)))
                     if stats.nonfinite:
                         self._nonfinite(stats)
                     else:
@@ -176,7 +194,7 @@ class TrainLoop:
                     if self._save_due():
                         self._save()
                     if self.snapshots is not None and \
-                            self.step % self.plan.runtime.snapshot_every == 0:
+                            self.step % self.snapshot_every == 0:
                         with self.watchdog.paused():
                             self.snapshots.take(self.step, self.position)
                     collect()
@@ -195,6 +213,14 @@ class TrainLoop:
             self.checkpointer.close()
         if self.snapshots is not None:  # the run ended well: its snapshots are not needed
             self.snapshots.close(remove=True)
+
+    def _rank_work(self, stats: StepStats) -> tuple[float, ...]:
+        """Every rank's work in the step (`StepStats.rank_work`), gathered on every rank."""
+        mine = torch.tensor([stats.step_time - stats.comm_wait], dtype=torch.float64,
+                            device=self.trainer.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return tuple(float(t.item()) for t in every)
 
     def _train_step(self) -> StepStats:
         try:
@@ -307,14 +333,17 @@ class TrainLoop:
         return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
 
 
-def _watchdog(rank: int, hang_timeout: float | str | None) -> StallWatchdog | _NoWatchdog:
+def _watchdog(rank: int, hang_timeout: float | str | None, trainer
+              ) -> StallWatchdog | _NoWatchdog:
     """The stall watchdog of a rank of a launched job of several ranks (their launcher
     set MASTER_ADDR, where the job's store is), with `runtime.hang_timeout`'s limit ("auto":
-    the steps' own); else, or with hang_timeout = none, one that watches nothing."""
+    the steps' own), naming the `trainer`'s action of the moment; else, or with
+    hang_timeout = none, one that watches nothing."""
     world = dist.get_world_size()
     if world == 1 or "MASTER_ADDR" not in os.environ or hang_timeout is None:
         return _NoWatchdog()
-    return StallWatchdog(rank, world, timeout=None if hang_timeout == AUTO else hang_timeout)
+    return StallWatchdog(rank, world, timeout=None if hang_timeout == AUTO else hang_timeout,
+                         doing=lambda: None if trainer.action is None else doing(trainer.action))
 
 
 class _NoWatchdog:

@@ -12,8 +12,15 @@ plan's dtype; null when the graphs carry no FLOP counts), `exposed_comm_s`
 computation did not hide), rank 0's
 `peak_memory_bytes` (CUDA's peak allocation, or the process's peak RSS on
 CPUs), `nonfinite` (ranks that saw a NaN or Inf; the step then updated
-nothing, and non-finite values are written as null) and `restart` (the
-elastic launcher's restart count). A resumed run appends to the file; a
+nothing, and non-finite values are written as null), `restart` (the
+elastic launcher's restart count), `time` (when rank 0 reported the step,
+seconds since the epoch: the wall time between two records is a step with
+everything around it, checkpoint and snapshot pauses included), and the
+step's work skew: `slowest_rank`
+and `work_skew`, the largest rank's work (seconds not waiting for
+collectives) over the median rank's. The run's closing lines name the
+ranks whose median work per step exceeds the median rank's by more than
+`STRAGGLER_SHARE` (stragglers: a slow GPU, a throttled node, a busy host). A resumed run appends to the file; a
 fresh run keeps an earlier run's file as `NAME.1` (then `.2`, ...) and says
 so, so no record is ever lost. With `runtime.tensorboard` set, the same
 numbers are TensorBoard scalars (tag = key, x = step) in event files under
@@ -33,6 +40,8 @@ import math
 import os
 import resource
 import secrets
+import statistics
+import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -70,7 +79,7 @@ def _finite(value: float) -> float | None:
 
 
 SCALARS = ("loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu", "peak_memory_bytes",
-           "exposed_comm_s", "predicted_step_time")
+           "exposed_comm_s", "predicted_step_time", "work_skew")
 """The record's keys that TensorBoard and W&B plot, each a scalar tag."""
 
 
@@ -200,6 +209,31 @@ def run_summary(steps: list[StepStats], predicted: float | None) -> str:
             f"{format_bytes(peak_memory_bytes())}")
 
 
+STRAGGLER_SHARE = 0.25
+"""A rank whose median work per step exceeds the median rank's by more than this share is
+named a straggler..."""
+STRAGGLER_FLOOR_S = 0.005
+"""...and by more than this many seconds: a millisecond's jitter of short steps is not."""
+
+
+def stragglers(steps: list[StepStats]) -> str:
+    """The line naming the ranks slower than the median rank (`STRAGGLER_SHARE`), from each
+    rank's median work per step; "" when none is, or the work was not gathered."""
+    rows = [s.rank_work for s in steps if s.rank_work]
+    if not rows:
+        return ""
+    per_rank = [statistics.median(list(column)) for column in zip(*rows)]
+    typical = statistics.median(per_rank)
+    slow = [(rank, work) for rank, work in enumerate(per_rank)
+            if work > typical * (1 + STRAGGLER_SHARE) and work - typical > STRAGGLER_FLOOR_S]
+    if not slow:
+        return ""
+    names = ", ".join(f"rank {rank} {format_seconds(work)} (+{work / typical - 1:.0%})"
+                      for rank, work in slow)
+    return (f"ptc run: slower than the median rank's {format_seconds(typical)} of work per "
+            f"step (time not waiting for collectives): {names}")
+
+
 def format_step(stats: StepStats, steps: int, predicted: float | None) -> str:
     """The one-line report of a step."""
     line = (f"step {stats.step}/{steps}  loss {stats.loss:.4f}  lr {stats.lr:.3g}  "
@@ -208,6 +242,16 @@ def format_step(stats: StepStats, steps: int, predicted: float | None) -> str:
     if predicted is not None:
         line += f"  (predicted {predicted * 1e3:.1f} ms)"
     return line
+
+
+def _skew(work: tuple[float, ...]) -> dict:
+    """The record's `slowest_rank` and `work_skew` (None when the work was not gathered)."""
+    if not work:
+        return {"slowest_rank": None, "work_skew": None}
+    typical = statistics.median(list(work))
+    slowest = max(range(len(work)), key=work.__getitem__)
+    return {"slowest_rank": slowest,
+            "work_skew": work[slowest] / typical if typical > 0 else None}
 
 
 class StepReporter(AbstractContextManager):
@@ -280,7 +324,9 @@ class StepReporter(AbstractContextManager):
                 "exposed_comm_s": stats.comm_wait, "tokens_per_s": stats.tokens_per_s,
                 "predicted_step_time": self.predicted, "mfu": mfu,
                 "peak_memory_bytes": peak_memory_bytes(), "nonfinite": list(stats.nonfinite),
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                "time": time.time(),
+                **_skew(stats.rank_work)}
 
     def _record(self, record: dict, step: int) -> None:
         """Append the record to the JSONL file and plot its numbers in TensorBoard and W&B."""
@@ -301,6 +347,9 @@ class StepReporter(AbstractContextManager):
             self._progress.stop()
         if self.enabled and kind is None:
             self.console.print(run_summary(self._steps, self.predicted), markup=False)
+            slow = stragglers(self._steps)
+            if slow:
+                self.console.print(slow, markup=False)
         if self._file is not None:
             self._file.close()
         if self._board is not None:

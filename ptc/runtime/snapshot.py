@@ -8,12 +8,14 @@ rank holds — its flat weight and optimizer buffers, Adam's step count, its
 random generators' states, float8 amax histories, the step and the data
 position — in host memory that outlives the process: a file on the node's
 tmpfs (`/dev/shm/ptc-snapshots/<key of checkpoint_dir>/rank<r>.safetensors`).
-The copy into host buffers is the only pause training sees; a background
-thread writes the file (to a temporary name, then renamed: a partial
-snapshot never replaces a whole one) and sends the same bytes to a peer,
-which keeps them as `rank<r>.peer.safetensors` on its own node: the rank as
-many ranks on (LOCAL_WORLD_SIZE), on the next node; on one node, the next
-rank.
+Writing that file (from a GPU, after a copy to pinned host buffers; to a
+temporary name, then renamed: a partial snapshot never replaces a whole one)
+is the only pause training sees, and once it is done the snapshot outlives
+the rank: a rank killed as the next step starts resumes from it. A
+background thread then sends the same bytes to a peer, while the next step
+trains, which keeps them as `rank<r>.peer.safetensors` on its own node: the
+rank as many ranks on (LOCAL_WORLD_SIZE), on the next node; on one node, the
+next rank.
 
 A restarted group (`--max-restarts`) restores before it reads storage
 (`restore`, collective): the ranks tell each other which snapshots they
@@ -29,6 +31,7 @@ files are removed when the run ends well.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ptc.runtime import faults
 from ptc.runtime.checkpoint import adam_step, ensure_optimizer_state, held, optimizer_kinds
 from ptc.runtime.fp8_state import restore_histories, saved_histories
 from ptc.runtime.params import publish
@@ -70,6 +74,34 @@ def peer_of(rank: int, world: int, local_world: int) -> int:
     return (rank + step) % world
 
 
+def live_state(trainer) -> dict[str, torch.Tensor]:
+    """The buffers a snapshot copies, by name: each unit's flat weights and optimizer state
+    as this rank holds them."""
+    ensure_optimizer_state(trainer)
+    hold = held(trainer)
+    return {f"{index}.{kind}": hold(index, kind)[1] for index in range(len(trainer.units))
+            for kind in ("model", *optimizer_kinds(trainer))}
+
+
+def room_for_snapshots(trainer, folder: Path) -> tuple[int, int]:
+    """(bytes the node's snapshots need, bytes free for them where they are kept): each of
+    the node's ranks (LOCAL_WORLD_SIZE) keeps its own snapshot and a peer's, about its own
+    size; the free space counts this run's snapshots already there, which the next ones
+    replace."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    need = 2 * local * sum(t.numel() * t.element_size() for t in live_state(trainer).values())
+    existing = folder if folder.exists() else next(p for p in folder.parents if p.exists())
+    stat = os.statvfs(existing)
+    ours = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.exists() else 0
+    return need, stat.f_bavail * stat.f_frsize + ours
+
+
+def snapshots_fit(need: int, free: int) -> bool:
+    """Whether `runtime.snapshot_every = auto` keeps snapshots: they need at most half the
+    free space (tmpfs is host memory; the rest is left to the processes)."""
+    return 2 * need <= free
+
+
 class MemorySnapshots:
     """One rank's snapshots (module docstring); collective where it says so."""
 
@@ -85,14 +117,9 @@ class MemorySnapshots:
         self.source = next(r for r in range(self.world) if peer_of(r, self.world, local)
                            == self.rank)
         self.folder.mkdir(parents=True, exist_ok=True)
-        ensure_optimizer_state(trainer)
-        hold = held(trainer)
-        self.live = {f"{index}.{kind}": hold(index, kind)[1]
-                     for index in range(len(trainer.units))
-                     for kind in ("model", *optimizer_kinds(trainer))}
-        pin = trainer.device.type == "cuda"
-        self.host = {name: torch.empty(t.numel(), dtype=t.dtype, pin_memory=pin)
-                     for name, t in self.live.items()}
+        self.live = live_state(trainer)
+        self.host = {name: torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+                     for name, t in self.live.items()} if trainer.device.type == "cuda" else {}
         p = trainer.plan.parallel
         self.layout = json.dumps({"world": self.world, "rank": self.rank, "tp": p.tp, "cp": p.cp,
                                   "pp": p.pp, "dp": p.dp, "zero": p.zero,
@@ -112,14 +139,17 @@ class MemorySnapshots:
     # ------------------------------------------------------------------ taking
 
     def take(self, step: int, position: int) -> None:
-        """Snapshot the state after `step` steps (`position`: the next sample): copy it to
-        host buffers now, write and replicate it in the background."""
+        """Snapshot the state after `step` steps (`position`: the next sample): write it to
+        this node's host memory now — from here on it outlives the process — and replicate
+        it to the peer in the background, while the next step trains."""
         self.wait()
-        for name, buffer in self.host.items():
-            buffer.copy_(self.live[name], non_blocking=True)
-        if self.trainer.device.type == "cuda":
+        if self.trainer.device.type == "cuda":  # copied off the device first, then written
+            for name, buffer in self.host.items():
+                buffer.copy_(self.live[name], non_blocking=True)
             torch.cuda.synchronize(self.trainer.device)
-        tensors = dict(self.host)
+            tensors = dict(self.host)
+        else:  # already in host memory: written as they are, before the next step changes them
+            tensors = dict(self.live)
         count = adam_step(self.trainer)
         if count is not None:
             tensors["adam_step"] = count.detach().cpu().clone().reshape(1)
@@ -130,16 +160,22 @@ class MemorySnapshots:
             tensors.update(saved_histories(self.trainer))
         meta = {"step": str(step), "position": str(position), "layout": self.layout,
                 "crc": str(_checksum(tensors))}
-        self._pending = self._writer.submit(self._write_and_replicate, tensors, meta)
+
+        def write(path: str) -> None:
+            save_file(tensors, path, metadata=meta)
+            faults.at_phase("snapshot", self.rank, step)
+
+        _write_atomically(self.own_path(), write)
+        self._pending = self._writer.submit(self._replicate)
 
     def wait(self) -> None:
-        """Block until the snapshot in flight is written and replicated; raise its error."""
+        """Block until the snapshot in flight is replicated; raise its error."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
-    def _write_and_replicate(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        _write_atomically(self.own_path(), lambda path: save_file(tensors, path, metadata=meta))
+    def _replicate(self) -> None:
+        """Send this rank's newest snapshot to its peer and keep the one its source sends."""
         mine = torch.frombuffer(bytearray(self.own_path().read_bytes()), dtype=torch.uint8)
         theirs = _exchange(mine, self.peer, self.source, self.group)
         if theirs is not None:
@@ -154,6 +190,8 @@ class MemorySnapshots:
         if remove:
             for path in (self.own_path(), self.peer_path(self.source)):
                 path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the last rank out removes the folder
+                self.folder.rmdir()
 
     # --------------------------------------------------------------- restoring
 

@@ -36,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -106,11 +107,12 @@ class StallWatchdog:
     each step; `paused()` brackets what is not a step (a checkpoint save)."""
 
     def __init__(self, rank: int, world: int, *, timeout: float | None = None,
-                 exit_code: int = 1):
+                 exit_code: int = 1, doing: Callable[[], str | None] = lambda: None):
         """Start the thread; it reports through a client of the job's store
         (MASTER_ADDR:MASTER_PORT, which the launcher set). `timeout`: the limit in seconds
-        (`runtime.hang_timeout`), else the steps' own (module docstring)."""
-        self.rank, self.world, self.exit_code = rank, world, exit_code
+        (`runtime.hang_timeout`), else the steps' own (module docstring); `doing`: what the
+        step is doing now, in words (its micro-batch and action), named in the report."""
+        self.rank, self.world, self.exit_code, self.doing = rank, world, exit_code, doing
         self.timeout = timeout
         self._store = dist.PrefixStore(
             f"ptc-stall-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
@@ -167,6 +169,8 @@ class StallWatchdog:
     def _stop(self, step: int, waited: float) -> None:
         """Report, wait for the others' reports, record the verdict and exit."""
         where, waiting = main_thread_at()
+        now = self.doing()
+        where = f"{where} ({now})" if now else where
         self._store.set(str(self.rank), f"{step}|{int(waiting)}|{where}")
         deadline = time.monotonic() + REPORT_GRACE_S
         keys = [str(r) for r in range(self.world)]

@@ -15,7 +15,8 @@ import sympy
 from rich.console import Group
 
 from ptc.compiler.cost.compute import Split, rates, tile_efficiency
-from ptc.compiler.cost.goodput import checkpoint_interval, goodput, job_mtbf, save_pause
+from ptc.compiler.cost.goodput import (checkpoint_interval, goodput, job_mtbf, save_pause,
+                                       snapshot_bytes, snapshot_goodput, snapshot_pause)
 from ptc.compiler.cost.step import policy_flops, rerun_gathers
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.search.estimate import estimate, plan_precision
@@ -256,7 +257,36 @@ def _failures(plan: Plan, est: Estimate) -> Prose:
     elif planned:
         text += (f"; at the plan's save every {format_duration(min(planned))}: "
                  f"{goodput(min(planned), pause, mtbf):.2%}")
-    return Prose(text + ".")
+    text += ". " + _snapshots(plan, est, best, pause, mtbf)
+    return Prose(text)
+
+
+def _snapshots(plan: Plan, est: Estimate, interval: float, pause: float, mtbf: float) -> str:
+    """What in-memory snapshots (`runtime.snapshot_every`) hold per rank and node, whether
+    `auto` keeps them (at most a quarter of the node's host memory: tmpfs is half of it by
+    default, and they take at most half of that), and the goodput at the Young/Daly
+    interval with them."""
+    every, hw = plan.runtime.snapshot_every, plan.hardware
+    if every is None:
+        return "In-memory snapshots: off (snapshot_every = none)."
+    profile = plan_profile(plan)
+    state = snapshot_bytes(profile, est.layout, plan_precision(plan, profile),
+                           plan.train.seq_len)
+    node = 2 * state * hw.gpus_per_node
+    held = (f"{format_bytes(state)} per rank, twice (its own and a peer's): "
+            f"{format_bytes(node)} of the node's {format_bytes(hw.host_memory_bytes)} host "
+            f"memory")
+    if every == AUTO and node > hw.host_memory_bytes / 4:
+        return (f"In-memory snapshots: off (snapshot_every = auto: {held}, more than a quarter "
+                f"of it, half of tmpfs).")
+    sigma, steps = snapshot_pause(state, hw), 1 if every == AUTO else every
+    with_them = snapshot_goodput(interval, pause, sigma, est.step_time_s, mtbf, steps)
+    when = "step (snapshot_every = auto)" if every == AUTO else f"{every} steps"
+    lost = "half a step" if steps == 1 else f"half of {steps} steps"
+    return (f"In-memory snapshots every {when}: {held}; each pauses training "
+            f"{format_duration(sigma)} and a failure loses {lost}: goodput "
+            f"{with_them:.2%} at the Young/Daly saves ({goodput(interval, pause, mtbf):.2%} "
+            f"with storage alone).")
 
 
 def _rates(plan: Plan, est: Estimate) -> FitTable:

@@ -54,9 +54,11 @@ def decisions(run: dict) -> list[str]:
 @pytest.mark.timeout(240)
 def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
         tmp_path, monkeypatch, capfd):
+    """Without snapshots the restarted group resumes from storage's latest checkpoint."""
     def plan(name):
         return ckpt_plan(dp=2, zero=1, steps=6, checkpoint_dir=str(tmp_path / name),
-                         checkpoint_every=2, metrics=str(tmp_path / f"{name}.jsonl"))
+                         checkpoint_every=2, snapshot_every=None,
+                         metrics=str(tmp_path / f"{name}.jsonl"))
 
     reference = run_local(run_worker, 2, [plan("whole")])[0][0]["losses"]
     monkeypatch.setenv("PTC_FAULT", "kill:1:5")  # rank 1 dies as step 5 starts, first attempt
@@ -86,9 +88,10 @@ def test_killed_rank_restarts_and_every_later_loss_equals_the_uninterrupted_run(
 
 @pytest.mark.timeout(240)
 def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkeypatch, capfd):
-    """A rank that hangs as step 5 starts, with no timeout set (the collective timeout stays
-    at its 300 s): the stall watchdog notices within 10 s (steps take well under a second),
-    names the rank and where it is, and the group restarts and trains on from the latest
+    """A rank that hangs in the backward of step 5, with no timeout set (the collective
+    timeout stays at its 300 s): the stall watchdog notices within 10 s (steps take well
+    under a second), names the rank, where it is and what it was doing (micro-batch,
+    action), and the group restarts and trains on from the latest
     checkpoint, every loss as the uninterrupted run's; the whole run takes at most 30 s more
     than that one."""
     import time  # noqa: PLC0415
@@ -103,7 +106,7 @@ def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkey
     assert launch(plan("whole"), worker.write_plan, nproc=2) == 0
     clean = time.monotonic() - start
     reference = [r["loss"] for r in read_metrics(tmp_path / "whole.jsonl")]
-    monkeypatch.setenv("PTC_FAULT", "hang:1:5")  # first attempt only
+    monkeypatch.setenv("PTC_FAULT", "hang@backward:1:5")  # first attempt only
     start = time.monotonic()
     assert launch(plan("hung"), worker.write_plan, nproc=2,
                   extra_launcher_args=["--max-restarts=1"]) == 0
@@ -115,33 +118,66 @@ def test_a_hung_rank_is_noticed_named_and_restarted_within_30_s(tmp_path, monkey
         assert record["loss"] == reference[record["step"] - 1], record
     said = capfd.readouterr().err
     assert re.search(r"ptc run: rank [01] exited with code 1 \(step 5: no progress for 1\d s; "
-                     r"rank 1 stalled in step 5 at ptc/runtime/faults\.py:\d+ in at_step_start; "
+                     r"rank 1 stalled in step 5 at ptc/runtime/faults\.py:\d+ in at_phase "
+                     r"\(micro-batch 0, backward of stage 0\); "
                      r"rank\(s\) 0 wait\(s\) in a collective \(ptc/.+\)\); restarting the "
                      r"group: restart 1 of 1", said), said
     print(f"hung run {hung:.1f} s, uninterrupted {clean:.1f} s")
     assert hung - clean < 30, f"{hung:.1f} s against {clean:.1f} s uninterrupted"
 
 
+def snapshot_plan(tmp_path, name):
+    """16 steps of dp 2, snapshots every step, storage checkpoints every 8."""
+    return ckpt_plan(dp=2, zero=1, steps=16, checkpoint_dir=str(tmp_path / name),
+                     checkpoint_every=8, snapshot_every=1, metrics=str(tmp_path / f"{name}.jsonl"))
+
+
+KILLS = [("forward", 1, 3, 2), ("backward", 0, 5, 4), ("optimizer", 1, 7, 6),
+         ("snapshot", 0, 9, 8), ("start", 1, 13, 12)]
+"""(phase, rank, step, the step resumed from): a kill in each attempt of one launch."""
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["kill", "wipe"])
-def test_a_killed_rank_resumes_from_host_memory_losing_at_most_the_step_in_flight(
-        tmp_path, monkeypatch, capfd, fault):
-    """snapshot_every = 1, storage checkpoints every 8 steps, rank 1 killed as step 13
-    starts (`wipe`: its own snapshot lost with it, as with its node's memory): the group
-    restarts from the snapshot of step 12 (11 if step 12's was still being written when the
-    rank died), not from storage's step 8, every loss as the uninterrupted run's; `wipe`
-    restores rank 1 from the copy its peer keeps. The run ending well removes the
-    snapshots."""
+def test_a_rank_killed_anywhere_in_a_step_resumes_from_host_memory_losing_no_finished_step(
+        tmp_path, monkeypatch, capfd):
+    """snapshot_every = 1, storage checkpoints every 8 steps; one launch whose group a rank's
+    SIGKILL stops five times, each in another part of a step: during the forward of step 3,
+    the backward of step 5, the optimizer step of step 7, while writing its snapshot of step
+    9, and as step 13 starts. Each time the group restarts from the snapshot of the last
+    finished step (of step 8 when the one of step 9 was half written), not from storage;
+    every loss is the uninterrupted run's. The run ending well removes the snapshots."""
     monkeypatch.setenv("PTC_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    reference = run_local(run_worker, 2, [snapshot_plan(tmp_path, "whole")])[0][0]["losses"]
+    monkeypatch.setenv("PTC_FAULT", ",".join(f"kill@{phase}:{rank}:{step}:{attempt}" for
+                                             attempt, (phase, rank, step, _) in enumerate(KILLS)))
+    assert launch(snapshot_plan(tmp_path, "killed"), worker.write_plan, nproc=2,
+                  extra_launcher_args=[f"--max-restarts={len(KILLS)}"]) == 0
+    records = read_metrics(tmp_path / "killed.jsonl")
+    resumed = [min(r["step"] for r in records if r["restart"] == attempt) - 1
+               for attempt in range(1, len(KILLS) + 1)]
+    assert resumed == [after for *_, after in KILLS], resumed
+    assert [r["step"] for r in records if r["restart"] == len(KILLS)] == list(range(13, 17))
+    for record in records:
+        assert record["loss"] == reference[record["step"] - 1], record
+    said = capfd.readouterr().out
+    for step in resumed:
+        assert re.search(rf"resumed from the in-memory snapshot of step {step} \(the newest "
+                         rf"checkpoint in storage: (none|step_0000000\d)\): next sample "
+                         rf"{step * GLOBAL_BATCH}\n", said), step
+    assert not list((tmp_path / "shm").glob("*/*.safetensors"))
 
-    def plan(name):
-        return ckpt_plan(dp=2, zero=1, steps=16, checkpoint_dir=str(tmp_path / name),
-                         checkpoint_every=8, snapshot_every=1,
-                         metrics=str(tmp_path / f"{name}.jsonl"))
 
-    reference = run_local(run_worker, 2, [plan("whole")])[0][0]["losses"]
-    monkeypatch.setenv("PTC_FAULT", f"{fault}:1:13")
-    assert launch(plan("killed"), worker.write_plan, nproc=2,
+@pytest.mark.timeout(300)
+def test_a_rank_killed_with_its_snapshot_resumes_from_its_peers_copy(tmp_path, monkeypatch,
+                                                                    capfd):
+    """Rank 1 killed as step 13 starts, its own snapshot lost with it (`wipe`, as with its
+    node's memory): the group restarts from the copy its peer keeps, of step 12 (of 11 when
+    step 12's was still on its way to the peer), not from storage's step 8, every loss as
+    the uninterrupted run's."""
+    monkeypatch.setenv("PTC_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    reference = run_local(run_worker, 2, [snapshot_plan(tmp_path, "whole")])[0][0]["losses"]
+    monkeypatch.setenv("PTC_FAULT", "wipe:1:13")
+    assert launch(snapshot_plan(tmp_path, "killed"), worker.write_plan, nproc=2,
                   extra_launcher_args=["--max-restarts=1"]) == 0
     records = read_metrics(tmp_path / "killed.jsonl")
     assert [r["step"] for r in records if r["restart"] == 0] == list(range(1, 13))
@@ -154,6 +190,21 @@ def test_a_killed_rank_resumes_from_host_memory_losing_at_most_the_step_in_fligh
     assert (f"resumed from the in-memory snapshot of step {resumed} (the newest checkpoint in "
             f"storage: step_00000008): next sample {resumed * GLOBAL_BATCH}") in said
     assert not list((tmp_path / "shm").glob("*/*.safetensors"))
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_rank_is_named_at_the_end_of_the_run_and_in_each_steps_record(tmp_path, capfd):
+    """Rank 1 sleeps 0.1 s in each forward from step 2 on (a straggler; the other rank waits
+    for it in the collectives): the records of those steps name rank 1 the slowest, its work
+    more than 1.25 times the median rank's, and the run's closing lines name it."""
+    plan = ckpt_plan(dp=2, zero=1, steps=4, metrics=str(tmp_path / "m.jsonl"))
+    assert run_local(run_worker, 2, [plan], "slow:1:2")[0][0]["error"] is None
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["slowest_rank"] for r in records[1:]] == [1, 1, 1], records
+    assert all(r["work_skew"] > 1.25 for r in records[1:]), records
+    assert re.search(r"\nptc run: slower than the median rank's [\d.]+ ms of work per step "
+                     r"\(time not waiting for collectives\): rank 1 [\d.]+ ms \(\+\d+%\)\n",
+                     capfd.readouterr().out)
 
 
 @pytest.mark.timeout(240)

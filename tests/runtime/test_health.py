@@ -96,6 +96,26 @@ def test_fault_hook_fires_once_for_its_rank_and_step(monkeypatch):
     monkeypatch.setenv(faults.ENV, "melt:1:3")
     with pytest.raises(ValueError, match="unknown fault 'melt'"):
         faults.at_step_start(1, 3)
+    monkeypatch.setenv(faults.ENV, "kill@melt:1:3")
+    with pytest.raises(ValueError, match="unknown fault 'kill@melt'.*kill@PHASE"):
+        faults.at_step_start(1, 3)
+
+
+def test_a_kill_fires_in_its_phase_and_its_attempt_only(monkeypatch):
+    """`kill@PHASE:RANK:STEP:ATTEMPT`: in the launcher's restart ATTEMPT (0 by default)."""
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setenv(faults.ENV, "kill@backward:1:3:2,kill:0:5")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    for phase, rank, step in [("forward", 1, 3), ("backward", 0, 3), ("backward", 1, 4),
+                              ("start", 0, 5)]:
+        faults.at_phase(phase, rank, step)
+    assert not killed
+    faults.at_phase("backward", 1, 3)
+    assert killed == [faults.signal.SIGKILL]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    faults.at_step_start(0, 5)
+    assert len(killed) == 2
 
 
 def test_elastic_plan_keeps_the_global_batch_on_the_processes_that_joined():

@@ -17,7 +17,8 @@ from runtime_helpers import tiny_plan
 from ptc.lower.resolve import resolve
 from ptc.lower.driver import capture_plan, compile_plan
 from ptc.runtime.executor import StepStats
-from ptc.runtime.metrics import SCALARS, WANDB_RUN_ID, StepReporter, format_step, plan_config
+from ptc.runtime.metrics import (SCALARS, WANDB_RUN_ID, StepReporter, format_step, plan_config,
+                                 stragglers)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,13 +45,40 @@ def test_jsonl_gets_every_step_and_lines_follow_log_every(tmp_path):
     text = (tmp_path / "m" / "metrics.jsonl").read_text()
     records = [json.loads(line) for line in text.splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    health = {k: records[0].pop(k) for k in ("mfu", "peak_memory_bytes", "nonfinite", "restart")}
+    health = {k: records[0].pop(k)
+              for k in ("mfu", "peak_memory_bytes", "nonfinite", "restart", "time")}
     assert records[0] == {"step": 1, "loss": 4.25, "lr": 1e-3, "grad_norm": 0.5, "step_time": 0.2,
                           "exposed_comm_s": 0.05, "tokens_per_s": 20480.0,
-                          "predicted_step_time": None}
+                          "predicted_step_time": None, "slowest_rank": None, "work_skew": None}
     assert health["mfu"] is None and health["peak_memory_bytes"] > 0
     assert health["nonfinite"] == [] and health["restart"] == 0
+    assert health["time"] <= records[1]["time"] <= records[2]["time"]
     assert out.getvalue().count("loss 4.2500") == 3
+
+
+def test_a_rank_slower_than_the_median_rank_is_named_with_its_work_and_the_step_skew(tmp_path):
+    """Rank 2 works 30 ms more than the others' 100 ms in most steps (one step of rank 0's
+    is slow too: the median per rank decides): rank 2 is named, and each step's record
+    holds its slowest rank and the skew."""
+    work = [(0.1, 0.1, 0.13, 0.1)] * 4 + [(0.3, 0.1, 0.13, 0.1)]
+    steps = [dataclasses.replace(stats(k + 1), rank_work=w) for k, w in enumerate(work)]
+    assert stragglers(steps) == ("ptc run: slower than the median rank's 100.00 ms of work per "
+                                 "step (time not waiting for collectives): rank 2 130.00 ms "
+                                 "(+30%)")
+    assert stragglers([dataclasses.replace(s, rank_work=(0.1, 0.1, 0.12, 0.1))
+                       for s in steps]) == ""  # within 25 %
+    assert stragglers([dataclasses.replace(s, rank_work=(0.001, 0.001, 0.003, 0.001))
+                       for s in steps]) == ""  # 2 ms more: jitter, not a straggler
+    assert stragglers([stats(1)]) == ""  # not gathered
+    plan = tiny_plan("gpt", zero=0, dp=1, accum=1, metrics=str(tmp_path / "metrics.jsonl"))
+    out = io.StringIO()
+    with StepReporter(plan, steps=5, enabled=True, console=Console(file=out, width=200)) as rep:
+        for step in steps:
+            rep.report(step)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["slowest_rank"], round(r["work_skew"], 2)) for r in records] == \
+        [(2, 1.3)] * 4 + [(0, 2.61)]
+    assert out.getvalue().splitlines()[-1] == stragglers(steps)
 
 
 def test_other_ranks_stay_silent(tmp_path):
@@ -132,14 +160,15 @@ def test_tensorboard_scalars_read_back_with_tensorboards_own_loader(tmp_path):
     peak = plan.hardware.peak_flops[plan.train.dtype]
     with StepReporter(plan, steps=2, enabled=True, console=Console(file=io.StringIO()),
                       predicted_step_time=0.15, flops_per_step=0.2 * peak) as reporter:
-        reporter.report(stats(1))
-        reporter.report(dataclasses.replace(stats(2), loss=3.5))
+        reporter.report(dataclasses.replace(stats(1), rank_work=(0.15, 0.3)))
+        reporter.report(dataclasses.replace(stats(2), loss=3.5, rank_work=(0.15, 0.3)))
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert set(events.Tags()["scalars"]) == set(SCALARS)
     read = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in SCALARS}
     assert read["loss"] == [(1, 4.25), (2, 3.5)]
     assert read["step_time"] == [(1, pytest.approx(0.2)), (2, pytest.approx(0.2))]
+    assert read["work_skew"] == [(1, pytest.approx(4 / 3)), (2, pytest.approx(4 / 3))]
     assert read["tokens_per_s"][0] == (1, 20480.0)
     assert read["mfu"][0] == (1, pytest.approx(1.0))
     assert read["exposed_comm_s"][0] == (1, pytest.approx(0.05))
@@ -191,8 +220,8 @@ def test_wandb_gets_the_scalars_of_every_step_and_the_plan_as_config(tmp_path, o
     peak = plan.hardware.peak_flops[plan.train.dtype]
     with StepReporter(plan, steps=2, enabled=True, console=Console(file=io.StringIO()),
                       predicted_step_time=0.15, flops_per_step=0.2 * peak) as reporter:
-        reporter.report(stats(1))
-        reporter.report(dataclasses.replace(stats(2), loss=3.5))
+        reporter.report(dataclasses.replace(stats(1), rank_work=(0.2,)))
+        reporter.report(dataclasses.replace(stats(2), loss=3.5, rank_work=(0.2,)))
     run_id = (tmp_path / "ckpt" / WANDB_RUN_ID).read_text().strip()
     records = _wandb_records(tmp_path, run_id)
     [run] = records["run"]

@@ -18,13 +18,22 @@ between saves.
 - goodput: the share of wall time that trains. Each τ of training costs δ
   more; each failure (every M on average) costs R and half a period of
   work: G = τ/(τ + δ) · (1 − (R + (τ + δ)/2)/M), at least 0.
+- with in-memory snapshots (`runtime.snapshot_every`), t seconds of
+  training apart: each costs the snapshot's pause σ more, and a failure
+  loses half of t rather than half a save period: G = τ/(τ + δ) · t/(t + σ) ·
+  (1 − (R + (t + σ)/2)/M). σ is three passes over the rank's weights and
+  optimizer state: on a GPU node the copy off the GPU, the checksum's read
+  and the write into tmpfs, each at the host link's rate (the node's GPUs
+  share its host memory); on a CPU the checksum's read and the write's read
+  and write, at the memory bandwidth.
 """
 
 from __future__ import annotations
 
 import math
 
-from ptc.compiler.memory.model import MASTER_BYTES, Precision, stage_params
+from ptc.compiler.memory.model import (MASTER_BYTES, Precision, stage_host_memory,
+                                       stage_memory, stage_params)
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.records.layout import Layout
 from ptc.plan import HardwareSpec
@@ -77,3 +86,29 @@ def save_pause(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pr
     per_element = prec.optimizer + (MASTER_BYTES if prec.weight >= MASTER_BYTES else 0)
     rate = hw.mem_bandwidth / 2 if hw.synchronous else hw.host_bandwidth
     return elements * per_element / layout.grad_ranks / rate
+
+
+def snapshot_bytes(profile: ModelProfile, layout: Layout, prec: Precision, seq_len: int
+                   ) -> float:
+    """What one rank's in-memory snapshot holds, on the largest stage: its weights and its
+    optimizer state, on the device or offloaded to the host."""
+    device = (t["weights"] + t["optimizer"] for t in stage_memory(profile, layout, prec, seq_len))
+    return max(d + h for d, h in zip(device, stage_host_memory(profile, layout, prec)))
+
+
+def snapshot_pause(state_bytes: float, hw: HardwareSpec) -> float:
+    """σ: the pause one snapshot of `state_bytes` costs training (module docstring)."""
+    if hw.synchronous:
+        return 3 * state_bytes / hw.mem_bandwidth
+    return 3 * state_bytes / hw.host_bandwidth
+
+
+def snapshot_goodput(interval_s: float, pause_s: float, snapshot_pause_s: float, step_s: float,
+                     mtbf_s: float, every: int = 1, restart_s: float = RESTART_S) -> float:
+    """G with a snapshot every `every` steps besides a save every `interval_s` (module
+    docstring, t there the `every` steps' time)."""
+    period, span = interval_s + pause_s, every * step_s
+    if period <= 0 or span <= 0:
+        return 0.0
+    kept = span + snapshot_pause_s
+    return max(0.0, interval_s / period * span / kept * (1 - (restart_s + kept / 2) / mtbf_s))
