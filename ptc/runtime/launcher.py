@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -299,6 +300,9 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, environment: dict,
     die_with_parent()
     _take_environment(environment)
     _take_streams(launcher)
+    # A rank compiles what the launching process compiled (and warned about) already: said
+    # once there, not again by every rank.
+    logging.getLogger("ptc").setLevel(logging.ERROR)
     # As torchrun does: n processes with all cores' threads each would oversubscribe. Set
     # here, not left to OpenMP, which read the fork server's environment when it loaded.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -75,6 +75,24 @@ def test_run_of_a_compiled_module_trains_that_module(name, dp):
     assert_losses_match(result.losses, reference(plan, module), f"{name} dp{dp}")
 
 
+@pytest.mark.timeout(300)
+def test_a_module_other_than_the_factorys_trains_unpriced_and_says_so_once(capfd, caplog):
+    """A nanoGPT of 3 layers where the plan's factory builds 2: the compile says once that
+    nothing is predicted and why (a warning); the two ranks, which compile it again, do not
+    repeat it on their output, and the run's first line names the reason."""
+    factory, _ = MODULES["nanogpt"]
+    module = nanogpt(**{**SIZES["nanogpt"], "n_layer": 3})
+    result = ptc.run(ptc.compile(module, plan_for(factory, 2)))
+    assert len(result.losses) == 3
+    [warning] = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith("no predicted step time")]
+    assert warning.startswith("no predicted step time: the module compiled has ")
+    printed = capfd.readouterr()
+    said = (printed.out + printed.err).splitlines()
+    assert not [line for line in said if line.startswith("no predicted step time")], said
+    assert [line for line in said if line.startswith("ptc run: ")][0].endswith(warning)
+
+
 def test_a_module_the_workers_cannot_receive_is_refused_before_launch():
     class Unsendable(nn.Module):  # defined in a function: pickle cannot name its class
         def __init__(self):
