@@ -100,7 +100,10 @@ def refuse_while_spawning() -> None:
     (`multiprocessing.spawn._check_not_importing_main`). The line is printed here: a
     process forked by the fork server exits without printing its SystemExit's message."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        print(UNGUARDED_CALL, file=sys.stderr, flush=True)
+        # One write of the whole line: the ranks print it at once into one pipe, and print's
+        # separate writes of text and newline would interleave into one line.
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"{UNGUARDED_CALL}\n".encode())
         raise SystemExit(1)
 
 
