@@ -39,7 +39,7 @@ over whichever it is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import sympy
@@ -280,18 +280,30 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     return activations, recompute
 
 
-def saved_functions(profile: ModelProfile, sp: bool) -> dict[str, Callable]:
+def saved_functions(profile: ModelProfile, sp: bool) -> Mapping[str, Callable]:
     """The profile's functions with its saved-bytes terms as measured under sequence
     parallelism (`ModelProfile.sp_saved`) in place of the plain ones when `sp` says so and
     it runs something whole; else the profile's own."""
     if not (sp and profile.sp_saved):
         return profile.fn
-    key = ("sp_functions",)
-    if key not in profile.memo:
-        prefix = "sp:"
-        profile.memo[key] = {**profile.fn, **{name[len(prefix):]: fn for name, fn in
-                                              profile.fn.items() if name.startswith(prefix)}}
-    return profile.memo[key]
+    return _Preferring(profile.fn, "sp:")
+
+
+class _Preferring(Mapping):
+    """`functions` read through: "prefix" + name where there is one, else name."""
+
+    def __init__(self, functions: Mapping[str, Callable], prefix: str):
+        self._functions, self._prefix = functions, prefix
+
+    def __getitem__(self, name: str) -> Callable:
+        preferred = self._prefix + name
+        return self._functions[preferred if preferred in self._functions else name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._functions if not name.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _first_layer_stage(layout: Layout) -> int:

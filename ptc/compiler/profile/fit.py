@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from fractions import Fraction
 
 import sympy
@@ -15,8 +15,9 @@ from ptc.compiler.graph.gemm_tiles import GemmShape, fit_shapes
 from ptc.compiler.profile.types import MONOMIALS, ModelProfile, SavedClasses, b, s
 
 
-def profile_functions(profile: ModelProfile) -> dict[str, Callable]:
-    """The profile's polynomials as fast functions of (b, s), by dotted name."""
+def profile_functions(profile: ModelProfile) -> Mapping[str, Callable]:
+    """The profile's polynomials as fast functions of (b, s), by dotted name, each made
+    when first asked for: a compile prices a few dozen of the hundreds a profile holds."""
     regions = {**profile.saved, "out": profile.layer_output,
                "out_unsaved": profile.output_unsaved, "in_unsaved": profile.input_unsaved,
                **profile.policy_saved}
@@ -29,12 +30,34 @@ def profile_functions(profile: ModelProfile) -> dict[str, Callable]:
                  fp8_flops=profile.fp8_flops,
                  boundary=profile.boundary_elements, sp_gathered=profile.sp_gathered,
                  sp_scattered=profile.sp_scattered)
-    fns = {name: sympy.lambdify((b, s), e, modules="math") for name, e in polys.items()}
+    makers = {name: functools.partial(sympy.lambdify, (b, s), e, modules="math")
+              for name, e in polys.items()}
     # The work terms are many (hundreds) and only ever priced in numbers: plain polynomials
     # of their float coefficients, which take a fraction of lambdify's time to make.
-    fns.update({f"{prefix}.{name}": _numeric(e) for prefix, terms in
-                (("work", profile.work), ("work_b1", profile.work_b1)) for name, e in terms.items()})
-    return fns
+    makers.update({f"{prefix}.{name}": functools.partial(_numeric, e) for prefix, terms in
+                   (("work", profile.work), ("work_b1", profile.work_b1))
+                   for name, e in terms.items()})
+    return MadeOnUse(makers)
+
+
+class MadeOnUse(Mapping):
+    """A mapping of names to functions, each made by its maker the first time it is read."""
+
+    def __init__(self, makers: dict[str, Callable[[], Callable]]):
+        self._makers = makers
+        self._made: dict[str, Callable] = {}
+
+    def __getitem__(self, name: str) -> Callable:
+        made = self._made.get(name)
+        if made is None:
+            made = self._made[name] = self._makers[name]()
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
 
 
 def _numeric(e: sympy.Expr) -> Callable[[float, float], float]:

@@ -33,7 +33,7 @@ the layer's two boundaries that no node saves (`ModelProfile.output_unsaved`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -221,7 +221,7 @@ class ModelProfile:
     shape: ModelSpec | None = None
     """For a custom model: its plan's model section with the shape its graph shows
     (`graph_shape`); None for a built-in family, whose plan names its shape."""
-    fn: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
+    fn: Mapping[str, Callable] = field(default_factory=dict, compare=False, repr=False)
     """The polynomials above as fast functions of (b, s), by dotted name ("layer.tp",
     "out.seq", "flops.post", "core_flops", "boundary"); they accept sympy symbols too."""
     memo: dict = field(default_factory=dict, compare=False, repr=False)
