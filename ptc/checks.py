@@ -154,6 +154,8 @@ def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
     par = plan.parallel
+    if par.schedule == "zero_bubble" and par.pp != 1:
+        _check_split_backward(plan, sink)
     cuts = par.pp * par.virtual_stages - 1 if par.pp != "auto" else None
     if par.stage_boundaries and cuts is not None and len(par.stage_boundaries) != cuts:
         sink.error(f"stage_boundaries lists {len(par.stage_boundaries)} cuts; pp({par.pp}) * "
@@ -166,7 +168,7 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
     if par.pp == "auto" or par.pp == 1 or par.dp == "auto":
         return
     m = plan.num_microbatches
-    if par.schedule in ("1f1b", "interleaved") and m < par.pp:
+    if par.schedule in ("1f1b", "interleaved", "zero_bubble") and m < par.pp:
         sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
                    f"got {m}", field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
@@ -174,6 +176,20 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"the interleaved schedule needs micro-batches({m}) divisible by "
                    f"pp({par.pp})", field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule"))
+
+
+def _check_split_backward(plan: Plan, sink: DiagnosticSink) -> None:
+    """What a zero-bubble schedule's backward in two (I, then W) cannot run with yet."""
+    par, runtime = plan.parallel, plan.runtime
+    if par.zero == 3:
+        sink.error("schedule zero_bubble needs zero 0-2: under ZeRO-3 each micro-batch would "
+                   "hold its stage's re-gathered weights from its I to its W",
+                   field="parallel.zero", span=_span(par, "zero") or _span(par, "schedule"),
+                   choices=("0", "1", "2"))
+    if runtime.compile:
+        sink.error("schedule zero_bubble needs runtime.compile = false: a compiled stage's "
+                   "backward is one kernel graph, which cannot run its weight gradients apart",
+                   field="runtime.compile", span=_span(runtime, "compile"), choices=("false",))
 
 
 def _check_hardware_fit(plan: Plan, sink: DiagnosticSink) -> None:

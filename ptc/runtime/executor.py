@@ -20,7 +20,10 @@ action kind to handler:
   (asynchronous; a sent tensor is dropped as soon as its send completes);
 - B runs backward from the received gradients (the last stage: from
   loss / (m·dp), so that gradient sums over micro-batches and ranks are the
-  global-batch mean) and drops the micro-batch's activations at once.
+  global-batch mean) and drops the micro-batch's activations at once;
+- I and W, a zero-bubble schedule's B in two (`ptc.runtime.split_backward`):
+  I computes the gradients of the stage's inputs, which SEND_B sends, W later
+  those of its weights; the micro-batch's activations stay until its W.
 
 What every layout shares lives here once: gradient reduction overlapped with
 backward (ZeRO 0-2: `GradReducer` per stage, its "last micro-batch" the
@@ -77,6 +80,7 @@ from ptc.runtime.grads import GradReducer
 from ptc.runtime.health import FoldedGuard, guarded_update
 from ptc.runtime.init import ModelFactory, initial_buffers, reference_model
 from ptc.runtime.lr import learning_rate
+from ptc.runtime.split_backward import WeightBackward, input_backward
 from ptc.runtime.mesh import timeout
 from ptc.runtime.offload import HostOptimizer, offload_masters
 from ptc.runtime.optimizer import ShardedOptimizer
@@ -113,7 +117,8 @@ def source_line(gm: fx.GraphModule, node: fx.Node) -> str | None:
     return None
 
 
-_DOING = {"F": "forward of", "B": "backward of", "RECV_F": "receiving the input of",
+_DOING = {"F": "forward of", "B": "backward of", "I": "input gradients of",
+          "W": "weight gradients of", "RECV_F": "receiving the input of",
           "SEND_F": "sending the output of", "RECV_B": "receiving the output gradient of",
           "SEND_B": "sending the input gradient of"}
 """What a rank is doing in each kind of schedule action, for messages."""
@@ -232,9 +237,15 @@ class Chunk:
     units: list[UnitState]
     reducer: GradReducer | None
     last_backward: int
-    """Micro-batch of the stage's last B in the step: its gradients are complete after it."""
+    """Micro-batch of the stage's last B (or W) in the step: its gradients are complete
+    after it."""
     overlap: OverlapPlan
     """The comm_overlap pass's buckets and prefetch depth for this stage."""
+
+    @property
+    def trainable(self) -> list[torch.Tensor]:
+        """The stage graph's weights that get gradients."""
+        return [w for w in self.gm.parameters() if w.requires_grad]
 
 
 @dataclass(eq=False)
@@ -261,6 +272,8 @@ class _StepState:
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
     sends: list[Transfer] = field(default_factory=list)
     batches: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], WeightBackward] = field(default_factory=dict)
+    """The Ws to come of the stage micro-batches whose I ran."""
     in_flight: int = 0
 
 
@@ -359,7 +372,8 @@ class Trainer:
         """Most stage micro-batches held between their F and B at once, over all steps."""
         self._handlers: dict[str, Callable[[Action, _StepState], None]] = {
             "RECV_F": self._recv_forward, "RECV_B": self._recv_backward, "F": self._forward,
-            "SEND_F": self._send_forward, "B": self._backward, "SEND_B": self._send_backward}
+            "SEND_F": self._send_forward, "B": self._backward, "SEND_B": self._send_backward,
+            "I": self._input_backward, "W": self._weight_backward}
 
     def _chunk(self, program: Program, s: int, values: Mapping[str, torch.Tensor],
                model: nn.Module) -> Chunk:
@@ -377,7 +391,7 @@ class Trainer:
         overlap = stage.overlap
         reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
                               self.plan.parallel.grad_comm, self.guard) if self.zero < 3 else None
-        last = [a.microbatch for a in self.actions if a.kind == "B" and a.stage == s][-1]
+        last = [a.microbatch for a in self.actions if a.kind in ("B", "W") and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
                      reducer=reducer, last_backward=last, overlap=overlap)
@@ -572,29 +586,73 @@ class Trainer:
         transfer = state.recvs.pop(Action(s, "RECV_B", mb), None)
         if chunk.reducer is not None:
             chunk.reducer.begin(last_micro=mb == chunk.last_backward)
-        try:
+        with self._backward_of(info, mb, state):
             with live.session if live.session is not None else contextlib.nullcontext():
-                if info.is_last:
-                    if live.outputs.requires_grad:  # else nothing before it trains
-                        (live.outputs * state.scale).backward()
-                else:
-                    outs = [t for t, spec in zip(live.outputs, info.outputs) if spec.requires_grad]
-                    # An output made from frozen parameters alone has nothing to send back to.
-                    pairs = [(t, g) for t, g in zip(outs, transfer.wait()) if t.requires_grad]
-                    if pairs:
-                        torch.autograd.backward(*zip(*pairs))
+                outputs, grads = self._backward_seeds(live, info, transfer, state)
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
                 if live.session is not None:
                     live.session.finish()
-        except Exception as exc:
-            where = f"stage {info.index}, " if info.num_stages > 1 else ""
-            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n  during backward "
-                            f"of {where}micro-batch {mb}, step {state.step + 1}") from exc
         live.grads = [t.grad if t.grad is not None else torch.zeros_like(t)
                       for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
         live.inputs, live.outputs, live.session = [], None, None
         state.in_flight -= 1
         if info.is_first:
             del state.live[s, mb]
+
+    def _input_backward(self, action: Action, state: _StepState) -> None:
+        """I: the gradients of the stage's inputs, which the previous stage waits for; its
+        weights' come in the micro-batch's W (`ptc.runtime.split_backward`)."""
+        faults.at_phase("backward", self.rank, state.step + 1)
+        s, mb = action.stage, action.microbatch
+        chunk, live = self.chunks[s], state.live[s, mb]
+        info = chunk.info
+        transfer = state.recvs.pop(Action(s, "RECV_B", mb), None)
+        wanted = [t for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
+        with self._backward_of(info, mb, state):
+            outputs, grads = self._backward_seeds(live, info, transfer, state)
+            got, weights = input_backward(outputs, grads, wanted, chunk.trainable) if outputs \
+                else ([None] * len(wanted), WeightBackward(lambda: None))
+        live.grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, got)]
+        live.inputs, live.outputs = [], None
+        state.weights[s, mb] = weights
+        if info.is_first:
+            del state.live[s, mb]
+
+    def _weight_backward(self, action: Action, state: _StepState) -> None:
+        """W: the gradients of the stage's weights, from what its I kept."""
+        faults.at_phase("backward", self.rank, state.step + 1)
+        s, mb = action.stage, action.microbatch
+        chunk = self.chunks[s]
+        if chunk.reducer is not None:
+            chunk.reducer.begin(last_micro=mb == chunk.last_backward)
+        with self._backward_of(chunk.info, mb, state):
+            state.weights.pop((s, mb)).run()
+        state.in_flight -= 1
+
+    @staticmethod
+    def _backward_seeds(live: _Live, info: StageInfo, transfer,
+                        state: _StepState) -> tuple[list[torch.Tensor], list | None]:
+        """(outputs, their gradients) a backward of `live` starts from: the loss scaled by
+        1 / (m·dp) on the last stage (gradients None: ones), else the outputs the next stage
+        sent gradients for. Empty where nothing before them trains."""
+        if info.is_last:
+            return ([live.outputs * state.scale], None) if live.outputs.requires_grad \
+                else ([], None)
+        outs = [t for t, spec in zip(live.outputs, info.outputs) if spec.requires_grad]
+        # An output made from frozen parameters alone has nothing to send back to.
+        pairs = [(t, g) for t, g in zip(outs, transfer.wait()) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    @contextlib.contextmanager
+    def _backward_of(self, info: StageInfo, mb: int, state: _StepState):
+        """A failure inside as a RankError naming the stage, micro-batch and step."""
+        try:
+            yield
+        except Exception as exc:
+            where = f"stage {info.index}, " if info.num_stages > 1 else ""
+            raise RankError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n  during backward "
+                            f"of {where}micro-batch {mb}, step {state.step + 1}") from exc
 
     def settle_copies(self) -> None:
         """Wait for the weights still on their way to the device (optimizer offload): call

@@ -25,10 +25,12 @@ Unset, every hook does nothing. The fault-injection tests are its only users.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -41,19 +43,38 @@ SLOW_S = 0.1
 _fired: set[tuple[str, int, int]] = set()
 
 
-def _wanted(kind: str, rank: int, step: int, phase: str = "start") -> bool:
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    for item in filter(None, os.environ.get(ENV, "").split(",")):
+class _Fault(NamedTuple):
+    """One item of `PTC_FAULT`."""
+
+    kind: str
+    phase: str
+    rank: int
+    step: int
+    attempt: int
+
+
+@functools.lru_cache(maxsize=4)
+def _faults(text: str) -> tuple[_Fault, ...]:
+    """`PTC_FAULT`'s items, read once per value (the hooks run in every forward)."""
+    faults = []
+    for item in filter(None, text.split(",")):
         what, r, s, *when = item.split(":")
-        k, _, p = what.partition("@")
-        if k not in KINDS or p not in ("", *PHASES):
+        kind, _, phase = what.partition("@")
+        if kind not in KINDS or phase not in ("", *PHASES):
             raise ValueError(f"{ENV}: unknown fault {what!r}, known: {', '.join(KINDS)}, "
                              f"kill@PHASE and hang@PHASE for PHASE in {', '.join(PHASES)}")
-        if (k, int(r), int(s), p or "start") == (kind, rank, step, phase) \
-                and (kind, rank, step) not in _fired \
-                and (kind in ("nan", "savefail") or int((when or ["0"])[0]) == attempt):
-            return True
-    return False
+        faults.append(_Fault(kind, phase or "start", int(r), int(s), int((when or ["0"])[0])))
+    return tuple(faults)
+
+
+def _wanted(kind: str, rank: int, step: int, phase: str = "start") -> bool:
+    faults = _faults(os.environ.get(ENV, ""))
+    if not faults:
+        return False
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return (kind, rank, step) not in _fired and any(
+        (f.kind, f.rank, f.step, f.phase) == (kind, rank, step, phase)
+        and (kind in ("nan", "savefail") or f.attempt == attempt) for f in faults)
 
 
 def at_step_start(rank: int, step: int) -> None:
@@ -81,9 +102,8 @@ def at_phase(phase: str, rank: int, step: int) -> None:
 
 def _slow(rank: int, step: int) -> bool:
     """Whether `PTC_FAULT` makes this rank slow in `step` (a `slow` fault at or before it)."""
-    return any(k == "slow" and int(r) == rank and int(s) <= step
-               for k, r, s, *_ in (item.split(":") for item in
-                                   filter(None, os.environ.get(ENV, "").split(","))))
+    return any(f.kind == "slow" and f.rank == rank and f.step <= step
+               for f in _faults(os.environ.get(ENV, "")))
 
 
 def corrupt_gradients(rank: int, step: int, grads: Sequence[torch.Tensor]) -> None:

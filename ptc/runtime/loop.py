@@ -220,7 +220,7 @@ class TrainLoop:
                             device=self.trainer.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
-        return tuple(float(t.item()) for t in every)
+        return tuple(torch.cat(every).tolist())  # one device sync, not one per rank
 
     def _train_step(self) -> StepStats:
         try:

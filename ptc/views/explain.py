@@ -29,6 +29,7 @@ from ptc.compiler.profile.cache import plan_profile, with_model_shape
 from ptc.compiler.search.plan_search import search_all
 from ptc.views.tables import GLUE, FitTable, Prose
 from ptc.hwprofile import ProfileError, load_profile
+from ptc.runtime.snapshot import default_tmpfs, snapshots_fit
 from ptc.plan import AUTO, DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_duration, format_seconds
@@ -276,7 +277,7 @@ def _snapshots(plan: Plan, est: Estimate, interval: float, pause: float, mtbf: f
     held = (f"{format_bytes(state)} per rank, twice (its own and a peer's): "
             f"{format_bytes(node)} of the node's {format_bytes(hw.host_memory_bytes)} host "
             f"memory")
-    if every == AUTO and node > hw.host_memory_bytes / 4:
+    if every == AUTO and not snapshots_fit(node, default_tmpfs(hw.host_memory_bytes)):
         return (f"In-memory snapshots: off (snapshot_every = auto: {held}, more than a quarter "
                 f"of it, half of tmpfs).")
     sigma, steps = snapshot_pause(state, hw), 1 if every == AUTO else every

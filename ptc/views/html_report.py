@@ -33,6 +33,11 @@ from ptc.compiler.schedule.simulation import simulate
 from ptc.units import format_bytes, format_seconds
 
 FORWARD, BACKWARD = "#2a9d8f", "#e76f51"
+INPUT_GRADIENTS, WEIGHT_GRADIENTS = "#f4a261", "#8d5fd3"
+ACTION_COLOURS = {"F": (FORWARD, "forward"), "B": (BACKWARD, "backward"),
+                  "I": (INPUT_GRADIENTS, "input gradients (I)"),
+                  "W": (WEIGHT_GRADIENTS, "weight gradients (W)")}
+"""Each compute kind's colour and name in the schedule's picture."""
 """Colours of forward and backward actions in the schedule chart."""
 PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
            "#8c8c8c", "#ccb974")
@@ -96,8 +101,10 @@ def _gantt(schedule) -> Figure:
     timeline = simulate(schedule)
     fig = Figure(figsize=(11, 0.5 + 0.45 * schedule.pp), layout="constrained")
     ax = fig.add_subplot()
+    kinds = [k for k in ACTION_COLOURS if any(a.kind == k for row in schedule.ranks for a in row)]
     for rank in range(schedule.pp):
-        for kind, colour in (("F", FORWARD), ("B", BACKWARD)):
+        for kind in kinds:
+            colour = ACTION_COLOURS[kind][0]
             spans = _runs([t for t, row in enumerate(timeline.steps)
                            if row[rank] is not None and row[rank].kind == kind])
             ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour)
@@ -111,7 +118,7 @@ def _gantt(schedule) -> Figure:
     ax.set_xlim(0, len(timeline.steps))
     ax.set_xlabel(f"unit step ({schedule.kind}, {schedule.microbatches} micro-batches, "
                   f"bubble {timeline.bubble:.0%})")
-    fig.legend(handles=[_patch(FORWARD, "forward"), _patch(BACKWARD, "backward")],
+    fig.legend(handles=[_patch(*ACTION_COLOURS[k]) for k in kinds],
                loc="outside right upper", fontsize=8)
     return fig
 

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.timeout(60)
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1),
                 ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
-                ("interleaved", 2, 4, 3)]
-GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b") for p in (2, 3, 4, 8)
+                ("interleaved", 2, 4, 3), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1)]
+GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "zero_bubble") for p in (2, 3, 4, 8)
         for m in (p, p + 1, 2 * p, 3 * p + 1) for v in (1,)] + \
        [("interleaved", p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
 
@@ -102,7 +102,7 @@ class TestGeneration:
                                                           v: int) -> None:
         timeline = simulate(build_schedule(kind, p, m, v))
         done = [a for row in timeline.steps for a in row if a is not None]
-        assert len(done) == len(set(done)) == 2 * p * v * m
+        assert len(done) == len(set(done)) == (3 if kind == "zero_bubble" else 2) * p * v * m
 
     @pytest.mark.parametrize("kind,p,m,v", GRID)
     def test_peak_in_flight_is_what_the_memory_model_charges(self, kind: str, p: int, m: int,
@@ -111,6 +111,36 @@ class TestGeneration:
         timeline = simulate(build_schedule(kind, p, m, v))
         layout = layout_of(plan(kind, p, m, v))
         assert timeline.peak_in_flight == tuple(in_flight(layout, r, m)[0] for r in range(p))
+
+
+class TestZeroBubble:
+    """ZB-H1: each backward split into I and W, the Ws filling 1F1B's bubble."""
+
+    def test_every_backward_is_split_and_w_follows_its_i(self) -> None:
+        schedule = build_schedule("zero_bubble", 4, 8)
+        for actions in schedule.ranks:
+            kinds = [a.kind for a in actions]
+            assert "B" not in kinds and kinds.count("I") == kinds.count("W") == 8
+            for a in actions:
+                if a.kind == "W":
+                    assert actions.index(Action(a.stage, "I", a.microbatch)) < actions.index(a)
+
+    @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 16), (8, 8), (8, 24)])
+    def test_the_bubble_is_a_third_of_1f1bs(self, p: int, m: int) -> None:
+        """In unit-time actions (F = I = W = 1, 1F1B's B = I + W = 2) 1F1B's step takes
+        3m + 3(p - 1) units; ZB-H1's takes 3m + (p - 1) (Qi et al. 2024, section 3)."""
+        timeline = simulate(build_schedule("zero_bubble", p, m))
+        assert len(timeline.steps) == 3 * m + (p - 1)
+
+    def test_no_rank_holds_more_than_1f1bs_first_rank(self) -> None:
+        """Activations stay until W: every rank holds at most p micro-batches, as 1F1B's
+        first rank does, so the job's peak activation memory is 1F1B's."""
+        for p, m in ((2, 4), (4, 8), (4, 16), (8, 8)):
+            assert simulate(build_schedule("zero_bubble", p, m)).peak_in_flight == (p,) * p
+
+    def test_text_names_i_and_w(self) -> None:
+        assert Action.parse("3I7") == Action(3, "I", 7)
+        assert str(Action(0, "W", 2)) == "0W2"
 
 
 class TestMicrobatchRequirement:
@@ -144,8 +174,9 @@ class TestLowering:
                 needed = needed_receive(action, schedule.num_stages)
                 if needed is not None:
                     assert needed[0] in program[:i], f"rank {rank}: {action} before {needed[0]}"
-                if action.kind in ("SEND_F", "SEND_B"):
-                    compute = "F" if action.kind == "SEND_F" else "B"
+                if action.kind in ("SEND_F", "SEND_B"):  # a split backward's I sends, not W
+                    compute = "F" if action.kind == "SEND_F" else \
+                        "I" if kind == "zero_bubble" else "B"
                     assert program[i - 1] == Action(action.stage, compute, action.microbatch)
 
     def test_receives_are_posted_one_compute_ahead(self) -> None:
@@ -181,6 +212,10 @@ class TestSimulationFailures:
         (("0B0 0F0", "1F0 1B0"), r"rank 0: 0B0 comes before 0F0"),
         (("0F0 0F0 0B0", "1F0 1B0"), r"rank 0: 0F0 appears twice"),
         (("0F0 0SEND_F0 0B0", "1F0 1B0"), r"per_rank_actions\(\) adds the sends"),
+        (("0F0 0W0 0I0", "1F0 1I0 1W0"), r"rank 0: 0W0 comes before 0I0"),
+        (("0F0 0I0 0W0 0B0", "1F0 1B0"),
+         r"rank 0: 0B0 after 0I0: a micro-batch's backward is either B, or I then W"),
+        (("0F0 0I0", "1F0 1I0 1W0"), r"rank 0 never runs 0W0"),
     ])
     def test_malformed_schedules_are_named(self, ranks: tuple[str, str], needle: str) -> None:
         schedule = Schedule(kind="custom", pp=2, virtual=1, microbatches=1, ranks=tuple(

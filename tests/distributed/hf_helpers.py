@@ -40,6 +40,8 @@ class HFCase:
     """The plan's shard rules: (glob, style) pairs."""
     dtype: str = "fp32"
     """The plan's compute dtype."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (pp > 1)."""
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
@@ -50,6 +52,7 @@ class HFCase:
         parts += [f"{key}={value}" for key, value in self.config]
         parts += [f"shard {glob} {style}" for glob, style in self.shards]
         parts += [self.dtype] if self.dtype != "fp32" else []
+        parts += [self.schedule] if self.schedule != "1f1b" else []
         return " ".join(parts)
 
 
@@ -70,6 +73,7 @@ def hf_plan(case: HFCase) -> Plan:
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, cp=case.cp, zero=case.zero,
                               sequence_parallel=case.sp, checkpoint=case.checkpoint,
+                              schedule=case.schedule,
                               shards=tuple(ShardRule(pattern=glob, style=style)
                                            for glob, style in case.shards)),
         train=TrainSpec(seq_len=SEQ, global_batch=4, micro_batch=1, dtype=case.dtype, steps=STEPS,

@@ -31,6 +31,8 @@ class Case:
     ends: int | None = None
     """first_stage_layers = last_stage_layers, when the split is uneven."""
     dropout: float = 0.0
+    checkpoint: str = "none"
+    dtype: str = "fp32"
 
     @property
     def world(self) -> int:
@@ -43,21 +45,22 @@ class Case:
         tp = f"tp{self.tp}{' sp' if self.sp else ''} " if self.tp > 1 else ""
         ends = f" L{self.layers} ends {self.ends}" if self.ends is not None else ""
         drop = f" dropout {self.dropout}" if self.dropout else ""
+        more = "".join(f" {x}" for x in (self.checkpoint, self.dtype) if x not in ("none", "fp32"))
         return (f"{tp}{self.family} pp{self.pp} {self.schedule}{v} m{self.microbatches}{dp}"
-                f"{ends}{drop}")
+                f"{ends}{drop}{more}")
 
 
 def pp_plan(case: Case, steps: int = STEPS) -> Plan:
     """The tiny model of `case` with `layers` layers, one sample per micro-batch."""
     base = tiny_plan(case.family, zero=case.zero, dp=case.dp, accum=case.microbatches,
-                     steps=steps)
+                     steps=steps, dtype=case.dtype)
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, layers=case.layers, dropout=case.dropout),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
                               sequence_parallel=case.sp, schedule=case.schedule,
                               virtual_stages=case.virtual, first_stage_layers=case.ends,
-                              last_stage_layers=case.ends))
+                              last_stage_layers=case.ends, checkpoint=case.checkpoint))
 
 
 def run_pp_cases(cases: list[Case]) -> dict:

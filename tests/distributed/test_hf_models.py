@@ -92,6 +92,9 @@ LAUNCHES = {"layouts": [
     # dropout on (embedding, residual, and inside scaled_dot_product_attention)
     HFCase("gpt2", dp=2, zero=3, config=_DROPOUT), HFCase("gpt2", tp=2, sp=True, config=_DROPOUT),
     HFCase("gpt2", pp=2, checkpoint="full", config=_DROPOUT),
+    # the zero-bubble schedule: each backward split into input and weight gradients
+    HFCase("llama", pp=2, schedule="zero_bubble"),
+    HFCase("gpt2", pp=2, schedule="zero_bubble", config=_DROPOUT),
 ], "structures": [
     # one key/value head for two ranks: replicated (SDPA's grouped-query form; the eager
     # attention's repeated heads; q/k/v biases; a per-head k norm on the replicated path)

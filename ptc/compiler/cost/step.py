@@ -249,7 +249,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         kinds[key][1] += 1
     slowest = max((st for st, _ in kinds.values()), key=lambda x: x.total)
     mean = sum(st.total * n for st, n in kinds.values()) / p
-    bubble = (p - 1) / v * mean
+    bubble = (p - 1) / v * (mean if layout.schedule != "zero_bubble" else mean - 2 * sum(
+        _weight_gradient_time(st) * n for st, n in kinds.values()) / p)
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
     dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
@@ -444,6 +445,13 @@ def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[floa
         tied = profile.tied_elements if profile.tied and layout.pp > 1 else 0
         units.append((pr["post"].split + tied) / tp + pr["post"].replicated)
     return [u for u in units if u > 0]
+
+
+def _weight_gradient_time(stage: _Stage) -> float:
+    """A stage's W under a split backward: half its backward compute (the weight-gradient
+    GEMMs match the input-gradient ones in flops). A zero-bubble schedule fills the bubble
+    with W: it leaves (p - 1)/v · (F + I - W) of each stage's time (Qi et al., 2024)."""
+    return max(0.0, stage.compute - stage.forward) / 2
 
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,

@@ -111,11 +111,14 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
     p, v, layers = layout.pp, layout.vstages, len(layout.stage_layers(stage))
     if layout.schedule == "gpipe":
         return mb, layers
-    if layout.schedule == "1f1b":
-        return mn(p - stage, mb), layers
+    # Zero bubble keeps on every rank what its base schedule keeps on the first
+    # (`ptc.compiler.schedule.build`): a micro-batch's activations stay until its W.
+    first = 0 if layout.schedule == "zero_bubble" else stage
+    if v == 1 and layout.schedule in ("1f1b", "zero_bubble"):
+        return mn(p - first, mb), layers
     # Uneven chunks of one rank: their mean (exact when they are alike).
     per_chunk = layers // v if layers % v == 0 else sympy.Rational(layers, v)
-    return mn(2 * (p - 1 - stage) + (v - 1) * p + 1, mb * v), per_chunk
+    return mn(2 * (p - 1 - first) + (v - 1) * p + 1, mb * v), per_chunk
 
 
 def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int, int, int]:
@@ -266,8 +269,10 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
         # Layer 0's checkpoint keeps what it reads: the embedding's output.
         activations += (pre_units if stage == 0 else units / len(chunks)) \
             * act("in_unsaved", "none")
-    if stage == p - 1:
-        activations += (1 if layout.schedule != "gpipe" else units) * act("post", "none")
+    if stage == p - 1:  # 1F1B's last stage runs each B right after its F; the others hold
+        # the loss of every micro-batch in flight
+        activations += (1 if layout.schedule in ("1f1b", "interleaved") else units) \
+            * act("post", "none")
     recompute = 0
     if "full" in policies:
         recompute = act("layer", "none")

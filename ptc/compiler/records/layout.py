@@ -36,7 +36,7 @@ class Layout:
     sp: bool
     """Sequence parallelism."""
     schedule: str
-    """"gpipe", "1f1b" or "interleaved"."""
+    """"gpipe", "1f1b", "interleaved" or "zero_bubble"."""
     layers: int
     """L."""
     checkpoint: str | tuple[str, ...]

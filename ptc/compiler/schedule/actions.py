@@ -7,13 +7,16 @@ lives on rank s % p (Megatron's interleaving: rank r holds stages r, r + p,
 `{s}{k}{i}` — "1F0", "2B3", "1RECV_F0" — as torch.distributed.pipelining
 prints its actions; `Action.parse` reads that text back.
 
-Kinds: `F` (forward), `B` (backward: input and weight gradients), and the
+Kinds: `F` (forward), `B` (backward: input and weight gradients), or `B` split
+in two, as zero-bubble schedules run it: `I` (the gradients of the stage's inputs,
+what the previous stage waits for) then `W` (the gradients of its weights, which
+nothing waits for); and the
 point-to-point kinds a schedule is lowered to: `RECV_F` (post the receive of
 stage s's input activations), `SEND_F` (send stage s's outputs to stage
 s + 1), `RECV_B` (post the receive of the gradient of stage s's outputs),
 `SEND_B` (send the gradient of stage s's inputs to stage s - 1).
 
-A `Schedule` holds each rank's compute actions (F, B) in execution order.
+A `Schedule` holds each rank's compute actions (F, B, I, W) in execution order.
 `per_rank_actions` adds the communication: a send right after the compute that made
 its data, and each receive posted one compute action before the one that
 needs it (so the transfer overlaps that compute) and, per directed pair of
@@ -36,15 +39,17 @@ from dataclasses import dataclass
 
 from ptc.errors import CompileError
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "I", "W")
 """Kinds that run a stage graph."""
 COMM = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
 """Kinds that move a stage's boundary values between ranks."""
 KINDS = COMPUTE + COMM
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+BACKWARD_DONE = ("B", "W")
+"""Kinds after which a micro-batch's activations on a stage are no longer needed."""
 
 # Longest kinds first, so "SEND_F" is not read as a stage number followed by "S...".
-_ACTION = re.compile(r"^(\d+)(RECV_F|SEND_F|RECV_B|SEND_B|F|B)(\d+)$")
+_ACTION = re.compile(r"^(\d+)(RECV_F|SEND_F|RECV_B|SEND_B|F|B|I|W)(\d+)$")
 HEADER = re.compile(r"^schedule (\S+) pp=(\d+) v=(\d+) m=(\d+)$")
 
 
@@ -81,7 +86,7 @@ class Schedule:
     """Each pipeline rank's compute actions for one optimizer step, in execution order."""
 
     kind: str
-    """"gpipe", "1f1b", "interleaved", or "custom" for a parsed hand-written one."""
+    """One of `SCHEDULE_KINDS`, or "custom" for a parsed hand-written one."""
     pp: int
     """Pipeline ranks p."""
     virtual: int
@@ -89,7 +94,7 @@ class Schedule:
     microbatches: int
     """Micro-batches per step m."""
     ranks: tuple[tuple[Action, ...], ...]
-    """Per rank, its F and B actions in order."""
+    """Per rank, its compute actions (F, B, I, W) in order."""
 
     @property
     def num_stages(self) -> int:

@@ -1,5 +1,5 @@
-"""Generating a schedule of a kind (GPipe, 1F1B, interleaved 1F1B) for p ranks, m
-micro-batches and v chunks, or reading one back from its text, each checked deadlock-free
+"""Generating a schedule of a kind (GPipe, 1F1B, interleaved 1F1B, zero bubble) for p
+ranks, m micro-batches and v chunks, or reading one back from its text, each checked deadlock-free
 by simulation. See `ptc.compiler.schedule.actions` for the terms."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
     if pp < 1 or microbatches < 1 or virtual < 1:
         raise ScheduleError(f"a schedule needs pp, micro-batches and virtual stages >= 1, got "
                             f"pp = {pp}, m = {microbatches}, v = {virtual}")
-    if (kind == "interleaved") != (virtual > 1):
+    if kind in ("gpipe", "1f1b", "interleaved") and (kind == "interleaved") != (virtual > 1):
         raise ScheduleError(f"schedule {kind} with virtual_stages = {virtual}: only the "
                             f"interleaved schedule has (and needs) virtual_stages >= 2")
     need = required_microbatches(kind, pp)
@@ -42,12 +42,15 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
             f"schedule {kind} with pp = {pp} needs at least {need} micro-batches per step "
             f"(one in flight per pipeline rank), got {microbatches}: raise global_batch or "
             f"parallel.microbatches, or lower micro_batch")
-    if kind == "interleaved" and microbatches % pp:
+    if virtual > 1 and microbatches % pp:
         raise ScheduleError(
             f"the interleaved schedule runs micro-batches in groups of pp = {pp}; "
             f"micro-batches = {microbatches} is not divisible by {pp}")
-    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[kind]
-    ranks = tuple(tuple(make(r, pp, microbatches, virtual)) for r in range(pp))
+    if kind == "zero_bubble":
+        ranks = _weights_in_the_bubbles(pp, microbatches, virtual)
+    else:
+        make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[kind]
+        ranks = tuple(tuple(make(r, pp, microbatches, virtual)) for r in range(pp))
     schedule = Schedule(kind=kind, pp=pp, virtual=virtual, microbatches=microbatches,
                         ranks=ranks)
     simulate(schedule)
@@ -100,6 +103,66 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
     for i in range(total - warmup):
         actions += [at(warmup + i, False), at(i, True)]
     return actions + [at(k, True) for k in range(total - warmup, total)]
+
+
+def _weights_in_the_bubbles(p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) on 1F1B's order, or
+    interleaved 1F1B's for v >= 2: each backward split into I (the input gradients, which
+    the previous stage waits for) and W (the weight gradients, which nothing waits for).
+
+    The ranks run in lockstep, one action per unit step (a message sent in one step is
+    there the next, as `simulate` runs them). A rank runs its next F or I in the base
+    order when its input has arrived, and one of its pending Ws (the oldest) when it has
+    not, instead of waiting. A micro-batch's activations stay until its W: a rank runs a
+    pending W before a forward that would hold more micro-batches than the base schedule
+    holds on its first rank (p under 1F1B), the most any rank holds there, so the
+    activation memory of the job stays the base's while the later ranks keep Ws for the
+    end of the step, when the input gradients travel back to the first. The Ws still
+    pending after a rank's last I close its step. With unit-time actions the step takes
+    3m·v + p - 1 units: the bubble of p - 1 is a third of 1F1B's 3(p - 1).
+    """
+    make = _one_f_one_b if v == 1 else _interleaved
+    base = [[Action(a.stage, "I" if a.kind == "B" else a.kind, a.microbatch)
+             for a in make(r, p, m, v)] for r in range(p)]
+    cap = max(simulate(Schedule(kind="1f1b" if v == 1 else "interleaved", pp=p, virtual=v,
+                                microbatches=m, ranks=tuple(tuple(make(r, p, m, v))
+                                                            for r in range(p)))).peak_in_flight)
+    n = p * v
+    done_at: dict[tuple[str, int, int], int] = {}
+    ranks: list[list[Action]] = [[] for _ in range(p)]
+    pending: list[list[Action]] = [[] for _ in range(p)]
+    cursor, in_flight = [0] * p, [0] * p
+    step = 0
+    while any(cursor[r] < len(base[r]) or pending[r] for r in range(p)):
+        ran = []
+        for r in range(p):
+            action = base[r][cursor[r]] if cursor[r] < len(base[r]) else None
+            full = action is not None and action.kind == "F" and in_flight[r] >= cap
+            if action is not None and not full and _arrived(action, n, done_at, step):
+                cursor[r] += 1
+                if action.kind == "I":
+                    pending[r].append(Action(action.stage, "W", action.microbatch))
+            elif pending[r]:
+                action = pending[r].pop(0)
+            else:
+                continue
+            in_flight[r] += {"F": 1, "W": -1}.get(action.kind, 0)
+            ranks[r].append(action)
+            ran.append(action)
+        for action in ran:
+            done_at[action.kind, action.stage, action.microbatch] = step
+        step += 1
+    return tuple(tuple(actions) for actions in ranks)
+
+
+def _arrived(action: Action, stages: int, done_at: dict[tuple[str, int, int], int],
+             step: int) -> bool:
+    """Whether what `action` reads was made before `step` (F: the previous stage's F of
+    its micro-batch; I: the next stage's I)."""
+    source = {"F": ("F", action.stage - 1), "I": ("I", action.stage + 1)}.get(action.kind)
+    if source is None or not 0 <= source[1] < stages:
+        return True
+    return done_at.get((source[0], source[1], action.microbatch), step) < step
 
 
 def parse_schedule(text: str) -> Schedule:

@@ -13,7 +13,7 @@ def _sent(action: Action, stages: int) -> tuple[Action, int] | None:
     """(the send, destination stage) that compute `action` is followed by, if any."""
     if action.kind == "F" and action.stage < stages - 1:
         return Action(action.stage, "SEND_F", action.microbatch), action.stage + 1
-    if action.kind == "B" and action.stage > 0:
+    if action.kind in ("B", "I") and action.stage > 0:
         return Action(action.stage, "SEND_B", action.microbatch), action.stage - 1
     return None
 
@@ -22,7 +22,7 @@ def needed_receive(action: Action, stages: int) -> tuple[Action, int] | None:
     """(the receive, source stage) that compute `action` waits for, if any."""
     if action.kind == "F" and action.stage > 0:
         return Action(action.stage, "RECV_F", action.microbatch), action.stage - 1
-    if action.kind == "B" and action.stage < stages - 1:
+    if action.kind in ("B", "I") and action.stage < stages - 1:
         return Action(action.stage, "RECV_B", action.microbatch), action.stage + 1
     return None
 
@@ -57,7 +57,8 @@ def per_rank_actions(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
         for action in actions:
             sent = _sent(action, n)
             if sent is not None and schedule.rank_of(sent[1]) != src:
-                recv = needed_receive(Action(sent[1], action.kind, action.microbatch), n)
+                recv = needed_receive(Action(sent[1], "F" if action.kind == "F" else "B",
+                                             action.microbatch), n)
                 arrivals.setdefault((src, schedule.rank_of(sent[1])), []).append(recv[0])
     position = {recv: i for queue in arrivals.values() for i, recv in enumerate(queue)}
     programs = []
@@ -90,7 +91,8 @@ def per_rank_actions(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
 
 
 def check(schedule: Schedule) -> None:
-    """Raise ScheduleError unless each stage runs F then B of each micro-batch once on its rank."""
+    """Raise ScheduleError unless each stage runs, of each micro-batch once on its rank, F
+    then B, or F then I then W (the backward split)."""
     n, m = schedule.num_stages, schedule.microbatches
     if len(schedule.ranks) != schedule.pp:
         raise ScheduleError(f"the schedule lists {len(schedule.ranks)} ranks for "
@@ -98,29 +100,49 @@ def check(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.ranks):
         done: set[tuple[str, int, int]] = set()
         for action in actions:
-            if action.kind not in COMPUTE:
-                raise ScheduleError(f"rank {rank}: {action} is a {action.kind}; a schedule lists "
-                                    f"only F and B (per_rank_actions() adds the sends and "
-                                    f"receives)")
-            if not (0 <= action.stage < n and 0 <= action.microbatch < m):
-                raise ScheduleError(f"rank {rank}: {action} is outside stages 0..{n - 1}, "
-                                    f"micro-batches 0..{m - 1}")
-            if schedule.rank_of(action.stage) != rank:
-                raise ScheduleError(f"rank {rank}: {action} belongs to rank "
-                                    f"{schedule.rank_of(action.stage)} "
-                                    f"(stage s runs on rank s % pp)")
-            key = (action.kind, action.stage, action.microbatch)
-            if key in done:
-                raise ScheduleError(f"rank {rank}: {action} appears twice")
-            if action.kind == "B" and ("F", action.stage, action.microbatch) not in done:
-                raise ScheduleError(f"rank {rank}: {action} comes before "
-                                    f"{Action(action.stage, 'F', action.microbatch)}")
-            done.add(key)
-        missing = [str(Action(s, k, i)) for s in schedule.stages_of(rank) for k in COMPUTE
-                   for i in range(m) if (k, s, i) not in done]
+            _check_one(schedule, rank, action, done)
+            done.add((action.kind, action.stage, action.microbatch))
+        missing = [str(Action(s, k, i)) for s in schedule.stages_of(rank) for i in range(m)
+                   for k in _expected_kinds(done, s, i) if (k, s, i) not in done]
         if missing:
             raise ScheduleError(f"rank {rank} never runs {', '.join(missing[:6])}"
                                 + (" ..." if len(missing) > 6 else ""))
+
+
+_BEFORE = {"B": "F", "I": "F", "W": "I"}
+"""The action of the same stage and micro-batch each kind comes after."""
+
+
+def _check_one(schedule: Schedule, rank: int, action: Action,
+               done: set[tuple[str, int, int]]) -> None:
+    """ScheduleError if `action` cannot come next on `rank` after the actions `done`."""
+    n, m = schedule.num_stages, schedule.microbatches
+    if action.kind not in COMPUTE:
+        raise ScheduleError(f"rank {rank}: {action} is a {action.kind}; a schedule lists "
+                            f"only {', '.join(COMPUTE)} (per_rank_actions() adds the sends "
+                            f"and receives)")
+    if not (0 <= action.stage < n and 0 <= action.microbatch < m):
+        raise ScheduleError(f"rank {rank}: {action} is outside stages 0..{n - 1}, "
+                            f"micro-batches 0..{m - 1}")
+    if schedule.rank_of(action.stage) != rank:
+        raise ScheduleError(f"rank {rank}: {action} belongs to rank "
+                            f"{schedule.rank_of(action.stage)} (stage s runs on rank s % pp)")
+    if (action.kind, action.stage, action.microbatch) in done:
+        raise ScheduleError(f"rank {rank}: {action} appears twice")
+    before = _BEFORE.get(action.kind)
+    if before is not None and (before, action.stage, action.microbatch) not in done:
+        raise ScheduleError(f"rank {rank}: {action} comes before "
+                            f"{Action(action.stage, before, action.microbatch)}")
+    other = Action(action.stage, "I" if action.kind == "B" else "B", action.microbatch)
+    if action.kind in ("B", "I") and (other.kind, other.stage, other.microbatch) in done:
+        raise ScheduleError(f"rank {rank}: {action} after {other}: a micro-batch's backward "
+                            f"is either B, or I then W")
+
+
+def _expected_kinds(done: set[tuple[str, int, int]], stage: int, micro: int) -> tuple[str, ...]:
+    """The kinds stage `stage` must run for `micro`: F, B, or F, I, W once it split."""
+    return ("F", "I", "W") if ("I", stage, micro) in done or ("W", stage, micro) in done \
+        else ("F", "B")
 
 
 def check_pairs(programs: tuple[tuple[Action, ...], ...], schedule: Schedule) -> None:

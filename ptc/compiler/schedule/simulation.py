@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptc.compiler.schedule.actions import Action, Schedule, ScheduleError
+from ptc.compiler.schedule.actions import BACKWARD_DONE, Action, Schedule, ScheduleError
 from ptc.compiler.schedule.lowering import (check, check_pairs, matching_send, needed_receive,
                                            per_rank_actions)
 
@@ -58,7 +58,7 @@ def simulate(schedule: Schedule) -> Timeline:
                                    f"{schedule.rank_of(send.stage)}")
                     continue
             row[r] = action
-            in_flight[r] += 1 if action.kind == "F" else -1
+            in_flight[r] += 1 if action.kind == "F" else -(action.kind in BACKWARD_DONE)
             peak[r] = max(peak[r], in_flight[r])
             pc[r] += 1
             while pc[r] < len(program) and program[pc[r]].kind in ("SEND_F", "SEND_B"):

@@ -1,0 +1,59 @@
+"""Every ptc schedule is a valid schedule to torch pipelining.
+
+Each rank's compute actions, translated into `torch.distributed.pipelining`'s own
+`_Action`s (the kinds share their letters: F, B, I, W), pass that library's
+`_validate_schedule` (each stage's F before its B or I, I before W, every
+micro-batch complete); with the sends and receives torch's `_add_send_recv` places
+(its receives block, so each goes right before the compute that needs it), they pass
+its `_simulate_comms_compute` (every receive matched by a send, no deadlock). ptc
+posts its receives earlier, asynchronously (`ptc.compiler.schedule.lowering`): its
+own sends are checked there to follow the same compute, as torch's do."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
+                                                    _simulate_comms_compute, _validate_schedule)
+
+from ptc.compiler.schedule.build import build_schedule
+from ptc.compiler.schedule.lowering import per_rank_actions
+
+CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+         ("interleaved", 4, 8, 2), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
+         ("zero_bubble", 4, 16, 1), ("zero_bubble", 8, 8, 1)]
+
+
+def torch_actions(kind: str, p: int, m: int, v: int) -> dict[int, list[_Action]]:
+    """Each rank's compute actions of ptc's schedule as torch pipelining's actions."""
+    schedule = build_schedule(kind, p, m, v)
+    return {rank: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
+            for rank, actions in enumerate(schedule.ranks)}
+
+
+@pytest.mark.parametrize("kind,p,m,v", CASES)
+def test_torch_pipelining_validates_the_schedule(kind: str, p: int, m: int, v: int) -> None:
+    compute = torch_actions(kind, p, m, v)
+    _validate_schedule(compute, p, p * v, m)
+    with_comms = _add_send_recv(compute, lambda stage: stage % p, p * v)
+    _simulate_comms_compute(with_comms, lambda stage: stage % p, p * v)
+
+
+@pytest.mark.parametrize("kind,p,m,v", CASES)
+def test_ptc_sends_what_torch_sends_after_the_same_compute(kind: str, p: int, m: int,
+                                                          v: int) -> None:
+    compute = torch_actions(kind, p, m, v)
+    torch_sends = {rank: [(a, program[i - 1]) for i, a in enumerate(program)
+                          if a.computation_type.value.startswith("SEND")]
+                   for rank, program in _add_send_recv(compute, lambda s: s % p, p * v).items()}
+    ptc_sends = {rank: [(a, program[i - 1]) for i, a in enumerate(program)
+                        if a.computation_type.value.startswith("SEND")]
+                 for rank, program in enumerate(
+                     [[_Action(x.stage, _ComputationType(x.kind), x.microbatch) for x in prog]
+                      for prog in per_rank_actions(build_schedule(kind, p, m, v))])}
+    assert ptc_sends == torch_sends
+
+
+def test_the_translation_keeps_every_kind() -> None:
+    kinds = {a.computation_type.value for actions in torch_actions("zero_bubble", 2, 4, 1).values()
+             for a in actions}
+    assert kinds == {"F", "I", "W"}
