@@ -213,13 +213,16 @@ def ptc_pp_step(program):
     return Trainer(program, axis_process_groups(build_mesh(program.plan)), models=MODELS).train_step
 
 
-def torch_pp_step(program):
-    """torch.distributed.pipelining's Schedule1F1B with ptc's stage split: its step function."""
+def torch_pp_step(program, schedule_class=None):
+    """torch.distributed.pipelining's Schedule1F1B (or `schedule_class`, e.g. its
+    ScheduleInterleavedZeroBubble, given this rank's one stage) with ptc's stage split: its
+    step function."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     from ptc.compiler.graph.stage_graphs import stage_info
     from ptc.models import build_model
@@ -251,8 +254,11 @@ def torch_pp_step(program):
 
     part = Part()
     stage = PipelineStage(part, rank, PP_STAGES, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, PP_MICROBATCHES, loss_fn=lambda out, target: F.cross_entropy(
-        out.flatten(0, 1), target.flatten()))
+    schedule_class = schedule_class or Schedule1F1B
+    multi = issubclass(schedule_class, PipelineScheduleMulti)  # takes a list of stages
+    schedule = schedule_class([stage] if multi else stage, PP_MICROBATCHES,
+                              loss_fn=lambda out, target: F.cross_entropy(
+                                  out.flatten(0, 1), target.flatten()))
     opt = torch.optim.AdamW(part.parameters(), lr=plan.train.optimizer.lr)
     source = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
     batch = plan.train.global_batch
