@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--pp-layers", type=int, default=8)
+    parser.add_argument("--accum", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
