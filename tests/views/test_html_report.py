@@ -5,7 +5,8 @@ estimate's numbers and the pass log, and it must fetch nothing. Then headless
 Chromium opens it and takes a screenshot, and the picture must show the
 schedule: forward and backward cells in their colours, as many of one as of
 the other (every micro-batch is forwarded and backwarded once on each rank),
-and the memory budget's line. Without a Chromium on the machine that test is
+and the memory budget's line; a zero-bubble schedule's picture draws its input- and
+weight-gradient cells in colours of their own. Without a Chromium on the machine that test is
 skipped with the reason (CI installs one).
 """
 
@@ -20,7 +21,9 @@ import numpy as np
 import pytest
 
 from ptc.cli import main
-from ptc.views.html_report import BACKWARD, BUDGET, FORWARD, render_report
+from ptc.compiler.schedule.build import build_schedule
+from ptc.views.html_report import (BACKWARD, BUDGET, FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS,
+                                   _gantt, render_report)
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 from ptc.units import format_bytes, format_seconds
@@ -74,3 +77,15 @@ def test_headless_chromium_shows_the_schedule_and_the_budget(page, tmp_path):
     assert forward > 2000 and backward > 2000, (forward, backward)
     assert abs(forward - backward) < 0.1 * forward  # 8 forward and 8 backward cells
     assert _pixels(image, BUDGET) > 500  # the budget's dashed line
+
+
+def test_a_split_backward_draws_its_i_and_w_cells_in_their_own_colours(tmp_path):
+    """Zero bubble: each micro-batch's F, I and W once on each rank, so as many cells of
+    each colour, and none of the whole backward's."""
+    from matplotlib.image import imread
+
+    _gantt(build_schedule("zero_bubble", 2, 4)).savefig(tmp_path / "gantt.png", dpi=100)
+    image = imread(tmp_path / "gantt.png")
+    cells = [_pixels(image, c) for c in (FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS)]
+    assert min(cells) > 500 and max(cells) < 1.1 * min(cells), cells
+    assert _pixels(image, BACKWARD) == 0
