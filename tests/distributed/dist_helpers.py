@@ -245,6 +245,25 @@ def profile_ahead(plans: list[Plan]) -> None:
             plan_profile(with_model_shape(plan))
 
 
+@contextlib.contextmanager
+def case_groups(plan: Plan):
+    """Worker: this case's process groups by axis (`axis_process_groups`), and every group
+    made while the case runs (a Trainer's tied-weight groups) destroyed when it ends: a
+    launch that trains a hundred cases would otherwise keep every case's gloo sockets open,
+    past `ulimit -n` 1024."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from ptc.runtime.mesh import axis_process_groups, build_mesh
+
+    before = set(distributed_c10d._world.pg_map)
+    try:
+        yield axis_process_groups(build_mesh(plan))
+    finally:
+        for group in set(distributed_c10d._world.pg_map) - before:
+            dist.destroy_process_group(group)
+
+
 def train_cases(cases: list, plan_of, module_of=None) -> dict:
     """Worker body: train every case in turn, each under its own plan's process groups.
 
@@ -256,7 +275,7 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import init_distributed
 
     results = {}
     profile_ahead([plan_of(case) for case in cases])
@@ -264,10 +283,11 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
         plan = plan_of(case)
         init_distributed(plan)
         program = compile_plan(plan, model=module_of(case) if module_of else None)
-        trainer = Trainer(program, axis_process_groups(build_mesh(plan)), models=MODELS)
-        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-        state = trainer.full_state_dict()
-        held = trainer.held_bytes()
+        with case_groups(plan) as groups:
+            trainer = Trainer(program, groups, models=MODELS)
+            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+            state = trainer.full_state_dict()
+            held = trainer.held_bytes()
         if dist.get_rank() == 0:
             results[case] = {
                 "losses": losses, "state": state, "held": held,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, STEPS, profile_ahead, tiny_plan
+from dist_helpers import MODELS, STEPS, case_groups, profile_ahead, tiny_plan
 
 from ptc.plan import HardwareSpec, ParallelSpec, Plan
 
@@ -68,7 +68,7 @@ def run_pp_cases(cases: list[Case]) -> dict:
     import torch.distributed as dist
 
     from ptc.lower.driver import compile_plan
-    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import init_distributed
     from ptc.runtime.executor import Trainer
 
     results = {}
@@ -76,12 +76,13 @@ def run_pp_cases(cases: list[Case]) -> dict:
     for case in cases:
         plan = pp_plan(case)
         init_distributed(plan)
-        groups = axis_process_groups(build_mesh(plan))
-        trainer = Trainer(compile_plan(plan), groups, models=MODELS)
-        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-        state = trainer.full_state_dict()
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, (dist.get_rank(groups["pp"]), trainer.peak_in_flight))
+        program = compile_plan(plan)
+        with case_groups(plan) as groups:
+            trainer = Trainer(program, groups, models=MODELS)
+            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+            state = trainer.full_state_dict()
+            peaks = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, (dist.get_rank(groups["pp"]), trainer.peak_in_flight))
         if dist.get_rank() == 0:
             results[case] = {"losses": losses, "state": state, "peaks": peaks}
     dist.destroy_process_group()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, profile_ahead, tiny_plan
+from dist_helpers import MODELS, case_groups, profile_ahead, tiny_plan
 from pp_helpers import Case, pp_plan
 from tp_helpers import TPCase, tp_plan
 
@@ -95,7 +95,7 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
+    from ptc.runtime.mesh import init_distributed
 
     results = {}
     profile_ahead([recompute_plan(case) for case in cases])
@@ -103,9 +103,10 @@ def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
         plan = recompute_plan(case)
         init_distributed(plan)
         program = compile_plan(plan)
-        trainer = Trainer(program, axis_process_groups(build_mesh(plan)), models=MODELS)
-        losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-        state = trainer.full_state_dict()
+        with case_groups(plan) as groups:
+            trainer = Trainer(program, groups, models=MODELS)
+            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+            state = trainer.full_state_dict()
         policies = [None] * dist.get_world_size()
         dist.all_gather_object(policies, program_policies(program))
         if dist.get_rank() == 0:

@@ -11,7 +11,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from dist_helpers import MODELS, SEQ, STEPS, profile_ahead, tiny_model, tiny_plan, train_cases
+from dist_helpers import (MODELS, SEQ, STEPS, case_groups, profile_ahead, tiny_model, tiny_plan,
+                          train_cases)
 
 from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule
 
@@ -163,6 +164,24 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     (`tests/memory/measure.py`) and the chunks a session holds count too.
     Every rank's figure comes back.
     """
+    import torch.distributed as dist
+
+    from ptc.runtime.mesh import init_distributed
+
+    results = []
+    profile_ahead([memory_plan(case, tp) for case in cases])
+    for case in cases:
+        plan = memory_plan(case, tp)
+        init_distributed(plan)
+        with case_groups(plan) as groups:
+            results.append(_measure_case(case, plan, groups))
+    dist.destroy_process_group()
+    return results
+
+
+def _measure_case(case: MemoryCase, plan, groups) -> list:
+    """Worker: every rank's (saved bytes, CPU LayerNorm gap, per-layer policies) of one case
+    (`measure_activations`), run under `groups`."""
     import math
 
     import torch
@@ -174,46 +193,37 @@ def measure_activations(cases: list[MemoryCase], tp: int) -> list[list[tuple]]:
     from ptc.ops.comm import bind_axes
     from ptc.ops.seq_regather import SeqRegather, _SeqRef
     from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
     from recompute_worker import program_policies
     from tests.memory.measure import cached_by_regions, kept_norm_nodes
     from tests.memory.test_measured_activations import cpu_statistics_gap
 
-    results = []
-    profile_ahead([memory_plan(case, tp) for case in cases])
-    for case in cases:
-        plan = memory_plan(case, tp)
-        init_distributed(plan)
-        groups = axis_process_groups(build_mesh(plan))
-        program = compile_plan(plan)
-        trainer = Trainer(program, groups, models=MODELS)
-        gm = trainer.chunks[0].gm
-        state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
-        saved: dict[int, int] = {}
-        regather = SeqRegather()
+    program = compile_plan(plan)
+    trainer = Trainer(program, groups, models=MODELS)
+    gm = trainer.chunks[0].gm
+    state = {t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())}
+    saved: dict[int, int] = {}
+    regather = SeqRegather()
 
-        def note(t: torch.Tensor) -> None:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in state:
-                saved[storage.data_ptr()] = storage.nbytes()
+    def note(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in state:
+            saved[storage.data_ptr()] = storage.nbytes()
 
-        def pack(t: torch.Tensor):
-            kept = regather.pack(t)
-            note(kept.chunk if isinstance(kept, _SeqRef) else t)
-            return kept
+    def pack(t: torch.Tensor):
+        kept = regather.pack(t)
+        note(kept.chunk if isinstance(kept, _SeqRef) else t)
+        return kept
 
-        tokens, targets = trainer.data.batch(0, plan.train.micro_batch)
-        with bind_axes(groups), regather, cached_by_regions(note), \
-                torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
-            loss = trainer.chunks[0].runner.run(tokens, targets)
-        for chunk in regather.chunks():  # the chunks the session holds
-            note(chunk)
-        with bind_axes(groups):
-            loss.backward()  # the graph (and every saved storage) lived until here
-        gap = sum(cpu_statistics_gap(1, math.prod(get_info(n).shapes[0][:-1]),
-                                     DTYPES[case.dtype]) for n in kept_norm_nodes(gm))
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, (sum(saved.values()), gap, program_policies(program)))
-        results.append(per_rank)
-    dist.destroy_process_group()
-    return results
+    tokens, targets = trainer.data.batch(0, plan.train.micro_batch)
+    with bind_axes(groups), regather, cached_by_regions(note), \
+            torch.autograd.graph.saved_tensors_hooks(pack, regather.unpack):
+        loss = trainer.chunks[0].runner.run(tokens, targets)
+    for chunk in regather.chunks():  # the chunks the session holds
+        note(chunk)
+    with bind_axes(groups):
+        loss.backward()  # the graph (and every saved storage) lived until here
+    gap = sum(cpu_statistics_gap(1, math.prod(get_info(n).shapes[0][:-1]),
+                                 DTYPES[case.dtype]) for n in kept_norm_nodes(gm))
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (sum(saved.values()), gap, program_policies(program)))
+    return per_rank
