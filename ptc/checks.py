@@ -172,9 +172,10 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
                    f"got {m}", field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
-    if par.schedule == "interleaved" and m % par.pp:
-        sink.error(f"the interleaved schedule needs micro-batches({m}) divisible by "
-                   f"pp({par.pp})", field="parallel.microbatches",
+    if par.virtual_stages > 1 and m % par.pp:
+        sink.error(f"the {par.schedule} schedule with virtual_stages({par.virtual_stages}) "
+                   f"needs micro-batches({m}) divisible by pp({par.pp})",
+                   field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule"))
 
 

@@ -478,10 +478,11 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence across tp."""
     schedule: str = "1f1b"
-    """"gpipe", "1f1b", "interleaved" or "zero_bubble" (ZB-H1: 1F1B with each backward
-    split into its input and weight gradients, the latter filling the bubble)."""
+    """"gpipe", "1f1b", "interleaved" or "zero_bubble" (ZB-H1: 1F1B, or interleaved 1F1B
+    with virtual_stages >= 2, with each backward split into its input and weight gradients,
+    the latter filling the bubble)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule), v."""
+    """Model chunks per pipeline rank (interleaved or zero_bubble schedule), v."""
     microbatches: int | None = None
     """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
     checkpoint: str | tuple[str, ...] = "none"
@@ -548,10 +549,6 @@ class ParallelSpec(_Section):
         if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
             self._bad(sink, "virtual_stages",
                       f"virtual_stages = {self.virtual_stages} needs schedule = interleaved")
-        if self.schedule == "zero_bubble" and self.virtual_stages != 1:
-            self._bad(sink, "virtual_stages",
-                      f"schedule zero_bubble runs one chunk per rank (virtual_stages = 1); "
-                      f"got {self.virtual_stages}: use interleaved for more")
         if isinstance(self.checkpoint, str) and module_policy(self.checkpoint) is not None:
             object.__setattr__(self, "checkpoint", module_policy(self.checkpoint))
         elif isinstance(self.checkpoint, str):

@@ -258,14 +258,15 @@ _SCHEDULE_FORMS = {
     "gpipe": Form(example="gpipe"),
     "1f1b": Form(example="1f1b"),
     "interleaved": Form({"virtual_stages": integer}, example="interleaved(virtual_stages = 2)"),
-    "zero_bubble": Form(example="zero_bubble"),
+    "zero_bubble": Form({"virtual_stages": integer},
+                        example="zero_bubble or zero_bubble(virtual_stages = 2)"),
 }
 assert tuple(_SCHEDULE_FORMS) == SCHEDULES
 
 
 def schedule(r: Reader, node: ast.Value, key: str) -> Any:
     """schedule = gpipe | 1f1b | interleaved(virtual_stages = 2) | zero_bubble
-    -> (name, vstages, span)."""
+    | zero_bubble(virtual_stages = 2) -> (name, vstages, span)."""
     read = read_call(r, node, key, _SCHEDULE_FORMS, "schedule")
     if read is INVALID or not read.ok:
         return INVALID

@@ -149,8 +149,10 @@ def _parallel(par: ParallelSpec) -> str:
     lines = _scalar_lines(par, PARALLEL_KEYS, always=("tp", "pp", "dp", "zero"),
                           skip=("schedule", "virtual_stages", "checkpoint", "order",
                                 "stage_boundaries"))
-    if par.schedule == "interleaved":
-        lines.append(f"schedule = interleaved(virtual_stages = {literal(par.virtual_stages)})")
+    if par.schedule == "interleaved" or (par.schedule == "zero_bubble"
+                                          and par.virtual_stages != 1):
+        lines.append(f"schedule = {par.schedule}(virtual_stages = "
+                     f"{literal(par.virtual_stages)})")
     else:
         lines.append(f"schedule = {word(par.schedule)}")
         if par.virtual_stages != 1:

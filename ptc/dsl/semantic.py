@@ -334,7 +334,7 @@ def _parallel(sec: ast.Section | None, source: Source, layers: int | None) -> An
         if vstages is not None:
             if "virtual_stages" in values and values["virtual_stages"] != vstages:
                 r.error(f"virtual_stages is {values['virtual_stages']} but the schedule says "
-                        f"interleaved(virtual_stages = {vstages}); give it once",
+                        f"{name}(virtual_stages = {vstages}); give it once",
                         _pos_of(spans["virtual_stages"]), "virtual_stages")
                 read.bad.add("virtual_stages")
             values["virtual_stages"] = vstages

@@ -33,10 +33,12 @@ pytestmark = pytest.mark.timeout(60)
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1),
                 ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
-                ("interleaved", 2, 4, 3), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1)]
+                ("interleaved", 2, 4, 3), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
+                ("zero_bubble", 2, 4, 2)]
 GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "zero_bubble") for p in (2, 3, 4, 8)
         for m in (p, p + 1, 2 * p, 3 * p + 1) for v in (1,)] + \
-       [("interleaved", p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
+       [(kind, p, m, v) for kind in ("interleaved", "zero_bubble") for p in (2, 3, 4)
+        for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
 
 
 def plan(kind: str, p: int, m: int, v: int) -> Plan:
@@ -125,12 +127,14 @@ class TestZeroBubble:
                 if a.kind == "W":
                     assert actions.index(Action(a.stage, "I", a.microbatch)) < actions.index(a)
 
-    @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 16), (8, 8), (8, 24)])
-    def test_the_bubble_is_a_third_of_1f1bs(self, p: int, m: int) -> None:
+    @pytest.mark.parametrize("p,m,v", [(2, 4, 1), (3, 6, 1), (4, 8, 1), (4, 16, 1), (8, 8, 1),
+                                       (8, 24, 1), (2, 4, 2), (4, 8, 2), (3, 6, 3)])
+    def test_the_bubble_is_a_third_of_1f1bs(self, p: int, m: int, v: int) -> None:
         """In unit-time actions (F = I = W = 1, 1F1B's B = I + W = 2) 1F1B's step takes
-        3m + 3(p - 1) units; ZB-H1's takes 3m + (p - 1) (Qi et al. 2024, section 3)."""
-        timeline = simulate(build_schedule("zero_bubble", p, m))
-        assert len(timeline.steps) == 3 * m + (p - 1)
+        3m + 3(p - 1) units; ZB-H1's takes 3m + (p - 1) (Qi et al. 2024, section 3), and on
+        interleaved 1F1B's order with v chunks 3mv + (p - 1)."""
+        timeline = simulate(build_schedule("zero_bubble", p, m, v))
+        assert len(timeline.steps) == 3 * m * v + (p - 1)
 
     def test_no_rank_holds_more_than_1f1bs_first_rank(self) -> None:
         """Activations stay until W: every rank holds at most p micro-batches, as 1F1B's

@@ -20,7 +20,8 @@ from ptc.compiler.schedule.lowering import per_rank_actions
 
 CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
          ("interleaved", 4, 8, 2), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
-         ("zero_bubble", 4, 16, 1), ("zero_bubble", 8, 8, 1)]
+         ("zero_bubble", 4, 16, 1), ("zero_bubble", 8, 8, 1), ("zero_bubble", 2, 4, 2),
+         ("zero_bubble", 4, 8, 2)]
 
 
 def torch_actions(kind: str, p: int, m: int, v: int) -> dict[int, list[_Action]]:

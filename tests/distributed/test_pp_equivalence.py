@@ -9,10 +9,10 @@ whose last only the head and the loss (Megatron-LM's account-for-embedding/loss
 split; GPT with dropout 0.1, the embedding's in a stage of its own), tp = 2 with
 sequence parallelism × pp = 2 (the boundary is then
 sequence-sharded), and the full 3D layout tp2 × pp2 × dp2 on 8 processes
-at ZeRO-1 and ZeRO-3. The zero-bubble schedule (each backward split into input and weight
-gradients) on pp = 2 and 4, with full and selective recompute, dropout, an uneven
-split, bf16, dp = 2 at ZeRO-1 and tp = 2 with sequence parallelism. The loss of every
-step and every parameter after 5 AdamW steps
+at ZeRO-1 and ZeRO-3. The zero-bubble schedule (each backward split into input and
+weight gradients) on pp = 2 and 4, on interleaved 1F1B's order with v = 2, with full and
+selective recompute, dropout, an uneven split, bf16, dp = 2 at ZeRO-1 and tp = 2 with
+sequence parallelism. The loss of every step and every parameter after 5 AdamW steps
 (cosine schedule with warm-up, global-norm clipping at 1.0) equal
 `torch.optim.AdamW` on the eager model over the full global batch, from the
 same initial weights on the same samples.
@@ -63,7 +63,7 @@ CASES = [
     Case("llama", 2, "zero_bubble", 4, checkpoint="selective", dtype="bf16"),
     Case("gpt", 2, "zero_bubble", 4, dp=2, zero=1),
     Case("llama", 2, "zero_bubble", 4, tp=2, sp=True),
-    Case("gpt", 4, "zero_bubble", 8),
+    Case("gpt", 4, "zero_bubble", 8), Case("llama", 2, "zero_bubble", 4, virtual=2),
 ]
 
 _runs: dict[int, dict] = {}

@@ -144,8 +144,10 @@ GOLDEN = [
                                   "nan_policy = rollback",
                                   "nan_policy = rollback\n  compile = true"),
      "schedule zero_bubble needs runtime.compile = false", 39, 13, ("false",)),
-    ("zero-bubble-chunks", edit("schedule = 1f1b", "schedule = zero_bubble\n  virtual_stages = 2"),
-     "schedule zero_bubble runs one chunk per rank (virtual_stages = 1); got 2", 24, 20, ()),
+    ("zero-bubble-chunks-twice", edit("schedule = 1f1b",
+                                      "schedule = zero_bubble(virtual_stages = 2)"
+                                      "\n  virtual_stages = 4"),
+     "virtual_stages is 4 but the schedule says zero_bubble(virtual_stages = 2)", 24, 20, ()),
     ("virtual-stages-twice", edit("schedule = 1f1b", "schedule = interleaved(virtual_stages = 2)"
                                   "\n  virtual_stages = 4"),
      "virtual_stages is 4 but the schedule says interleaved(virtual_stages = 2)", 24, 20, ()),

@@ -262,17 +262,17 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
                     * act("out_unsaved", "none") / len(chunks))
     if stage == 0 and not chunks[0]:  # a stage of the embedding alone holds its output
         activations += units * act("out", "none") / len(chunks)
-    pre_units = units if layout.schedule != "interleaved" else mn(p, mb)
+    pre_units = _first_chunk_units(layout, units, mb, mn)
     if stage == 0:
         activations += pre_units * act("pre", "none")
     if stage == _first_layer_stage(layout) and layout.policy(0) in profile.holds_input:
         # Layer 0's checkpoint keeps what it reads: the embedding's output.
         activations += (pre_units if stage == 0 else units / len(chunks)) \
             * act("in_unsaved", "none")
-    if stage == p - 1:  # 1F1B's last stage runs each B right after its F; the others hold
-        # the loss of every micro-batch in flight
-        activations += (1 if layout.schedule in ("1f1b", "interleaved") else units) \
-            * act("post", "none")
+    if stage == p - 1:  # 1F1B's last stage runs each B right after its F; GPipe's holds the
+        # loss of every micro-batch, zero bubble's of each until its W
+        post_units = {"gpipe": units, "zero_bubble": mn(p, mb)}.get(layout.schedule, 1)
+        activations += post_units * act("post", "none")
     recompute = 0
     if "full" in policies:
         recompute = act("layer", "none")
@@ -309,6 +309,15 @@ class _Preferring(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def _first_chunk_units(layout: Layout, units, mb, mn: Callable):
+    """Micro-batches in flight in the first rank's first chunk, whose embedding output it
+    keeps: all its units with one chunk; interleaved holds p there, zero bubble 2p (its Ws
+    of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`)."""
+    if layout.vstages == 1:
+        return units
+    return mn((2 if layout.schedule == "zero_bubble" else 1) * layout.pp, mb)
 
 
 def _first_layer_stage(layout: Layout) -> int:

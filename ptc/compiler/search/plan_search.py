@@ -2,8 +2,9 @@
 
 The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
-always enumerated: virtual stages (1F1B or zero bubble, or interleaved with v
-dividing the layers per stage), micro-batch (divisors of the per-rank batch), ZeRO stage
+always enumerated: virtual stages (1F1B, or interleaved with v dividing the
+layers per stage, each also as zero bubble), micro-batch (divisors of the per-rank
+batch), ZeRO stage
 (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
 sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
 selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
@@ -138,11 +139,10 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
 
 
 def _schedules(pp: int, v: int, zero: int, compiled: bool) -> tuple[str, ...]:
-    """Schedules worth trying: interleaved for v >= 2; else 1F1B, and zero bubble where it
-    runs (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`)."""
-    if v > 1:
-        return ("interleaved",)
-    return ("1f1b", "zero_bubble") if pp > 1 and zero < 3 and not compiled else ("1f1b",)
+    """Schedules worth trying: 1F1B (interleaved for v >= 2), and zero bubble on the same
+    order where it runs (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`)."""
+    base = "interleaved" if v > 1 else "1f1b"
+    return (base, "zero_bubble") if pp > 1 and zero < 3 and not compiled else (base,)
 
 
 def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
