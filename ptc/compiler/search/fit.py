@@ -67,7 +67,8 @@ def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
             continue
         v = plan.parallel.virtual_stages if plan.model.layers % (pp * plan.parallel.virtual_stages) == 0 else 1
         if _fits(plan, tp=tp, pp=pp, dp=dp, vstages=v, microbatches=batch // (dp * mb),
-                 schedule=plan.parallel.schedule if v > 1 else "1f1b",
+                 schedule=plan.parallel.schedule if v > 1 or plan.parallel.schedule ==
+                 "zero_bubble" else "1f1b",
                  sp=plan.parallel.sequence_parallel and tp > 1):
             return tp, pp
     return None
