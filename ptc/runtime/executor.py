@@ -241,11 +241,8 @@ class Chunk:
     after it."""
     overlap: OverlapPlan
     """The comm_overlap pass's buckets and prefetch depth for this stage."""
-
-    @property
-    def trainable(self) -> list[torch.Tensor]:
-        """The stage graph's weights that get gradients."""
-        return [w for w in self.gm.parameters() if w.requires_grad]
+    trainable: list[torch.Tensor]
+    """The stage graph's weights that get gradients (a split backward's W computes them)."""
 
 
 @dataclass(eq=False)
@@ -394,7 +391,8 @@ class Trainer:
         last = [a.microbatch for a in self.actions if a.kind in ("B", "W") and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
-                     reducer=reducer, last_backward=last, overlap=overlap)
+                     reducer=reducer, last_backward=last, overlap=overlap,
+                     trainable=[w for w in gm.parameters() if w.requires_grad])
 
     def _frozen(self, slot: ParamSlot) -> bool:
         """Whether `slot` holds a parameter the model does not train."""
@@ -611,8 +609,7 @@ class Trainer:
         wanted = [t for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
         with self._backward_of(info, mb, state):
             outputs, grads = self._backward_seeds(live, info, transfer, state)
-            got, weights = input_backward(outputs, grads, wanted, chunk.trainable) if outputs \
-                else ([None] * len(wanted), WeightBackward(lambda: None))
+            got, weights = input_backward(outputs, grads, wanted, chunk.trainable)
         live.grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, got)]
         live.inputs, live.outputs = [], None
         state.weights[s, mb] = weights

@@ -62,8 +62,8 @@ from ptc.runtime.export import model_record
 from ptc.runtime.health import diagnose_timeout, is_timeout
 from ptc.runtime.lr import learning_rate, schedule_change, schedule_record
 from ptc.runtime.mesh import timeout
-from ptc.runtime.snapshot import (MemorySnapshots, room_for_snapshots, snapshot_folder,
-                                  snapshots_fit)
+from ptc.runtime.snapshot import MemorySnapshots, room_for_snapshots, snapshot_folder
+from ptc.runtime.snapshot_room import snapshots_fit
 from ptc.runtime.watchdog import StallWatchdog
 from ptc.units import format_bytes, format_duration
 

@@ -96,18 +96,6 @@ def room_for_snapshots(trainer, folder: Path) -> tuple[int, int]:
     return need, stat.f_bavail * stat.f_frsize + ours
 
 
-def snapshots_fit(need: int, free: int) -> bool:
-    """Whether `runtime.snapshot_every = auto` keeps snapshots: they need at most half the
-    free space (tmpfs is host memory; the rest is left to the processes). The one rule: a
-    run applies it to the space its node has, `ptc explain` to `default_tmpfs`."""
-    return 2 * need <= free
-
-
-def default_tmpfs(host_memory: int) -> int:
-    """The size Linux gives /dev/shm by default: half the host memory."""
-    return host_memory // 2
-
-
 class MemorySnapshots:
     """One rank's snapshots (module docstring); collective where it says so."""
 

@@ -43,7 +43,10 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                    ) -> tuple[list[torch.Tensor | None], WeightBackward]:
     """I: the gradients of `inputs` from `outputs` (seeded with `grads`; None: ones, for a
     loss), and the W that gives `weights` theirs. With no input needing a gradient (the
-    first stage), I computes nothing and W is the whole backward."""
+    first stage), I computes nothing and W is the whole backward; with no output (nothing
+    before them trains), neither computes anything."""
+    if not outputs:
+        return [None] * len(inputs), WeightBackward(lambda: None)
     weights = [w for w in weights if w.requires_grad]
     wanted = [t for t in inputs if t.requires_grad]
     if not wanted:

@@ -29,7 +29,7 @@ from ptc.compiler.profile.cache import plan_profile, with_model_shape
 from ptc.compiler.search.plan_search import search_all
 from ptc.views.tables import GLUE, FitTable, Prose
 from ptc.hwprofile import ProfileError, load_profile
-from ptc.runtime.snapshot import default_tmpfs, snapshots_fit
+from ptc.runtime.snapshot_room import default_tmpfs, snapshots_fit
 from ptc.plan import AUTO, DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_duration, format_seconds

@@ -264,12 +264,13 @@ def case_groups(plan: Plan):
             dist.destroy_process_group(group)
 
 
-def train_cases(cases: list, plan_of, module_of=None) -> dict:
+def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
     """Worker body: train every case in turn, each under its own plan's process groups.
 
     `plan_of(case)` gives the plan, `module_of(case)` (optional) the user's module to
     compile instead of the plan's model. Rank 0 returns, per case: losses, full
-    weights after training, held and predicted bytes, pass log.
+    weights after training, held and predicted bytes, pass log; and, where `gathered`
+    is given, "gathered": every rank's `gathered(trainer, program, groups)` after training.
     """
     import torch.distributed as dist
 
@@ -288,10 +289,14 @@ def train_cases(cases: list, plan_of, module_of=None) -> dict:
             losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
             state = trainer.full_state_dict()
             held = trainer.held_bytes()
+            extra = {}
+            if gathered is not None:
+                extra["gathered"] = [None] * dist.get_world_size()
+                dist.all_gather_object(extra["gathered"], gathered(trainer, program, groups))
         if dist.get_rank() == 0:
             results[case] = {
                 "losses": losses, "state": state, "held": held,
-                "predicted": program.state_bytes(), "log": program.pass_log}
+                "predicted": program.state_bytes(), "log": program.pass_log, **extra}
     dist.destroy_process_group()
     return results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, STEPS, case_groups, profile_ahead, tiny_plan
+from dist_helpers import STEPS, tiny_plan, train_cases
 
 from ptc.plan import HardwareSpec, ParallelSpec, Plan
 
@@ -64,26 +64,14 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
 
 
 def run_pp_cases(cases: list[Case]) -> dict:
-    """Worker: train every case; rank 0 returns losses, weights and every rank's peak in flight."""
+    """Worker: train every case (`train_cases`); rank 0's results also hold "peaks", every
+    rank's (pipeline rank, peak in-flight micro-batches)."""
     import torch.distributed as dist
 
-    from ptc.lower.driver import compile_plan
-    from ptc.runtime.mesh import init_distributed
-    from ptc.runtime.executor import Trainer
+    def peak(trainer, program, groups) -> tuple[int, int]:
+        return dist.get_rank(groups["pp"]), trainer.peak_in_flight
 
-    results = {}
-    profile_ahead([pp_plan(case) for case in cases])
-    for case in cases:
-        plan = pp_plan(case)
-        init_distributed(plan)
-        program = compile_plan(plan)
-        with case_groups(plan) as groups:
-            trainer = Trainer(program, groups, models=MODELS)
-            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-            state = trainer.full_state_dict()
-            peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, (dist.get_rank(groups["pp"]), trainer.peak_in_flight))
-        if dist.get_rank() == 0:
-            results[case] = {"losses": losses, "state": state, "peaks": peaks}
-    dist.destroy_process_group()
+    results = train_cases(cases, pp_plan, gathered=peak)
+    for got in results.values():
+        got["peaks"] = got.pop("gathered")
     return results

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import MODELS, case_groups, profile_ahead, tiny_plan
+from dist_helpers import tiny_plan, train_cases
 from pp_helpers import Case, pp_plan
 from tp_helpers import TPCase, tp_plan
 
@@ -90,27 +90,10 @@ def program_policies(program) -> tuple[str, ...]:
 
 
 def run_recompute_cases(cases: list[RecomputeCase]) -> dict:
-    """Worker: train every case; rank 0 returns losses, weights and every rank's policies."""
-    import torch.distributed as dist
-
-    from ptc.lower.driver import compile_plan
-    from ptc.runtime.executor import Trainer
-    from ptc.runtime.mesh import init_distributed
-
-    results = {}
-    profile_ahead([recompute_plan(case) for case in cases])
-    for case in cases:
-        plan = recompute_plan(case)
-        init_distributed(plan)
-        program = compile_plan(plan)
-        with case_groups(plan) as groups:
-            trainer = Trainer(program, groups, models=MODELS)
-            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
-            state = trainer.full_state_dict()
-        policies = [None] * dist.get_world_size()
-        dist.all_gather_object(policies, program_policies(program))
-        if dist.get_rank() == 0:
-            results[case] = {"losses": losses, "state": state, "policies": policies,
-                             "log": program.pass_log}
-    dist.destroy_process_group()
+    """Worker: train every case (`train_cases`); rank 0's results also hold "policies",
+    every rank's per-layer policies."""
+    results = train_cases(cases, recompute_plan,
+                          gathered=lambda trainer, program, groups: program_policies(program))
+    for got in results.values():
+        got["policies"] = got.pop("gathered")
     return results

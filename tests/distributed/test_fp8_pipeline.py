@@ -2,7 +2,9 @@
 
 The 4-layer tiny GPT and Llama, 4 micro-batches of one sample, 5 AdamW steps
 in fp8 with `fp8_emulate = true`, delayed and current scaling: pp = 2 under
-1F1B (and Llama under interleaved 1F1B with 2 chunks per rank) against
+1F1B (and Llama under interleaved 1F1B with 2 chunks per rank; GPT and Llama under the
+zero-bubble schedule, whose split backward runs each float8 linear's backward in its I
+and again in its W, recording the same amaxes twice into the step's running max) against
 pp = 1 with the same fp8 plan.
 
 What pp changes: each stage holds the float8 states of its own linears, and
@@ -33,7 +35,8 @@ pytestmark = pytest.mark.distributed
 
 LR, STEPS = 3e-3, 5
 PIPELINED = [(f, 2, "1f1b", s, 1) for f in ("gpt", "llama") for s in ("delayed", "current")] \
-    + [("llama", 2, "interleaved", "delayed", 2)]
+    + [("llama", 2, "interleaved", "delayed", 2), ("gpt", 2, "zero_bubble", "delayed", 1),
+       ("llama", 2, "zero_bubble", "current", 1)]
 
 
 def unpipelined(case: tuple) -> tuple:

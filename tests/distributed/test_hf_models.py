@@ -105,7 +105,7 @@ LAUNCHES = {"layouts": [
                                                 "replicate"),)),
     # a mixture of experts: router replicated, each expert's MLP split as an MLP
     HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
-    HFCase("mixtral", pp=2, checkpoint="full"),
+    HFCase("mixtral", pp=2, checkpoint="full"), HFCase("mixtral", pp=2, schedule="zero_bubble"),
 ], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows

@@ -13,7 +13,7 @@ import pytest
 from runtime_helpers import tiny_plan
 
 import ptc
-from ptc.runtime.snapshot import snapshots_fit
+from ptc.runtime.snapshot_room import snapshots_fit
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,6 @@
 """Generating a schedule of a kind (GPipe, 1F1B, interleaved 1F1B, zero bubble) for p
-ranks, m micro-batches and v chunks, or reading one back from its text, each checked deadlock-free
-by simulation. See `ptc.compiler.schedule.actions` for the terms."""
+ranks, m micro-batches and v chunks, or reading one back from its text, each checked
+deadlock-free by simulation. See `ptc.compiler.schedule.actions` for the terms."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
             f"parallel.microbatches, or lower micro_batch")
     if virtual > 1 and microbatches % pp:
         raise ScheduleError(
-            f"the interleaved schedule runs micro-batches in groups of pp = {pp}; "
+            f"schedule {kind} with virtual_stages = {virtual} runs micro-batches in groups "
+            f"of pp = {pp}; "
             f"micro-batches = {microbatches} is not divisible by {pp}")
     if kind == "zero_bubble":
         ranks = _weights_in_the_bubbles(pp, microbatches, virtual)

@@ -66,9 +66,11 @@ def smallest_model_parallel(plan: Plan) -> tuple[int, int] | None:
         if batch % (dp * mb) or (pp > 1 and batch // (dp * mb) < pp):
             continue
         v = plan.parallel.virtual_stages if plan.model.layers % (pp * plan.parallel.virtual_stages) == 0 else 1
+        # One chunk per rank: priced as 1F1B, unless the plan splits its backward.
+        schedule = plan.parallel.schedule if v > 1 or plan.parallel.schedule == "zero_bubble" \
+            else "1f1b"
         if _fits(plan, tp=tp, pp=pp, dp=dp, vstages=v, microbatches=batch // (dp * mb),
-                 schedule=plan.parallel.schedule if v > 1 or plan.parallel.schedule ==
-                 "zero_bubble" else "1f1b",
+                 schedule=schedule,
                  sp=plan.parallel.sequence_parallel and tp > 1):
             return tp, pp
     return None
