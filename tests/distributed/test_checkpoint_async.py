@@ -3,10 +3,13 @@
 The first two tests share one process: 20 async saves of a larger model
 (hidden 256, vocab 4096: 37.5 MiB of weights and Adam state), then one
 save after a weight was set to Inf. Keeping a snapshot per save would add
-15 x 37.5 MiB from save 5 to save 20; measured growth is 2-11 MiB,
-allocator noise (DCP starts a writer thread per save, and glibc gives
-threads their own arenas until it reaches its arena limit). The bound is
-one snapshot in all.
+15 x 37.5 MiB between the first five saves and the last five. One sample
+against one sample is noise: RSS after a save swings by up to 35 MiB as
+glibc returns or keeps a freed arena (DCP starts a writer thread per save,
+and glibc gives threads their own arenas until it reaches its arena limit).
+So the test compares the peak of the last five samples with the peak of the
+first five; measured growth of the peaks is 4-10 MiB in four runs. The bound is one
+snapshot in all.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ def saved(tmp_path_factory):
 @pytest.mark.timeout(180)
 def test_host_memory_does_not_grow_across_20_async_saves(saved):
     _, got = saved
-    growth = got["rss"][-1] - got["rss"][4]
+    growth = max(got["rss"][-5:]) - max(got["rss"][:5])
     assert growth < got["state_bytes"], (
-        f"RSS grew {growth / 2**20:.1f} MiB over 15 saves of "
+        f"peak RSS grew {growth / 2**20:.1f} MiB over 15 saves of "
         f"{got['state_bytes'] / 2**20:.1f} MiB: {[r >> 20 for r in got['rss']]}")
 
 
