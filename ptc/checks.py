@@ -154,7 +154,7 @@ def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
     par = plan.parallel
-    if par.schedule == "zero_bubble" and par.pp != 1:
+    if par.splits_backward and par.pp != 1:
         _check_split_backward(plan, sink)
     cuts = par.pp * par.virtual_stages - 1 if par.pp != "auto" else None
     if par.stage_boundaries and cuts is not None and len(par.stage_boundaries) != cuts:
@@ -172,7 +172,7 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
                    f"got {m}", field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
-    if par.virtual_stages > 1 and m % par.pp:
+    if par.virtual_stages > 1 and m % par.pp and not par.v_shaped:
         sink.error(f"the {par.schedule} schedule with virtual_stages({par.virtual_stages}) "
                    f"needs micro-batches({m}) divisible by pp({par.pp})",
                    field="parallel.microbatches",
@@ -183,12 +183,12 @@ def _check_split_backward(plan: Plan, sink: DiagnosticSink) -> None:
     """What a zero-bubble schedule's backward in two (I, then W) cannot run with yet."""
     par, runtime = plan.parallel, plan.runtime
     if par.zero == 3:
-        sink.error("schedule zero_bubble needs zero 0-2: under ZeRO-3 each micro-batch would "
+        sink.error(f"schedule {par.schedule} needs zero 0-2: under ZeRO-3 each micro-batch would "
                    "hold its stage's re-gathered weights from its I to its W",
                    field="parallel.zero", span=_span(par, "zero") or _span(par, "schedule"),
                    choices=("0", "1", "2"))
     if runtime.compile:
-        sink.error("schedule zero_bubble needs runtime.compile = false: a compiled stage's "
+        sink.error(f"schedule {par.schedule} needs runtime.compile = false: a compiled stage's "
                    "backward is one kernel graph, which cannot run its weight gradients apart",
                    field="runtime.compile", span=_span(runtime, "compile"), choices=("false",))
 

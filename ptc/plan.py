@@ -27,7 +27,11 @@ AUTO: Auto = "auto"
 FAMILIES = ("gpt", "llama", "custom")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+"""Schedules that run each backward in two: I (input gradients), then W (weight gradients)."""
+V_SHAPED = ("zbv",)
+"""Schedules that place a rank's two stages in a V: rank r holds stages r and 2p - 1 - r."""
 CHECKPOINT_POLICIES = ("none", "full", "selective", "ops", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective", "ops")
 AUTO_CHOICES = ("all",)
@@ -103,6 +107,16 @@ def is_auto_checkpoint(checkpoint) -> bool:
 def is_layer_policy(policy) -> bool:
     """Whether `policy` is a recompute policy of one layer (a name or `modules(...)`)."""
     return policy in LAYER_CHECKPOINT_POLICIES or module_policy(policy) is not None
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank that runs `stage` (0 .. p·v - 1) under `schedule`: rank s % p, a
+    loop (Megatron's interleaving: rank r holds stages r, r + p, ...), or for a V-shaped
+    schedule (`V_SHAPED`) every other chunk mirrored, so rank r holds stages r and
+    2p - 1 - r, the first and the last stage on rank 0. Either way the stage is that
+    rank's chunk s // p."""
+    chunk, position = divmod(stage, pp)
+    return pp - 1 - position if schedule in V_SHAPED and chunk % 2 else position
 
 
 def _spans() -> Mapping[str, Span]:
@@ -478,11 +492,13 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence across tp."""
     schedule: str = "1f1b"
-    """"gpipe", "1f1b", "interleaved" or "zero_bubble" (ZB-H1: 1F1B, or interleaved 1F1B
+    """"gpipe", "1f1b", "interleaved", "zero_bubble" (ZB-H1: 1F1B, or interleaved 1F1B
     with virtual_stages >= 2, with each backward split into its input and weight gradients,
-    the latter filling the bubble)."""
+    the latter filling the bubble) or "zbv" (ZB-V: two chunks per rank placed in a V, rank
+    r holding stages r and 2p - 1 - r, each backward split as zero_bubble's; virtual_stages
+    is 2)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved or zero_bubble schedule), v."""
+    """Model chunks per pipeline rank (interleaved, zero_bubble or zbv schedule), v."""
     microbatches: int | None = None
     """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
     checkpoint: str | tuple[str, ...] = "none"
@@ -521,6 +537,16 @@ class ParallelSpec(_Section):
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as I then W (`SPLIT_BACKWARD`)."""
+        return self.schedule in SPLIT_BACKWARD
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the schedule places a rank's chunks in a V (`V_SHAPED`, `stage_rank`)."""
+        return self.schedule in V_SHAPED
+
     def __post_init__(self) -> None:
         sink = self._sink()
         for axis in AXES:
@@ -546,6 +572,11 @@ class ParallelSpec(_Section):
                 and self.virtual_stages < 2:
             self._bad(sink, "virtual_stages",
                       f"the interleaved schedule needs virtual_stages >= 2, got {self.virtual_stages}")
+        if self.schedule in V_SHAPED and self.virtual_stages == 1:  # a V is two chunks
+            object.__setattr__(self, "virtual_stages", 2)
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
+            self._bad(sink, "virtual_stages", f"schedule {self.schedule} places two chunks per "
+                      f"rank in a V: virtual_stages must be 2, got {self.virtual_stages}", ("2",))
         if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
             self._bad(sink, "virtual_stages",
                       f"virtual_stages = {self.virtual_stages} needs schedule = interleaved")
@@ -627,6 +658,11 @@ class ParallelSpec(_Section):
         others = pp - len(given)
         if pp < 2:
             self._bad(sink, name, f"{name} needs a pipeline; pp({pp})")
+            return None
+        if self.schedule in V_SHAPED:
+            self._bad(sink, name, f"{name} splits the first and the last rank's layers; "
+                      f"schedule {self.schedule} puts the first and the last stage on one rank: "
+                      f"pin the cuts with stage_boundaries")
             return None
         if others == 0 and rest != 0:
             self._bad(sink, name, f"{said} = {layers - rest} != layers({layers}): with pp({pp}) the "

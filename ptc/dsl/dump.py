@@ -155,7 +155,7 @@ def _parallel(par: ParallelSpec) -> str:
                      f"{literal(par.virtual_stages)})")
     else:
         lines.append(f"schedule = {word(par.schedule)}")
-        if par.virtual_stages != 1:
+        if par.virtual_stages != 1 and not par.v_shaped:  # a V is two chunks
             lines.append(f"virtual_stages = {literal(par.virtual_stages)}")
     if par.checkpoint != "none":
         lines.append(f"checkpoint = {checkpoint(par.checkpoint)}")

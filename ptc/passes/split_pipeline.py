@@ -54,7 +54,7 @@ from ptc.compiler.graph.params import used_params
 from ptc.compiler.records.stages import DATA_ROLES, Boundary, PipelineInfo, StageInfo
 from ptc.compiler.graph.stage_graphs import pipeline_info, stage_info
 from ptc.errors import CompileError, DiagnosticSink, did_you_mean
-from ptc.plan import ParallelSpec, Plan
+from ptc.plan import ParallelSpec, Plan, stage_rank
 
 log = logging.getLogger("ptc.passes.split_pipeline")
 
@@ -261,7 +261,8 @@ def _build_stages(gm: fx.GraphModule, plan: Plan, atoms: list[list[fx.Node]], na
         graph, data = _stage_graph(gm, c, stage_of, order, inputs, outputs, chunks)
         stage_gm = _stage_module(gm, graph, c)
         info = StageInfo(
-            index=c, num_stages=chunks, rank=c % plan.parallel.pp, chunk=c // plan.parallel.pp,
+            index=c, num_stages=chunks, chunk=c // plan.parallel.pp,
+            rank=stage_rank(c, plan.parallel.pp, plan.parallel.schedule),
             inputs=tuple(_boundary(n, grads) for n in inputs),
             outputs=tuple(_boundary(n, grads) for n in outputs), data=data,
             tied=tuple((name, canonical) for canonical, names_by_stage in tied.items()
@@ -414,7 +415,7 @@ def _pipeline_graph(gm: fx.GraphModule, stages: list[fx.GraphModule]) -> fx.Grap
             tied.setdefault(canonical, []).append(stage_info(stage).index)
     last = stage_info(stages[-1])
     update_graph_record(pipeline, pipeline=PipelineInfo(
-        pp=last.rank + 1, virtual=last.chunk + 1,
+        pp=len(stages) // (last.chunk + 1), virtual=last.chunk + 1,
         stages=tuple(f"stage_{c}" for c in range(len(stages))),
         tied=tuple((name, tuple(ss)) for name, ss in tied.items())))
     return pipeline

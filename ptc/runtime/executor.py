@@ -331,7 +331,7 @@ class Trainer:
         self.guard = FoldedGuard(self.rank, self.dp, self.device) if self._guard_folds() else None
         """The non-finite guard when the gradient all-reduce carries it (else None)."""
         seed_dropout(plan, self.tp_group, self.rank)
-        schedule = program.schedule
+        schedule = self.schedule = program.schedule
         self.actions = program.actions[self.pp_rank]
         if model is None:
             model = program.model if program.model is not None else \
@@ -420,7 +420,7 @@ class Trainer:
         tied = []
         for canonical in sorted(holders):
             stages = holders[canonical]
-            pp_ranks = sorted({s % self.pp for s in stages})
+            pp_ranks = sorted({self.schedule.rank_of(s) for s in stages})
             for row in grid:  # every rank creates every group, in the same order
                 ranks = [int(row[r]) for r in pp_ranks]
                 group = dist.new_group(ranks, timeout=timeout())
@@ -507,21 +507,23 @@ class Trainer:
 
     def _recv_forward(self, action: Action, state: _StepState) -> None:
         chunk = self.chunks[action.stage]
-        state.recvs[action] = post_recv(chunk.info.inputs, (action.stage - 1) % self.pp,
+        state.recvs[action] = post_recv(chunk.info.inputs, self.schedule.rank_of(action.stage - 1),
                                         self.pp_group, self.device)
 
     def _recv_backward(self, action: Action, state: _StepState) -> None:
         chunk = self.chunks[action.stage]
-        state.recvs[action] = post_recv(chunk.info.outputs, (action.stage + 1) % self.pp,
+        state.recvs[action] = post_recv(chunk.info.outputs, self.schedule.rank_of(action.stage + 1),
                                         self.pp_group, self.device, grads=True)
 
     def _send_forward(self, action: Action, state: _StepState) -> None:
         live = state.live[action.stage, action.microbatch]
-        state.sends.append(send(live.outputs, (action.stage + 1) % self.pp, self.pp_group))
+        state.sends.append(send(live.outputs, self.schedule.rank_of(action.stage + 1),
+                                self.pp_group))
 
     def _send_backward(self, action: Action, state: _StepState) -> None:
         live = state.live.pop((action.stage, action.microbatch))
-        state.sends.append(send(live.grads, (action.stage - 1) % self.pp, self.pp_group))
+        state.sends.append(send(live.grads, self.schedule.rank_of(action.stage - 1),
+                                self.pp_group))
 
     def _batch(self, mb: int, state: _StepState) -> dict[str, torch.Tensor]:
         """The micro-batch's tokens and targets (read once per step, by every stage needing them)."""
@@ -573,6 +575,10 @@ class Trainer:
         state.live[s, mb] = _Live(inputs=inputs, outputs=outputs, session=session)
         if info.is_last:
             state.loss_sum += outputs.detach().float()
+        elif self.schedule.rank_of(s + 1) == self.pp_rank:  # the next stage is this rank's
+            # As a receive would: a buffer of its own, cut from this stage's autograd graph.
+            state.recvs[Action(s + 1, "RECV_F", mb)] = Transfer(
+                [], [t.detach().clone() for t in outputs])
         state.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, state.in_flight)
 
@@ -595,8 +601,7 @@ class Trainer:
                       for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
         live.inputs, live.outputs, live.session = [], None, None
         state.in_flight -= 1
-        if info.is_first:
-            del state.live[s, mb]
+        self._input_gradients_made(info, mb, state)
 
     def _input_backward(self, action: Action, state: _StepState) -> None:
         """I: the gradients of the stage's inputs, which the previous stage waits for; its
@@ -613,8 +618,7 @@ class Trainer:
         live.grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, got)]
         live.inputs, live.outputs = [], None
         state.weights[s, mb] = weights
-        if info.is_first:
-            del state.live[s, mb]
+        self._input_gradients_made(info, mb, state)
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
         """W: the gradients of the stage's weights, from what its I kept."""
@@ -626,6 +630,15 @@ class Trainer:
         with self._backward_of(chunk.info, mb, state):
             state.weights.pop((s, mb)).run()
         state.in_flight -= 1
+
+    def _input_gradients_made(self, info: StageInfo, mb: int, state: _StepState) -> None:
+        """After a B or an I: the micro-batch is done on the first stage; where the previous
+        stage is this rank's too, its gradients go to it here (else a SEND_B sends them)."""
+        s = info.index
+        if info.is_first:
+            del state.live[s, mb]
+        elif self.schedule.rank_of(s - 1) == self.pp_rank:
+            state.recvs[Action(s - 1, "RECV_B", mb)] = Transfer([], state.live.pop((s, mb)).grads)
 
     @staticmethod
     def _backward_seeds(live: _Live, info: StageInfo, transfer,

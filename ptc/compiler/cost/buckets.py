@@ -128,7 +128,7 @@ def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: 
     if stage == 0:
         items.append(("embedding", per_rank["pre"], ("pre",)))
     items += [(f"layers.{i}", per_rank["layer"], (i,)) for i in layout.stage_layers(stage)]
-    if stage == layout.pp - 1:
+    if stage == layout.last_rank:
         # ZeRO-3 re-gathers a tied embedding for the head; split into stages, the last
         # stage holds its own copy.
         regathers = profile.tied and plan.parallel.zero == 3 and layout.pp == 1

@@ -63,7 +63,7 @@ from ptc.compiler.memory.model import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision,
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.cost.step_sync import step_sync
 from ptc.compiler.cost.topology import AxisGroup, axis_placements
-from ptc.plan import HardwareSpec, policy_modules
+from ptc.plan import SPLIT_BACKWARD, HardwareSpec, policy_modules
 
 
 CPU_ADAM_ELEMENTS_PER_S = 0.72e9
@@ -243,13 +243,13 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     # Stages differ only in being first or last and in their policy mix: price each kind once.
     kinds: dict[tuple, list] = {}
     for i in range(p):
-        key = (i == 0, i == p - 1, layout.stage_policies(i))
+        key = (i == 0, i == layout.last_rank, layout.stage_policies(i))
         if key not in kinds:
             kinds[key] = [stage(*key), 0]
         kinds[key][1] += 1
     slowest = max((st for st, _ in kinds.values()), key=lambda x: x.total)
     mean = sum(st.total * n for st, n in kinds.values()) / p
-    bubble = (p - 1) / v * (mean if layout.schedule != "zero_bubble" else mean - 2 * sum(
+    bubble = (p - 1) / v * (mean if layout.schedule not in SPLIT_BACKWARD else mean - 2 * sum(
         _weight_gradient_time(st) * n for st, n in kinds.values()) / p)
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
     dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
@@ -427,7 +427,7 @@ def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
     def per_rank(stage: int) -> float:
         split, whole, _ = stage_params(profile, layout, stage)
         return split / layout.tp + whole
-    stages = range(layout.pp) if layout.chunk_layers else (0, layout.pp - 1)
+    stages = range(layout.pp) if layout.chunk_layers else (0, layout.last_rank)
     return max(per_rank(stage) for stage in stages)
 
 
@@ -441,7 +441,7 @@ def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[floa
     units = [split / tp + whole] * len(layout.stage_layers(stage))
     if stage == 0:
         units.insert(0, pr["pre"].split / tp + pr["pre"].replicated)
-    if stage == layout.pp - 1:
+    if stage == layout.last_rank:
         tied = profile.tied_elements if profile.tied and layout.pp > 1 else 0
         units.append((pr["post"].split + tied) / tp + pr["post"].replicated)
     return [u for u in units if u > 0]

@@ -82,7 +82,7 @@ def _unit_gathers(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec:
         one_by_one = sum(comm.all_gather(n * prec.weight, group, hw).seconds for n in units)
         return one_by_one - comm.all_gather(sum(units) * prec.weight, group, hw).seconds
 
-    stages = {0, layout.pp - 1}
+    stages = {0, layout.last_rank}
     return max(extra([*([pre] if s == 0 else []),
                       *[layer] * len(layout.stage_layers(s)),
-                      *([post] if s == layout.pp - 1 else [])]) for s in stages)
+                      *([post] if s == layout.last_rank else [])]) for s in stages)

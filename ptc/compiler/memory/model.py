@@ -46,6 +46,7 @@ import sympy
 
 from ptc.compiler.records.layout import Layout
 from ptc.compiler.profile.types import ModelProfile, b, s
+from ptc.compiler.schedule.build import stage_peaks
 from ptc.errors import CompileError
 from ptc.plan import GPU_RUNTIME_RESERVE
 
@@ -114,6 +115,8 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
     # Zero bubble keeps on every rank what its base schedule keeps on the first
     # (`ptc.compiler.schedule.build`): a micro-batch's activations stay until its W.
     first = 0 if layout.schedule == "zero_bubble" else stage
+    if layout.schedule == "zbv":  # 1F1B's first rank's p micro-batches, as 2p half-chunks
+        return mn(2 * p, 2 * mb), sympy.Rational(layers, 2) if layers % 2 else layers // 2
     if v == 1 and layout.schedule in ("1f1b", "zero_bubble"):
         return mn(p - first, mb), layers
     # Uneven chunks of one rank: their mean (exact when they are alike).
@@ -131,7 +134,7 @@ def stage_params(profile: ModelProfile, layout: Layout, stage: int) -> tuple[int
     if stage == 0:
         split, whole, tensors = split + pr["pre"].split, whole + pr["pre"].replicated, \
             tensors + pr["pre"].tensors
-    if stage == layout.pp - 1:
+    if stage == layout.last_rank:
         split, whole, tensors = split + pr["post"].split, whole + pr["post"].replicated, \
             tensors + pr["post"].tensors
         if profile.tied and layout.pp > 1:  # the head's own copy of the tied embedding
@@ -269,9 +272,11 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
         # Layer 0's checkpoint keeps what it reads: the embedding's output.
         activations += (pre_units if stage == 0 else units / len(chunks)) \
             * act("in_unsaved", "none")
-    if stage == p - 1:  # 1F1B's last stage runs each B right after its F; GPipe's holds the
-        # loss of every micro-batch, zero bubble's of each until its W
+    if stage == layout.last_rank:  # 1F1B's last stage runs each B right after its F;
+        # GPipe's holds the loss of every micro-batch, zero bubble's of each until its W
         post_units = {"gpipe": units, "zero_bubble": mn(p, mb)}.get(layout.schedule, 1)
+        if layout.schedule == "zbv":  # as many as ZB-V's lockstep order holds at once
+            post_units = stage_peaks("zbv", p, layout.microbatches, 2)[-1]
         activations += post_units * act("post", "none")
     recompute = 0
     if "full" in policies:
@@ -314,9 +319,12 @@ class _Preferring(Mapping):
 def _first_chunk_units(layout: Layout, units, mb, mn: Callable):
     """Micro-batches in flight in the first rank's first chunk, whose embedding output it
     keeps: all its units with one chunk; interleaved holds p there, zero bubble 2p (its Ws
-    of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`)."""
+    of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`), ZB-V
+    2p - 1."""
     if layout.vstages == 1:
         return units
+    if layout.schedule == "zbv":  # the V's first rank forwards 2p - 1 before a backward
+        return mn(2 * layout.pp - 1, mb)
     return mn((2 if layout.schedule == "zero_bubble" else 1) * layout.pp, mb)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ptc.plan import Plan
+from ptc.plan import Plan, stage_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,7 +26,7 @@ class Layout:
     dp: int
     """d."""
     vstages: int
-    """v (1 unless the schedule is interleaved)."""
+    """v (1 unless the schedule is interleaved, zero_bubble with chunks, or zbv)."""
     micro_batch: int
     """b."""
     microbatches: int
@@ -36,7 +36,7 @@ class Layout:
     sp: bool
     """Sequence parallelism."""
     schedule: str
-    """"gpipe", "1f1b", "interleaved" or "zero_bubble"."""
+    """"gpipe", "1f1b", "interleaved", "zero_bubble" or "zbv" (`ptc.plan.SCHEDULES`)."""
     layers: int
     """L."""
     checkpoint: str | tuple[str, ...]
@@ -52,8 +52,8 @@ class Layout:
     fused: bool = False
     """Memory-bound ops run as fused kernels (`runtime.compile`; `ptc.compiler.graph.work`)."""
     chunk_layers: tuple[int, ...] = ()
-    """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank c % p) when
-    they differ (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
+    """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank
+    `stage_rank(c)`: c % p, or in a V for zbv) when they differ (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
 
     def __post_init__(self) -> None:
         if self.chunk_layers and (len(self.chunk_layers) != self.pp * self.vstages
@@ -70,13 +70,20 @@ class Layout:
         """Positions of each sample one rank holds: seq_len / cp."""
         return seq_len // self.cp
 
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last stage (the head and the loss): p - 1, or the
+        first rank under a V-shaped schedule."""
+        return stage_rank(self.pp * self.vstages - 1, self.pp, self.schedule)
+
     def stage_layers(self, stage: int) -> list[int]:
         """Indices of the layers pipeline rank `stage` holds (all its chunks)."""
         return [layer for chunk in self.chunks(stage) for layer in chunk]
 
     def chunks(self, stage: int) -> list[range]:
         """The layers of each of pipeline rank `stage`'s chunks, in chunk order."""
-        indices = [chunk * self.pp + stage for chunk in range(self.vstages)]
+        indices = [c for c in range(self.pp * self.vstages)
+                   if stage_rank(c, self.pp, self.schedule) == stage]
         if not self.chunk_layers:
             per_chunk = self.layers // (self.pp * self.vstages)
             return [range(c * per_chunk, (c + 1) * per_chunk) for c in indices]

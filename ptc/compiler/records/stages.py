@@ -1,7 +1,7 @@
 """What a pipeline stage graph takes, gives and shares, recorded on its GraphModule.
 
 The pipeline_split pass cuts the captured graph into p·v *stage graphs*
-(stage s runs on pipeline rank s % p as its chunk s // p). Each stage graph's
+(stage s runs on pipeline rank `ptc.plan.stage_rank(s)` as its chunk s // p). Each stage graph's
 record (`ptc.compiler.records.graph_meta.GraphRecord`) holds its `StageInfo`; the
 *pipeline graph* — the GraphModule the pass returns, whose submodules
 `stage_0`, `stage_1`, ... are the stage graphs and whose own graph calls them
@@ -67,7 +67,7 @@ class StageInfo:
     num_stages: int
     """p·v."""
     rank: int
-    """Pipeline rank s % p that runs it."""
+    """Pipeline rank that runs it (`ptc.plan.stage_rank`: s % p, or in a V for zbv)."""
     chunk: int
     """Its chunk s // p on that rank."""
     inputs: tuple[Boundary, ...]

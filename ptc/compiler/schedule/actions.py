@@ -3,7 +3,9 @@
 Terms. p pipeline ranks, v model chunks per rank (virtual stages), m
 micro-batches per step. A *stage* is one of the p·v stage graphs; stage s
 lives on rank s % p (Megatron's interleaving: rank r holds stages r, r + p,
-...). An *action* is "stage s does kind k for micro-batch i" and prints as
+...), or, under a V-shaped schedule (zbv), rank r holds stages r and
+2p - 1 - r (`ptc.plan.stage_rank`): there stages p - 1 and p share a rank, and
+the one hands its values to the other without a message. An *action* is "stage s does kind k for micro-batch i" and prints as
 `{s}{k}{i}` — "1F0", "2B3", "1RECV_F0" — as torch.distributed.pipelining
 prints its actions; `Action.parse` reads that text back.
 
@@ -38,13 +40,13 @@ import re
 from dataclasses import dataclass
 
 from ptc.errors import CompileError
+from ptc.plan import stage_rank
 
 COMPUTE = ("F", "B", "I", "W")
 """Kinds that run a stage graph."""
 COMM = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
 """Kinds that move a stage's boundary values between ranks."""
 KINDS = COMPUTE + COMM
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 BACKWARD_DONE = ("B", "W")
 """Kinds after which a micro-batch's activations on a stage are no longer needed."""
 
@@ -86,7 +88,7 @@ class Schedule:
     """Each pipeline rank's compute actions for one optimizer step, in execution order."""
 
     kind: str
-    """One of `SCHEDULE_KINDS`, or "custom" for a parsed hand-written one."""
+    """One of `ptc.plan.SCHEDULES`, or "custom" for a parsed hand-written one."""
     pp: int
     """Pipeline ranks p."""
     virtual: int
@@ -102,12 +104,12 @@ class Schedule:
         return self.pp * self.virtual
 
     def rank_of(self, stage: int) -> int:
-        """The rank holding `stage`."""
-        return stage % self.pp
+        """The rank holding `stage` (`ptc.plan.stage_rank`)."""
+        return stage_rank(stage, self.pp, self.kind)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` holds, chunk 0 first."""
-        return tuple(range(rank, self.num_stages, self.pp))
+        return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
 
     def __str__(self) -> str:
         return format_schedule(self)

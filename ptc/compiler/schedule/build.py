@@ -1,11 +1,14 @@
-"""Generating a schedule of a kind (GPipe, 1F1B, interleaved 1F1B, zero bubble) for p
+"""Generating a schedule of a kind (GPipe, 1F1B, interleaved 1F1B, zero bubble, ZB-V) for p
 ranks, m micro-batches and v chunks, or reading one back from its text, each checked
 deadlock-free by simulation. See `ptc.compiler.schedule.actions` for the terms."""
 
 from __future__ import annotations
 
-from ptc.compiler.schedule.actions import HEADER, SCHEDULE_KINDS, Action, Schedule, ScheduleError
+import functools
+
+from ptc.compiler.schedule.actions import HEADER, Action, Schedule, ScheduleError
 from ptc.compiler.schedule.simulation import simulate
+from ptc.plan import SCHEDULES, V_SHAPED
 
 # ------------------------------------------------------------------ generation
 
@@ -18,7 +21,7 @@ def required_microbatches(kind: str, pp: int) -> int:
     never comes in the shape the schedule assumes, and the bubble exceeds
     the step's useful work.
     """
-    return 1 if kind == "gpipe" else pp
+    return 1 if kind in ("gpipe", "zbv") else pp
 
 
 def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -28,11 +31,14 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
     when interleaving needs m divisible by p, or when the simulation finds a
     deadlock.
     """
-    if kind not in SCHEDULE_KINDS:
-        raise ScheduleError(f"unknown schedule {kind!r}; valid: {', '.join(SCHEDULE_KINDS)}")
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; valid: {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1 or virtual < 1:
         raise ScheduleError(f"a schedule needs pp, micro-batches and virtual stages >= 1, got "
                             f"pp = {pp}, m = {microbatches}, v = {virtual}")
+    if kind in V_SHAPED and virtual != 2:
+        raise ScheduleError(f"schedule {kind} places two chunks per rank in a V: it needs "
+                            f"virtual_stages = 2, got {virtual}")
     if kind in ("gpipe", "1f1b", "interleaved") and (kind == "interleaved") != (virtual > 1):
         raise ScheduleError(f"schedule {kind} with virtual_stages = {virtual}: only the "
                             f"interleaved schedule has (and needs) virtual_stages >= 2")
@@ -42,13 +48,15 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
             f"schedule {kind} with pp = {pp} needs at least {need} micro-batches per step "
             f"(one in flight per pipeline rank), got {microbatches}: raise global_batch or "
             f"parallel.microbatches, or lower micro_batch")
-    if virtual > 1 and microbatches % pp:
+    if virtual > 1 and microbatches % pp and kind not in V_SHAPED:
         raise ScheduleError(
             f"schedule {kind} with virtual_stages = {virtual} runs micro-batches in groups "
             f"of pp = {pp}; "
             f"micro-batches = {microbatches} is not divisible by {pp}")
     if kind == "zero_bubble":
         ranks = _weights_in_the_bubbles(pp, microbatches, virtual)
+    elif kind == "zbv":
+        ranks = _v_shape(pp, microbatches)
     else:
         make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[kind]
         ranks = tuple(tuple(make(r, pp, microbatches, virtual)) for r in range(pp))
@@ -64,6 +72,13 @@ def schedule_for(plan) -> Schedule:
     if par.pp == 1:
         return one_stage_schedule(plan.num_microbatches)
     return build_schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def stage_peaks(kind: str, pp: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches forwarded and not yet done with (B or W) at once
+    in the `kind` schedule's simulation (`Timeline.stage_peak_in_flight`)."""
+    return simulate(build_schedule(kind, pp, microbatches, virtual)).stage_peak_in_flight
 
 
 def one_stage_schedule(microbatches: int) -> Schedule:
@@ -156,11 +171,68 @@ def _weights_in_the_bubbles(p: int, m: int, v: int) -> tuple[tuple[Action, ...],
     return tuple(tuple(actions) for actions in ranks)
 
 
+def _v_shape(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6): two
+    chunks per rank in a V (rank r holds stages r and 2p - 1 - r, `ptc.plan.stage_rank`),
+    each backward split into I and W as in `_weights_in_the_bubbles`.
+
+    The ranks run in lockstep, one action per unit step. Each step a rank runs, of what
+    has arrived: the I of the oldest micro-batch (of the lower stage on a tie: it is
+    further along the backward); else, while it holds fewer than 2p chunk micro-batches
+    (1F1B's activation memory on its first rank: p micro-batches of a rank's layers), the
+    F of the oldest (of the higher stage on a tie); else a pending W, the last stage's
+    first (its loss holds the largest activations), then the oldest. With unit-time
+    actions a step takes 6m + p - 1 units for m >= 2p: a bubble of p - 1 half-stage units,
+    half ZB-H1's, as torch pipelining's `ScheduleZBVZeroBubble` (the same step and peak
+    in the simulation); each rank holds at most min(2p, 2m) chunk micro-batches.
+    """
+    n = 2 * p
+    done_at: dict[tuple[str, int, int], int] = {}
+    ranks: list[list[Action]] = [[] for _ in range(p)]
+    pending: list[list[Action]] = [[] for _ in range(p)]
+    forwarded, backwarded = [0] * n, [0] * n  # per stage: micro-batches through F, I
+    in_flight = [0] * p
+    step = 0
+    while any(count < m for count in backwarded) or any(pending):
+        ran = []
+        for r in range(p):
+            ready = [(0, backwarded[s], s, "I") for s in (r, n - 1 - r)
+                     if backwarded[s] < forwarded[s]
+                     and _arrived(Action(s, "I", backwarded[s]), n, done_at, step)]
+            ready += [(1, forwarded[s], -s, "F") for s in (r, n - 1 - r)
+                      if forwarded[s] < m and in_flight[r] < 2 * p
+                      and _arrived(Action(s, "F", forwarded[s]), n, done_at, step)]
+            if ready:
+                _, micro, stage, kind = min(ready)
+                action = Action(abs(stage), kind, micro)
+                if kind == "F":
+                    forwarded[action.stage] += 1
+                    in_flight[r] += 1
+                else:
+                    backwarded[action.stage] += 1
+                    pending[r].append(Action(action.stage, "W", micro))
+            elif pending[r]:
+                last = [w for w in pending[r] if w.stage == n - 1]
+                action = (last or pending[r])[0]
+                pending[r].remove(action)
+                in_flight[r] -= 1
+            else:
+                continue
+            ranks[r].append(action)
+            ran.append(action)
+        for action in ran:
+            done_at[action.kind, action.stage, action.microbatch] = step
+        step += 1
+    return tuple(tuple(actions) for actions in ranks)
+
+
 def _arrived(action: Action, stages: int, done_at: dict[tuple[str, int, int], int],
              step: int) -> bool:
     """Whether what `action` reads was made before `step` (F: the previous stage's F of
-    its micro-batch; I: the next stage's I)."""
+    its micro-batch; I: the next stage's I, or on the last stage its own F)."""
     source = {"F": ("F", action.stage - 1), "I": ("I", action.stage + 1)}.get(action.kind)
+    if action.kind == "I" and action.stage == stages - 1:
+        source = ("F", action.stage)
     if source is None or not 0 <= source[1] < stages:
         return True
     return done_at.get((source[0], source[1], action.microbatch), step) < step

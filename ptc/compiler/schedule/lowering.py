@@ -126,7 +126,8 @@ def _check_one(schedule: Schedule, rank: int, action: Action,
                             f"micro-batches 0..{m - 1}")
     if schedule.rank_of(action.stage) != rank:
         raise ScheduleError(f"rank {rank}: {action} belongs to rank "
-                            f"{schedule.rank_of(action.stage)} (stage s runs on rank s % pp)")
+                            f"{schedule.rank_of(action.stage)} (stages of rank {rank}: "
+                            f"{', '.join(map(str, schedule.stages_of(rank)))})")
     if (action.kind, action.stage, action.microbatch) in done:
         raise ScheduleError(f"rank {rank}: {action} appears twice")
     before = _BEFORE.get(action.kind)

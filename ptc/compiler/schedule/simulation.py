@@ -21,6 +21,8 @@ class Timeline:
     """steps[t][r]: the action rank r computes at step t (None: idle)."""
     peak_in_flight: tuple[int, ...]
     """Per rank, the most stage micro-batches forwarded and not yet backwarded at once."""
+    stage_peak_in_flight: tuple[int, ...]
+    """Per stage, the most of its micro-batches forwarded and not yet backwarded at once."""
 
     @property
     def bubble(self) -> float:
@@ -36,8 +38,9 @@ def simulate(schedule: Schedule) -> Timeline:
     check_pairs(programs, schedule)
     n, p = schedule.num_stages, schedule.pp
     pc = [0] * p
-    sent_at: dict[Action, int] = {}
+    sent_at: dict[Action, int] = {}  # a send's step, or a compute's (what the rank reads)
     in_flight, peak = [0] * p, [0] * p
+    stage_in_flight, stage_peak = [0] * n, [0] * n
     steps: list[tuple[Action | None, ...]] = []
     while any(pc[r] < len(programs[r]) for r in range(p)):
         step = len(steps)
@@ -53,13 +56,19 @@ def simulate(schedule: Schedule) -> Timeline:
             needed = needed_receive(action, n)
             if needed is not None:
                 send = matching_send(needed[0])
+                if schedule.rank_of(send.stage) == r:  # handed over on the rank: its compute
+                    send = _local_source(action)
                 if sent_at.get(send, step) >= step:
                     blocked.append(f"rank {r} waits in {action} for {send} from rank "
                                    f"{schedule.rank_of(send.stage)}")
                     continue
             row[r] = action
-            in_flight[r] += 1 if action.kind == "F" else -(action.kind in BACKWARD_DONE)
+            sent_at[_local_source(action, made=True)] = step
+            change = 1 if action.kind == "F" else -(action.kind in BACKWARD_DONE)
+            in_flight[r] += change
             peak[r] = max(peak[r], in_flight[r])
+            stage_in_flight[action.stage] += change
+            stage_peak[action.stage] = max(stage_peak[action.stage], stage_in_flight[action.stage])
             pc[r] += 1
             while pc[r] < len(program) and program[pc[r]].kind in ("SEND_F", "SEND_B"):
                 sent_at[program[pc[r]]] = step
@@ -69,4 +78,15 @@ def simulate(schedule: Schedule) -> Timeline:
                                 f"m = {schedule.microbatches}) deadlocks at step {step}: "
                                 + "; ".join(blocked))
         steps.append(tuple(row))
-    return Timeline(steps=tuple(steps), peak_in_flight=tuple(peak))
+    return Timeline(steps=tuple(steps), peak_in_flight=tuple(peak),
+                    stage_peak_in_flight=tuple(stage_peak))
+
+
+def _local_source(action: Action, made: bool = False) -> Action:
+    """The key of the compute that makes what `action` reads when both stages share a rank
+    (the previous stage's F for an F, the next stage's B or I for a backward); with `made`,
+    the key `action` itself is recorded under once it ran (B and I alike as "B")."""
+    kind = "B" if action.kind in ("B", "I") else action.kind
+    if made:
+        return Action(action.stage, kind, action.microbatch)
+    return Action(action.stage + (-1 if kind == "F" else 1), kind, action.microbatch)

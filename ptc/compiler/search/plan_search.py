@@ -3,7 +3,7 @@
 The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
-layers per stage, each also as zero bubble), micro-batch (divisors of the per-rank
+layers per stage, each also as zero bubble, and as ZB-V with two chunks per rank), micro-batch (divisors of the per-rank
 batch), ZeRO stage
 (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
 sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
@@ -139,10 +139,13 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
 
 
 def _schedules(pp: int, v: int, zero: int, compiled: bool) -> tuple[str, ...]:
-    """Schedules worth trying: 1F1B (interleaved for v >= 2), and zero bubble on the same
-    order where it runs (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`)."""
+    """Schedules worth trying: 1F1B (interleaved for v >= 2), and where a split backward runs
+    (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`) zero bubble on the same order and,
+    with two chunks per rank, ZB-V."""
     base = "interleaved" if v > 1 else "1f1b"
-    return (base, "zero_bubble") if pp > 1 and zero < 3 and not compiled else (base,)
+    if pp == 1 or zero >= 3 or compiled:
+        return (base,)
+    return (base, "zero_bubble", "zbv") if v == 2 else (base, "zero_bubble")
 
 
 def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
@@ -213,7 +216,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
         # stage the head: no middle stage can peak above both.
         stage_peaks = {i: float(peak(stage_memory_terms(
             profile, lay, i, prec, bb=lay.micro_batch, ss=lay.rank_seq(seq), tt=lay.tp,
-            dd=lay.grad_ranks))) for i in {0, lay.pp - 1}}
+            dd=lay.grad_ranks))) for i in {0, lay.last_rank}}
         peaks.setdefault(dataclasses.replace(lay, checkpoint="none"), {})[lay.checkpoint] = \
             stage_peaks
         worst = max(stage_peaks.values())
