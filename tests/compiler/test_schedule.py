@@ -34,11 +34,13 @@ GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1),
                 ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
                 ("interleaved", 2, 4, 3), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
-                ("zero_bubble", 2, 4, 2)]
+                ("zero_bubble", 2, 4, 2), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)]
 GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "zero_bubble") for p in (2, 3, 4, 8)
         for m in (p, p + 1, 2 * p, 3 * p + 1) for v in (1,)] + \
        [(kind, p, m, v) for kind in ("interleaved", "zero_bubble") for p in (2, 3, 4)
-        for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)]
+        for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)] + \
+       [("zbv", p, m, 2) for p in (2, 3, 4, 5, 8) for m in (1, p - 1, p, p + 1, 2 * p, 3 * p + 1)]
+SPLIT = ("zero_bubble", "zbv")
 
 
 def plan(kind: str, p: int, m: int, v: int) -> Plan:
@@ -104,7 +106,7 @@ class TestGeneration:
                                                           v: int) -> None:
         timeline = simulate(build_schedule(kind, p, m, v))
         done = [a for row in timeline.steps for a in row if a is not None]
-        assert len(done) == len(set(done)) == (3 if kind == "zero_bubble" else 2) * p * v * m
+        assert len(done) == len(set(done)) == (3 if kind in SPLIT else 2) * p * v * m
 
     @pytest.mark.parametrize("kind,p,m,v", GRID)
     def test_peak_in_flight_is_what_the_memory_model_charges(self, kind: str, p: int, m: int,
@@ -142,9 +144,55 @@ class TestZeroBubble:
         for p, m in ((2, 4), (4, 8), (4, 16), (8, 8)):
             assert simulate(build_schedule("zero_bubble", p, m)).peak_in_flight == (p,) * p
 
+    def test_stage_peaks_are_what_the_memory_model_charges_the_ends(self) -> None:
+        """The embedding's activations (stage 0) and the loss's (the last stage) are charged
+        for as many micro-batches as those stages hold at once."""
+        from ptc.compiler.memory.model import _first_chunk_units
+        for kind, p, m, v in [("zbv", 4, 8, 2), ("zbv", 2, 3, 2), ("zbv", 8, 9, 2),
+                              ("zero_bubble", 4, 8, 2), ("zero_bubble", 2, 4, 2)]:
+            layout = layout_of(plan(kind, p, m, v))
+            peaks = simulate(build_schedule(kind, p, m, v)).stage_peak_in_flight
+            assert _first_chunk_units(layout, None, m, min) == peaks[0], (kind, p, m, v)
+
     def test_text_names_i_and_w(self) -> None:
         assert Action.parse("3I7") == Action(3, "I", 7)
         assert str(Action(0, "W", 2)) == "0W2"
+
+
+class TestZBV:
+    """ZB-V: two chunks per rank in a V, each backward split into I and W."""
+
+    def test_rank_r_holds_stages_r_and_2p_minus_1_minus_r(self) -> None:
+        schedule = build_schedule("zbv", 4, 8, 2)
+        for rank, actions in enumerate(schedule.ranks):
+            assert {a.stage for a in actions} == {rank, 7 - rank}
+        assert schedule.stages_of(0) == (0, 7) and schedule.rank_of(4) == 3
+
+    def test_the_middle_hand_over_sends_nothing(self) -> None:
+        """Stages p - 1 and p share the last rank: no message between them."""
+        for program in per_rank_actions(build_schedule("zbv", 4, 8, 2)):
+            assert not [a for a in program if (a.kind, a.stage) in
+                        (("SEND_F", 3), ("RECV_F", 4), ("SEND_B", 4), ("RECV_B", 3))]
+
+    @pytest.mark.parametrize("p", [2, 3, 4, 8])
+    def test_the_bubble_is_p_minus_1_half_stage_units(self, p: int) -> None:
+        """Unit-time half-stage actions: 6m units of work per rank and p - 1 of bubble,
+        half ZB-H1's (p - 1 whole-stage units) at 1F1B's activation memory (2p half-stage
+        micro-batches per rank)."""
+        for m in (2 * p, 2 * p + 1, 3 * p, 4 * p):
+            timeline = simulate(build_schedule("zbv", p, m, 2))
+            assert len(timeline.steps) == 6 * m + p - 1, m
+            assert timeline.peak_in_flight == (2 * p,) * p
+
+    def test_any_number_of_microbatches_runs(self) -> None:
+        for m in (1, 2, 3, 5):
+            assert simulate(build_schedule("zbv", 4, m, 2)).peak_in_flight == (2 * m,) * 4 \
+                if m < 4 else True
+
+    @pytest.mark.parametrize("v", [1, 3])
+    def test_other_virtual_stages_are_refused(self, v: int) -> None:
+        with pytest.raises(ScheduleError, match=f"needs virtual_stages = 2, got {v}"):
+            build_schedule("zbv", 2, 4, v)
 
 
 class TestMicrobatchRequirement:
@@ -176,11 +224,11 @@ class TestLowering:
             assert [a for a in program if a.kind not in COMM] == list(schedule.ranks[rank])
             for i, action in enumerate(program):
                 needed = needed_receive(action, schedule.num_stages)
-                if needed is not None:
+                if needed is not None and schedule.rank_of(needed[1]) != rank:
                     assert needed[0] in program[:i], f"rank {rank}: {action} before {needed[0]}"
                 if action.kind in ("SEND_F", "SEND_B"):  # a split backward's I sends, not W
                     compute = "F" if action.kind == "SEND_F" else \
-                        "I" if kind == "zero_bubble" else "B"
+                        "I" if kind in SPLIT else "B"
                     assert program[i - 1] == Action(action.stage, compute, action.microbatch)
 
     def test_receives_are_posted_one_compute_ahead(self) -> None:

@@ -95,6 +95,10 @@ LAUNCHES = {"layouts": [
     # the zero-bubble schedule: each backward split into input and weight gradients
     HFCase("llama", pp=2, schedule="zero_bubble"),
     HFCase("gpt2", pp=2, schedule="zero_bubble", config=_DROPOUT),
+    # ZB-V: 4 layers, one per stage, rank 0 holding the first and the last (GPT-2's tied
+    # embedding and head on one rank)
+    HFCase("llama", pp=2, schedule="zbv", config=(("num_hidden_layers", 4),)),
+    HFCase("gpt2", pp=2, schedule="zbv", config=(*_DROPOUT, ("n_layer", 4))),
 ], "structures": [
     # one key/value head for two ranks: replicated (SDPA's grouped-query form; the eager
     # attention's repeated heads; q/k/v biases; a per-head k norm on the replicated path)

@@ -319,12 +319,12 @@ class _Preferring(Mapping):
 def _first_chunk_units(layout: Layout, units, mb, mn: Callable):
     """Micro-batches in flight in the first rank's first chunk, whose embedding output it
     keeps: all its units with one chunk; interleaved holds p there, zero bubble 2p (its Ws
-    of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`), ZB-V
-    2p - 1."""
+    of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`); under
+    ZB-V, whose order is not one formula, what its simulation holds on stage 0."""
     if layout.vstages == 1:
         return units
-    if layout.schedule == "zbv":  # the V's first rank forwards 2p - 1 before a backward
-        return mn(2 * layout.pp - 1, mb)
+    if layout.schedule == "zbv":  # as many as ZB-V's lockstep order holds at once
+        return stage_peaks("zbv", layout.pp, layout.microbatches, 2)[0]
     return mn((2 if layout.schedule == "zero_bubble" else 1) * layout.pp, mb)
 
 
