@@ -215,8 +215,9 @@ def ptc_pp_step(program):
 
 def torch_pp_step(program, schedule_class=None):
     """torch.distributed.pipelining's Schedule1F1B (or `schedule_class`, e.g. its
-    ScheduleInterleavedZeroBubble, given this rank's one stage) with ptc's stage split: its
-    step function."""
+    ScheduleInterleavedZeroBubble, or with two stages per rank in ptc's V its
+    ScheduleZBVZeroBubble) with ptc's stage split, each rank holding the stages ptc places
+    on it: its step function."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -230,15 +231,14 @@ def torch_pp_step(program, schedule_class=None):
 
     plan, rank = program.plan, dist.get_rank()
     model = build_model(plan.model, device="cpu", seed=0)
-    atoms = stage_info(program.stages[rank].graph).atoms
 
     class Part(nn.Module):
         """The GPT modules of one ptc stage, run in GPT.forward's order."""
 
-        def __init__(self) -> None:
+        def __init__(self, atoms: tuple[str, ...]) -> None:
             super().__init__()
             if ("embed" in atoms) != ("pos_embed" in atoms):
-                raise SystemExit(f"ptc's stage {rank} splits embed from pos_embed: {atoms}")
+                raise SystemExit(f"ptc's stage splits embed from pos_embed: {atoms}")
             self.embeds = nn.ModuleList([model.embed, model.pos_embed]) if "embed" in atoms \
                 else None
             self.layers = nn.ModuleList(model.layers[int(a.split(".")[1])] for a in atoms
@@ -252,30 +252,32 @@ def torch_pp_step(program, schedule_class=None):
                 x = module(x)
             return x
 
-    part = Part()
-    stage = PipelineStage(part, rank, PP_STAGES, torch.device("cpu"))
+    mine = program.schedule.stages_of(rank)
+    count = len(program.stages)
+    parts = [Part(stage_info(program.stages[s].graph).atoms) for s in mine]
+    stages = [PipelineStage(part, s, count, torch.device("cpu")) for s, part in zip(mine, parts)]
     schedule_class = schedule_class or Schedule1F1B
     multi = issubclass(schedule_class, PipelineScheduleMulti)  # takes a list of stages
-    schedule = schedule_class([stage] if multi else stage, PP_MICROBATCHES,
+    if not multi and len(stages) != 1:
+        raise SystemExit(f"{schedule_class.__name__} runs one stage per rank; ptc placed "
+                         f"{len(stages)} on rank {rank}")
+    schedule = schedule_class(stages if multi else stages[0], PP_MICROBATCHES,
                               loss_fn=lambda out, target: F.cross_entropy(
                                   out.flatten(0, 1), target.flatten()))
-    opt = torch.optim.AdamW(part.parameters(), lr=plan.train.optimizer.lr)
+    weights = [p for part in parts for p in part.parameters()]
+    opt = torch.optim.AdamW(weights, lr=plan.train.optimizer.lr)
     source = TokenSource(plan.train.data, vocab=plan.model.vocab, seq_len=plan.train.seq_len)
     batch = plan.train.global_batch
 
     def step(k: int) -> None:
         tokens, targets = source.batch(k * batch, batch)
-        if rank == 0:
-            schedule.step(tokens)
-        elif rank == PP_STAGES - 1:
-            schedule.step(target=targets, losses=[])
-        else:
-            schedule.step()
+        ends = {"target": targets, "losses": []} if count - 1 in mine else {}
+        schedule.step(*([tokens] if 0 in mine else []), **ends)
         # The global-norm clip over all stages, as ptc's.
-        squares = torch.stack([p.grad.pow(2).sum() for p in part.parameters()]).sum()
+        squares = torch.stack([p.grad.pow(2).sum() for p in weights]).sum()
         dist.all_reduce(squares)
         factor = (plan.train.grad_clip / (squares.sqrt() + 1e-6)).clamp(max=1.0)
-        for p in part.parameters():
+        for p in weights:
             p.grad.mul_(factor)
         opt.step()
         opt.zero_grad()

@@ -1,9 +1,10 @@
-"""The zero-bubble schedule against 1F1B, ptc's and torch pipelining's, same model and data.
+"""The zero-bubble schedules against 1F1B, ptc's and torch pipelining's, same model and data.
 
-Four gloo processes train an untied GPT over 4 pipeline stages with 8 micro-batches
-four ways, ptc's stage split for all: ptc's 1F1B and zero-bubble (ZB-H1) schedules,
-torch.distributed.pipelining's `Schedule1F1B` and its `ScheduleInterleavedZeroBubble`
-(one stage per rank: its ZB-H1). Every way runs the same step (the global-norm clip
+Four gloo processes train an untied GPT over 4 pipeline ranks with 8 micro-batches six
+ways, ptc's stage split for all: ptc's 1F1B, zero-bubble (ZB-H1) and ZB-V schedules,
+torch.distributed.pipelining's `Schedule1F1B`, its `ScheduleInterleavedZeroBubble`
+(one stage per rank: its ZB-H1) and its `ScheduleZBVZeroBubble` (ptc's 8-stage V split,
+two stages per rank). Every way runs the same step (the global-norm clip
 over all stages, AdamW); the ways take turns step by step (`runtime_vs_torch.timed_in_turns`),
 and the table shows each one's median step time and, for ptc, the median time each
 rank waited for its pipeline peers (`StepStats.comm_wait`: the bubble as it ran),
@@ -32,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_vs_torch import PP_MICROBATCHES, PP_STAGES, make_pp_plan, timed_in_turns  # noqa: E402
 
 
+KINDS = ("1f1b", "zero_bubble", "zbv")
+
+
 def ptc_step(program, waits: list[float]):
     """ptc's Trainer on `program`: its step function, each step's pipeline wait kept."""
     from ptc.runtime.executor import Trainer
@@ -57,7 +61,8 @@ def worker(args) -> dict:
     """Every way on this rank; rank 0 returns the medians and every rank's waits."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleavedZeroBubble,
+                                              ScheduleZBVZeroBubble)
 
     from ptc.lower.driver import compile_plan
     from ptc.runtime.mesh import init_distributed
@@ -67,12 +72,12 @@ def worker(args) -> dict:
     init_distributed(plan)
     programs = {kind: compile_plan(dataclasses.replace(
         plan, parallel=dataclasses.replace(plan.parallel, schedule=kind)))
-        for kind in ("1f1b", "zero_bubble")}
-    waits: dict[str, list[float]] = {"1f1b": [], "zero_bubble": []}
-    steps = {"ptc 1f1b": ptc_step(programs["1f1b"], waits["1f1b"]),
-             "ptc zero_bubble": ptc_step(programs["zero_bubble"], waits["zero_bubble"]),
-             "torch 1f1b": torch_step(programs["1f1b"], Schedule1F1B),
-             "torch zero_bubble": torch_step(programs["1f1b"], ScheduleInterleavedZeroBubble)}
+        for kind in KINDS}
+    waits: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    steps = {f"ptc {kind}": ptc_step(programs[kind], waits[kind]) for kind in KINDS}
+    steps |= {"torch 1f1b": torch_step(programs["1f1b"], Schedule1F1B),
+              "torch zero_bubble": torch_step(programs["1f1b"], ScheduleInterleavedZeroBubble),
+              "torch zbv": torch_step(programs["zbv"], ScheduleZBVZeroBubble)}
     times = timed_in_turns(steps, args.repeat, args.warmup)
     medians = {kind: statistics.median(w[args.warmup:]) for kind, w in waits.items()}
     every = [None] * dist.get_world_size()
@@ -103,15 +108,16 @@ def main() -> None:
     print(f"gpt (untied) h={args.hidden} layers={args.pp_layers} seq={args.seq} "
           f"micro_batch={args.micro_batch}, {PP_STAGES} stages (gloo processes), "
           f"{PP_MICROBATCHES} micro-batches, same stage split, median of {args.repeat} steps")
-    for kind in ("1f1b", "zero_bubble"):
+    for kind in KINDS:
         ours, theirs = times[f"ptc {kind}"], times[f"torch {kind}"]
         waits = " ".join(f"{w[kind] * 1e3:.1f}" for w in got["waits"])
         print(f"  {kind:12s} ptc {ours * 1e3:8.2f} ms   torch {theirs * 1e3:8.2f} ms   "
               f"ptc / torch = {ours / theirs:.2f}   ptc waits per rank (ms): {waits}; "
               f"predicted bubble {got['predicted'][kind] * 1e3:.1f} ms")
-    gain = times["ptc 1f1b"] - times["ptc zero_bubble"]
-    print(f"  ptc zero_bubble / ptc 1f1b = {times['ptc zero_bubble'] / times['ptc 1f1b']:.2f} "
-          f"({gain * 1e3:+.1f} ms a step)")
+    for kind in KINDS[1:]:
+        gain = times["ptc 1f1b"] - times[f"ptc {kind}"]
+        print(f"  ptc {kind} / ptc 1f1b = {times[f'ptc {kind}'] / times['ptc 1f1b']:.2f} "
+              f"({gain * 1e3:+.1f} ms a step)")
 
 
 if __name__ == "__main__":

@@ -134,3 +134,27 @@ def test_llama70b_on_64_h100_ordering(llama70b):
     assert est["zero3_dp64"].fits and est["tp8_pp4_dp2"].fits and est["tp8_pp8_dp1"].fits
     assert est["tp8_pp4_dp2"].step_time_s < est["tp8_pp8_dp1"].step_time_s \
         < est["zero3_dp64"].step_time_s
+
+
+def test_zbv_is_searched_where_a_split_backward_runs_on_two_chunks():
+    """ZB-V is enumerated beside 1F1B-interleaved and zero bubble exactly where it can
+    run: pp >= 2, two chunks per rank, ZeRO 0-2, uncompiled graphs (`ptc.checks`)."""
+    layouts = enumerate_layouts(plan_from_shape(**SMALL, tp="auto", pp="auto", dp="auto"))
+    zbv = [lay for lay in layouts if lay.schedule == "zbv"]
+    assert zbv and all(lay.pp >= 2 and lay.vstages == 2 and lay.zero < 3 for lay in zbv)
+    twins = {dataclasses.replace(lay, schedule="interleaved") for lay in zbv}
+    assert twins <= set(layouts)  # each beside its interleaved 1F1B twin
+    assert {dataclasses.replace(lay, schedule="zbv") for lay in layouts
+            if lay.schedule == "interleaved" and lay.vstages == 2 and lay.zero < 3} == set(zbv)
+
+
+def test_zbv_prices_the_bubble_of_its_unit_time_simulation():
+    """With F = I = W the simulated ZB-V step is 3m + (p - 1)/2 stage units against 1F1B's
+    3m + 3(p - 1): a sixth of the bubble. The cost model prices (p - 1)/2 · (F + I - W),
+    ZB-H1's on two chunks; here a backward is a little over twice a forward."""
+    def bubble(schedule: str, v: int) -> float:
+        return estimate(plan_from_shape(**{**SMALL, "num_gpus": 4}, tp=1, pp=4, dp=1,
+                                        micro_batch=8, schedule=schedule, virtual_stages=v)
+                        ).breakdown["bubble"]
+    assert bubble("zbv", 2) == pytest.approx(bubble("zero_bubble", 2))
+    assert bubble("1f1b", 1) / 7.5 < bubble("zbv", 2) < bubble("1f1b", 1) / 5

@@ -92,8 +92,9 @@ def plans(draw: st.DrawFn) -> Plan:
     tp = draw(st.sampled_from([d for d in (1, 2, 4, 8) if heads % d == 0]))
     pp = draw(st.sampled_from([1, 2, 4]))
     dp = draw(st.sampled_from([1, 2, 3]))
-    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
-    v = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"]))
+    v = {"interleaved": draw(st.integers(2, 3)), "zero_bubble": draw(st.integers(1, 3)),
+         "zbv": 2}.get(schedule, 1)
     layers = pp * v * draw(st.integers(1, 4))
     if draw(st.booleans()):
         model = ModelSpec(family="custom", factory=draw(st.sampled_from(["a.b:c", "m:f"])),

@@ -148,6 +148,14 @@ GOLDEN = [
                                       "schedule = zero_bubble(virtual_stages = 2)"
                                       "\n  virtual_stages = 4"),
      "virtual_stages is 4 but the schedule says zero_bubble(virtual_stages = 2)", 24, 20, ()),
+    ("zbv-three-chunks", edit("schedule = 1f1b", "schedule = zbv\n  virtual_stages = 3"),
+     "schedule zbv places two chunks per rank in a V: virtual_stages must be 2, got 3",
+     24, 20, ("2",)),
+    ("zbv-with-arguments", edit("schedule = 1f1b", "schedule = zbv(virtual_stages = 2)"),
+     "unknown argument 'virtual_stages' of zbv; it takes no arguments", 23, 18, ()),
+    ("zbv-first-stage-layers", edit("schedule = 1f1b", "schedule = zbv\n  first_stage_layers = 2"),
+     "first_stage_layers splits the first and the last rank's layers; schedule zbv puts the "
+     "first and the last stage on one rank: pin the cuts with stage_boundaries", 24, 24, ()),
     ("virtual-stages-twice", edit("schedule = 1f1b", "schedule = interleaved(virtual_stages = 2)"
                                   "\n  virtual_stages = 4"),
      "virtual_stages is 4 but the schedule says interleaved(virtual_stages = 2)", 24, 20, ()),
