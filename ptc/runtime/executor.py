@@ -507,12 +507,14 @@ class Trainer:
 
     def _recv_forward(self, action: Action, state: _StepState) -> None:
         chunk = self.chunks[action.stage]
-        state.recvs[action] = post_recv(chunk.info.inputs, self.schedule.rank_of(action.stage - 1),
+        state.recvs[action] = post_recv(chunk.info.inputs,
+                                        self.schedule.rank_of(action.stage - 1),
                                         self.pp_group, self.device)
 
     def _recv_backward(self, action: Action, state: _StepState) -> None:
         chunk = self.chunks[action.stage]
-        state.recvs[action] = post_recv(chunk.info.outputs, self.schedule.rank_of(action.stage + 1),
+        state.recvs[action] = post_recv(chunk.info.outputs,
+                                        self.schedule.rank_of(action.stage + 1),
                                         self.pp_group, self.device, grads=True)
 
     def _send_forward(self, action: Action, state: _StepState) -> None:

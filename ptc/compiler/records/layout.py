@@ -53,7 +53,8 @@ class Layout:
     """Memory-bound ops run as fused kernels (`runtime.compile`; `ptc.compiler.graph.work`)."""
     chunk_layers: tuple[int, ...] = ()
     """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank
-    `stage_rank(c)`: c % p, or in a V for zbv) when they differ (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
+    `stage_rank(c)`: c % p, or in a V for zbv) when they differ
+    (`ParallelSpec.stage_layers`); () when each holds L/(p·v)."""
 
     def __post_init__(self) -> None:
         if self.chunk_layers and (len(self.chunk_layers) != self.pp * self.vstages

@@ -5,9 +5,10 @@ micro-batches per step. A *stage* is one of the p·v stage graphs; stage s
 lives on rank s % p (Megatron's interleaving: rank r holds stages r, r + p,
 ...), or, under a V-shaped schedule (zbv), rank r holds stages r and
 2p - 1 - r (`ptc.plan.stage_rank`): there stages p - 1 and p share a rank, and
-the one hands its values to the other without a message. An *action* is "stage s does kind k for micro-batch i" and prints as
-`{s}{k}{i}` — "1F0", "2B3", "1RECV_F0" — as torch.distributed.pipelining
-prints its actions; `Action.parse` reads that text back.
+the one hands its values to the other without a message. An *action* is
+"stage s does kind k for micro-batch i" and prints as `{s}{k}{i}` — "1F0",
+"2B3", "1RECV_F0" — as torch.distributed.pipelining prints its actions;
+`Action.parse` reads that text back.
 
 Kinds: `F` (forward), `B` (backward: input and weight gradients), or `B` split
 in two, as zero-bubble schedules run it: `I` (the gradients of the stage's inputs,

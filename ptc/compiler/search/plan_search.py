@@ -3,9 +3,8 @@
 The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
-layers per stage, each also as zero bubble, and as ZB-V with two chunks per rank), micro-batch (divisors of the per-rank
-batch), ZeRO stage
-(0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
+layers per stage, each also as zero bubble, and as ZB-V with two chunks per
+rank), micro-batch (divisors of the per-rank batch), ZeRO stage (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
 sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
 selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
 activation memory, so never wins.
