@@ -160,3 +160,20 @@ def test_search_keeps_a_zero_stage_when_offloading():
                                                                   offload="optimizer"))
     layouts = enumerate_layouts(plan)
     assert layouts and all(lay.zero >= 1 and lay.offload for lay in layouts)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_split_backwards_w_is_the_linears_weight_gradient_gemms(tp):
+    """W's FLOPs are dW = dYᵀX of each linear, its forward's: 2·b·s per weight element.
+    GPT's layer has 12h² of them (qkv 3h², out h², up and down 4h² each), the head h·V;
+    tp divides both. Attention's QKᵀ and PV (activations times activations) are not W's."""
+    from ptc.compiler.cost.compute import weight_gradient_work
+    plan = _plan(num_gpus=1, tp=1, pp=1, dp=1)
+    profile, (b, s) = model_profile(plan.model, "bf16"), (2, 128)
+    split = Split(tp=tp, kv_divisor=tp, sp=False, cp=1)
+    h, vocab = SHAPE["hidden"], SHAPE["vocab"]
+    layer = weight_gradient_work(profile, "layer", b, s, split, 128)
+    head = weight_gradient_work(profile, "post", b, s, split, 128)
+    assert layer.gemm == pytest.approx(2 * b * s * 12 * h * h / tp, rel=1e-9)
+    assert head.gemm == pytest.approx(2 * b * s * h * vocab / tp, rel=1e-9)
+    assert layer.ops == profile.params["layer"].tensors

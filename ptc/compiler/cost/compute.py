@@ -123,6 +123,11 @@ class LayerTimes:
     recompute: dict[str, float]
     """Per recompute policy the layer can take: the forward it reruns in backward (none: 0,
     selective: `core`, full: `forward`, the others: the ops their regions rerun)."""
+    weight_grad: float = 0.0
+    """The part of `backward` that computes one layer's weight gradients, a split
+    backward's W (`weight_gradient_work`)."""
+    post_weight_grad: float = 0.0
+    """The same of what comes after the last layer (the head's weight gradient)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +181,21 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
                      ops=term("kern.all" if fused else "ops.all", bb, ss))
 
 
+def weight_gradient_work(profile: ModelProfile, region: str, bb: int, ss: int, split: Split,
+                         seq_len: int, *, multiprocessors: int = 0) -> PhaseWork:
+    """The weight gradients of `region` ("layer" or "post"), what a split backward's W runs:
+    one GEMM per linear, dW = dYᵀX, with its forward's FLOPs (the forward's GEMMs less the
+    attention core's, which multiply activations by activations; float8 ones in float8),
+    and one kernel per weight tensor. The rest of the backward (input gradients,
+    elementwise ops, the attention core) is the I."""
+    forward = phase_work(profile, region, "fwd", bb, ss, split, seq_len,
+                         multiprocessors=multiprocessors)
+    core = phase_work(profile, "core", "fwd", bb, ss, split, seq_len,
+                      multiprocessors=multiprocessors) if region == "layer" else PhaseWork()
+    return PhaseWork(gemm=max(0.0, forward.gemm - core.gemm), fp8=forward.fp8,
+                     ops=profile.params[region].tensors)
+
+
 def tile_efficiency(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
                     split: Split, multiprocessors: int) -> float:
     """The share of full waves one rank's GEMMs of `region`'s `phase` run
@@ -212,8 +232,14 @@ def layer_times(profile: ModelProfile, r: Rates, *, bb: int, ss: int, seq_len: i
                                  keys="core_attn" in (policy_modules(p) or ()))
                       for p in profile.policy_flops})
     pre, post = seconds("pre", "fwd"), seconds("post", "fwd")
+
+    def weight_grad(region: str) -> float:
+        return weight_gradient_work(profile, region, bb, ss, split, seq_len,
+                                    multiprocessors=r.multiprocessors).seconds(r)
+
     times = LayerTimes(forward=forward, backward=seconds("layer", "bwd"), core=core,
                        pre=pre + seconds("pre", "bwd"), post=post + seconds("post", "bwd"),
-                       pre_forward=pre, post_forward=post, recompute=recompute)
+                       pre_forward=pre, post_forward=post, recompute=recompute,
+                       weight_grad=weight_grad("layer"), post_weight_grad=weight_grad("post"))
     profile.memo[key] = times
     return times

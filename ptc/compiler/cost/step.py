@@ -109,6 +109,8 @@ class _Stage:
     compute: float = 0.0
     forward: float = 0.0
     """The forward part of `compute`."""
+    weight_grad: float = 0.0
+    """The weight-gradient part of `compute` (a split backward's W)."""
     recompute: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
@@ -221,6 +223,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             extra = times.recompute[policy]
             st.compute += count * work
             st.forward += count * times.forward
+            st.weight_grad += count * times.weight_grad
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
             exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
@@ -234,6 +237,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         if last:
             st.compute += times.post
             st.forward += times.post_forward
+            st.weight_grad += times.post_weight_grad
         if first or last:  # vocab-parallel embedding forward, head input backward
             st.tp += tp_edge
         if not layout.overlap:
@@ -249,8 +253,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         kinds[key][1] += 1
     slowest = max((st for st, _ in kinds.values()), key=lambda x: x.total)
     mean = sum(st.total * n for st, n in kinds.values()) / p
+    # A split backward (zero bubble, ZB-V) fills the bubble with its Ws: it leaves
+    # (p - 1)/v · (F + I - W) of each stage's time (Qi et al., 2024).
     bubble = (p - 1) / v * (mean if layout.schedule not in SPLIT_BACKWARD else mean - 2 * sum(
-        _weight_gradient_time(st) * n for st, n in kinds.values()) / p)
+        st.weight_grad * n for st, n in kinds.values()) / p)
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
     dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
         if layout.zero < 3 else 0.0
@@ -445,13 +451,6 @@ def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[floa
         tied = profile.tied_elements if profile.tied and layout.pp > 1 else 0
         units.append((pr["post"].split + tied) / tp + pr["post"].replicated)
     return [u for u in units if u > 0]
-
-
-def _weight_gradient_time(stage: _Stage) -> float:
-    """A stage's W under a split backward: half its backward compute (the weight-gradient
-    GEMMs match the input-gradient ones in flops). A zero-bubble schedule fills the bubble
-    with W: it leaves (p - 1)/v · (F + I - W) of each stage's time (Qi et al., 2024)."""
-    return max(0.0, stage.compute - stage.forward) / 2
 
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,
