@@ -172,6 +172,10 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"schedule {par.schedule} needs at least pp({par.pp}) micro-batches, "
                    f"got {m}", field="parallel.microbatches",
                    span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
+    if par.schedule == "dualpipev" and m < 2 * par.pp:
+        sink.error(f"schedule dualpipev needs at least 2 * pp({par.pp}) = {2 * par.pp} "
+                   f"micro-batches, one per stage, got {m}", field="parallel.microbatches",
+                   span=_span(par, "microbatches") or _span(par, "schedule") or _span(par, "pp"))
     if par.virtual_stages > 1 and m % par.pp and not par.v_shaped:
         sink.error(f"the {par.schedule} schedule with virtual_stages({par.virtual_stages}) "
                    f"needs micro-batches({m}) divisible by pp({par.pp})",

@@ -27,10 +27,10 @@ AUTO: Auto = "auto"
 FAMILIES = ("gpt", "llama", "custom")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
-SPLIT_BACKWARD = ("zero_bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 """Schedules that run each backward in two: I (input gradients), then W (weight gradients)."""
-V_SHAPED = ("zbv",)
+V_SHAPED = ("zbv", "dualpipev")
 """Schedules that place a rank's two stages in a V: rank r holds stages r and 2p - 1 - r."""
 CHECKPOINT_POLICIES = ("none", "full", "selective", "ops", "auto")
 LAYER_CHECKPOINT_POLICIES = ("none", "full", "selective", "ops")
@@ -496,9 +496,11 @@ class ParallelSpec(_Section):
     with virtual_stages >= 2, with each backward split into its input and weight gradients,
     the latter filling the bubble) or "zbv" (ZB-V: two chunks per rank placed in a V, rank
     r holding stages r and 2p - 1 - r, each backward split as zero_bubble's; virtual_stages
-    is 2)."""
+    is 2) or "dualpipev" (DeepSeek-V3's DualPipeV on the same V: one micro-batch's forward
+    beside another's backward, run one after the other by ptc's one-stream runtime;
+    at least 2p micro-batches)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved, zero_bubble or zbv schedule), v."""
+    """Model chunks per pipeline rank (interleaved, zero_bubble, zbv or dualpipev), v."""
     microbatches: int | None = None
     """Micro-batches per step per pipeline; None: global_batch / (micro_batch·dp)."""
     checkpoint: str | tuple[str, ...] = "none"

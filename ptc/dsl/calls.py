@@ -261,13 +261,14 @@ _SCHEDULE_FORMS = {
     "zero_bubble": Form({"virtual_stages": integer},
                         example="zero_bubble or zero_bubble(virtual_stages = 2)"),
     "zbv": Form(example="zbv"),
+    "dualpipev": Form(example="dualpipev"),
 }
 assert tuple(_SCHEDULE_FORMS) == SCHEDULES
 
 
 def schedule(r: Reader, node: ast.Value, key: str) -> Any:
     """schedule = gpipe | 1f1b | interleaved(virtual_stages = 2) | zero_bubble
-    | zero_bubble(virtual_stages = 2) | zbv -> (name, vstages, span)."""
+    | zero_bubble(virtual_stages = 2) | zbv | dualpipev -> (name, vstages, span)."""
     read = read_call(r, node, key, _SCHEDULE_FORMS, "schedule")
     if read is INVALID or not read.ok:
         return INVALID

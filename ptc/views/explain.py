@@ -41,14 +41,14 @@ PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bu
 
 def describe_layout(layout: Layout) -> str:
     """One line naming a layout: `tp8 pp4 dp2 v2 b1 zero1 sp ckpt=selective`, its schedule
-    named where it is not 1F1B (`zero_bubble`, `zbv`, `gpipe`)."""
+    named where it is not 1F1B (`zero_bubble`, `zbv`, `dualpipev`, `gpipe`)."""
     ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "mixed(" + ",".join(
         f"{p}:{n}" for p, n in layout.policy_counts()) + ")"
     parts = [f"tp{layout.tp}"] + ([f"cp{layout.cp}"] if layout.cp != 1 else []) + \
         [f"pp{layout.pp}", f"dp{layout.dp}"]
     if layout.vstages > 1:
         parts.append(f"v{layout.vstages}")
-    if layout.schedule in ("gpipe", "zero_bubble", "zbv"):  # 1F1B (interleaved for v > 1): unsaid
+    if layout.schedule not in ("1f1b", "interleaved"):  # 1F1B (interleaved for v > 1): unsaid
         parts.append(layout.schedule)
     parts += [f"b{layout.micro_batch}", f"m{layout.microbatches}", f"zero{layout.zero}"]
     if layout.sp:

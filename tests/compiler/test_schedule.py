@@ -34,13 +34,15 @@ GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1),
                 ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
                 ("interleaved", 2, 4, 3), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
-                ("zero_bubble", 2, 4, 2), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)]
+                ("zero_bubble", 2, 4, 2), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2),
+                ("dualpipev", 2, 4, 2), ("dualpipev", 4, 8, 2)]
 GRID = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "zero_bubble") for p in (2, 3, 4, 8)
         for m in (p, p + 1, 2 * p, 3 * p + 1) for v in (1,)] + \
        [(kind, p, m, v) for kind in ("interleaved", "zero_bubble") for p in (2, 3, 4)
         for m in (p, 2 * p, 3 * p) for v in (2, 3, 4)] + \
-       [("zbv", p, m, 2) for p in (2, 3, 4, 5, 8) for m in (1, p - 1, p, p + 1, 2 * p, 3 * p + 1)]
-SPLIT = ("zero_bubble", "zbv")
+       [("zbv", p, m, 2) for p in (2, 3, 4, 5, 8) for m in (1, p - 1, p, p + 1, 2 * p, 3 * p + 1)] + \
+       [("dualpipev", p, m, 2) for p in (2, 3, 4, 5, 8) for m in (2 * p, 2 * p + 1, 3 * p + 1)]
+SPLIT = ("zero_bubble", "zbv", "dualpipev")
 
 
 def plan(kind: str, p: int, m: int, v: int) -> Plan:
@@ -106,7 +108,11 @@ class TestGeneration:
                                                           v: int) -> None:
         timeline = simulate(build_schedule(kind, p, m, v))
         done = [a for row in timeline.steps for a in row if a is not None]
-        assert len(done) == len(set(done)) == (3 if kind in SPLIT else 2) * p * v * m
+        assert len(done) == len(set(done))
+        ended = sorted((a.stage, a.microbatch) for a in done if a.kind in ("B", "W"))
+        assert ended == [(s, i) for s in range(p * v) for i in range(m)]
+        assert len(done) == (3 if kind in ("zero_bubble", "zbv") else 2) * p * v * m \
+            or kind == "dualpipev"  # DualPipeV splits only its last backwards
 
     @pytest.mark.parametrize("kind,p,m,v", GRID)
     def test_peak_in_flight_is_what_the_memory_model_charges(self, kind: str, p: int, m: int,
@@ -195,6 +201,68 @@ class TestZBV:
             build_schedule("zbv", 2, 4, v)
 
 
+def timed_step(schedule: Schedule, seconds: dict[str, float]) -> float:
+    """When the last rank finishes `schedule`'s lowered programs when each compute kind takes
+    `seconds[kind]` and messages arrive as they are sent: each rank runs its actions in
+    order, a compute starting once its rank is free and what it reads has been made."""
+    programs, n = per_rank_actions(schedule), schedule.num_stages
+    clock, pc, made = [0.0] * schedule.pp, [0] * schedule.pp, {}
+    moved = True
+    while moved:
+        moved = False
+        for r, program in enumerate(programs):
+            while pc[r] < len(program):
+                action, start = program[pc[r]], clock[r]
+                needed = needed_receive(action, n)
+                if needed is not None:  # what it reads: the neighbouring stage's compute
+                    key = (needed[1], "F" if action.kind == "F" else "back", action.microbatch)
+                    if key not in made:
+                        break
+                    start = max(start, made[key])
+                if action.kind in seconds:
+                    clock[r] = start + seconds[action.kind]
+                    back = "F" if action.kind == "F" else "back"
+                    if action.kind != "W":
+                        made[action.stage, back, action.microbatch] = clock[r]
+                pc[r] += 1
+                moved = True
+    assert pc == [len(program) for program in programs]
+    return max(clock)
+
+
+class TestDualPipeV:
+    """DualPipeV: two chunks in a V, forward and backward of two micro-batches side by side."""
+
+    @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 9), (8, 16), (8, 24)])
+    def test_holds_2p_plus_1_chunk_microbatches_per_rank(self, p: int, m: int) -> None:
+        assert simulate(build_schedule("dualpipev", p, m, 2)).peak_in_flight == (2 * p + 1,) * p
+
+    def test_pairs_a_forward_with_another_micro_batchs_backward(self) -> None:
+        actions = build_schedule("dualpipev", 4, 12, 2).ranks[1]
+        pairs = [(a, b) for a, b in zip(actions, actions[1:]) if a.kind == "F" and b.kind == "B"]
+        assert len(pairs) >= 12 and all(a.microbatch != b.microbatch for a, b in pairs)
+
+    @pytest.mark.parametrize("p", [2, 3, 4, 8])
+    def test_a_split_backward_leaves_p_minus_1_chunk_units_idle(self, p: int) -> None:
+        """Timed with F = I = W = 1 and B = I + W = 2 (chunk units): DualPipeV, ZB-V and
+        zero bubble on two chunks take 6m + p - 1, interleaved 1F1B 6m + 3(p - 1). The cost
+        model's (p - 1)/v · (F + I - W) and (p - 1)/v · (F + B) say the same."""
+        seconds = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+        for m in (2 * p, 3 * p, 4 * p):
+            for kind in ("dualpipev", "zbv", "zero_bubble"):
+                assert timed_step(build_schedule(kind, p, m, 2), seconds) == 6 * m + p - 1
+            assert timed_step(build_schedule("interleaved", p, m, 2), seconds) == \
+                6 * m + 3 * (p - 1)
+
+    def test_fewer_micro_batches_than_stages_are_refused(self) -> None:
+        with pytest.raises(ScheduleError, match="schedule dualpipev with pp = 4 needs at least "
+                                                "8 micro-batches .*one in flight per stage"):
+            build_schedule("dualpipev", 4, 7, 2)
+        with pytest.raises(PlanError, match=r"schedule dualpipev needs at least 2 \* pp\(2\) = "
+                                            r"4 micro-batches, one per stage, got 3"):
+            plan("dualpipev", 2, 3, 2)
+
+
 class TestMicrobatchRequirement:
     @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2)])
     def test_too_few_microbatches_is_a_clear_error(self, kind: str, v: int) -> None:
@@ -227,9 +295,11 @@ class TestLowering:
                 if needed is not None and schedule.rank_of(needed[1]) != rank:
                     assert needed[0] in program[:i], f"rank {rank}: {action} before {needed[0]}"
                 if action.kind in ("SEND_F", "SEND_B"):  # a split backward's I sends, not W
-                    compute = "F" if action.kind == "SEND_F" else \
-                        "I" if kind in SPLIT else "B"
-                    assert program[i - 1] == Action(action.stage, compute, action.microbatch)
+                    made = program[i - 1]
+                    assert (made.stage, made.microbatch) == (action.stage, action.microbatch)
+                    assert made.kind == "F" if action.kind == "SEND_F" else \
+                        made.kind in (("I", "B") if kind == "dualpipev" else
+                                      ("I",) if kind in SPLIT else ("B",))
 
     def test_receives_are_posted_one_compute_ahead(self) -> None:
         program = per_rank_actions(build_schedule("1f1b", 2, 2))[1]

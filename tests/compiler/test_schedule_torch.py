@@ -13,14 +13,17 @@ on ranks as ptc places them (`Schedule.rank_of`: a V for zbv, as torch's
 
 ZB-V's order is ptc's own (`ptc.compiler.schedule.build._v_shape`); simulated with
 unit-time actions it takes as many steps, with as many micro-batches in flight per rank,
-as the order torch's `ScheduleZBVZeroBubble` computes for the same p and m."""
+as the order torch's `ScheduleZBVZeroBubble` computes for the same p and m. DualPipeV's is
+torch's `ScheduleDualPipeV` order action for action, each of its OVERLAP_F_B pairs as
+the pair's F then its B (ptc's runtime runs them one after the other)."""
 
 from __future__ import annotations
 
 import types
 
 import pytest
-from torch.distributed.pipelining.schedules import (ScheduleZBVZeroBubble, _Action,
+from torch.distributed.pipelining.schedules import (ScheduleDualPipeV, ScheduleZBVZeroBubble,
+                                                    _Action,
                                                     _add_send_recv, _ComputationType,
                                                     _simulate_comms_compute, _validate_schedule)
 
@@ -33,7 +36,8 @@ CASES = [("gpipe", 4, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved
          ("interleaved", 4, 8, 2), ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1),
          ("zero_bubble", 4, 16, 1), ("zero_bubble", 8, 8, 1), ("zero_bubble", 2, 4, 2),
          ("zero_bubble", 4, 8, 2), ("zbv", 2, 4, 2), ("zbv", 2, 3, 2), ("zbv", 4, 8, 2),
-         ("zbv", 4, 5, 2), ("zbv", 8, 16, 2)]
+         ("zbv", 4, 5, 2), ("zbv", 8, 16, 2), ("dualpipev", 2, 4, 2), ("dualpipev", 4, 8, 2),
+         ("dualpipev", 4, 13, 2), ("dualpipev", 8, 16, 2)]
 
 
 def torch_actions(kind: str, p: int, m: int, v: int) -> dict[int, list[_Action]]:
@@ -88,3 +92,13 @@ def test_zbv_takes_the_steps_and_memory_of_torchs_zbv(p: int, m: int) -> None:
     ours, theirs = (simulate(s) for s in (build_schedule("zbv", p, m, 2), _torch_zbv(p, m)))
     assert len(ours.steps) == len(theirs.steps) == 6 * m + p - 1
     assert ours.peak_in_flight == theirs.peak_in_flight == (2 * p,) * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 13), (8, 16), (8, 24)])
+def test_dualpipev_is_torchs_order_with_each_overlapped_pair_in_turn(p: int, m: int) -> None:
+    state = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    for rank, ours in enumerate(build_schedule("dualpipev", p, m, 2).ranks):
+        theirs = [Action(a.stage_index, a.computation_type.value, a.microbatch_index)
+                  for action in ScheduleDualPipeV._calculate_single_rank_operations(state, rank)
+                  for a in (action.sub_actions or (action,))]
+        assert list(ours) == theirs, f"rank {rank}"

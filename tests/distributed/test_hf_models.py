@@ -99,6 +99,8 @@ LAUNCHES = {"layouts": [
     # embedding and head on one rank)
     HFCase("llama", pp=2, schedule="zbv", config=(("num_hidden_layers", 4),)),
     HFCase("gpt2", pp=2, schedule="zbv", config=(*_DROPOUT, ("n_layer", 4))),
+    HFCase("llama", pp=2, schedule="dualpipev", config=(("num_hidden_layers", 4),)),
+    HFCase("gpt2", pp=2, schedule="dualpipev", config=(*_DROPOUT, ("n_layer", 4))),
 ], "structures": [
     # one key/value head for two ranks: replicated (SDPA's grouped-query form; the eager
     # attention's repeated heads; q/k/v biases; a per-head k norm on the replicated path)

@@ -12,8 +12,8 @@ sequence-sharded), and the full 3D layout tp2 × pp2 × dp2 on 8 processes
 at ZeRO-1 and ZeRO-3. The zero-bubble schedule (each backward split into input and
 weight gradients) on pp = 2 and 4, on interleaved 1F1B's order with v = 2, with full and
 selective recompute, dropout, an uneven split, bf16, dp = 2 at ZeRO-1 and tp = 2 with
-sequence parallelism; ZB-V (two chunks per rank in a V) on pp = 2 and 4 with the same
-variations. The loss of every step and every parameter after 5 AdamW steps
+sequence parallelism; ZB-V (two chunks per rank in a V) and DualPipeV on pp = 2 and 4
+with the same variations. The loss of every step and every parameter after 5 AdamW steps
 (cosine schedule with warm-up, global-norm clipping at 1.0) equal
 `torch.optim.AdamW` on the eager model over the full global batch, from the
 same initial weights on the same samples.
@@ -72,6 +72,13 @@ CASES = [
     Case("llama", 2, "zbv", 4, dtype="bf16"), Case("llama", 2, "zbv", 3),
     Case("gpt", 2, "zbv", 4, dp=2, zero=1), Case("llama", 2, "zbv", 4, tp=2, sp=True),
     Case("gpt", 4, "zbv", 8, layers=8),
+    # DualPipeV on the same V: forward and backward of two micro-batches side by side,
+    # backwards split into I and W from the middle of the drain on.
+    Case("gpt", 2, "dualpipev", 4), Case("llama", 2, "dualpipev", 5, checkpoint="full"),
+    Case("gpt", 2, "dualpipev", 4, checkpoint="selective", dropout=0.1),
+    Case("llama", 2, "dualpipev", 4, dtype="bf16"),
+    Case("gpt", 2, "dualpipev", 4, dp=2, zero=1), Case("llama", 2, "dualpipev", 4, tp=2, sp=True),
+    Case("gpt", 4, "dualpipev", 8, layers=8),
 ]
 
 _runs: dict[int, dict] = {}

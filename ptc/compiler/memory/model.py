@@ -48,7 +48,7 @@ from ptc.compiler.records.layout import Layout
 from ptc.compiler.profile.types import ModelProfile, b, s
 from ptc.compiler.schedule.build import stage_peaks
 from ptc.errors import CompileError
-from ptc.plan import GPU_RUNTIME_RESERVE
+from ptc.plan import GPU_RUNTIME_RESERVE, V_SHAPED
 
 t, d, m = sympy.symbols("t d m", positive=True, integer=True)
 """Symbols of the tp degree, dp degree and micro-batches per step."""
@@ -115,8 +115,10 @@ def in_flight(layout: Layout, stage: int, mb, mn: Callable = min) -> tuple:
     # Zero bubble keeps on every rank what its base schedule keeps on the first
     # (`ptc.compiler.schedule.build`): a micro-batch's activations stay until its W.
     first = 0 if layout.schedule == "zero_bubble" else stage
-    if layout.schedule == "zbv":  # 1F1B's first rank's p micro-batches, as 2p half-chunks
-        return mn(2 * p, 2 * mb), sympy.Rational(layers, 2) if layers % 2 else layers // 2
+    if layout.schedule in V_SHAPED:  # ZB-V: 1F1B's first rank's p micro-batches, as 2p
+        # half-chunks; DualPipeV one more (it needs m >= 2p)
+        units = mn(2 * p, 2 * mb) if layout.schedule == "zbv" else 2 * p + 1
+        return units, sympy.Rational(layers, 2) if layers % 2 else layers // 2
     if v == 1 and layout.schedule in ("1f1b", "zero_bubble"):
         return mn(p - first, mb), layers
     # Uneven chunks of one rank: their mean (exact when they are alike).
@@ -275,8 +277,8 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
     if stage == layout.last_rank:  # 1F1B's last stage runs each B right after its F;
         # GPipe's holds the loss of every micro-batch, zero bubble's of each until its W
         post_units = {"gpipe": units, "zero_bubble": mn(p, mb)}.get(layout.schedule, 1)
-        if layout.schedule == "zbv":  # as many as ZB-V's lockstep order holds at once
-            post_units = stage_peaks("zbv", p, layout.microbatches, 2)[-1]
+        if layout.schedule in V_SHAPED:  # as many as its order holds at once
+            post_units = stage_peaks(layout.schedule, p, layout.microbatches, 2)[-1]
         activations += post_units * act("post", "none")
     recompute = 0
     if "full" in policies:
@@ -320,11 +322,12 @@ def _first_chunk_units(layout: Layout, units, mb, mn: Callable):
     """Micro-batches in flight in the first rank's first chunk, whose embedding output it
     keeps: all its units with one chunk; interleaved holds p there, zero bubble 2p (its Ws
     of the first chunk wait for the end of the step; `ptc.compiler.schedule.build`); under
-    ZB-V, whose order is not one formula, what its simulation holds on stage 0."""
+    ZB-V and DualPipeV, whose orders are not one formula, what their simulation holds on
+    stage 0."""
     if layout.vstages == 1:
         return units
-    if layout.schedule == "zbv":  # as many as ZB-V's lockstep order holds at once
-        return stage_peaks("zbv", layout.pp, layout.microbatches, 2)[0]
+    if layout.schedule in V_SHAPED:  # as many as its order holds at once
+        return stage_peaks(layout.schedule, layout.pp, layout.microbatches, 2)[0]
     return mn((2 if layout.schedule == "zero_bubble" else 1) * layout.pp, mb)
 
 

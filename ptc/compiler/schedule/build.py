@@ -21,6 +21,8 @@ def required_microbatches(kind: str, pp: int) -> int:
     never comes in the shape the schedule assumes, and the bubble exceeds
     the step's useful work.
     """
+    if kind == "dualpipev":
+        return 2 * pp
     return 1 if kind in ("gpipe", "zbv") else pp
 
 
@@ -44,9 +46,10 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
                             f"interleaved schedule has (and needs) virtual_stages >= 2")
     need = required_microbatches(kind, pp)
     if microbatches < need:
+        per = "stage" if kind == "dualpipev" else "pipeline rank"
         raise ScheduleError(
             f"schedule {kind} with pp = {pp} needs at least {need} micro-batches per step "
-            f"(one in flight per pipeline rank), got {microbatches}: raise global_batch or "
+            f"(one in flight per {per}), got {microbatches}: raise global_batch or "
             f"parallel.microbatches, or lower micro_batch")
     if virtual > 1 and microbatches % pp and kind not in V_SHAPED:
         raise ScheduleError(
@@ -57,6 +60,8 @@ def build_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> S
         ranks = _weights_in_the_bubbles(pp, microbatches, virtual)
     elif kind == "zbv":
         ranks = _v_shape(pp, microbatches)
+    elif kind == "dualpipev":
+        ranks = tuple(_dual_pipe_v(r, pp, microbatches) for r in range(pp))
     else:
         make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[kind]
         ranks = tuple(tuple(make(r, pp, microbatches, virtual)) for r in range(pp))
@@ -224,6 +229,66 @@ def _v_shape(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
             done_at[action.kind, action.stage, action.microbatch] = step
         step += 1
     return tuple(tuple(actions) for actions in ranks)
+
+
+def _dual_pipe_v(rank: int, p: int, m: int) -> tuple[Action, ...]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half, as torch pipelining's
+    `ScheduleDualPipeV` runs it): two chunks in a V, rank r holding stage a = r and stage
+    b = 2p - 1 - r, in eight phases. Forwards of a, then pairs of forwards (a, b); then I
+    of b, a pending W and a forward of b; the steady state runs pairs of one micro-batch's
+    forward beside another's whole backward (F of a with B of b, F of b with B of a),
+    which DualPipe overlaps on two streams and ptc's one-stream runtime runs one after
+    the other; then the backwards drain, split into I and W from the middle on, and the
+    pending Ws close the step. Each rank holds at most 2p + 1 chunk micro-batches. With
+    F = I = W and B = I + W its step leaves p - 1 half-stage units idle, as ZB-V's."""
+    a, b = rank, 2 * p - 1 - rank
+    actions: list[Action] = []
+    made: dict[tuple[int, str], int] = {}  # (stage, F or backward) -> micro-batches so far
+    weights: list[Action] = []  # the Ws of the Is run so far, oldest first
+
+    def run(stage: int, kind: str) -> None:
+        key = (stage, "F" if kind == "F" else "backward")
+        micro = made.get(key, 0)
+        made[key] = micro + 1
+        actions.append(Action(stage, kind, micro))
+        if kind == "I":
+            weights.append(Action(stage, "W", micro))
+
+    def weight() -> None:
+        if weights:
+            actions.append(weights.pop(0))
+
+    later = p - rank - 1  # ranks after this one
+    for _ in range(2 * later):
+        run(a, "F")
+    for _ in range(rank + 1):
+        run(a, "F")
+        run(b, "F")
+    for _ in range(later):
+        run(b, "I")
+        weight()
+        run(b, "F")
+    for _ in range(m - 2 * p + rank + 1):  # forward and backward side by side
+        run(a, "F")
+        run(b, "B")
+        run(b, "F")
+        run(a, "B")
+    for _ in range(later):
+        run(b, "B")
+        run(b, "F")
+        run(a, "B")
+    split = False
+    for i in range(rank + 1):  # split backwards from the middle on: Ws fill what is left
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        run(b, "I" if split else "B")
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        run(a, "I" if split else "B")
+    for _ in range(later):
+        weight()
+        run(a, "I" if split else "B")
+    while weights:
+        weight()
+    return tuple(actions)
 
 
 def _arrived(action: Action, stages: int, done_at: dict[tuple[str, int, int], int],

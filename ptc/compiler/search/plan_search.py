@@ -3,8 +3,8 @@
 The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
 divisors that the model and GPU count allow; the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
-layers per stage, each also as zero bubble, and as ZB-V with two chunks per
-rank), micro-batch (divisors of the per-rank batch), ZeRO stage (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
+layers per stage, each also as zero bubble, and as ZB-V and DualPipeV with
+two chunks per rank), micro-batch (divisors of the per-rank batch), ZeRO stage (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
 sequence parallelism (with tp > 1), and a uniform checkpoint policy (none,
 selective, full). GPipe is not enumerated: it has 1F1B's bubble and more
 activation memory, so never wins.
@@ -125,7 +125,7 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
                         if pp > 1 else [])
             for v in vs:
                 for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
-                    for schedule in _schedules(pp, v, zero, plan.runtime.compile):
+                    for schedule in _schedules(pp, v, m, zero, plan.runtime.compile):
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for ckpt in CHECKPOINTS:
                                 layouts.append(Layout(
@@ -137,14 +137,16 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
     return layouts
 
 
-def _schedules(pp: int, v: int, zero: int, compiled: bool) -> tuple[str, ...]:
+def _schedules(pp: int, v: int, m: int, zero: int, compiled: bool) -> tuple[str, ...]:
     """Schedules worth trying: 1F1B (interleaved for v >= 2), and where a split backward runs
     (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`) zero bubble on the same order and,
-    with two chunks per rank, ZB-V."""
+    with two chunks per rank, ZB-V and (m >= 2p) DualPipeV."""
     base = "interleaved" if v > 1 else "1f1b"
     if pp == 1 or zero >= 3 or compiled:
         return (base,)
-    return (base, "zero_bubble", "zbv") if v == 2 else (base, "zero_bubble")
+    if v != 2:
+        return (base, "zero_bubble")
+    return (base, "zero_bubble", "zbv") + (("dualpipev",) if m >= 2 * pp else ())
 
 
 def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
