@@ -1,10 +1,11 @@
 """The zero-bubble schedules against 1F1B, ptc's and torch pipelining's, same model and data.
 
-Four gloo processes train an untied GPT over 4 pipeline ranks with 8 micro-batches six
-ways, ptc's stage split for all: ptc's 1F1B, zero-bubble (ZB-H1) and ZB-V schedules,
-torch.distributed.pipelining's `Schedule1F1B`, its `ScheduleInterleavedZeroBubble`
-(one stage per rank: its ZB-H1) and its `ScheduleZBVZeroBubble` (ptc's 8-stage V split,
-two stages per rank). Every way runs the same step (the global-norm clip
+Four gloo processes train an untied GPT over 4 pipeline ranks with 8 micro-batches eight
+ways, ptc's stage split for all: ptc's 1F1B, zero-bubble (ZB-H1), ZB-V and DualPipeV
+schedules, torch.distributed.pipelining's `Schedule1F1B`, its
+`ScheduleInterleavedZeroBubble` (one stage per rank: its ZB-H1), and its
+`ScheduleZBVZeroBubble` and `ScheduleDualPipeV` (ptc's 8-stage V split, two stages per
+rank). Every way runs the same step (the global-norm clip
 over all stages, AdamW); the ways take turns step by step (`runtime_vs_torch.timed_in_turns`),
 and the table shows each one's median step time and, for ptc, the median time each
 rank waited for its pipeline peers (`StepStats.comm_wait`: the bubble as it ran),
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_vs_torch import PP_MICROBATCHES, PP_STAGES, make_pp_plan, timed_in_turns  # noqa: E402
 
 
-KINDS = ("1f1b", "zero_bubble", "zbv")
+KINDS = ("1f1b", "zero_bubble", "zbv", "dualpipev")
 
 
 def ptc_step(program, waits: list[float]):
@@ -61,7 +62,8 @@ def worker(args) -> dict:
     """Every way on this rank; rank 0 returns the medians and every rank's waits."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleavedZeroBubble,
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV,
+                                              ScheduleInterleavedZeroBubble,
                                               ScheduleZBVZeroBubble)
 
     from ptc.lower.driver import compile_plan
@@ -77,7 +79,8 @@ def worker(args) -> dict:
     steps = {f"ptc {kind}": ptc_step(programs[kind], waits[kind]) for kind in KINDS}
     steps |= {"torch 1f1b": torch_step(programs["1f1b"], Schedule1F1B),
               "torch zero_bubble": torch_step(programs["1f1b"], ScheduleInterleavedZeroBubble),
-              "torch zbv": torch_step(programs["zbv"], ScheduleZBVZeroBubble)}
+              "torch zbv": torch_step(programs["zbv"], ScheduleZBVZeroBubble),
+              "torch dualpipev": torch_step(programs["dualpipev"], ScheduleDualPipeV)}
     times = timed_in_turns(steps, args.repeat, args.warmup)
     medians = {kind: statistics.median(w[args.warmup:]) for kind, w in waits.items()}
     every = [None] * dist.get_world_size()

@@ -156,6 +156,10 @@ GOLDEN = [
     ("zbv-first-stage-layers", edit("schedule = 1f1b", "schedule = zbv\n  first_stage_layers = 2"),
      "first_stage_layers splits the first and the last rank's layers; schedule zbv puts the "
      "first and the last stage on one rank: pin the cuts with stage_boundaries", 24, 24, ()),
+    ("dualpipev-one-micro-batch-per-stage", edit("schedule = 1f1b", "schedule = dualpipev",
+                                                 "global_batch = 16", "global_batch = 4"),
+     "schedule dualpipev needs at least 2 * pp(2) = 4 micro-batches, one per stage, got 2",
+     23, 14, ()),
     ("virtual-stages-twice", edit("schedule = 1f1b", "schedule = interleaved(virtual_stages = 2)"
                                   "\n  virtual_stages = 4"),
      "virtual_stages is 4 but the schedule says interleaved(virtual_stages = 2)", 24, 20, ()),
