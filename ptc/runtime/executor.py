@@ -72,6 +72,7 @@ from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait
                           group_rank, group_size)
 from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.fp8_linear import advance_amax_history
+from ptc.ops.recompute import recompute_once
 from ptc.ops.seq_regather import SeqRegather, forward_context
 from ptc.ops.zero3 import ParamSession
 from ptc.runtime import faults
@@ -333,6 +334,8 @@ class Trainer:
         seed_dropout(plan, self.tp_group, self.rank)
         schedule = self.schedule = program.schedule
         self.actions = program.actions[self.pp_rank]
+        self.splits_backward = any(a.kind == "I" for a in self.actions)
+        """Whether this rank runs backwards as I then W (`ptc.runtime.split_backward`)."""
         if model is None:
             model = program.model if program.model is not None else \
                 reference_model(plan, models.build)
@@ -565,9 +568,11 @@ class Trainer:
                                    arrivals=self.offload.arrivals if self.offload else None)
         # Dropout masks follow the samples, whatever the layout (ptc.ops.dropout).
         samples = Samples(seed=self.plan.runtime.seed, first=self._first_sample(mb, state))
+        # A backward split into I and W reads a checkpointed region twice: rebuilt once.
+        once = recompute_once() if self.splits_backward else contextlib.nullcontext()
         with session or contextlib.nullcontext(), forward_context(
                 regather, session.saved_tensor_hooks() if session is not None else None), \
-                dropout_samples(samples):
+                dropout_samples(samples), once:
             outputs = chunk.runner.run(*args)
         for tensor, spec in zip(outputs if not info.is_last else (), info.outputs):
             if tuple(tensor.shape) != spec.shape:

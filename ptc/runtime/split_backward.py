@@ -20,6 +20,9 @@ the gradient it had in I.
 
 Weights get their gradients through autograd's accumulation, so the hooks on it (the
 gradient reducer's) run in W as they run in a whole backward.
+
+A checkpointed region (`ptc.ops.recompute`) read by both I and W is recomputed once:
+what a branch node reads of it in I stays for W, the rest is dropped as it is read.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from ptc.ops.recompute import keeping_reads
 
 
 @dataclass(eq=False)
@@ -58,8 +63,9 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     input_side = _leading_to(input_nodes, children)
     groups = _branch_groups(children, input_side, weight_nodes)
     seeds: dict[Node, tuple] = {}
-    hooks = [node.register_prehook(_keeper(seeds, node))
-             for nodes, _ in groups for node in nodes]
+    branch = [node for nodes, _ in groups for node in nodes]
+    hooks = [node.register_prehook(_keeper(seeds, node)) for node in branch]
+    hooks += [node.register_hook(_reads_done) for node in branch]
     try:
         got = torch.autograd.grad(list(outputs), wanted, grads, retain_graph=True,
                                   allow_unused=True)
@@ -139,10 +145,17 @@ def _branch_groups(children: dict[Node, list[Node]], input_side: set[Node],
 
 
 def _keeper(seeds: dict[Node, tuple], node: Node):
-    """A pre-hook that keeps the gradients reaching `node`."""
+    """A pre-hook that keeps the gradients reaching `node`, and what it reads of a
+    recomputed region: W runs it again (`ptc.ops.recompute.keeping_reads`)."""
     def keep(grad_outputs):
         seeds[node] = grad_outputs
+        keeping_reads(True)
     return keep
+
+
+def _reads_done(grad_inputs, grad_outputs) -> None:
+    """A branch node's post-hook in I: what later nodes read is read once."""
+    keeping_reads(False)
 
 
 def _weight_backward(groups: list[tuple[list[Node], list[torch.Tensor]]],

@@ -7,16 +7,20 @@ input gradient of I and every weight's gradient after W equal a plain
 `torch.autograd.backward` of the same computation exactly (the same kernels, in the
 same order per gradient). I leaves every weight's gradient untouched; W accumulates
 each weight once, through autograd's accumulation, so gradient hooks fire as in a
-whole backward; the GELU's backward (input side only) runs in I and never in W.
+whole backward; the GELU's backward (input side only) runs in I and never in W. A
+checkpointed region read by both is recomputed once, full or selective, and gives the
+same gradients.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
+from ptc.ops.recompute import checkpoint_region, recompute_once
 from ptc.runtime.split_backward import input_backward
 
 
@@ -96,3 +100,52 @@ def test_a_loss_seeds_itself() -> None:
     weights.run()
     assert torch.equal(dx, x.grad)
     assert torch.equal(split.up.weight.grad, whole.up.weight.grad)
+
+
+class Checkpointed(nn.Module):
+    """A region of two linears around a tanh, counting its forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8, dtype=torch.float64)
+        self.second = nn.Linear(8, 8, dtype=torch.float64)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return self.second(torch.tanh(self.first(x)))
+
+
+@pytest.mark.parametrize("save_matmuls", [False, True], ids=["full", "selective"])
+def test_a_checkpointed_region_read_by_i_and_w_is_recomputed_once(save_matmuls: bool) -> None:
+    """Full and selective recompute under a split backward: the region's forward runs
+    twice in all (the forward, and one recomputation that I's and W's autograd calls
+    share; torch's checkpoint would recompute once per call), and the gradients equal an
+    unsplit backward of the plain region exactly."""
+    torch.manual_seed(2)
+    region, x = Checkpointed(), torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    plain = copy.deepcopy(region)
+    seed = torch.randn(4, 8, dtype=torch.float64)
+    plain(x).backward(seed)
+    x2 = x.detach().clone().requires_grad_(True)
+    with recompute_once():
+        out = checkpoint_region(region, x2, save_matmuls=save_matmuls)
+    (dx,), weights = input_backward([out], [seed], [x2], list(region.parameters()))
+    assert region.runs == 2 and torch.equal(dx, x.grad)
+    weights.run()
+    assert region.runs == 2, "W recomputed the region again"
+    for w, w2 in zip(plain.parameters(), region.parameters()):
+        assert torch.equal(w.grad, w2.grad)
+
+
+def test_a_region_rebuilt_once_also_runs_a_whole_backward() -> None:
+    """DualPipeV runs some backwards whole (B): each saved tensor is then read once."""
+    torch.manual_seed(3)
+    region, x = Checkpointed(), torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    plain = copy.deepcopy(region)
+    plain(x).sum().backward()
+    with recompute_once():
+        checkpoint_region(region, x.detach().requires_grad_(True)).sum().backward()
+    assert region.runs == 2
+    assert all(torch.equal(w.grad, w2.grad) for w, w2 in zip(plain.parameters(),
+                                                                region.parameters()))
