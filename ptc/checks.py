@@ -186,11 +186,6 @@ def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:
 def _check_split_backward(plan: Plan, sink: DiagnosticSink) -> None:
     """What a zero-bubble schedule's backward in two (I, then W) cannot run with yet."""
     par, runtime = plan.parallel, plan.runtime
-    if par.zero == 3:
-        sink.error(f"schedule {par.schedule} needs zero 0-2: under ZeRO-3 each micro-batch would "
-                   "hold its stage's re-gathered weights from its I to its W",
-                   field="parallel.zero", span=_span(par, "zero") or _span(par, "schedule"),
-                   choices=("0", "1", "2"))
     if runtime.compile:
         sink.error(f"schedule {par.schedule} needs runtime.compile = false: a compiled stage's "
                    "backward is one kernel graph, which cannot run its weight gradients apart",

@@ -257,6 +257,15 @@ class _Live:
 
 
 @dataclass(eq=False)
+class _PendingWeights:
+    """A stage micro-batch between its I and its W: what W runs, and under ZeRO-3 the
+    micro-batch's parameter session (its re-gathered weights, its reduce-scatters)."""
+
+    weights: WeightBackward
+    session: ParamSession | None
+
+
+@dataclass(eq=False)
 class _StepState:
     """What the actions of one step share: transfers, live micro-batches, the loss."""
 
@@ -270,7 +279,7 @@ class _StepState:
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
     sends: list[Transfer] = field(default_factory=list)
     batches: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    weights: dict[tuple[int, int], WeightBackward] = field(default_factory=dict)
+    weights: dict[tuple[int, int], _PendingWeights] = field(default_factory=dict)
     """The Ws to come of the stage micro-batches whose I ran."""
     in_flight: int = 0
 
@@ -619,12 +628,14 @@ class Trainer:
         info = chunk.info
         transfer = state.recvs.pop(Action(s, "RECV_B", mb), None)
         wanted = [t for t, spec in zip(live.inputs, info.inputs) if spec.requires_grad]
-        with self._backward_of(info, mb, state):
+        # ZeRO-3: the weights I re-gathers stay gathered for W, whose gradients'
+        # reduce-scatters run in W (`ptc.ops.zero3`).
+        with self._backward_of(info, mb, state), live.session or contextlib.nullcontext():
             outputs, grads = self._backward_seeds(live, info, transfer, state)
             got, weights = input_backward(outputs, grads, wanted, chunk.trainable)
         live.grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, got)]
-        live.inputs, live.outputs = [], None
-        state.weights[s, mb] = weights
+        state.weights[s, mb] = _PendingWeights(weights, live.session)
+        live.inputs, live.outputs, live.session = [], None, None
         self._input_gradients_made(info, mb, state)
 
     def _weight_backward(self, action: Action, state: _StepState) -> None:
@@ -634,8 +645,12 @@ class Trainer:
         chunk = self.chunks[s]
         if chunk.reducer is not None:
             chunk.reducer.begin(last_micro=mb == chunk.last_backward)
-        with self._backward_of(chunk.info, mb, state):
-            state.weights.pop((s, mb)).run()
+        pending = state.weights.pop((s, mb))
+        with self._backward_of(chunk.info, mb, state), \
+                pending.session or contextlib.nullcontext():
+            pending.weights.run()
+            if pending.session is not None:
+                pending.session.finish()
         state.in_flight -= 1
 
     def _input_gradients_made(self, info: StageInfo, mb: int, state: _StepState) -> None:

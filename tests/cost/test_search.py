@@ -138,14 +138,19 @@ def test_llama70b_on_64_h100_ordering(llama70b):
 
 def test_zbv_is_searched_where_a_split_backward_runs_on_two_chunks():
     """ZB-V is enumerated beside 1F1B-interleaved and zero bubble exactly where it can
-    run: pp >= 2, two chunks per rank, ZeRO 0-2, uncompiled graphs (`ptc.checks`)."""
+    run: pp >= 2, two chunks per rank, uncompiled graphs (`ptc.checks`); DualPipeV too
+    where there are at least 2p micro-batches."""
     layouts = enumerate_layouts(plan_from_shape(**SMALL, tp="auto", pp="auto", dp="auto"))
     zbv = [lay for lay in layouts if lay.schedule == "zbv"]
-    assert zbv and all(lay.pp >= 2 and lay.vstages == 2 and lay.zero < 3 for lay in zbv)
+    assert zbv and all(lay.pp >= 2 and lay.vstages == 2 for lay in zbv)
+    assert any(lay.zero == 3 for lay in zbv)
     twins = {dataclasses.replace(lay, schedule="interleaved") for lay in zbv}
     assert twins <= set(layouts)  # each beside its interleaved 1F1B twin
     assert {dataclasses.replace(lay, schedule="zbv") for lay in layouts
-            if lay.schedule == "interleaved" and lay.vstages == 2 and lay.zero < 3} == set(zbv)
+            if lay.schedule == "interleaved" and lay.vstages == 2} == set(zbv)
+    assert {dataclasses.replace(lay, schedule="dualpipev") for lay in zbv
+            if lay.microbatches >= 2 * lay.pp} == {lay for lay in layouts
+                                                    if lay.schedule == "dualpipev"}
 
 
 def test_zbv_prices_zb_h1s_bubble_on_two_chunks():

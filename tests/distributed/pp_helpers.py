@@ -65,13 +65,59 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
 
 def run_pp_cases(cases: list[Case]) -> dict:
     """Worker: train every case (`train_cases`); rank 0's results also hold "peaks", every
-    rank's (pipeline rank, peak in-flight micro-batches)."""
+    rank's (pipeline rank, peak in-flight micro-batches), and "regathered", every rank's
+    (pipeline rank, most bytes of ZeRO-3 weights held re-gathered between an I and its W)."""
     import torch.distributed as dist
 
-    def peak(trainer, program, groups) -> tuple[int, int]:
-        return dist.get_rank(groups["pp"]), trainer.peak_in_flight
+    regathered = _count_regathered()
+
+    def peak(trainer, program, groups) -> tuple[int, int, int]:
+        most = regathered.pop()
+        return dist.get_rank(groups["pp"]), trainer.peak_in_flight, most
 
     results = train_cases(cases, pp_plan, gathered=peak)
     for got in results.values():
-        got["peaks"] = got.pop("gathered")
+        every = got.pop("gathered")
+        got["peaks"] = [(rank, in_flight) for rank, in_flight, _ in every]
+        got["regathered"] = [(rank, most) for rank, _, most in every]
     return results
+
+
+class _Most:
+    """The largest value seen since the last `pop`."""
+
+    def __init__(self):
+        self.value = 0
+
+    def see(self, value: int) -> None:
+        self.value = max(self.value, value)
+
+    def pop(self) -> int:
+        value, self.value = self.value, 0
+        return value
+
+
+def _count_regathered() -> _Most:
+    """Watch ZeRO-3 under a split backward in this process: after each I, the bytes of
+    weights every micro-batch's session holds re-gathered (`ParamSession._full`), all
+    sessions together (no backward runs then: what is held waits for a W)."""
+    import weakref
+
+    from ptc.ops.zero3 import ParamSession
+    from ptc.runtime import executor
+
+    sessions, most = weakref.WeakSet(), _Most()
+    start, input_backward = ParamSession.__init__, executor.input_backward
+
+    def init(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        sessions.add(self)
+
+    def watched(*args, **kwargs):
+        got = input_backward(*args, **kwargs)
+        most.see(sum(t.numel() * t.element_size() for session in sessions
+                     for buffers in session._full.values() for t in buffers))
+        return got
+
+    ParamSession.__init__, executor.input_backward = init, watched
+    return most

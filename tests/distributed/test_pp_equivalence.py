@@ -13,7 +13,7 @@ at ZeRO-1 and ZeRO-3. The zero-bubble schedule (each backward split into input a
 weight gradients) on pp = 2 and 4, on interleaved 1F1B's order with v = 2, with full and
 selective recompute, dropout, an uneven split, bf16, dp = 2 at ZeRO-1 and tp = 2 with
 sequence parallelism; ZB-V (two chunks per rank in a V) and DualPipeV on pp = 2 and 4
-with the same variations. The loss of every step and every parameter after 5 AdamW steps
+with the same variations; all three at dp = 2 × ZeRO-3. The loss of every step and every parameter after 5 AdamW steps
 (cosine schedule with warm-up, global-norm clipping at 1.0) equal
 `torch.optim.AdamW` on the eager model over the full global batch, from the
 same initial weights on the same samples.
@@ -30,7 +30,8 @@ rest of those tensors is bounded by 3e-7 to 1e-5.
 
 Every rank's peak of in-flight stage micro-batches, counted by the
 executor, equals what the memory model charges activations for
-(`memory.in_flight`). One launch per process count trains all its cases.
+(`memory.in_flight`); under ZeRO-3 with a split backward, so do the weights each
+micro-batch keeps re-gathered from its I to its W. One launch per process count trains all its cases.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ import pytest
 from dist_helpers import STEPS, assert_same_training, reference
 from pp_helpers import Case, pp_plan, run_pp_cases
 
+from ptc.compiler.memory.model import in_flight, regathered_until_w
+from ptc.compiler.profile.cache import model_profile
 from ptc.compiler.records.layout import layout_of
-from ptc.compiler.memory.model import in_flight
+from ptc.compiler.search.estimate import plan_precision
+from ptc.plan import SPLIT_BACKWARD
 from ptc.runtime.launcher import run_local
 
 pytestmark = pytest.mark.distributed
@@ -79,6 +83,9 @@ CASES = [
     Case("llama", 2, "dualpipev", 4, dtype="bf16"),
     Case("gpt", 2, "dualpipev", 4, dp=2, zero=1), Case("llama", 2, "dualpipev", 4, tp=2, sp=True),
     Case("gpt", 4, "dualpipev", 8, layers=8),
+    # ZeRO-3 under a split backward: I re-gathers the weights, W reduce-scatters.
+    Case("gpt", 2, "zero_bubble", 4, dp=2, zero=3), Case("llama", 2, "zbv", 4, dp=2, zero=3),
+    Case("gpt", 2, "dualpipev", 4, dp=2, zero=3),
 ]
 
 _runs: dict[int, dict] = {}
@@ -108,3 +115,23 @@ def test_peak_in_flight_is_the_memory_models(case: Case) -> None:
         assert peak == expected[pp_rank], f"{case}: pipeline rank {pp_rank} held {peak} " \
                                           f"micro-batches at peak, the memory model says " \
                                           f"{expected[pp_rank]}"
+
+
+SPLIT_ZERO3 = [c for c in CASES if c.zero == 3 and c.schedule in SPLIT_BACKWARD]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", SPLIT_ZERO3, ids=str)
+def test_weights_kept_from_i_to_w_are_the_memory_models(case: Case) -> None:
+    """ZeRO-3 under a split backward: the most re-gathered weight bytes a rank held at once
+    equal what the memory model charges (`regathered_until_w`), to the units' padding to a
+    multiple of dp (under 1 %)."""
+    plan = pp_plan(case)
+    layout, profile = layout_of(plan), model_profile(plan.model, plan.train.compute_dtype)
+    prec = plan_precision(plan, profile)
+    measured = _run(case.world)[case]["regathered"]
+    assert any(held for _, held in measured), f"{case}: no rank kept weights from I to W"
+    for pp_rank, held in measured:
+        predicted = regathered_until_w(profile, layout, pp_rank, prec, case.tp)
+        assert held == pytest.approx(predicted, rel=0.01), \
+            f"{case}: pipeline rank {pp_rank} held {held} bytes re-gathered, the model {predicted}"

@@ -136,10 +136,6 @@ GOLDEN = [
      "layers 0..9 are out of range (the model has 8 layers, 0..7)", 24, 30, ()),
     ("checkpoint-list-length", edit("checkpoint = selective", "checkpoint = [full, none]"),
      "per-layer checkpoint lists 2 entries for 8 layers", 24, 16, ()),
-    ("zero-bubble-under-zero3", edit("zero = 1\n  schedule = 1f1b",
-                                     "zero = 3\n  schedule = zero_bubble"),
-     "schedule zero_bubble needs zero 0-2: under ZeRO-3 each micro-batch would hold its "
-     "stage's re-gathered weights from its I to its W", 22, 10, ("0", "1", "2")),
     ("zero-bubble-compiled", edit("schedule = 1f1b", "schedule = zero_bubble",
                                   "nan_policy = rollback",
                                   "nan_policy = rollback\n  compile = true"),

@@ -30,7 +30,9 @@ Terms per stage (bytes, one tp/dp rank of that stage):
 - `buffers`: communication buffers — pipeline send/receive of one boundary
   activation each way, the sequence-parallel all-gather output, two data-
   parallel gradient buckets, ZeRO-3's gathered parameters of two layers
-  (the current and the prefetched one) — and the runtime's own reserve.
+  (the current and the prefetched one; under a split backward also those each
+  micro-batch re-gathers in its I and keeps until its W) — and the runtime's own
+  reserve.
 
 The same code builds the expression (with sympy symbols b, s, t, d, m) and
 the number (with ints): `stage_memory_terms` is written in plain arithmetic
@@ -46,9 +48,9 @@ import sympy
 
 from ptc.compiler.records.layout import Layout
 from ptc.compiler.profile.types import ModelProfile, b, s
-from ptc.compiler.schedule.build import stage_peaks
+from ptc.compiler.schedule.build import simulated, stage_peaks
 from ptc.errors import CompileError
-from ptc.plan import GPU_RUNTIME_RESERVE, V_SHAPED
+from ptc.plan import GPU_RUNTIME_RESERVE, SPLIT_BACKWARD, V_SHAPED
 
 t, d, m = sympy.symbols("t d m", positive=True, integer=True)
 """Symbols of the tp degree, dp degree and micro-batches per step."""
@@ -177,8 +179,27 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt,
                               kv_whole),
                     lambda: _buffers(profile, lay, prec, bb, ss, tt))
+    if zero >= 3 and lay.schedule in SPLIT_BACKWARD and lay.pp > 1:
+        buffers += regathered_until_w(profile, lay, stage, prec, tt)
     return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
                 recompute=recompute, buffers=buffers)
+
+
+def regathered_until_w(profile: ModelProfile, layout: Layout, stage: int, prec: Precision,
+                      tt) -> object:
+    """ZeRO-3 under a split backward: the weights a micro-batch's I re-gathers stay gathered
+    until its W (`ptc.runtime.executor`): one chunk's layers, and the head on the last
+    stage, for each micro-batch between the two, as many at once as the schedule's
+    simulation holds on this rank (the embedding has no input gradient: I leaves it)."""
+    split, whole = layer_params(profile, layout.tp)
+    post = profile.params["post"]
+    per_chunk = [len(chunk) * (split / tt + whole) for chunk in layout.chunks(stage)]
+    if stage == layout.last_rank:  # the head, and its own copy of a tied embedding
+        tied = profile.tied_elements if profile.tied else 0
+        per_chunk[-1] += (post.split + tied) / tt + post.replicated
+    waiting = simulated(layout.schedule, layout.pp, layout.microbatches,
+                        layout.vstages).peak_waiting_for_w[stage]
+    return waiting * prec.weight * max(per_chunk)
 
 
 def _memo(profile: ModelProfile, key: tuple, make: Callable):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from ptc.compiler.schedule.actions import HEADER, Action, Schedule, ScheduleError
-from ptc.compiler.schedule.simulation import simulate
+from ptc.compiler.schedule.simulation import Timeline, simulate
 from ptc.plan import SCHEDULES, V_SHAPED
 
 # ------------------------------------------------------------------ generation
@@ -80,10 +80,15 @@ def schedule_for(plan) -> Schedule:
 
 
 @functools.lru_cache(maxsize=256)
+def simulated(kind: str, pp: int, microbatches: int, virtual: int) -> Timeline:
+    """The `kind` schedule's simulation (remembered: the memory model reads it per layout)."""
+    return simulate(build_schedule(kind, pp, microbatches, virtual))
+
+
 def stage_peaks(kind: str, pp: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """Per stage, the most micro-batches forwarded and not yet done with (B or W) at once
     in the `kind` schedule's simulation (`Timeline.stage_peak_in_flight`)."""
-    return simulate(build_schedule(kind, pp, microbatches, virtual)).stage_peak_in_flight
+    return simulated(kind, pp, microbatches, virtual).stage_peak_in_flight
 
 
 def one_stage_schedule(microbatches: int) -> Schedule:

@@ -23,6 +23,10 @@ class Timeline:
     """Per rank, the most stage micro-batches forwarded and not yet backwarded at once."""
     stage_peak_in_flight: tuple[int, ...]
     """Per stage, the most of its micro-batches forwarded and not yet backwarded at once."""
+    peak_waiting_for_w: tuple[int, ...]
+    """Per rank, the most stage micro-batches between their I and their W at once, the first
+    stage's left out: with no input gradient to compute, its I does nothing and its W is
+    the whole backward (`ptc.runtime.split_backward`)."""
 
     @property
     def bubble(self) -> float:
@@ -41,6 +45,7 @@ def simulate(schedule: Schedule) -> Timeline:
     sent_at: dict[Action, int] = {}  # a send's step, or a compute's (what the rank reads)
     in_flight, peak = [0] * p, [0] * p
     stage_in_flight, stage_peak = [0] * n, [0] * n
+    waiting, waiting_peak = [0] * p, [0] * p
     steps: list[tuple[Action | None, ...]] = []
     while any(pc[r] < len(programs[r]) for r in range(p)):
         step = len(steps)
@@ -69,6 +74,8 @@ def simulate(schedule: Schedule) -> Timeline:
             peak[r] = max(peak[r], in_flight[r])
             stage_in_flight[action.stage] += change
             stage_peak[action.stage] = max(stage_peak[action.stage], stage_in_flight[action.stage])
+            waiting[r] += {"I": 1, "W": -1}.get(action.kind, 0) if action.stage else 0
+            waiting_peak[r] = max(waiting_peak[r], waiting[r])
             pc[r] += 1
             while pc[r] < len(program) and program[pc[r]].kind in ("SEND_F", "SEND_B"):
                 sent_at[program[pc[r]]] = step
@@ -79,7 +86,7 @@ def simulate(schedule: Schedule) -> Timeline:
                                 + "; ".join(blocked))
         steps.append(tuple(row))
     return Timeline(steps=tuple(steps), peak_in_flight=tuple(peak),
-                    stage_peak_in_flight=tuple(stage_peak))
+                    stage_peak_in_flight=tuple(stage_peak), peak_waiting_for_w=tuple(waiting_peak))
 
 
 def _local_source(action: Action, made: bool = False) -> Action:

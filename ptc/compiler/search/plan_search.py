@@ -139,10 +139,10 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
 
 def _schedules(pp: int, v: int, m: int, zero: int, compiled: bool) -> tuple[str, ...]:
     """Schedules worth trying: 1F1B (interleaved for v >= 2), and where a split backward runs
-    (pp >= 2, ZeRO 0-2, uncompiled graphs: `ptc.checks`) zero bubble on the same order and,
-    with two chunks per rank, ZB-V and (m >= 2p) DualPipeV."""
+    (pp >= 2, uncompiled graphs: `ptc.checks`) zero bubble on the same order and, with two
+    chunks per rank, ZB-V and (m >= 2p) DualPipeV."""
     base = "interleaved" if v > 1 else "1f1b"
-    if pp == 1 or zero >= 3 or compiled:
+    if pp == 1 or compiled:
         return (base,)
     if v != 2:
         return (base, "zero_bubble")
