@@ -65,21 +65,23 @@ def pp_plan(case: Case, steps: int = STEPS) -> Plan:
 
 def run_pp_cases(cases: list[Case]) -> dict:
     """Worker: train every case (`train_cases`); rank 0's results also hold "peaks", every
-    rank's (pipeline rank, peak in-flight micro-batches), and "regathered", every rank's
-    (pipeline rank, most bytes of ZeRO-3 weights held re-gathered between an I and its W)."""
+    rank's (pipeline rank, peak in-flight micro-batches), "regathered" and "rebuilt", every
+    rank's (pipeline rank, most bytes held between an I and its W at once: of ZeRO-3
+    weights re-gathered, of recomputed activations)."""
     import torch.distributed as dist
 
-    regathered = _count_regathered()
+    regathered, rebuilt = _count_held_until_w()
 
-    def peak(trainer, program, groups) -> tuple[int, int, int]:
-        most = regathered.pop()
-        return dist.get_rank(groups["pp"]), trainer.peak_in_flight, most
+    def peak(trainer, program, groups) -> tuple[int, int, int, int]:
+        return (dist.get_rank(groups["pp"]), trainer.peak_in_flight, regathered.pop(),
+                rebuilt.pop())
 
     results = train_cases(cases, pp_plan, gathered=peak)
     for got in results.values():
         every = got.pop("gathered")
-        got["peaks"] = [(rank, in_flight) for rank, in_flight, _ in every]
-        got["regathered"] = [(rank, most) for rank, _, most in every]
+        got["peaks"] = [(rank, in_flight) for rank, in_flight, _, _ in every]
+        got["regathered"] = [(rank, most) for rank, _, most, _ in every]
+        got["rebuilt"] = [(rank, most) for rank, _, _, most in every]
     return results
 
 
@@ -97,27 +99,46 @@ class _Most:
         return value
 
 
-def _count_regathered() -> _Most:
-    """Watch ZeRO-3 under a split backward in this process: after each I, the bytes of
-    weights every micro-batch's session holds re-gathered (`ParamSession._full`), all
-    sessions together (no backward runs then: what is held waits for a W)."""
+def _count_held_until_w() -> tuple[_Most, _Most]:
+    """Watch a split backward in this process: after each I (no backward runs then: what is
+    held waits for a W), the bytes every micro-batch's ZeRO-3 session holds re-gathered
+    (`ParamSession._full`), and the distinct activation storages the recomputed regions
+    keep (`_Recomputed.saved`, weights left out), all micro-batches together."""
     import weakref
 
+    from ptc.ops import recompute
     from ptc.ops.zero3 import ParamSession
     from ptc.runtime import executor
 
-    sessions, most = weakref.WeakSet(), _Most()
-    start, input_backward = ParamSession.__init__, executor.input_backward
+    sessions, regions = weakref.WeakSet(), weakref.WeakSet()
+    regathered, rebuilt = _Most(), _Most()
+    weights: set[int] = set()
+    start_session, start_region = ParamSession.__init__, recompute._Recomputed.__init__
+    start_trainer, input_backward = executor.Trainer.__init__, executor.input_backward
 
-    def init(self, *args, **kwargs):
-        start(self, *args, **kwargs)
+    def session(self, *args, **kwargs):
+        start_session(self, *args, **kwargs)
         sessions.add(self)
+
+    def region(self, *args, **kwargs):
+        start_region(self, *args, **kwargs)
+        regions.add(self)
+
+    def trainer(self, *args, **kwargs):
+        start_trainer(self, *args, **kwargs)
+        weights.clear()
+        weights.update(w.untyped_storage().data_ptr() for chunk in self.chunks.values()
+                       for w in chunk.gm.parameters())
 
     def watched(*args, **kwargs):
         got = input_backward(*args, **kwargs)
-        most.see(sum(t.numel() * t.element_size() for session in sessions
-                     for buffers in session._full.values() for t in buffers))
+        regathered.see(sum(t.numel() * t.element_size() for s in sessions
+                           for buffers in s._full.values() for t in buffers))
+        kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for r in regions for t in (r.saved or ()) if t is not None}
+        rebuilt.see(sum(n for ptr, n in kept.items() if ptr not in weights))
         return got
 
-    ParamSession.__init__, executor.input_backward = init, watched
-    return most
+    ParamSession.__init__, recompute._Recomputed.__init__ = session, region
+    executor.Trainer.__init__, executor.input_backward = trainer, watched
+    return regathered, rebuilt

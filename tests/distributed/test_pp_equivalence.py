@@ -40,7 +40,7 @@ import pytest
 from dist_helpers import STEPS, assert_same_training, reference
 from pp_helpers import Case, pp_plan, run_pp_cases
 
-from ptc.compiler.memory.model import in_flight, regathered_until_w
+from ptc.compiler.memory.model import in_flight, rebuilt_until_w, regathered_until_w
 from ptc.compiler.profile.cache import model_profile
 from ptc.compiler.records.layout import layout_of
 from ptc.compiler.search.estimate import plan_precision
@@ -135,3 +135,23 @@ def test_weights_kept_from_i_to_w_are_the_memory_models(case: Case) -> None:
         predicted = regathered_until_w(profile, layout, pp_rank, prec, case.tp)
         assert held == pytest.approx(predicted, rel=0.01), \
             f"{case}: pipeline rank {pp_rank} held {held} bytes re-gathered, the model {predicted}"
+
+
+SPLIT_RECOMPUTE = [c for c in CASES if c.checkpoint == "full" and c.schedule in SPLIT_BACKWARD]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", SPLIT_RECOMPUTE, ids=str)
+def test_recomputed_activations_kept_for_w_stay_within_the_memory_models_bound(case) -> None:
+    """Full recompute under a split backward: what the recomputed regions keep from I to W
+    (the inputs of the ops with weights) is held somewhere, and never above what the
+    memory model charges for it (`rebuilt_until_w`: all a region rebuilds)."""
+    plan = pp_plan(case)
+    layout, profile = layout_of(plan), model_profile(plan.model, plan.train.compute_dtype)
+    measured = _run(case.world)[case]["rebuilt"]
+    assert any(held for _, held in measured), f"{case}: no rank kept a rebuilt activation"
+    for pp_rank, held in measured:
+        bound = rebuilt_until_w(profile, layout, pp_rank, plan.train.micro_batch,
+                                plan.train.seq_len, case.tp)
+        assert held <= bound, f"{case}: pipeline rank {pp_rank} kept {held} bytes, " \
+                              f"the model charges {bound}"

@@ -267,15 +267,9 @@ def held_per_element(prec: Precision, zero: int) -> tuple[int, tuple[int, int], 
 def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt, mb,
                        mn: Callable) -> tuple:
     """(activations in flight, recompute working set) bytes of one rank of `stage`."""
-    p, f = layout.pp, saved_functions(profile, layout.sp)
-    seq_div = tt if layout.sp else 1
+    p = layout.pp
     mx = sympy.Max if mn is sympy.Min else max
-
-    kv_div = tt if profile.kv_divisor(layout.tp) == layout.tp else 1
-
-    def act(region: str, policy: str) -> object:
-        return _activation(f, region, policy, bb, ss, tt, seq_div, kv_div,
-                           policy in profile.holds_input)
+    act = _saved_bytes(profile, layout, bb, ss, tt)
 
     units, per_unit = in_flight(layout, stage, mb, mn)
     pairs = layout.stage_policies(stage)
@@ -301,6 +295,8 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
         if layout.schedule in V_SHAPED:  # as many as its order holds at once
             post_units = stage_peaks(layout.schedule, p, layout.microbatches, 2)[-1]
         activations += post_units * act("post", "none")
+    if layout.schedule in SPLIT_BACKWARD and p > 1:
+        activations += rebuilt_until_w(profile, layout, stage, bb, ss, tt)
     recompute = 0
     if "full" in policies:
         recompute = act("layer", "none")
@@ -311,6 +307,40 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
                  for pol in sorted(set(policies) - {"none"})]
         recompute = freed[0] if len(freed) == 1 else mx(*freed)
     return activations, recompute
+
+
+def _saved_bytes(profile: ModelProfile, layout: Layout, bb, ss, tt
+                 ) -> Callable[[str, str], object]:
+    """act(region, policy): the saved bytes of one region for one micro-batch on one rank
+    of `layout` (`_activation` with the layout's sequence and key/value divisors)."""
+    f = saved_functions(profile, layout.sp)
+    seq_div = tt if layout.sp else 1
+    kv_div = tt if profile.kv_divisor(layout.tp) == layout.tp else 1
+
+    def act(region: str, policy: str) -> object:
+        return _activation(f, region, policy, bb, ss, tt, seq_div, kv_div,
+                           policy in profile.holds_input)
+    return act
+
+
+def rebuilt_until_w(profile: ModelProfile, layout: Layout, stage: int, bb, ss, tt) -> object:
+    """A split backward's recomputed layers (`ptc.ops.recompute.recompute_once`): I rebuilds
+    a checkpointed region once, and what the weight gradients read of it stays until W. A
+    bound, charged per micro-batch between I and W (the schedule's simulation, the first
+    stage's I doing nothing): all the region rebuilds, `none` less the policy's own, for
+    one chunk's layers. What stays is the inputs of the ops with weights, measured at 43 %
+    of the bound on the tiny Llama and 53 % on the tiny GPT
+    (`tests/distributed/test_pp_equivalence.py`); the selective policy's region, the
+    attention core, holds no weight and keeps nothing."""
+    act, pairs = _saved_bytes(profile, layout, bb, ss, tt), layout.stage_policies(stage)
+    rebuilt = sum(count * (act("layer", "none") - act("layer", policy))
+                  for policy, count in pairs if policy not in ("none", "selective"))
+    if not rebuilt:
+        return 0
+    per_layer = rebuilt / sum(count for _, count in pairs)
+    waiting = simulated(layout.schedule, layout.pp, layout.microbatches,
+                        layout.vstages).peak_waiting_for_w[stage]
+    return waiting * max(len(chunk) for chunk in layout.chunks(stage)) * per_layer
 
 
 def saved_functions(profile: ModelProfile, sp: bool) -> Mapping[str, Callable]:
