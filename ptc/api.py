@@ -13,12 +13,17 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ptc.compiler.records.estimate import Estimate
     from ptc.compiler.records.program import Program
     from ptc.plan import Plan
     from ptc.runtime.train import RunResult
+
+    Mesh = DeviceMesh | Mapping[str, int]
 
 
 def _as_plan(plan: Plan | str | os.PathLike) -> Plan:
@@ -29,16 +34,33 @@ def _as_plan(plan: Plan | str | os.PathLike) -> Plan:
     return plan
 
 
-def compile(model: nn.Module | None, plan: Plan | str | os.PathLike) -> Program:  # noqa: A001
+def compile(model: nn.Module | None, plan: Plan | str | os.PathLike | Mesh,  # noqa: A001
+            *, base: Plan | str | os.PathLike | None = None) -> Program:
     """Compile `model` (any nn.Module; None: the plan's own model) under `plan` into a Program.
 
     `plan` is a `ptc.Plan` or the path of a `.ptc` file: its hardware,
-    parallel and train sections say how the module is split and trained.
-    Compiling needs no process group and no GPU.
+    parallel and train sections say how the module is split and trained. Or it is a
+    device mesh: a `DeviceMesh` whose dimensions are named after ptc's axes (tp, cp, dp,
+    pp), or a mapping of those names to sizes such as {"dp": 2, "tp": 2}; the rest of the
+    plan is `base`, or else defaults read off the model and this machine
+    (`ptc.lower.mesh_plan`). Compiling needs no process group and no GPU.
     """
     from ptc.lower.driver import compile_plan  # noqa: PLC0415 - torch loads on first use
 
-    return compile_plan(_as_plan(plan), model=model)
+    if isinstance(plan, (str, os.PathLike)) or _is_plan(plan):
+        if base is not None:
+            raise TypeError("ptc.compile: base= goes with a mesh, not with a plan")
+        return compile_plan(_as_plan(plan), model=model)
+    from ptc.lower.mesh_plan import plan_for_mesh  # noqa: PLC0415
+
+    return compile_plan(plan_for_mesh(model, plan, None if base is None else _as_plan(base)),
+                        model=model)
+
+
+def _is_plan(value: object) -> bool:
+    from ptc.plan import Plan  # noqa: PLC0415
+
+    return isinstance(value, Plan)
 
 
 def run(plan: Plan | Program | str | os.PathLike, *, steps: int | None = None,

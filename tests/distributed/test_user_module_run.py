@@ -154,3 +154,19 @@ def test_a_module_whose_copies_would_not_fit_the_host_is_refused_before_launch(m
                                         r"\(.*\): .*, more than the 1000 B this machine has "
                                         r"available; save its weights"):
         ptc.run(program)
+
+
+@pytest.mark.timeout(300)
+def test_a_transformers_module_compiled_for_a_mesh_trains_that_module():
+    """`ptc.compile(module, {"dp": 2})`: the plan from the mesh and the module (its
+    defaults, three steps) trains the module given, from its own weights, as eager does."""
+    from ptc.lower.mesh_plan import plan_for_mesh
+
+    torch.manual_seed(13)
+    module = transformers_llama()
+    base = plan_for_mesh(module, {"dp": 2})
+    base = dataclasses.replace(base, train=dataclasses.replace(
+        base.train, steps=3, global_batch=4, optimizer=OptimizerSpec(lr=3e-3)))
+    program = ptc.compile(module, {"dp": 2}, base=base)
+    result = ptc.run(program)
+    assert_losses_match(result.losses, reference(program.plan, module), "transformers llama dp2")
