@@ -22,7 +22,8 @@ Weights get their gradients through autograd's accumulation, so the hooks on it 
 gradient reducer's) run in W as they run in a whole backward.
 
 A checkpointed region (`ptc.ops.recompute`) read by both I and W is recomputed once:
-what a branch node reads of it in I stays for W, the rest is dropped as it is read.
+what the nodes W runs again (the branch nodes, and the input side between two branch
+nodes of one group) read of it in I stays for W; the rest is dropped as it is read.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def input_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     input_side = _leading_to(input_nodes, children)
     groups = _branch_groups(children, input_side, weight_nodes)
     seeds: dict[Node, tuple] = {}
-    branch = [node for nodes, _ in groups for node in nodes]
-    hooks = [node.register_prehook(_keeper(seeds, node)) for node in branch]
-    hooks += [node.register_hook(_reads_done) for node in branch]
+    hooks = [node.register_prehook(_keeper(seeds, node)) for nodes, _ in groups for node in nodes]
+    for node in _run_again(groups, children, input_side, weight_nodes):
+        hooks += [node.register_prehook(_keeping), node.register_hook(_reads_done)]
     try:
         got = torch.autograd.grad(list(outputs), wanted, grads, retain_graph=True,
                                   allow_unused=True)
@@ -145,16 +146,40 @@ def _branch_groups(children: dict[Node, list[Node]], input_side: set[Node],
 
 
 def _keeper(seeds: dict[Node, tuple], node: Node):
-    """A pre-hook that keeps the gradients reaching `node`, and what it reads of a
-    recomputed region: W runs it again (`ptc.ops.recompute.keeping_reads`)."""
+    """A pre-hook that keeps the gradients reaching `node`."""
     def keep(grad_outputs):
         seeds[node] = grad_outputs
-        keeping_reads(True)
     return keep
 
 
+def _run_again(groups: list[tuple[list[Node], list[torch.Tensor]]],
+               children: dict[Node, list[Node]], input_side: set[Node],
+               weight_nodes: dict[Node, torch.Tensor]) -> set[Node]:
+    """The nodes I runs that W runs again: those on a way from a group's branch nodes to its
+    weights (the branch nodes, and where one branch node of a group lies below another,
+    the input side between them)."""
+    node_of = {id(w): node for node, w in weight_nodes.items()}
+    again: set[Node] = set()
+    for nodes, weights in groups:
+        leads = _leading_to({node_of[id(w)] for w in weights}, children)
+        stack = [node for node in nodes if node in leads]
+        while stack:
+            node = stack.pop()
+            if node in again:
+                continue
+            again.add(node)
+            stack.extend(child for child in children.get(node, ()) if child in leads)
+    return again & input_side
+
+
+def _keeping(grad_outputs) -> None:
+    """Pre-hook of a node W runs again: what it reads of a recomputed region stays for W
+    (`ptc.ops.recompute.keeping_reads`)."""
+    keeping_reads(True)
+
+
 def _reads_done(grad_inputs, grad_outputs) -> None:
-    """A branch node's post-hook in I: what later nodes read is read once."""
+    """Its post-hook: what later nodes read is read once."""
     keeping_reads(False)
 
 
