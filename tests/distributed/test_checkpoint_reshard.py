@@ -5,7 +5,8 @@ run trains 3 steps, records every parameter, Adam moment and step count,
 starts an async save and trains 2 more steps while it is written (which
 must not change what is saved). tp 2·dp 2 and pp 2·dp 2 load that, train 2
 steps, and save their own checkpoints. Then dp 4 (ZeRO 1, 2, 3) and dp 1
-(ZeRO 0) load each of the three.
+(ZeRO 0) load each of the three. A 4-layer ZB-V run (pp 2, its stages in a V)
+saves one that dp 2 ZeRO-1 loads.
 
 Every load must give back bit-equal tensors, the step and the data
 position; the next 2 steps' losses must match those of the run that saved
@@ -82,3 +83,28 @@ def test_checkpoints_of_every_layout_reshard_to_dp(expected, dirs, dp, jobs):
                                           for source, zero in jobs], MORE)[0]
     for (source, zero), got in zip(jobs, results):
         check(got, expected[source], f"dp{dp} ZeRO-{zero} from the {source} checkpoint")
+
+
+@pytest.mark.timeout(300)
+def test_a_zbv_checkpoint_reshards_to_dp(tmp_path):
+    """ZB-V places a rank's two stages in a V (the tied GPT's embedding and head both on
+    rank 0): its checkpoint (4 layers, pp 2) loads bit-equal under dp 2 ZeRO-1, at its step
+    and data position, and the next 2 steps' losses are those the ZB-V run went on to."""
+    def four_layers(**layout):
+        base = plan(**{key: value for key, value in layout.items() if key != "schedule"})
+        return dataclasses.replace(
+            base, model=dataclasses.replace(base.model, layers=4),
+            parallel=dataclasses.replace(base.parallel, schedule=layout.get("schedule", "1f1b")))
+
+    zbv = four_layers(pp=2, dp=1, zero=0, schedule="zbv")
+    saved = run_local(save_worker, 2, zbv, str(tmp_path), SAVED_STEPS, MORE)[0]
+    got = run_local(load_worker, 2, [(four_layers(dp=2, zero=1), str(tmp_path))], MORE)[0][0]
+    assert (got["step"], got["position"]) == (SAVED_STEPS, SAVED_STEPS * GLOBAL_BATCH)
+    assert got["state"].keys() == saved["state"].keys()
+    for name, value in saved["state"].items():
+        assert torch.equal(got["state"][name], value), name
+    eager = four_layers(dp=1, zero=0)
+    eager = dataclasses.replace(eager, train=dataclasses.replace(
+        eager.train, steps=SAVED_STEPS + MORE))
+    assert_losses_match(got["after"], reference(eager), "dp2 ZeRO-1 from ZB-V",
+                        steps=range(SAVED_STEPS, SAVED_STEPS + MORE), against=saved["after"])
