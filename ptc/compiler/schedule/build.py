@@ -5,6 +5,7 @@ deadlock-free by simulation. See `ptc.compiler.schedule.actions` for the terms."
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from ptc.compiler.schedule.actions import HEADER, Action, Schedule, ScheduleError
 from ptc.compiler.schedule.simulation import Timeline, simulate
@@ -153,32 +154,25 @@ def _weights_in_the_bubbles(p: int, m: int, v: int) -> tuple[tuple[Action, ...],
     cap = max(simulate(Schedule(kind="1f1b" if v == 1 else "interleaved", pp=p, virtual=v,
                                 microbatches=m, ranks=tuple(tuple(make(r, p, m, v))
                                                             for r in range(p)))).peak_in_flight)
-    n = p * v
-    done_at: dict[tuple[str, int, int], int] = {}
-    ranks: list[list[Action]] = [[] for _ in range(p)]
-    pending: list[list[Action]] = [[] for _ in range(p)]
     cursor, in_flight = [0] * p, [0] * p
-    step = 0
-    while any(cursor[r] < len(base[r]) or pending[r] for r in range(p)):
-        ran = []
-        for r in range(p):
-            action = base[r][cursor[r]] if cursor[r] < len(base[r]) else None
-            full = action is not None and action.kind == "F" and in_flight[r] >= cap
-            if action is not None and not full and _arrived(action, n, done_at, step):
-                cursor[r] += 1
-                if action.kind == "I":
-                    pending[r].append(Action(action.stage, "W", action.microbatch))
-            elif pending[r]:
-                action = pending[r].pop(0)
-            else:
-                continue
-            in_flight[r] += {"F": 1, "W": -1}.get(action.kind, 0)
-            ranks[r].append(action)
-            ran.append(action)
-        for action in ran:
-            done_at[action.kind, action.stage, action.microbatch] = step
-        step += 1
-    return tuple(tuple(actions) for actions in ranks)
+    pending: list[list[Action]] = [[] for _ in range(p)]
+
+    def pick(r: int, arrived: Callable[[Action], bool]) -> Action | None:
+        action = base[r][cursor[r]] if cursor[r] < len(base[r]) else None
+        full = action is not None and action.kind == "F" and in_flight[r] >= cap
+        if action is not None and not full and arrived(action):
+            cursor[r] += 1
+            if action.kind == "I":
+                pending[r].append(Action(action.stage, "W", action.microbatch))
+        elif pending[r]:
+            action = pending[r].pop(0)
+        else:
+            return None
+        in_flight[r] += {"F": 1, "W": -1}.get(action.kind, 0)
+        return action
+
+    return _in_lockstep(p, p * v, pick,
+                        lambda: any(cursor[r] < len(base[r]) or pending[r] for r in range(p)))
 
 
 def _v_shape(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
@@ -197,39 +191,54 @@ def _v_shape(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     in the simulation); each rank holds at most min(2p, 2m) chunk micro-batches.
     """
     n = 2 * p
-    done_at: dict[tuple[str, int, int], int] = {}
-    ranks: list[list[Action]] = [[] for _ in range(p)]
     pending: list[list[Action]] = [[] for _ in range(p)]
     forwarded, backwarded = [0] * n, [0] * n  # per stage: micro-batches through F, I
     in_flight = [0] * p
+
+    def pick(r: int, arrived: Callable[[Action], bool]) -> Action | None:
+        ready = [(0, backwarded[s], s, "I") for s in (r, n - 1 - r)
+                 if backwarded[s] < forwarded[s] and arrived(Action(s, "I", backwarded[s]))]
+        ready += [(1, forwarded[s], -s, "F") for s in (r, n - 1 - r)
+                  if forwarded[s] < m and in_flight[r] < 2 * p
+                  and arrived(Action(s, "F", forwarded[s]))]
+        if ready:
+            _, micro, stage, kind = min(ready)
+            action = Action(abs(stage), kind, micro)
+            if kind == "F":
+                forwarded[action.stage] += 1
+                in_flight[r] += 1
+            else:
+                backwarded[action.stage] += 1
+                pending[r].append(Action(action.stage, "W", micro))
+            return action
+        if not pending[r]:
+            return None
+        action = ([w for w in pending[r] if w.stage == n - 1] or pending[r])[0]
+        pending[r].remove(action)
+        in_flight[r] -= 1
+        return action
+
+    return _in_lockstep(p, n, pick, lambda: any(c < m for c in backwarded) or any(pending))
+
+
+def _in_lockstep(p: int, stages: int, pick: Callable[[int, Callable[[Action], bool]],
+                                                      Action | None],
+                 unfinished: Callable[[], bool]) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions when the p ranks run in lockstep, one action per unit step,
+    while `unfinished()`: `pick(rank, arrived)` chooses the rank's action of the step (None:
+    it idles), `arrived(action)` saying whether what the action reads was made in an
+    earlier step (a message sent in one step is there the next, as `simulate` runs them)."""
+    done_at: dict[tuple[str, int, int], int] = {}
+    ranks: list[list[Action]] = [[] for _ in range(p)]
     step = 0
-    while any(count < m for count in backwarded) or any(pending):
+    while unfinished():
+        arrived = functools.partial(_arrived, stages=stages, done_at=done_at, step=step)
         ran = []
         for r in range(p):
-            ready = [(0, backwarded[s], s, "I") for s in (r, n - 1 - r)
-                     if backwarded[s] < forwarded[s]
-                     and _arrived(Action(s, "I", backwarded[s]), n, done_at, step)]
-            ready += [(1, forwarded[s], -s, "F") for s in (r, n - 1 - r)
-                      if forwarded[s] < m and in_flight[r] < 2 * p
-                      and _arrived(Action(s, "F", forwarded[s]), n, done_at, step)]
-            if ready:
-                _, micro, stage, kind = min(ready)
-                action = Action(abs(stage), kind, micro)
-                if kind == "F":
-                    forwarded[action.stage] += 1
-                    in_flight[r] += 1
-                else:
-                    backwarded[action.stage] += 1
-                    pending[r].append(Action(action.stage, "W", micro))
-            elif pending[r]:
-                last = [w for w in pending[r] if w.stage == n - 1]
-                action = (last or pending[r])[0]
-                pending[r].remove(action)
-                in_flight[r] -= 1
-            else:
-                continue
-            ranks[r].append(action)
-            ran.append(action)
+            action = pick(r, arrived)
+            if action is not None:
+                ranks[r].append(action)
+                ran.append(action)
         for action in ran:
             done_at[action.kind, action.stage, action.microbatch] = step
         step += 1

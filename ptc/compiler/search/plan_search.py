@@ -33,6 +33,7 @@ from ptc.compiler.cost.step import compute_floor, floor_layer_times, step_cost
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.search.estimate import auto_checkpoint, estimate, plan_precision
 from ptc.compiler.records.layout import Layout
+from ptc.compiler.schedule.build import required_microbatches
 from ptc.compiler.memory.model import peak, stage_memory_terms
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.profile.cache import plan_profile, with_model_shape
@@ -146,7 +147,8 @@ def _schedules(pp: int, v: int, m: int, zero: int, compiled: bool) -> tuple[str,
         return (base,)
     if v != 2:
         return (base, "zero_bubble")
-    return (base, "zero_bubble", "zbv") + (("dualpipev",) if m >= 2 * pp else ())
+    runs = m >= required_microbatches("dualpipev", pp)
+    return (base, "zero_bubble", "zbv") + (("dualpipev",) if runs else ())
 
 
 def _zero_stages(dp: int, *, offload: bool) -> tuple[int, ...]:
