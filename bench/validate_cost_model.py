@@ -32,8 +32,9 @@ row under "assumed"):
   reduced gradients after the backward pass), on for ZeRO-3 (DeepSpeed's
   overlap_comm) and for the 2024 README runs (their flags);
 - 2024 README runs: distributed optimizer (ZeRO-1, implied by
-  --overlap-param-gather), sequence parallelism when tp > 1 (implied by
-  --tp-comm-overlap), no activation recompute (flash attention);
+  --overlap-param-gather), sequence parallelism when tp > 1 with its
+  collectives as collective matmuls (`tp_comm = async`: --tp-comm-overlap),
+  no activation recompute (flash attention);
 - 2020 README runs: full recompute (their example scripts'
   --checkpoint-activations; their TF/s match Eq. 3), A100-40GB;
 - the two strong-scaling rows state no layout: tp 8, pp 6 as the 177B
@@ -189,7 +190,8 @@ def build(row: dict):
         family="gpt", layers=L, hidden=h, heads=a, vocab=V, seq_len=s, global_batch=B,
         gpu=gpu, num_gpus=n, ffn=_int(row, "ffn", 4 * h), tied_embeddings=True,
         dropout=0.0 if bloom else 0.1, tp=tp, pp=pp, dp=dp, micro_batch=b, dtype=dtype,
-        zero=zero, sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b",
+        zero=zero, sequence_parallel=sp, tp_comm="async" if sp and readme24 else "sync",
+        schedule="interleaved" if v > 1 else "1f1b",
         virtual_stages=v, checkpoint=ckpt, overlap=overlap, **split)
     if readme24:  # flash attention: a layer whose attention is SDPA (module docstring)
         plan = dataclasses.replace(plan, model=dataclasses.replace(

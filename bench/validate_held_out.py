@@ -21,7 +21,8 @@ Each row is built as its table states it (GPUs, layers, global batch, TP, PP, CP
 micro-batch 1), with Megatron-Bridge's rules for the rest, the same for every row
 (bench/validate_out_of_sample.py): Llama 3.1 shapes, flash attention, no dropout, untied
 embeddings, no activation recompute, the distributed optimizer (ZeRO-1), sequence
-parallelism when tp > 1, communication overlapped, fused memory-bound kernels, the even
+parallelism when tp > 1 with tp communication overlap (`tp_comm = async`), communication
+overlapped, fused memory-bound kernels, the even
 pipeline cut or, where pp does not divide the layers, the cut that counts the embedding
 and the loss as a layer each; interleaving when VP is given; runs of more than 72 GPUs on
 GB200 use 64 of each NVL72 rack. In BF16 with fp32 main gradients, on the "H100-SXM" and

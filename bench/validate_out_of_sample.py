@@ -8,10 +8,11 @@ and docs/performance-summary-archive.md of NVIDIA-NeMo/Megatron-Bridge, the
 archive as of commit 067f987df03b: its "Pre-Training Performance" tables of
 NeMo containers 26.06, 26.04.01, 26.04, 26.02.01, 26.02, 25.11 and 25.09),
 tokens per second per GPU on DGX-H100, DGX-B200, DGX-GB200 and DGX-GB300, in
-FP8 (per-tensor current scaling, "FP8-CS"; "FP8" from 26.04 on) or MXFP8
-(32-element block scales: the same FP8 GEMM peak; priced as ptc's fp8). The
-25.09 page gives no precision column; its rows are the FP8 ones (its footnote
-names their quantisation granularities). The 26.06 table gives no FSDP column:
+FP8 (per-tensor current scaling, "FP8-CS"; "FP8" from 26.04 on; priced as
+ptc's fp8 tensorwise recipe) or MXFP8 (32-element block scales: the same FP8
+GEMM peak; priced as `train.fp8_recipe = mxfp8`, current scaling, with its
+casts). The 25.09 page gives no precision column; its rows are the FP8 ones
+(its footnote names their quantisation granularities). The 26.06 table gives no FSDP column:
 its rows are read as FSDP 0, the value every other container gives those
 405B layouts.
 
@@ -22,7 +23,9 @@ row:
   untied embeddings, flash attention (ptc's llama family runs SDPA), no
   dropout, no activation recompute;
 - FSDP > 0: ZeRO-3 over the data-parallel ranks; else the distributed
-  optimizer (ZeRO-1); sequence parallelism when tp > 1; communication
+  optimizer (ZeRO-1); sequence parallelism when tp > 1, its collectives as
+  collective matmuls (`tp_comm = async`: the recipes' CommOverlapConfig
+  with tp_comm_overlap, Transformer Engine's userbuffers); communication
   overlapped; fused memory-bound kernels (`runtime.compile`);
 - the pipeline cut: Megatron's even split where pp divides the layers (pinned:
   left open, ptc would price the cut its cost model balances);
@@ -69,73 +72,75 @@ LLAMA3 = {
 SEQ = 8192
 """Every dense Llama row of the summary trains at sequence length 8192."""
 
-RUNS = [  # container, model, system, GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, tokens/s/GPU
-    ("26.06", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1048),
-    ("26.06", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 952),
-    ("26.06", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 843),
-    ("26.06", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 783),
-    ("26.06", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 326),
-    ("26.04.01", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5248),
-    ("26.04.01", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4864),
-    ("26.04.01", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4224),
-    ("26.04.01", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3712),
-    ("26.04.01", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1664),
-    ("26.04.01", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1024),
-    ("26.04.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 960),
-    ("26.04.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 864),
-    ("26.04.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 800),
-    ("26.04.01", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 328),
-    ("26.04", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4742),
-    ("26.04", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3828),
-    ("26.04", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5243),
-    ("26.04", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4143),
-    ("26.04", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1633),
-    ("26.04", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 968),
-    ("26.04", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 793),
-    ("26.04", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1036),
-    ("26.04", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 842),
-    ("26.02.01", "70B", "GB300", 64, 256, 2, 0, 1, 4, 1, 1, 4798),
-    ("26.02.01", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3837),
-    ("26.02.01", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5243),
-    ("26.02.01", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4357),
-    ("26.02.01", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1639),
-    ("26.02.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 949),
-    ("26.02.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 775),
-    ("26.02.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 1024),
-    ("26.02.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 818),
-    ("26.02", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5003),
-    ("26.02", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4040),
-    ("26.02", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
-    ("26.02", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4596),
-    ("26.02", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3613),
-    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 931),
-    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 786),
-    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 988),
-    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 793),
-    ("26.02", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 311),
-    ("25.11", "8B", "GB300", 8, 128, 2, 0, 1, 1, 1, 1, 37556),
-    ("25.11", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 4520),
-    ("25.11", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 999),
-    ("25.11", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31508),
-    ("25.11", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4312),
-    ("25.11", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 813),
-    ("25.11", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 30624),
-    ("25.11", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 661),
-    ("25.11", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14451),
-    ("25.11", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1602),
-    ("25.11", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 292),
-    ("25.09", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31357),
-    ("25.09", "70B", "GB200", 64, 128, 2, 1, 1, 1, 1, 1, 3986),
-    ("25.09", "70B", "GB200", 64, 128, 2, 0, 2, 4, 1, 5, 3546),
-    ("25.09", "405B", "GB200", 128, 64, 1, 1, 2, 1, 1, 1, 729),
-    ("25.09", "405B", "GB200", 128, 64, 1, 0, 4, 8, 2, 8, 578),
-    ("25.09", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 29994),
-    ("25.09", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 664),
-    ("25.09", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14079),
-    ("25.09", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1619),
-    ("25.09", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 302),
+RUNS = [  # container, model, system, GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, tokens/s/GPU, precision
+    ("26.06", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1048, "FP8"),
+    ("26.06", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 952, "MXFP8"),
+    ("26.06", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 843, "FP8"),
+    ("26.06", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 783, "MXFP8"),
+    ("26.06", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 326, "FP8"),
+    ("26.04.01", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5248, "FP8"),
+    ("26.04.01", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4864, "MXFP8"),
+    ("26.04.01", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4224, "FP8"),
+    ("26.04.01", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3712, "MXFP8"),
+    ("26.04.01", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1664, "FP8"),
+    ("26.04.01", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1024, "FP8"),
+    ("26.04.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 960, "MXFP8"),
+    ("26.04.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 864, "FP8"),
+    ("26.04.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 800, "MXFP8"),
+    ("26.04.01", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 328, "FP8"),
+    ("26.04", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4742, "MXFP8"),
+    ("26.04", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3828, "MXFP8"),
+    ("26.04", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5243, "FP8"),
+    ("26.04", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4143, "FP8"),
+    ("26.04", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1633, "FP8"),
+    ("26.04", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 968, "MXFP8"),
+    ("26.04", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 793, "MXFP8"),
+    ("26.04", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 1036, "FP8"),
+    ("26.04", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 842, "FP8"),
+    ("26.02.01", "70B", "GB300", 64, 256, 2, 0, 1, 4, 1, 1, 4798, "MXFP8"),
+    ("26.02.01", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3837, "MXFP8"),
+    ("26.02.01", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5243, "FP8"),
+    ("26.02.01", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4357, "FP8"),
+    ("26.02.01", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1639, "FP8"),
+    ("26.02.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 949, "MXFP8"),
+    ("26.02.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 775, "MXFP8"),
+    ("26.02.01", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 1024, "FP8"),
+    ("26.02.01", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 818, "FP8"),
+    ("26.02", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 5003, "FP8"),
+    ("26.02", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4040, "FP8"),
+    ("26.02", "70B", "H100-SXM", 64, 256, 1, 0, 4, 8, 1, 5, 1621, "FP8"),
+    ("26.02", "70B", "GB300", 64, 256, 1, 0, 1, 4, 1, 5, 4596, "MXFP8"),
+    ("26.02", "70B", "GB200", 64, 256, 1, 0, 2, 4, 1, 5, 3613, "MXFP8"),
+    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 931, "MXFP8"),
+    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 8, 786, "MXFP8"),
+    ("26.02", "405B", "GB300", 256, 1536, 1, 0, 4, 8, 1, 4, 988, "FP8"),
+    ("26.02", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 793, "FP8"),
+    ("26.02", "405B", "H100-SXM", 1024, 1536, 1, 0, 8, 8, 2, 8, 311, "FP8"),
+    ("25.11", "8B", "GB300", 8, 128, 2, 0, 1, 1, 1, 1, 37556, "FP8"),
+    ("25.11", "70B", "GB300", 64, 256, 2, 1, 1, 1, 1, 1, 4520, "FP8"),
+    ("25.11", "405B", "GB300", 256, 1536, 1, 0, 2, 8, 2, 4, 999, "FP8"),
+    ("25.11", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31508, "FP8"),
+    ("25.11", "70B", "GB200", 64, 256, 2, 1, 1, 1, 1, 1, 4312, "FP8"),
+    ("25.11", "405B", "GB200", 256, 1536, 1, 0, 4, 16, 1, 4, 813, "FP8"),
+    ("25.11", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 30624, "FP8"),
+    ("25.11", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 661, "FP8"),
+    ("25.11", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14451, "FP8"),
+    ("25.11", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1602, "FP8"),
+    ("25.11", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 292, "FP8"),
+    ("25.09", "8B", "GB200", 8, 128, 2, 0, 1, 1, 1, 1, 31357, "FP8"),
+    ("25.09", "70B", "GB200", 64, 128, 2, 1, 1, 1, 1, 1, 3986, "FP8"),
+    ("25.09", "70B", "GB200", 64, 128, 2, 0, 2, 4, 1, 5, 3546, "FP8"),
+    ("25.09", "405B", "GB200", 128, 64, 1, 1, 2, 1, 1, 1, 729, "FP8"),
+    ("25.09", "405B", "GB200", 128, 64, 1, 0, 4, 8, 2, 8, 578, "FP8"),
+    ("25.09", "8B", "B200", 8, 128, 2, 0, 1, 1, 1, 1, 29994, "FP8"),
+    ("25.09", "405B", "B200", 128, 64, 1, 0, 4, 8, 2, 8, 664, "FP8"),
+    ("25.09", "8B", "H100-SXM", 8, 128, 1, 1, 1, 1, 1, 1, 14079, "FP8"),
+    ("25.09", "70B", "H100-SXM", 64, 128, 1, 0, 4, 8, 1, 5, 1619, "FP8"),
+    ("25.09", "405B", "H100-SXM", 1024, 512, 1, 0, 8, 8, 2, 8, 302, "FP8"),
 ]
 """Megatron-Bridge's dense Llama rows in FP8 / MXFP8 (module docstring)."""
+RECIPES = {"FP8": "tensorwise", "MXFP8": "mxfp8"}
+"""A row's precision -> the plan's train.fp8_recipe (module docstring)."""
 
 
 NOISE = 0.03
@@ -147,9 +152,11 @@ EQUAL = 0.005
 
 
 def build(model: str, gpu: str, gpus: int, gbs: int, mbs: int, fsdp: int, tp: int, pp: int,
-          cp: int, vp: int, dtype: str = "fp8", layers: int | None = None):
+          cp: int, vp: int, dtype: str = "fp8", layers: int | None = None,
+          precision: str = "FP8"):
     """The Plan of one row, built by the module docstring's defaults (`layers`: a run of the
-    model's layers cut to that many, as benchmark proxies of a large model are)."""
+    model's layers cut to that many, as benchmark proxies of a large model are; `precision`:
+    the row's, "FP8" or "MXFP8", as RECIPES maps it)."""
     shape = {**LLAMA3[model], "layers": layers or LLAMA3[model]["layers"]}
     split = even_cut(shape["layers"], pp)
     if shape["layers"] % pp:  # the embedding and the loss count as a layer each
@@ -160,9 +167,14 @@ def build(model: str, gpu: str, gpus: int, gbs: int, mbs: int, fsdp: int, tp: in
         family="llama", vocab=128256, kv_heads=8, seq_len=SEQ, global_batch=gbs, gpu=gpu,
         num_gpus=gpus, tp=tp, pp=pp, dp=gpus // (tp * pp * cp), cp=cp, micro_batch=mbs,
         dtype=dtype, zero=3 if fsdp else 1, sequence_parallel=tp > 1,
+        tp_comm="async" if tp > 1 else "sync",
         schedule="interleaved" if vp > 1 else "1f1b", virtual_stages=vp, checkpoint="none",
         overlap=True, tied_embeddings=False, gpus_per_node=rack, **shape, **split)
-    return dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, compile=True))
+    plan = dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, compile=True))
+    if RECIPES[precision] == "tensorwise":
+        return plan
+    return dataclasses.replace(plan, train=dataclasses.replace(
+        plan.train, fp8_recipe=RECIPES[precision], fp8_scaling="current"))
 
 
 def pair_order(rows: list[tuple[tuple, object, float, float]]) -> str:
@@ -191,10 +203,10 @@ def main() -> int:
     print(f"{'ngc':<9}{'model':<6}{'gpu':<10}{'gpus':>5}  layout{'':<17}{'pred':>7}{'meas':>7}"
           f"{'err':>8}  step parts")
     errors, ranked = [], []
-    for container, model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, measured in RUNS:
+    for container, model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, measured, precision in RUNS:
         layout = f"{'fsdp ' if fsdp else ''}tp{tp} pp{pp} cp{cp} vp{vp} b{mbs}"
         try:
-            plan = build(model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp)
+            plan = build(model, gpu, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, precision=precision)
         except PlanError as exc:
             print(f"{container:<9}{model:<6}{gpu:<10}{gpus:>5}  {layout:<23}not expressible: "
                   f"{exc}")

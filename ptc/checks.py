@@ -31,6 +31,7 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
     _check_batch(plan, sink)
     _check_schedule(plan, sink)
     _check_grad_dtype(plan, sink)
+    _check_tp_comm(plan, sink)
     _check_pipeline(plan, sink)
     _check_hardware_fit(plan, sink)
 
@@ -150,6 +151,25 @@ def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
         sink.error(f"grad_comm = {par.grad_comm} needs zero 0-2: ZeRO-3's gradients are "
                    f"reduce-scattered inside the graph, per layer", field="parallel.grad_comm",
                    span=_span(par, "grad_comm"), choices=("none",))
+
+
+def _check_tp_comm(plan: Plan, sink: DiagnosticSink) -> None:
+    """tp_comm = async takes sequence parallelism's collectives apart beside their GEMMs:
+    it needs them (sequence_parallel), the overlap that runs them, and bf16/fp32 linears."""
+    par = plan.parallel
+    if par.tp_comm != "async":
+        return
+    why = None
+    if not par.sequence_parallel:
+        why = "needs sequence_parallel = true: it overlaps sequence parallelism's all-gathers " \
+              "and reduce-scatters with the GEMMs they feed"
+    elif not par.overlap:
+        why = "needs overlap = true"
+    elif plan.train.dtype == "fp8":
+        why = "runs bf16, fp16 and fp32 linears; float8 linears gather their input whole"
+    if why:
+        sink.error(f"tp_comm = async {why}", field="parallel.tp_comm",
+                   span=_span(par, "tp_comm"), choices=("sync",))
 
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:

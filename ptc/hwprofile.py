@@ -9,6 +9,10 @@ hardware section replace the profile's in turn. A profile holds:
 - `dispatch_overhead`: host seconds per op dispatched;
 - `intra` / `inter`: latency and bandwidth of the links, fitted per mesh axis to
   the cost model's collectives (`ptc.compiler.cost.collectives`); a link no axis used is absent;
+- `power`: the power limit the device ran under (watts, `limit`) and the SM clock it
+  sustained in the GEMM probe (MHz, `sm_clock`), so the profile describes the part
+  as capped; where they could not be read, `unmeasured` says why instead. A limit
+  read becomes the plan's `power_limit`;
 - `device` ("cpu" or "cuda"), which a plan's `gpu` must match ("cpu" with a
   CPU profile, any GPU with a CUDA one), and what it was measured with
   (`world_size`, `device_name`, `torch`, `created`, per axis `axes`, raw
@@ -51,6 +55,25 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class Power:
+    """The device's power limit and the clock it sustained, or why they are unknown."""
+
+    limit: float | None = None
+    """Watts the device was held to (its enforced power limit) while measured."""
+    sm_clock: float | None = None
+    """MHz the SMs ran at in the GEMM probe (the median of its rounds)."""
+    unmeasured: str = ""
+    """Why `limit` or `sm_clock` could not be read ("" when both were)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's `power` object."""
+        data: dict[str, Any] = {"limit": self.limit, "sm_clock": self.sm_clock}
+        if self.unmeasured:
+            data["unmeasured"] = self.unmeasured
+        return data
+
+
+@dataclass(frozen=True, slots=True)
 class HardwareProfile:
     """The figures of one profile file (see the module docstring)."""
 
@@ -59,6 +82,9 @@ class HardwareProfile:
     mem_bandwidth: float
     dispatch_overhead: float
     links: dict[str, Link] = field(default_factory=dict)
+    power: Power | None = None
+    """The power limit and sustained clock (None: a profile written before they were
+    recorded)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Everything else the file records (what it was measured with, per-axis fits, probes)."""
 
@@ -69,6 +95,8 @@ class HardwareProfile:
                                   "dispatch_overhead": self.dispatch_overhead}
         for name, link in self.links.items():
             values[name] = (link.bandwidth, link.latency)
+        if self.power is not None and self.power.limit is not None:
+            values["power_limit"] = self.power.limit
         return values
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +106,8 @@ class HardwareProfile:
                 "dispatch_overhead": self.dispatch_overhead}
         for name, link in self.links.items():
             data[name] = {"bandwidth": link.bandwidth, "latency": link.latency}
+        if self.power is not None:
+            data["power"] = self.power.to_json()
         data.update(self.info)
         return data
 
@@ -135,13 +165,31 @@ def parse_profile(data: Any) -> HardwareProfile:
                            latency=_positive(link.get("latency"), f'"{name}.latency"',
                                              zero=True))
     known = {"ptc_hardware_profile", "device", "gemm_flops", "mem_bandwidth",
-             "dispatch_overhead", *LINKS}
+             "dispatch_overhead", "power", *LINKS}
     return HardwareProfile(
         device=device, gemm_flops={d: float(v) for d, v in gemm.items()},
         mem_bandwidth=_positive(data.get("mem_bandwidth"), '"mem_bandwidth"'),
         dispatch_overhead=_positive(data.get("dispatch_overhead"), '"dispatch_overhead"',
                                     zero=True),
-        links=links, info={k: v for k, v in data.items() if k not in known})
+        links=links, power=_power(data.get("power")),
+        info={k: v for k, v in data.items() if k not in known})
+
+
+def _power(data: Any) -> Power | None:
+    """The `power` object of a profile (None where the file has none)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ProfileError('"power" must be an object with limit and sm_clock')
+    limit, clock = data.get("limit"), data.get("sm_clock")
+    unmeasured = data.get("unmeasured", "")
+    if not isinstance(unmeasured, str):
+        raise ProfileError(f'"power.unmeasured" must be a string, found {unmeasured!r}')
+    if (limit is None or clock is None) and not unmeasured:
+        raise ProfileError('"power" without limit or sm_clock must say why in "unmeasured"')
+    return Power(limit=None if limit is None else _positive(limit, '"power.limit"'),
+                 sm_clock=None if clock is None else _positive(clock, '"power.sm_clock"'),
+                 unmeasured=unmeasured)
 
 
 def _positive(value: Any, name: str, *, zero: bool = False) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ptc.errors import DiagnosticSink, Span, did_you_mean
-from ptc.presets import PCIE4_X16, PRESETS
+from ptc.presets import PCIE4_X16, PRESETS, sustained_clock_share
 
 Auto = Literal["auto"]
 AUTO: Auto = "auto"
@@ -49,7 +49,11 @@ DTYPES = ("fp32", "bf16", "fp16", "fp8")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of an element kept in a dtype (fp8 is no storage dtype: its plans keep bf16)."""
 FP8_SCALINGS = ("current", "delayed")
+FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+"""`train.fp8_recipe`: how finely float8 GEMM operands are scaled (`ptc.ops.fp8_linear`)."""
 GRAD_COMMS = ("none", "fp8", "fp8_e5m2")
+TP_COMMS = ("sync", "async")
+"""`parallel.tp_comm`: sequence parallelism's collectives whole, or in ring steps."""
 GPU_RUNTIME_RESERVE = 1 << 30
 """Bytes a GPU rank's runtime holds beside the model: CUDA context, cuBLAS and NCCL
 workspaces."""
@@ -338,6 +342,15 @@ class HardwareSpec(_Section):
     multiprocessors: int = 0
     """Streaming multiprocessors per GPU (cost model): GEMMs are priced at their shape's
     tile and wave efficiency (`ptc.compiler.graph.gemm_tiles`); 0 prices them by FLOPs alone."""
+    board_power: float = 0.0
+    """Board power (TDP) per accelerator, watts: the power limit its rates hold at (the
+    preset's; 0 when unknown, and for the CPU, which has no limit to cap)."""
+    min_power_limit: float = 0.0
+    """The lowest power limit the accelerator accepts (nvidia-smi's "Min Power Limit"), watts."""
+    power_limit: float | None = None
+    """The power limit each accelerator runs under, watts, when below board power: matrix
+    products not measured (`gemm_flops`) are priced at the clock it sustains
+    (`ptc.presets.sustained_clock_share`); None runs at board power."""
     profile: str | None = None
     """The calibration file (`ptc calibrate`) whose figures this hardware carries, if any."""
     spans: Mapping[str, Span] = _spans()
@@ -367,6 +380,7 @@ class HardwareSpec(_Section):
             host_bandwidth=p.host_bandwidth, host_memory_bytes=p.host_memory_bytes,
             dispatch_overhead=p.dispatch_overhead,
             multiprocessors=p.multiprocessors,
+            board_power=p.board_power, min_power_limit=p.min_power_limit,
         )
         if overrides.get("profile"):
             values.update(profile_fields(overrides["profile"]))
@@ -406,7 +420,30 @@ class HardwareSpec(_Section):
                           DTYPES + ("tf32", "fp8"))
             elif not isinstance(value, (int, float)) or value <= 0:
                 self._bad(sink, "peak_flops", f"peak_flops.{dtype} must be > 0, got {value!r}")
+        before = len(sink.errors)
+        self._number(sink, "board_power")
+        self._number(sink, "min_power_limit")
+        self._number(sink, "power_limit", strict=True, allow_none=True)
+        if len(sink.errors) == before:
+            self._check_power_limit(sink)
         sink.raise_if_errors()
+
+    def _check_power_limit(self, sink: DiagnosticSink) -> None:
+        """A power limit needs a part that has one, and must lie in the part's range."""
+        if self.min_power_limit > self.board_power:
+            self._bad(sink, "min_power_limit", f"min_power_limit ({self.min_power_limit:g} W) "
+                      f"must not exceed board_power ({self.board_power:g} W)")
+        elif self.power_limit is None:
+            return
+        elif self.synchronous:
+            self._bad(sink, "power_limit", "power_limit caps a GPU's power; a CPU has none "
+                      "(remove power_limit)")
+        elif not self.board_power:
+            self._bad(sink, "power_limit", "power_limit needs the part's board_power (its full "
+                      "power, e.g. board_power = 700 W) to price the cap against")
+        elif not self.min_power_limit <= self.power_limit <= self.board_power:
+            self._bad(sink, "power_limit", f"power_limit = {self.power_limit:g} W is outside "
+                      f"{self.gpu}'s range, {self.min_power_limit:g} W to {self.board_power:g} W")
 
     @property
     def num_gpus(self) -> int:
@@ -431,11 +468,20 @@ class HardwareSpec(_Section):
         accelerator that runs them while the host goes on."""
         return self.gpu == "cpu"
 
+    @property
+    def clock_share(self) -> float:
+        """The share of its full-power clock the part sustains in matrix products under
+        power_limit (`ptc.presets.sustained_clock_share`); 1 without a limit."""
+        if self.power_limit is None:
+            return 1.0
+        return sustained_clock_share(self.power_limit, self.board_power)
+
     def gemm_rate(self, dtype: str) -> float:
-        """FLOP/s of matrix products in `dtype`: measured, else peak x achievable_fraction."""
+        """FLOP/s of matrix products in `dtype`: measured (under the power limit the part ran
+        at), else peak x achievable_fraction x clock_share."""
         if dtype in self.gemm_flops:
             return self.gemm_flops[dtype]
-        return self.peak_flops[dtype] * self.achievable_fraction
+        return self.peak_flops[dtype] * self.achievable_fraction * self.clock_share
 
 
 def profile_fields(path: str) -> dict[str, Any]:
@@ -491,6 +537,12 @@ class ParallelSpec(_Section):
     """ZeRO stage 0-3."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence across tp."""
+    tp_comm: str = "sync"
+    """How sequence parallelism's collectives run: "sync", each whole (the backward's
+    input-gradient reduce-scatter beside the weight gradients); "async", each all-gather
+    and reduce-scatter in ring steps beside the GEMMs it feeds (collective matmul:
+    Megatron-LM's tp-comm-overlap, PyTorch's async tensor parallelism). "async" needs
+    sequence_parallel and overlap."""
     schedule: str = "1f1b"
     """"gpipe", "1f1b", "interleaved", "zero_bubble" (ZB-H1: 1F1B, or interleaved 1F1B
     with virtual_stages >= 2, with each backward split into its input and weight gradients,
@@ -558,6 +610,7 @@ class ParallelSpec(_Section):
                       ("0", "1", "2", "3"))
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
+        self._choice(sink, "tp_comm", TP_COMMS)
         self._choice(sink, "grad_comm", GRAD_COMMS)
         self._choice(sink, "offload", OFFLOADS)
         if self.offload != "none" and self.zero == 0:
@@ -864,6 +917,11 @@ class TrainSpec(_Section):
     default; a step with no history yet scales as "current")."""
     fp8_amax_history: int = 16
     """With fp8_scaling = "delayed": steps of largest magnitudes the scale is taken from."""
+    fp8_recipe: str = "tensorwise"
+    """With dtype = "fp8", the scaling granularity: "tensorwise" (one scale per tensor, e4m3
+    forward and e5m2 gradients), "rowwise" (torchao's: one fp32 scale per row or column along
+    each GEMM's contraction dimension, all e4m3) or "mxfp8" (OCP MX: one power-of-two scale
+    per 32 consecutive elements along it, all e4m3). The last two scale current only."""
     fp8_emulate: bool = False
     """With dtype = "fp8": quantise and dequantise as the float8 GEMMs would, then multiply in
     fp32, on any device (checks the scaling on CPUs; without it a device lacking float8
@@ -894,6 +952,8 @@ class TrainSpec(_Section):
             self._int(sink, name)
         self._choice(sink, "dtype", DTYPES)
         self._choice(sink, "fp8_scaling", FP8_SCALINGS)
+        self._choice(sink, "fp8_recipe", FP8_RECIPES)
+        self._check_recipe_scaling(sink)
         self._int(sink, "fp8_amax_history")
         self._bool(sink, "fp8_emulate")
         if self.grad_dtype not in ("fp32", self.compute_dtype):
@@ -902,6 +962,17 @@ class TrainSpec(_Section):
                       tuple(dict.fromkeys(("fp32", self.compute_dtype))))
         self._number(sink, "grad_clip", strict=True, allow_none=True)
         sink.raise_if_errors()
+
+    def _check_recipe_scaling(self, sink: DiagnosticSink) -> None:
+        """rowwise and mxfp8 scale each row or block by its amax now: no delayed scaling. The
+        error points at fp8_scaling where the plan writes it, else at fp8_recipe."""
+        if self.dtype != "fp8" or self.fp8_recipe not in FP8_RECIPES[1:] \
+                or self.fp8_scaling != "delayed":
+            return
+        name = "fp8_scaling" if "fp8_scaling" in (self.spans or {}) else "fp8_recipe"
+        self._bad(sink, name, f"fp8_recipe = {self.fp8_recipe} scales current only: "
+                  "fp8_scaling must be current, got delayed (the default; delayed scaling is "
+                  "tensorwise's)", ("current",))
 
     @property
     def compute_dtype(self) -> str:

@@ -46,6 +46,25 @@ H100 and H200 (63 GB/s; NVIDIA's H100 datasheet "PCIe Gen5: 128 GB/s", both
 directions). For the CPU preset the "device" is host memory itself: its
 memory bandwidth.
 
+`board_power` is the part's board power (TDP), the power limit its figures
+hold at: A100 SXM 400 W (NVIDIA A100 datasheet), H100 SXM and H200 700 W
+(NVIDIA H100 and H200 datasheets, "up to 700 W, configurable"; MLPerf
+Inference v4.1, NVIDIA's H200-SXM-141GB system: "H200 TGP 700W"), B200
+1000 W (MLPerf Inference v6.0, Nebius's B200-SXM-180GB system: "B200 TGP
+1000W"), GB200 1200 W per GPU (the rated power facebookexperimental/triton's
+benchmark script holds GB200 to, its pull request 2023), GB300 1400 W per GPU
+(nvidia-smi's default and maximum limit on GB300, the same pull request), V100
+SXM2 300 W (NVIDIA V100 datasheet). `min_power_limit` is the lowest limit
+`nvidia-smi -pl` accepts, its "Min Power Limit": A100 SXM4 100 W (`nvidia-smi
+-q` of A100-SXM4 parts, NVIDIA/DCGM issue 152 and NVIDIA/nvidia-docker issue
+1648), V100-SXM2-32GB 150 W (NVIDIA/nvidia-docker issue 1076), H100 and H200
+200 W (`nvidia-smi -q -d power` of a 700 W Hopper part: "between 200.00 W and
+700.00 W", stackhpc/ansible-slurm-appliance pull request 975). No Blackwell
+figure of its own was found: B200, GB200 and GB300 take the 200 W the DGX
+B200 user guide's power-capping example shows ("AllowableMin": 200, beside a
+Hopper part's "AllowableMax": 700). How a limit below board power prices a
+step: `sustained_clock_share`.
+
 `host_memory_bytes` is the usual node's: 1 TB (DGX A100), 2 TB (DGX H100,
 DGX H200, DGX B200), 1.5 TB (DGX-2), 36 Grace CPUs of 480 GB each (GB200 and
 GB300 NVL72 racks); for the CPU preset, the memory of its 8 ranks.
@@ -64,6 +83,7 @@ TB = 10**12
 GB_S = UNITS["GB/s"][1]
 TFLOPS = UNITS["TFLOP/s"][1]
 US = UNITS["us"][1]
+W = UNITS["W"][1]
 
 PCIE3_X16 = 16 * GB_S
 """PCIe Gen3 x16, per direction (V100 hosts)."""
@@ -113,6 +133,45 @@ class GpuPreset:
     multiprocessors: int = 0
     """Streaming multiprocessors: the GEMM tile model's wave (`ptc.compiler.graph.gemm_tiles`);
     0 for the CPU, whose GEMMs are priced by FLOPs alone."""
+    board_power: float = 0.0
+    """Board power (TDP), watts: the power limit the figures above hold at; 0 for the CPU,
+    which has no limit to cap (module docstring)."""
+    min_power_limit: float = 0.0
+    """The lowest power limit the part accepts (nvidia-smi's "Min Power Limit"), watts."""
+
+
+CLOCK_POWER_EXPONENT = 1 / 3
+"""The exponent of `sustained_clock_share`: dynamic power grows as the cube of the clock."""
+
+
+def sustained_clock_share(power_limit: float, board_power: float) -> float:
+    """The share of its full-power clock a GPU sustains in matrix products when held to
+    `power_limit` watts instead of its `board_power`: (power_limit / board_power)^(1/3),
+    1 at or above board power. Matrix products run at the clock, so their FLOP/s scale by
+    it; memory-bound ops and links do not.
+
+    Model: a CMOS chip's dynamic power is a·C·V²·f (switched capacitance C, activity a,
+    voltage V, clock f; Hennessy and Patterson, "Computer Architecture: A Quantitative
+    Approach", 6th ed., section 1.5, "Trends in Power and Energy in Integrated
+    Circuits"), and across the range where a GPU's DVFS lowers the voltage with the
+    clock, V ∝ f, so P ∝ f³. A step's matrix products keep the SMs busy and hold a
+    full-power part at its board power, so under a cap the clock settles where power
+    meets the cap: f_cap / f_full = (P_cap / P_board)^(1/3). Static (leakage) power is
+    left out, which makes this the least a cap costs; below the voltage floor, far under
+    board power, clock and power fall in proportion and a cap costs more than this
+    (docs/cost-model.md, "Power limits"). The power limit lowers the SM clock, not the
+    HBM's: memory-bound kernels draw far less than a cap (Ma et al., "The Illusion of
+    Power Capping in LLM Decode", arXiv 2605.11999: memory-bound decode draws 137-300 W on
+    a 700 W H200 and no cap triggers), so their bandwidth stays.
+
+    A check, not a fit: NVIDIA's A100 PCIe is the SXM part's GA100 at 250 W instead of
+    400 W, same clocks, and NVIDIA rates it at 90 % of the SXM's performance in real
+    applications (its June 2020 launch figures, as Hardware Times reported them). The
+    model gives (250/400)^(1/3) = 0.855 on matrix products; with a third of an
+    application's time memory-bound and unslowed, 0.90 overall."""
+    if power_limit >= board_power:
+        return 1.0
+    return (power_limit / board_power) ** CLOCK_POWER_EXPONENT
 
 
 # NVIDIA GB200 NVL72 specifications (rack of 72 Blackwell GPUs; per GPU = rack total
@@ -130,7 +189,8 @@ GB200 = GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=72,
                   nvlink_sharp=True, achievable_fraction=0.56,
                   host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148,
-                  host_memory_bytes=36 * 480 * GB)
+                  host_memory_bytes=36 * 480 * GB, board_power=1200 * W,
+                  min_power_limit=200 * W)
 """NVIDIA GB200: the Blackwell GPU of an NVL72 rack (GB300 is this with its own memory, NIC
 and SMs)."""
 
@@ -149,7 +209,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
                   host_bandwidth=PCIE4_X16, multiprocessors=108,
-                  host_memory_bytes=1 * TB),
+                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W),
         GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
@@ -157,7 +217,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
                   host_bandwidth=PCIE4_X16, multiprocessors=108,
-                  host_memory_bytes=1 * TB),
+                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W),
         # NVIDIA H100 Tensor Core GPU datasheet (SXM column, sparsity figures halved):
         # 80 GB HBM3 at 3.35 TB/s, FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2
         # TFLOP/s; NVLink 4: 900 GB/s per GPU, both directions. Node: DGX H100, 8 GPUs on
@@ -170,7 +230,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
-                  host_memory_bytes=2 * TB),
+                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
         # with sparsity, halved here): 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both
         # directions), FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2 TFLOP/s. Node:
@@ -183,7 +243,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
-                  host_memory_bytes=2 * TB),
+                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
         # with sparsity halved): 1,440 GB HBM3e (180 GB per GPU) at 64 TB/s (8 TB/s per GPU);
         # FP8 72 PFLOP/s -> 4.5 dense, FP16 = BF16 36 -> 2.25, TF32 18 -> 1.125 PFLOP/s,
@@ -198,7 +258,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.56,
                   host_bandwidth=PCIE5_X16, multiprocessors=148,
-                  host_memory_bytes=2 * TB),
+                  host_memory_bytes=2 * TB, board_power=1000 * W, min_power_limit=200 * W),
         GB200,
         # NVIDIA GB300 NVL72 specifications (Blackwell Ultra; per GPU = rack total / 72):
         # FP8 360 PFLOP/s dense -> 5, FP16 = BF16 180 -> 2.5 PFLOP/s, as GB200; 288 GB
@@ -206,7 +266,8 @@ PRESETS: dict[str, GpuPreset] = {
         # NVLink-C2C as GB200; one 800 Gb/s ConnectX-8 per GPU. 160 SMs (NVIDIA's "Inside
         # NVIDIA Blackwell Ultra" technical blog); the share is Hopper's, as for B200.
         dataclasses.replace(GB200, name="GB300", hbm_bytes=288 * 10**9,
-                            inter_bandwidth=100 * GB_S, multiprocessors=160),
+                            inter_bandwidth=100 * GB_S, multiprocessors=160,
+                            board_power=1400 * W),
         # NVIDIA Tesla V100 datasheet (SXM2 column): 32 GB HBM2 at 900 GB/s, FP32 15.7,
         # tensor (FP16 in, FP32 accumulate) 125 TFLOP/s; no bf16, tf32 or fp8 (Volta).
         # NVLink 2: 300 GB/s per GPU, both directions. Node: DGX-2 / HGX-2, 16 GPUs on
@@ -219,7 +280,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=8 * 12.5 * GB_S / 16, inter_latency=6 * US,
                   gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.69,
                   host_bandwidth=PCIE3_X16, multiprocessors=80,
-                  host_memory_bytes=1.5 * TB),
+                  host_memory_bytes=1.5 * TB, board_power=300 * W, min_power_limit=150 * W),
         GpuPreset(name="cpu", hbm_bytes=16 * GiB,
                   peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
                   mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,

@@ -1,8 +1,8 @@
 """Units of quantities in plans, and their conversion to SI base values.
 
 Every quantity inside ptc is a plain float in a base unit: bytes, bytes per
-second, FLOP per second, seconds. Plan files write quantities with a unit
-(`80 GiB`, `450 GB/s`, `400 Gb/s`, `989 TFLOP/s`, `2 us`, `30 min`); this
+second, FLOP per second, seconds, watts. Plan files write quantities with a unit
+(`80 GiB`, `450 GB/s`, `400 Gb/s`, `989 TFLOP/s`, `2 us`, `30 min`, `500 W`); this
 module says which units exist, what they are worth and which dimension each
 measures, so the DSL can reject `tp = 4 GB` or `hbm = 3 ms`.
 """
@@ -26,6 +26,7 @@ def _build_units() -> dict[str, tuple[str, float]]:
     units.update({
         "ns": ("time", 1e-9), "us": ("time", 1e-6), "ms": ("time", 1e-3),
         "s": ("time", 1.0), "min": ("time", 60.0), "h": ("time", 3600.0),
+        "W": ("power", 1.0), "kW": ("power", 1e3),
     })
     return units
 
@@ -38,6 +39,7 @@ DIMENSION_EXAMPLES = {
     "bandwidth": "450 GB/s, 400 Gb/s",
     "flops": "989 TFLOP/s",
     "time": "5 us, 2 ms, 30 min",
+    "power": "500 W, 1.2 kW",
 }
 """One example per dimension, for error messages."""
 

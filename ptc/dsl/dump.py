@@ -51,7 +51,8 @@ _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "p
 _QUANTITY_FIELDS = {"hbm_bytes": "bytes", "mem_bandwidth": "bandwidth",
                     "checkpoint_interval": "time", "mtbf": "time", "hang_timeout": "time", "memory_margin": "bytes",
                     "bucket_size": "bytes", "host_bandwidth": "bandwidth",
-                    "host_memory_bytes": "bytes", "dispatch_overhead": "time"}
+                    "host_memory_bytes": "bytes", "dispatch_overhead": "time",
+                    "board_power": "power", "min_power_limit": "power", "power_limit": "power"}
 
 
 def dump_plan(plan: Plan) -> str:
@@ -127,7 +128,8 @@ def _hardware(hw: HardwareSpec) -> str:
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu, profile=hw.profile)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
                  "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
-                 "host_memory_bytes", "gemm_flops", "dispatch_overhead", "multiprocessors"):
+                 "host_memory_bytes", "gemm_flops", "dispatch_overhead", "multiprocessors",
+                 "board_power", "min_power_limit", "power_limit"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else profiled.get(
             name, _default(HardwareSpec, name))

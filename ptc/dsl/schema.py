@@ -30,11 +30,13 @@ from ptc.plan import (
     ACTIVATIONS,
     BACKENDS,
     DTYPES,
+    FP8_RECIPES,
     FP8_SCALINGS,
     GRAD_COMMS,
     NAN_POLICIES,
     NORMS,
     OFFLOADS,
+    TP_COMMS,
     LinkSpec,
 )
 from ptc.presets import PRESETS
@@ -106,6 +108,11 @@ HARDWARE_KEYS: dict[str, Key] = {
     "dispatch_overhead": Key("dispatch_overhead", quantity("time"),
                              example="dispatch_overhead = 8 us"),
     "multiprocessors": Key("multiprocessors", integer),
+    "board_power": Key("board_power", quantity("power"), example="board_power = 700 W"),
+    "min_power_limit": Key("min_power_limit", quantity("power"),
+                           example="min_power_limit = 200 W"),
+    "power_limit": Key("power_limit", optional(quantity("power")),
+                       example="power_limit = 500 W"),
     "profile": Key("profile", optional(string), example='profile = "hw.json"'),
 }
 """hardware { ... }. Fields of a preset gpu may be overridden."""
@@ -120,6 +127,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "cp": Key("cp", int_or_auto),
     "zero": Key("zero", integer),
     "sequence_parallel": Key("sequence_parallel", boolean),
+    "tp_comm": Key("tp_comm", word(TP_COMMS)),
     "schedule": Key("schedule", calls.schedule),
     "virtual_stages": Key("virtual_stages", integer),
     "microbatches": Key("microbatches", optional(integer)),
@@ -143,6 +151,7 @@ TRAIN_KEYS: dict[str, Key] = {
     "dtype": Key("dtype", word(DTYPES)),
     "grad_dtype": Key("grad_dtype", word(DTYPES)),
     "fp8_scaling": Key("fp8_scaling", word(FP8_SCALINGS)),
+    "fp8_recipe": Key("fp8_recipe", word(FP8_RECIPES)),
     "fp8_amax_history": Key("fp8_amax_history", integer),
     "fp8_emulate": Key("fp8_emulate", boolean),
     "steps": Key("steps", integer),

@@ -316,7 +316,22 @@ def _profile(read: SectionRead, source: Source, gpu: str) -> dict[str, Any]:
         read.bad.add("profile")
         del read.values["profile"]
         return {}
+    _same_power_limit(read, source, figures, written)
     return {**figures, "profile": path}
+
+
+def _same_power_limit(read: SectionRead, source: Source, figures: dict[str, Any],
+                      written: str) -> None:
+    """A profile's rates are those of the power limit it was measured under: a plan that
+    writes another limit beside it is one error at its `power_limit`."""
+    measured, given = figures.get("power_limit"), read.values.get("power_limit")
+    if measured is None or given is None or given == measured:
+        return
+    source.sink.error(f"power_limit = {given:g} W, but hardware profile {written} was measured "
+                      f"under {measured:g} W, the limit its rates hold at; calibrate under "
+                      f"{given:g} W", field="hardware.power_limit",
+                      span=read.spans.get("power_limit"))
+    read.bad.add("power_limit")
 
 
 # ----------------------------------------------------------------- parallel

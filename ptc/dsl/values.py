@@ -36,7 +36,7 @@ INVALID: Any = _Invalid()
 Converter = Callable[["Reader", ast.Value, str], Any]
 
 _DIMENSION_WORDS = {"bytes": "bytes", "bandwidth": "a bandwidth", "flops": "FLOP/s",
-                    "time": "a time"}
+                    "time": "a time", "power": "a power"}
 
 
 class Reader:
@@ -186,8 +186,8 @@ def optional(conv: Converter) -> Converter:
 
 
 def quantity(dimension: str) -> Converter:
-    """A number with a unit of `dimension` ("bytes", "bandwidth", "flops", "time"),
-    converted to the base unit (bytes, bytes/s, FLOP/s, seconds)."""
+    """A number with a unit of `dimension` ("bytes", "bandwidth", "flops", "time", "power"),
+    converted to the base unit (bytes, bytes/s, FLOP/s, seconds, watts)."""
     example = DIMENSION_EXAMPLES[dimension]
     dim_text = _DIMENSION_WORDS[dimension]
 

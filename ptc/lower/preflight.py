@@ -19,7 +19,8 @@ checkpoint_dir` when the value came from the command line):
   split by tensor parallelism without a shard rule), the error at the plan
   field that asked for the failing pass;
 - train.dtype = fp8 has float8 matmuls to run on (CUDA compute capability
-  8.9+), unless train.fp8_emulate asks for emulation;
+  8.9+; 9.0+ for fp8_recipe = rowwise; mxfp8 runs emulated only), unless
+  train.fp8_emulate asks for emulation;
 - a plan for GPUs (backend auto) on a machine without CUDA is said in a warning: its
   ranks would train on the CPU;
 - train.dtype is not fp16: fp16 training needs loss scaling, which ptc's
@@ -279,13 +280,19 @@ def _fp8_problem(plan: Plan) -> str | None:
     """Why the run's devices cannot run train.dtype = fp8's float8 GEMMs, or None."""
     if plan.train.dtype != "fp8" or plan.train.fp8_emulate:
         return None
-    from ptc.ops.fp8_linear import device_has_fp8  # noqa: PLC0415 - imports torch
+    from ptc.ops.fp8_linear import device_has_fp8, no_fp8_reason  # noqa: PLC0415 - torch
     from ptc.runtime.mesh import backend_for  # noqa: PLC0415
 
-    if backend_for(plan) == "nccl" and device_has_fp8("cuda:0"):
+    recipe = plan.train.fp8_recipe
+    if backend_for(plan) == "nccl" and device_has_fp8("cuda:0", recipe):
         return None
-    return ("train.dtype = fp8 needs a GPU with float8 matmuls (compute capability 8.9+); "
-            "this machine has none; set train.fp8_emulate = true to emulate")
+    if recipe == "mxfp8":
+        return no_fp8_reason("", recipe)
+    what = "" if recipe == "tensorwise" else f" with fp8_recipe = {recipe}"
+    need = "float8 matmuls (compute capability 8.9+)" if recipe == "tensorwise" else \
+        f"{recipe}-scaled float8 matmuls (compute capability 9.0+)"
+    return (f"train.dtype = fp8{what} needs a GPU with {need}; this machine has none; "
+            "set train.fp8_emulate = true to emulate")
 
 
 def _device_problem(plan: Plan) -> str | None:

@@ -47,9 +47,48 @@ multiplies the dequantised operands in fp32: the same float8 values and
 scales, so the scaling is checked on any device. Either way a GEMM is one
 op, `torch.ops.ptc.fp8_gemm` (the forward's with the bias added), so a
 saving checkpoint region keeps the linear's bf16 output and nothing else.
+
+Recipes (`train.fp8_recipe`): the above is "tensorwise", one scale per
+tensor. The two others scale along each GEMM's contraction dimension, so
+every operand is quantised once per GEMM it feeds (x, W and dy twice each),
+all in e4m3 (fmax 448), with current scaling only:
+
+    GEMM               contracts   a's scales              b's scales
+    forward  y = x Wᵀ  K           x: one per row          W: one per output row
+    dgrad   dx = dy W  N           dy: one per row         W: one per column
+    wgrad   dW = dyᵀ x M (tokens)  dy: one per column      x: one per column
+
+- rowwise (torchao's float8 "rowwise"): one fp32 scale amax / 448 per row
+  or column of the operand. `torch._scaled_mm` with scale_a [M, 1] and
+  scale_b [1, N] (bf16 output) on CUDA capability 9.0 or more.
+- mxfp8 (OCP Microscaling v1.0): each block of 32 consecutive elements along
+  the contraction dimension shares one power-of-two scale, an E8M0 byte:
+  X = 2^(floor(log2(amax)) - 8), 8 = floor(log2(448)) being e4m3's largest
+  normal exponent (the spec's shared-exponent rule, torchao's FLOOR mode;
+  clamped to E8M0's 2^-127..2^127); elements beyond 448 after the division
+  (up to 512) saturate at ±448. Every contraction dimension must be a whole
+  number of blocks on each rank (refused at compile, no padding). Real MX
+  GEMMs need capability 10.0; ptc has not verified `torch._scaled_mm`'s
+  block-scale layout, so mxfp8 runs emulated only (refused otherwise).
+
+What backward keeps: x's column-quantised copy for the weight gradient
+(rowwise: its K fp32 column scales; mxfp8: one E8M0 byte per 32 elements)
+and the weight as it is, quantised again by columns in backward. Under
+tensor parallelism a scale whose row or column is split over tp takes the
+max over the tp group of the ranks' amaxes (one all-reduce of the vector):
+x's and W's rows in a row-parallel linear's forward, dy's rows and W's
+columns in a column-parallel linear's dgrad (`Fp8Scaling.role`); the others
+are whole on every rank. Under sequence parallelism the forward reads the
+gathered x, so x's column scales already span the whole sequence; the copy
+kept is the rank's chunk quantised with them (mxfp8: the chunk's own blocks,
+which are the whole sequence's when a chunk holds whole blocks), gathered
+again in backward with its scales. mxfp8's blocks never straddle ranks, so
+it reduces nothing.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -65,13 +104,40 @@ FORMATS = (E4M3, E4M3, E5M2)
 """The float8 format of each row."""
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability from which `torch._scaled_mm` multiplies float8 (Ada, Hopper)."""
+RECIPES = ("tensorwise", "rowwise", "mxfp8")
+"""`train.fp8_recipe`: one scale per tensor, per row/column, per block of 32 (docstring)."""
+RECIPE_CAPABILITY = {"tensorwise": MIN_CAPABILITY, "rowwise": (9, 0)}
+"""Capability from which each recipe's GEMMs run on float8 hardware; mxfp8 has none here: its
+block-scaled `torch._scaled_mm` (capability 10.0) is unverified, so it runs emulated only."""
+MX_BLOCK = 32
+"""Elements along the contraction dimension that share one mxfp8 scale."""
+E4M3_EMAX = 8
+"""floor(log2(448)): the exponent of e4m3's largest normal value (OCP MX's emax_elem)."""
+E8M0 = torch.float8_e8m0fnu
+COLUMN, ROW = "column", "row"
+"""`Fp8Scaling.role`: a column-parallel linear (output features split over tp) or a
+row-parallel one (input features split)."""
 
 
-def device_has_fp8(device: torch.device | str) -> bool:
-    """Whether GEMMs on `device` can take float8 operands (CUDA, capability 8.9 or more)."""
+def device_has_fp8(device: torch.device | str, recipe: str = "tensorwise") -> bool:
+    """Whether GEMMs on `device` can take float8 operands scaled as `recipe` does (CUDA,
+    capability 8.9 or more for tensorwise, 9.0 for rowwise; never for mxfp8, docstring)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.is_available() and \
-        torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    need = RECIPE_CAPABILITY.get(recipe)
+    return need is not None and device.type == "cuda" and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability(device) >= need
+
+
+def no_fp8_reason(device: torch.device | str, recipe: str) -> str:
+    """The one line refusing `recipe`'s float8 GEMMs on `device` without emulation."""
+    if recipe == "mxfp8":
+        return ("train.fp8_recipe = mxfp8 runs emulated only (MX GEMMs need CUDA compute "
+                "capability 10.0 and ptc has not verified torch._scaled_mm's block-scale "
+                "layout); set train.fp8_emulate = true to emulate")
+    what = "float8" if recipe == "tensorwise" else f"{recipe}-scaled float8"
+    major, minor = RECIPE_CAPABILITY[recipe]
+    return (f"train.dtype = fp8: {device} has no {what} matmuls (CUDA compute capability "
+            f"{major}.{minor}+); set train.fp8_emulate = true to emulate")
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -85,6 +151,54 @@ def scale_of(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, amax / torch.finfo(fmt).max, torch.ones_like(amax))
 
 
+def mx_scale(amax: torch.Tensor) -> torch.Tensor:
+    """OCP MX's shared scale of blocks whose largest magnitudes are `amax`, as E8M0 bytes:
+    2^(floor(log2(amax)) - 8), clamped to 2^-127..2^127 (module docstring); an all-zero
+    block (log2 0 = -inf) takes the smallest."""
+    amax = amax.float()
+    _, exponent = torch.frexp(amax)  # amax = m·2^e, m in [0.5, 1): floor(log2) = e - 1
+    power = torch.where(amax > 0, exponent - 1 - E4M3_EMAX, -127).clamp(-127, 127)
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), power).to(E8M0)
+
+
+def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`scale` spread over an operand of `shape`: block scales repeated along their blocks
+    (rowwise and tensorwise scales broadcast as they are)."""
+    if scale.dim() != len(shape):
+        return scale
+    scale = scale.float()
+    for dim, (n, size) in enumerate(zip(scale.shape, shape)):
+        if n not in (1, size):
+            scale = scale.repeat_interleave(size // n, dim=dim)
+    return scale
+
+
+def quantize_along(t: torch.Tensor, dim: int, recipe: str, group=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, scales) of the 2-D `t` scaled along `dim`, the dimension its GEMM
+    contracts: rowwise one fp32 scale per line along `dim` (its amax reduced (max) over
+    `group` when that dimension is split over it), mxfp8 one E8M0 scale per block of 32."""
+    magnitude = t.detach().abs()
+    if recipe == "rowwise":
+        amax = magnitude.amax(dim, keepdim=True).float()
+        if group is not None:
+            all_reduce_flat(amax, group, dist.ReduceOp.MAX).wait()
+        scale = scale_of(amax, E4M3)
+    else:
+        scale = mx_scale(_block_amax(magnitude, dim))
+    return quantize(t, expand_scale(scale, t.shape), E4M3), scale
+
+
+def _block_amax(magnitude: torch.Tensor, dim: int) -> torch.Tensor:
+    """Largest of each block of MX_BLOCK consecutive elements along `dim` of a 2-D tensor."""
+    if magnitude.shape[dim] % MX_BLOCK:
+        raise ValueError(f"train.fp8_recipe = mxfp8: a contraction dimension of "
+                         f"{magnitude.shape[dim]} is no multiple of {MX_BLOCK}")
+    lines = magnitude.movedim(dim, -1)
+    blocks = lines.reshape(*lines.shape[:-1], -1, MX_BLOCK).amax(-1)
+    return blocks.movedim(-1, dim)
+
+
 class Fp8Scaling(nn.Module):
     """The scaling state of one float8 linear: how its three tensors are scaled, and for
     delayed scaling their amax history (see the module docstring).
@@ -94,17 +208,29 @@ class Fp8Scaling(nn.Module):
     running step's amaxes) are made on the device of the first tensor it scales.
     """
 
-    def __init__(self, *, delayed: bool, window: int, emulate: bool, axis: str | None):
+    def __init__(self, *, delayed: bool, window: int, emulate: bool, axis: str | None,
+                 recipe: str = "tensorwise", role: str | None = None):
         """`delayed`: delayed (else current) scaling over `window` steps; `emulate`: multiply
-        dequantised operands in fp32; `axis`: the mesh axis amaxes are reduced over."""
+        dequantised operands in fp32; `axis`: the mesh axis amaxes are reduced over;
+        `recipe`: one of RECIPES; `role`: COLUMN, ROW or None (not split over tp), which
+        says the scale vectors rowwise reduces over `axis` (module docstring)."""
         super().__init__()
         self.delayed, self.window, self.emulate, self.axis = delayed, window, emulate, axis
+        self.recipe, self.role = recipe, role
         self.history: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
     def extra_repr(self) -> str:  # noqa: D102 - nn.Module protocol
         how = f"delayed over {self.window} steps" if self.delayed else "current"
-        return f"{how}{', emulated' if self.emulate else ''}, amax over {self.axis}"
+        kind = "" if self.recipe == "tensorwise" else f"{self.recipe} ({self.role or 'whole'}), "
+        return f"{kind}{how}{', emulated' if self.emulate else ''}, amax over {self.axis}"
+
+    def split_group(self, role: str):
+        """The tp group a scale vector contracted over a dimension split in a `role` linear
+        reduces over: rowwise only, in that role; else None (local)."""
+        if self.recipe != "rowwise" or self.role != role or not self.axis:
+            return None
+        return axis_group(self.axis)
 
     def scale(self, which: int, x: torch.Tensor) -> torch.Tensor:
         """The scale of tensor `which` (INPUT, WEIGHT, GRAD) of value `x`; records its amax."""
@@ -171,15 +297,27 @@ def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
 
 def _product(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
              out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    recipe = _recipe_of(sa, sb)
+    if not emulate and not a.is_meta and not device_has_fp8(a.device, recipe):
+        raise RuntimeError(no_fp8_reason(a.device, recipe))
     scaled = not emulate and not a.is_meta and all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
-    if not emulate and not a.is_meta and not device_has_fp8(a.device):
-        raise RuntimeError(f"train.dtype = fp8: {a.device} has no float8 matmuls (CUDA compute "
-                           "capability 8.9+); set train.fp8_emulate = true to emulate")
-    if scaled:
-        # cuBLAS takes a row-major first and a column-major second operand.
+    # cuBLAS takes a row-major first and a column-major second operand.
+    if scaled and recipe == "tensorwise":
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa.reshape(()),
                                 scale_b=sb.reshape(()), out_dtype=out_dtype)
-    return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+    if scaled and out_dtype == torch.bfloat16:  # rowwise: scales [M, 1] and [1, N], bf16 out
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(),
+                                scale_a=sa.reshape(-1, 1).contiguous(),
+                                scale_b=sb.reshape(1, -1).contiguous(), out_dtype=out_dtype)
+    return ((a.float() * expand_scale(sa, a.shape)) @ (b.float() * expand_scale(sb, b.shape))
+            ).to(out_dtype)
+
+
+def _recipe_of(sa: torch.Tensor, sb: torch.Tensor) -> str:
+    """The recipe whose scales `sa`, `sb` are: E8M0 blocks, one each ([1]), or vectors."""
+    if sa.dtype == E8M0:
+        return "mxfp8"
+    return "tensorwise" if sa.dim() == 1 and sb.dim() == 1 else "rowwise"
 
 
 @fp8_gemm.register_fake
@@ -222,6 +360,75 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class _ContractionScaledLinear(torch.autograd.Function):
+    """A linear whose GEMMs scale each operand along their contraction dimension (rowwise,
+    mxfp8; module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling):  # noqa: D102 - autograd.Function protocol
+        recipe, split = scaling.recipe, scaling.split_group(ROW)
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = quantize_along(x2, 1, recipe, split)
+        wq, sw = quantize_along(weight, 1, recipe, split)
+        out = fp8_gemm(xq, sx, wq.t(), sw.t(), bias, x.dtype, scaling.emulate)
+        session = current_session()
+        gathered = session.gathered(x) if session is not None else None
+        ctx.gather = None
+        if gathered is None:
+            xc, sxc = quantize_along(x2, 0, recipe)
+        else:  # keep the rank's chunk of the column copy; gather it in backward
+            chunk, ctx.gather = gathered
+            xc, sxc = _chunk_copy(x, chunk, recipe)
+        ctx.save_for_backward(xc, sxc, weight)
+        ctx.scaling, ctx.x_shape, ctx.x_dtype = scaling, x.shape, x.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        xc, sxc, weight = ctx.saved_tensors
+        if ctx.gather is not None:  # float8 and E8M0 bytes travel as bytes
+            xc = ctx.gather(xc.view(torch.uint8)).view(E4M3)
+            if sxc.dtype == E8M0:
+                sxc = ctx.gather(sxc.view(torch.uint8)).view(E8M0)
+        k = ctx.x_shape[-1]
+        xc, sxc = xc.reshape(-1, k), sxc.reshape(-1, k)
+        scaling = ctx.scaling
+        recipe, split = scaling.recipe, scaling.split_group(COLUMN)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        gq, sg = quantize_along(dy2, 1, recipe, split)
+        wq, sw = quantize_along(weight, 0, recipe, split)
+        dx = fp8_gemm(gq, sg, wq, sw, None, ctx.x_dtype, scaling.emulate).reshape(ctx.x_shape)
+        gc, sgc = quantize_along(dy2, 0, recipe)
+        dw = fp8_gemm(gc.t(), sgc.t(), xc, sxc, None, weight.dtype, scaling.emulate)
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+def _chunk_copy(x: torch.Tensor, chunk: torch.Tensor, recipe: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column copy, its scales) a linear keeps of the rank's `chunk` of its gathered input
+    `x`, each laid out as `chunk` is along the sequence, so that the session's gather joins
+    them into the whole sequence's.
+
+    rowwise: the chunk quantised with the column scales of the whole gathered x (kept
+    whole). mxfp8: the chunk's own blocks, which are the gathered x's when every run of
+    tokens from the sequence dimension on holds whole blocks (checked)."""
+    seq_dim = next(d for d in range(chunk.dim()) if chunk.shape[d] != x.shape[d])
+    flat = chunk.reshape(-1, chunk.shape[-1])
+    if recipe == "rowwise":
+        _, scale = quantize_along(x.reshape(-1, x.shape[-1]), 0, recipe)
+        return quantize(flat, scale, E4M3).reshape(chunk.shape), scale
+    run = math.prod(chunk.shape[seq_dim:-1])
+    if run % MX_BLOCK:
+        raise ValueError(f"train.fp8_recipe = mxfp8 under sequence parallelism: a rank's "
+                         f"chunk holds runs of {run} tokens, no multiple of {MX_BLOCK}")
+    xc, scale = quantize_along(flat, 0, recipe)
+    shape = (*chunk.shape[:seq_dim], run // MX_BLOCK, *[1] * (chunk.dim() - seq_dim - 2),
+             chunk.shape[-1])
+    return xc.reshape(chunk.shape), scale.reshape(shape)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                scaling: Fp8Scaling) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with float8 GEMMs scaled by `scaling` (module docstring).
@@ -230,6 +437,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     gradient quantised to e5m2; dx = dy W and dW = dyᵀ x of the float8
     operands (W quantised again with its forward scale, x its saved float8
     copy); db = the sum of dy, in the compute dtype. Under tp each amax is a
-    max over the tp group (one scalar all-reduce per tensor).
+    max over the tp group (one scalar all-reduce per tensor). The rowwise and
+    mxfp8 recipes quantise each operand along each GEMM's contraction
+    dimension instead, all in e4m3 (module docstring).
     """
-    return _Fp8Linear.apply(x, weight, bias, scaling)
+    if scaling.recipe == "tensorwise":
+        return _Fp8Linear.apply(x, weight, bias, scaling)
+    return _ContractionScaledLinear.apply(x, weight, bias, scaling)

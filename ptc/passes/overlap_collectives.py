@@ -13,10 +13,15 @@ the graph and decides when each is issued and waited for.
 - ZeRO 0-2: gradient reductions happen in backward, outside the forward
   graph: the pass groups the units into buckets the runtime reduces with one
   collective each, started as soon as the bucket's last gradient is
-  accumulated.
+  accumulated. At ZeRO 1-2 the optimizer step's weight all-gathers are left
+  in flight: an `await_weights(stage, unit)` node before the first node that
+  reads a unit's weights waits for that unit's alone (`ptc.ops.weight_gathers`),
+  so each one travels while the next forward computes the units before it.
 - Tensor parallel: the input-gradient all-reduce (or sequence-parallel
   reduce-scatter) of column-parallel linears runs while their weight
-  gradients are computed (see `ptc.passes.tp_overlap`).
+  gradients are computed; with `tp_comm = async` every sequence-parallel
+  all-gather and reduce-scatter runs in ring steps beside the GEMMs it
+  feeds (see `ptc.passes.tp_overlap`).
 
 Every decision is a function of the plan and the graph, and merging or
 moving never changes the order in which one axis's collectives are issued:
@@ -39,11 +44,12 @@ from ptc.compiler.graph.meta import copy_meta, get_info, update_graph_record
 from ptc.compiler.records.overlap import GRAD_BYTES, IN_FLIGHT, OverlapPlan
 from ptc.compiler.cost.buckets import plan_buckets, resolve_bucket_bytes
 from ptc.compiler.records.params import ParamLayout
-from ptc.compiler.graph.params import shard_unit
+from ptc.compiler.graph.params import shard_unit, used_params
 from ptc.errors import CompileError
 from ptc.passes.tp_overlap import fuse_column_parallel_linears
 from ptc.plan import Plan
 from ptc.ops.collectives import gather_params, gather_params_start
+from ptc.ops.weight_gathers import await_weights
 from ptc.units import format_bytes
 
 log = logging.getLogger("ptc.passes.overlap_collectives")
@@ -75,7 +81,7 @@ def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,
         sizes = [GRAD_BYTES * u.padded_numel for u in layout.units]
         size = resolve_bucket_bytes(plan, sizes)
         buckets = [tuple(b) for b in plan_buckets(sizes, size)]
-        changed = False
+        changed = on and plan.parallel.zero in (1, 2) and _await_weights(gm, layout)
     fused = _fuse_tp(gm, plan) if on else 0  # lints and recompiles the graphs it fuses in
     if changed:
         gm.graph.lint()
@@ -87,8 +93,45 @@ def overlap_collectives_pass(gm: fx.GraphModule, decisions: Decisions, *,
     log.info("%d buckets of <= %s for %d units%s%s", len(buckets), format_bytes(size),
              sum(len(b) for b in buckets),
              f", gathers start {prefetch} ahead" if zero3 else "",
-             f", {fused} tp input-gradient reductions overlap weight gradients" if fused else "")
+             _fused_text(fused, plan.parallel.tp_comm) if fused else "")
     return gm
+
+
+def _fused_text(fused: int, tp_comm: str) -> str:
+    """What the log says of the tp ops `_fuse_tp` fused."""
+    if tp_comm == "async":
+        return f", {fused} tp collectives run in ring steps beside their GEMMs"
+    return f", {fused} tp input-gradient reductions overlap weight gradients"
+
+
+# ------------------------------------------------------------------- ZeRO 1-2
+
+
+def _await_weights(gm: fx.GraphModule, layout: ParamLayout) -> bool:
+    """Put `await_weights(stage, unit)` before the first node that reads each unit's weights
+    (a parameter's get_attr is a reference: its readers read); True when it put any."""
+    unit_of = {alias: slot.unit for slot in layout.params.values() for alias in slot.aliases}
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        for name, _ in used_params(gm, node):
+            if name not in unit_of:
+                raise CompileError(f"comm_overlap: {node.name} reads {name}, which no unit of "
+                                   "the stage's layout holds")
+            readers = [node] if node.op == "call_module" else list(node.users)
+            if not readers:
+                continue
+            reader = min(readers, key=order.__getitem__)
+            unit = unit_of[name]
+            if unit not in first or order[reader] < order[first[unit]]:
+                first[unit] = reader
+    stage = stage_info(gm).index
+    for unit, reader in sorted(first.items()):
+        with gm.graph.inserting_before(reader):
+            wait = gm.graph.call_function(await_weights, (stage, unit))
+        copy_meta(reader, wait, kind="other", shapes=(), dtypes=(), flops=0, params=0,
+                  param_bytes=0)
+    return bool(first)
 
 
 # ------------------------------------------------------------------- ZeRO-3
@@ -178,5 +221,8 @@ def _prefetch(gathers: list[tuple[fx.Node, fx.Node]], depth: int) -> bool:
 
 
 def _fuse_tp(gm: fx.GraphModule, plan: Plan) -> int:
-    """Fuse tp entry collectives with their column-parallel linears (tp > 1 only)."""
-    return fuse_column_parallel_linears(gm) if plan.parallel.tp > 1 else 0
+    """Fuse tp entry collectives with their column-parallel linears (tp > 1 only); with
+    `tp_comm = async`, as collective matmuls, the row-parallel exits too."""
+    if plan.parallel.tp == 1:
+        return 0
+    return fuse_column_parallel_linears(gm, collective_matmul=plan.parallel.tp_comm == "async")

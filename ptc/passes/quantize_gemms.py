@@ -15,6 +15,13 @@ passes, so ZeRO-3 rewrites the weight it reads as it does a linear's, and a
 checkpointed region is handed the scaling module as an input. The tp
 comm_overlap fusion, which fuses bf16 linears with their entry collective,
 leaves these alone.
+
+Each `Fp8Scaling` carries `train.fp8_recipe` and the linear's tp role, read
+from the tp pass's record of its weight (`TensorParallelLayout`): column- or
+row-parallel, which says the scale vectors a rowwise linear reduces over tp.
+mxfp8 needs whole 32-element blocks along every contraction dimension on each
+rank; a linear or a sequence length that has none is refused here, in one
+line naming it (no padding).
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ from torch import fx
 
 from ptc.compiler.records.decisions import Decisions
 from ptc.compiler.graph.meta import copy_meta
-from ptc.compiler.graph.nodes import is_fp8_linear, op_name
+from ptc.compiler.graph.meta import graph_record
+from ptc.compiler.graph.nodes import is_fp8_linear, linear_weight, op_name
+from ptc.compiler.graph.tp_structure import COLWISE, ROWWISE
+from ptc.errors import CompileError
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
-from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
+from ptc.ops.fp8_linear import COLUMN, MX_BLOCK, ROW, Fp8Scaling, fp8_linear
 from ptc.ops.tp_ops import TP
 
 log = logging.getLogger("ptc.passes.quantize_gemms")
@@ -48,6 +58,8 @@ def quantize_gemms_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     if train.dtype != "fp8":
         return gm
     to_linear_form(gm)  # Conv1D's addmm, x @ W: F.linear like the rest
+    if train.fp8_recipe == "mxfp8":
+        _check_mx_tokens(decisions)
     done = 0
     for node in list(gm.graph.nodes):
         path = is_fp8_linear(node)
@@ -57,10 +69,14 @@ def quantize_gemms_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
         if op_name(node) != "linear":
             continue  # a product of a reshaped weight, not one matrix: left in bf16
         x, weight, bias = _operands(node)
+        param = linear_weight(node)
+        if train.fp8_recipe == "mxfp8":
+            _check_mx_features(gm, path, param)
         name = f"{STATE_PREFIX}.{path.replace('.', '_')}"
         gm.add_submodule(name, Fp8Scaling(delayed=train.fp8_scaling == "delayed",
                                           window=train.fp8_amax_history,
-                                          emulate=train.fp8_emulate, axis=TP))
+                                          emulate=train.fp8_emulate, axis=TP,
+                                          recipe=train.fp8_recipe, role=_role(gm, param)))
         with gm.graph.inserting_before(node):
             state = gm.graph.get_attr(name)
             new = gm.graph.call_function(fp8_linear, (x, weight, bias, state))
@@ -75,8 +91,8 @@ def quantize_gemms_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     if done:
         gm.graph.lint()
         gm.recompile()
-    log.info("inserted %d fp8_linear (%s scaling%s)", done, train.fp8_scaling,
-             ", emulated" if train.fp8_emulate else "")
+    log.info("inserted %d fp8_linear (%s, %s scaling%s)", done, train.fp8_recipe,
+             train.fp8_scaling, ", emulated" if train.fp8_emulate else "")
     return gm
 
 
@@ -86,3 +102,37 @@ def _operands(node: fx.Node) -> tuple:
     values = [node.args[i] if len(node.args) > i else node.kwargs.get(name)
               for i, name in enumerate(names)]
     return tuple(values)
+
+
+def _role(gm: fx.GraphModule, param: str | None) -> str | None:
+    """COLUMN or ROW: how the tp pass split the linear's weight `param`; None if it did not."""
+    layout = graph_record(gm).tensor_parallel
+    shard = layout.params.get(param) if layout is not None and param else None
+    return {COLWISE: COLUMN, ROWWISE: ROW}.get(shard.style) if shard is not None else None
+
+
+def _check_mx_features(gm: fx.GraphModule, path: str, param: str | None) -> None:
+    """Refuse an mxfp8 linear whose rank's input or output features (forward's and dgrad's
+    contraction dimensions) are no whole number of 32-element blocks."""
+    out_features, in_features = gm.get_parameter(param).shape
+    if in_features % MX_BLOCK or out_features % MX_BLOCK:
+        raise CompileError(f"train.fp8_recipe = mxfp8: linear {path} has {in_features} input "
+                           f"and {out_features} output features on each rank, not multiples of "
+                           f"{MX_BLOCK} (its GEMMs contract both in blocks of {MX_BLOCK}); use "
+                           "fp8_recipe = rowwise or tensorwise")
+
+
+def _check_mx_tokens(decisions: Decisions) -> None:
+    """Refuse mxfp8 where the tokens a rank's weight-gradient GEMM contracts (a micro-batch,
+    and under sequence parallelism each rank's sequence chunk) hold no whole 32-blocks."""
+    plan = decisions.plan
+    par, train = plan.parallel, plan.train
+    chunk = train.seq_len // par.cp
+    what = f"micro_batch · seq_len / cp = {train.micro_batch * chunk}"
+    tokens = train.micro_batch * chunk
+    if par.sequence_parallel and par.tp > 1:
+        tokens, what = chunk // par.tp, f"seq_len / (cp · tp) = {chunk // par.tp} per rank"
+    if tokens % MX_BLOCK:
+        raise CompileError(f"train.fp8_recipe = mxfp8: train.seq_len: {what} tokens, not a "
+                           f"multiple of {MX_BLOCK} (the weight gradients contract tokens in "
+                           f"blocks of {MX_BLOCK})")

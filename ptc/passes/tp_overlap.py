@@ -1,4 +1,5 @@
-"""Fuse each tensor-parallel entry collective with the column-parallel linears that read it.
+"""Fuse each tensor-parallel entry collective with the column-parallel linears that read it
+(and, as collective matmuls, each exit with its row-parallel linear).
 
 Terms: an *entry* is a `copy_to_tp` node, or with sequence parallelism an
 `all_gather_seq` node, whose every user is a linear reading it as its input
@@ -13,6 +14,13 @@ gradient, so that communication is exposed. `column_parallel_linears`
 and computes the weight gradients while it runs, as Megatron-LM does.
 Forward is unchanged, and so are the numerics but for the order in which
 the linears' input gradients are summed.
+
+With `parallel.tp_comm = async` the pass builds collective matmuls instead
+(`ptc.ops.async_tp`): a sequence-parallel entry and its linears become one
+`all_gather_linears`, and each *exit*, a `reduce_scatter_seq` whose input is
+a bias-free row-parallel linear nothing else reads, becomes one
+`linear_reduce_scatter` with it: the forward's collectives then run in ring
+steps beside the GEMMs too.
 
 Left alone: an entry any other node reads (the result would need the unfused output too); an
 entry whose linears read a weight computed after the first of them (only
@@ -37,12 +45,15 @@ from ptc.compiler.graph.nodes import module_of, op_name
 from ptc.compiler.graph.stage_graphs import pipeline_stages
 from ptc.passes.checkpoint_layers import checkpoint_regions
 from ptc.passes.functional import param_node
+from ptc.ops.async_tp import all_gather_linears, linear_reduce_scatter
 from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
-                                column_parallel_linears_seq, copy_to_tp)
+                            column_parallel_linears_seq, copy_to_tp, reduce_scatter_seq)
 
 log = logging.getLogger("ptc.passes.tp_overlap")
 
 _FUSED = {copy_to_tp: column_parallel_linears, all_gather_seq: column_parallel_linears_seq}
+_COLLECTIVE_MATMULS = {copy_to_tp: column_parallel_linears, all_gather_seq: all_gather_linears}
+"""Entry -> fused op, with `tp_comm = async`: the all-gather taken apart beside the GEMMs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +67,7 @@ class _Linear:
     bias: fx.Node | str | None
 
 
-def fuse_column_parallel_linears(gm: fx.GraphModule) -> int:
+def fuse_column_parallel_linears(gm: fx.GraphModule, *, collective_matmul: bool = False) -> int:
     """Replace each entry collective and its linears by one fused op call; return how many.
 
     Each entry becomes `column_parallel_linears(x, weights, biases, axis=...)`
@@ -64,11 +75,20 @@ def fuse_column_parallel_linears(gm: fx.GraphModule) -> int:
     placed where the first linear was, and each linear an `operator.getitem`
     of its output that keeps the linear's name and metadata, so backward
     overlaps the input gradient's reduction with the weight gradients.
-    Graphs it changed are linted and recompiled; the caller logs the count.
+    With `collective_matmul` (`parallel.tp_comm = async`) a sequence-parallel
+    entry becomes `all_gather_linears` instead, and each row-parallel linear
+    whose output only a `reduce_scatter_seq` reads becomes one
+    `linear_reduce_scatter` (`ptc.ops.async_tp`): forward's collectives
+    overlap the GEMMs too. Graphs it changed are linted and recompiled; the
+    caller logs the count.
     """
+    fused_ops = _COLLECTIVE_MATMULS if collective_matmul else _FUSED
     total = 0
     for graph in _graphs(gm):
-        fused = sum(_fuse(graph, entry, linears) for entry, linears in _entries(graph))
+        fused = sum(_fuse(graph, entry, linears, fused_ops)
+                    for entry, linears in _entries(graph))
+        if collective_matmul:
+            fused += sum(_fuse_exit(graph, exit_, linear) for exit_, linear in _exits(graph))
         if fused:
             graph.graph.lint()
             graph.recompile()
@@ -116,7 +136,46 @@ def _linear(node: fx.Node) -> _Linear | None:
     return _Linear(node, args.get("input"), args["weight"], args.get("bias"))
 
 
-def _fuse(gm: fx.GraphModule, entry: fx.Node, linears: list[_Linear]) -> int:
+def _exits(gm: fx.GraphModule) -> list[tuple[fx.Node, _Linear]]:
+    """Every `reduce_scatter_seq` of the graph whose input is a bias-free linear nothing else
+    reads, with that linear, in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not reduce_scatter_seq:
+            continue
+        source = node.args[0]
+        linear = _linear(source) if isinstance(source, fx.Node) else None
+        if linear is not None and linear.bias is None and len(source.users) == 1 \
+                and linear.x is not linear.weight:
+            out.append((node, linear))
+        else:
+            log.debug("%s: not the only reader of a bias-free linear, not fused", node.name)
+    return out
+
+
+def _fuse_exit(gm: fx.GraphModule, exit_: fx.Node, linear: _Linear) -> int:
+    """Put `linear_reduce_scatter` in place of `exit_` and its linear; 1 when done."""
+    bound = inspect.signature(reduce_scatter_seq).bind(*exit_.args, **exit_.kwargs)
+    bound.apply_defaults()
+    kwargs = {k: v for k, v in bound.arguments.items() if k != "x"}
+    with gm.graph.inserting_before(linear.node):
+        weight = _operand(gm, linear.weight, linear.node, linear.node)
+        fused = gm.graph.call_function(linear_reduce_scatter, (linear.x, weight), kwargs)
+    info = get_info(linear.node)
+    if info is None or get_info(exit_) is None:
+        copy_meta(exit_, fused)
+    else:
+        copy_meta(exit_, fused, kind="linear", flops=info.flops, params=info.params,
+                  param_bytes=info.param_bytes)
+    exit_.replace_all_uses_with(fused)
+    name = linear.node.name
+    gm.graph.erase_node(exit_)
+    gm.graph.erase_node(linear.node)
+    fused.name = name  # stands for the linear and its sum: keep the linear's readable name
+    return 1
+
+
+def _fuse(gm: fx.GraphModule, entry: fx.Node, linears: list[_Linear], fused_ops: dict) -> int:
     """Put the fused op of `entry` where its first linear is; 1 when done, 0 when it cannot be."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     linears = sorted(linears, key=lambda lin: order[lin.node])
@@ -131,7 +190,7 @@ def _fuse(gm: fx.GraphModule, entry: fx.Node, linears: list[_Linear]) -> int:
     bound.apply_defaults()
     kwargs = {k: v for k, v in bound.arguments.items() if k != "x"}
     with gm.graph.inserting_before(first):
-        fused = gm.graph.call_function(_FUSED[entry.target],
+        fused = gm.graph.call_function(fused_ops[entry.target],
                                        (bound.arguments["x"], weights, biases), kwargs)
     _fused_meta(entry, fused, [lin.node for lin in linears])
     _replace_linears(gm, fused, [lin.node for lin in linears])

@@ -31,6 +31,12 @@ with others is descheduled now and then, and its steps pay for that too).
 The three probes run in interleaved rounds, and each takes its median round,
 so a burst of other work on the machine moves one round, not the figure.
 
+Power: on a CUDA device, its enforced power limit and the SM clock it sustained
+in the GEMM probe (sampled after each round, the median kept) are read through
+NVML (the optional `pynvml` module of nvidia-ml-py, which torch.cuda reads
+clocks with too), so the profile describes the part as capped; on a CPU, or
+where NVML cannot be reached, the profile says why instead.
+
 Links: on every mesh axis with more than one rank, all-reduce, all-gather,
 reduce-scatter and send/recv at message sizes from `min_size` to `max_size`
 (times 4), timed as `ptc bench-comm` times them (the slowest rank's mean);
@@ -59,7 +65,7 @@ from ptc.compiler.profile.cache import with_model_shape
 from ptc.compiler.records.params import COMPUTE_DTYPES
 from ptc.compiler.cost.topology import axis_placements as placement
 from ptc.compiler.graph.work import Work, function_work, graph_work
-from ptc.hwprofile import HardwareProfile, Link
+from ptc.hwprofile import HardwareProfile, Link, Power
 from ptc.plan import ModelSpec, Plan
 from ptc.runtime.init import ModelBuilder
 
@@ -115,9 +121,11 @@ def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> Har
         o = dispatch.run() / dispatch.work.ops  # sizes the other two probes
         memory = memory_probe(device, dtype, shapes, settings.seconds, o)
         gemm = gemm_probe(device, dtype, shapes, settings.seconds, o)
+        meter = PowerMeter(device)
         for _ in range(settings.rounds):  # interleaved: the machine's mood hits all three
             for probe in (dispatch, memory, gemm):
                 probe.run()
+            meter.sample()  # right after the GEMM round: the clock it sustained
         probes = {"dispatch": dispatch.record(), "memory": memory.record(),
                   "gemm": gemm.record()}
         o = dispatch.seconds / dispatch.work.ops
@@ -136,6 +144,7 @@ def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> Har
             dispatch_overhead=o,
             links={name: Link(bandwidth=link.bandwidth, latency=link.latency)
                    for name, link in fit.links.items()},
+            power=meter.reading(),
             info={"world_size": dist.get_world_size(), "device_name": _device_name(device),
                   "torch": torch.__version__, "threads": torch.get_num_threads(),
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -301,6 +310,44 @@ MAX_SCALE = 256
 """Most times the tokens a probe may grow to (`Probe`)."""
 
 
+class PowerMeter:
+    """A CUDA device's power limit and SM clock, read through NVML (the optional `pynvml`
+    module of nvidia-ml-py: not a dependency of ptc); on a CPU, or where NVML cannot be
+    reached, why they are unknown."""
+
+    def __init__(self, device: torch.device):
+        """Open the device's NVML handle, or record why there is none."""
+        self.clocks: list[float] = []
+        self.handle, self.nvml, self.why = None, None, ""
+        if device.type != "cuda":
+            self.why = "a CPU has no power limit"
+            return
+        try:
+            import pynvml  # noqa: PLC0415 - optional: only a CUDA device has a limit to read
+
+            pynvml.nvmlInit()
+            uuid = torch.cuda.get_device_properties(device).uuid
+            self.handle, self.nvml = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}"), pynvml
+        except Exception as exc:  # noqa: BLE001 - no pynvml, no driver, or NVML refuses
+            self.why = (f"NVML cannot be read ({type(exc).__name__}: {exc}); "
+                        "pip install nvidia-ml-py to record the power limit and clock")
+
+    def sample(self) -> None:
+        """Record the SM clock (MHz) over NVML's last sample period."""
+        if self.handle is not None:
+            self.clocks.append(float(self.nvml.nvmlDeviceGetClockInfo(
+                self.handle, self.nvml.NVML_CLOCK_SM)))
+
+    def reading(self) -> Power:
+        """The enforced power limit (watts) and the median sampled clock, or why not."""
+        if self.handle is None:
+            return Power(unmeasured=self.why)
+        limit = self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1000
+        clock = statistics.median(self.clocks) if self.clocks else None
+        return Power(limit=limit, sm_clock=clock,
+                     unmeasured="" if clock is not None else "no GEMM round ran")
+
+
 def _links(plan: Plan, device: torch.device, settings: Settings,
            groups: dict[str, dist.ProcessGroup]) -> tuple[list[Measurement], dict]:
     """Collectives on every axis with more than one rank; (measurements, per-axis fits)."""
@@ -377,6 +424,8 @@ def render_profile(profile: HardwareProfile, plan: Plan) -> str:
              f"(plan: {hw.mem_bandwidth / 1e9:,.2f})",
              f"  dispatch      {format_seconds(profile.dispatch_overhead)} per op "
              f"(plan: {format_seconds(hw.dispatch_overhead)})"]
+    plan_limit = _watts(hw.power_limit) if hw.power_limit is not None else "none"
+    lines.append(f"  power         {_power_line(profile.power)} (plan: power_limit {plan_limit})")
     for name, link in profile.links.items():
         old = getattr(hw, name)
         lines.append(f"  {name:<13} {format_seconds(link.latency)} + {link.bandwidth / 1e9:,.3f} "
@@ -387,3 +436,15 @@ def render_profile(profile: HardwareProfile, plan: Plan) -> str:
                      f"fitted link reproduces its collectives within "
                      f"{fit['median_error']:.0%} (median), {fit['max_error']:.0%} (worst)")
     return "\n".join(lines)
+
+
+def _power_line(power: Power | None) -> str:
+    """The power limit and sustained clock a profile records, or why it has none."""
+    if power is None or power.limit is None:
+        return f"not measured: {power.unmeasured if power else 'not recorded'}"
+    clock = f"{power.sm_clock:,.0f} MHz" if power.sm_clock is not None else power.unmeasured
+    return f"limit {_watts(power.limit)}, SM clock in the GEMM probe {clock}"
+
+
+def _watts(value: float) -> str:
+    return f"{value:g} W"

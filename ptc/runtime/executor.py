@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import re
 import time
@@ -70,6 +71,7 @@ from ptc.compiler.records.stages import StageInfo
 from ptc.errors import PtcError
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
+from ptc.ops import weight_gathers
 from ptc.ops.dropout import Samples, dropout_samples
 from ptc.ops.fp8_linear import advance_amax_history
 from ptc.ops.recompute import recompute_once
@@ -447,14 +449,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
 
-    def train_step(self, step: int, *, position: int | None = None) -> StepStats:
+    def train_step(self, step: int, *, position: int | None = None,
+                   leave_weights: bool = False) -> StepStats:
         """Run optimizer step `step` (0-based) on this rank; collective over every axis.
 
         `position` is the index of the step's first sample (default: step ·
         global_batch; larger once a rollback skipped data). When any rank
         sees a non-finite loss or gradient — all ranks learn it through one
         all-reduce, or through the gradient all-reduce (`FoldedGuard`) — no
-        rank updates, and the stats name those ranks.
+        rank updates, and the stats name those ranks. `leave_weights`: at
+        ZeRO 1-2 with overlap, leave the updated weights' all-gathers in flight
+        for the next step's forward to wait on unit by unit
+        (`ptc.ops.weight_gathers`); whoever calls must `settle_weights()` before
+        anything else reads the weights. Without it they are waited for here.
         """
         train = self.plan.train
         start, waited = time.perf_counter(), comm_wait_seconds()
@@ -473,6 +480,7 @@ class Trainer:
                     raise located(exc, self.rank, step, action) from exc
                 state.sends = [t for t in state.sends if not t.done()]
             self.action = None
+            weight_gathers.settle()  # units the forward did not read: before the update
             for transfer in state.sends:
                 transfer.wait()
             for chunk in self.chunks.values():
@@ -493,9 +501,11 @@ class Trainer:
                 norm = self.optimizer.clip(train.grad_clip, uncounted=self._uncounted,
                                            pp_group=self.pp_group)
                 self.optimizer.step(lr)
-                for chunk in self.chunks.values():
+                leave = leave_weights and self.plan.parallel.overlap
+                for s, chunk in self.chunks.items():
                     publish(chunk.units, self.group, zero=self.zero, rank=self.dp_rank,
-                            world=self.dp)
+                            world=self.dp, leave=functools.partial(weight_gathers.expect, s)
+                            if leave else None)
                 return norm
 
             # One flag per rank of the job (every axis): all ranks skip or update together.
@@ -511,6 +521,11 @@ class Trainer:
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited)
+
+    @staticmethod
+    def settle_weights() -> None:
+        """Wait for the weight all-gathers a `train_step(leave_weights=True)` left in flight."""
+        weight_gathers.settle()
 
     @property
     def _uncounted(self) -> set[int]:

@@ -224,8 +224,10 @@ class TrainLoop:
 
     def _train_step(self) -> StepStats:
         try:
-            # Both trainers (one stage and pipeline) take the data position.
-            return self.trainer.train_step(self.step, position=self.position)
+            # Both trainers (one stage and pipeline) take the data position. The updated
+            # weights' all-gathers stay in flight when the loop's next work is another step.
+            return self.trainer.train_step(self.step, position=self.position,
+                                           leave_weights=self._steps_on())
         except Exception as exc:
             if not is_timeout(exc):
                 raise
@@ -234,6 +236,12 @@ class TrainLoop:
                 time.sleep(REPORT_GRACE_S)
             raise RankError(f"rank {self.rank}: step {self.step + 1}: a collective timed out "
                             f"after {timeout().total_seconds():g} s; {diagnosis}") from exc
+
+    def _steps_on(self) -> bool:
+        """Whether another step follows the one about to run. What the loop does between
+        steps reads no weights: saves and snapshots take the masters and optimizer state,
+        a rollback follows a step that updated nothing."""
+        return self.step + 1 < self.steps
 
     def _nonfinite(self, stats: StepStats) -> None:
         policy = self.plan.runtime.nan_policy

@@ -164,14 +164,17 @@ def bind_buffers(gm: fx.GraphModule, values: Mapping[str, torch.Tensor],
 
 
 def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero: int,
-            rank: int, world: int) -> None:
+            rank: int, world: int, leave: Callable[[int, Work], None] | None = None) -> None:
     """Make the graph's weights equal the updated masters (cast, then all-gather shards).
 
-    Ordered on the device's stream: what runs next reads the new weights.
+    Ordered on the device's stream: what runs next reads the new weights. With
+    `leave`, the ZeRO 1-2 all-gathers are not waited for: `leave(index, work)`
+    gets each unit's (its index in `units`), for the next forward to wait on
+    where it first reads that unit (`ptc.ops.weight_gathers`).
     (Optimizer offload publishes unit by unit as it steps: `ptc.runtime.offload`.)"""
-    works: list[Work] = []
+    works: list[tuple[int, Work]] = []
     with torch.no_grad():
-        for unit in units:
+        for index, unit in enumerate(units):
             if unit.full is None:  # ZeRO-3: the graph gathers from its shards itself
                 if unit.shard is not None:
                     unit.shard.copy_(unit.master)
@@ -183,9 +186,12 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
             mine = weight_shard(unit, rank=rank, world=world)
             if mine.data_ptr() != unit.master.data_ptr():
                 mine.copy_(unit.master)
-            works.append(gather_full(unit, group, rank=rank, world=world))
-    for work in works:
-        work.wait()
+            works.append((index, gather_full(unit, group, rank=rank, world=world)))
+    for index, work in works:
+        if leave is None:
+            work.wait()
+        else:
+            leave(index, work)
 
 
 def weight_shard(unit: UnitState, *, rank: int, world: int) -> torch.Tensor:

@@ -293,6 +293,13 @@ def _snapshots(plan: Plan, est: Estimate, interval: float, pause: float, mtbf: f
             f"with storage alone).")
 
 
+def _power_row(hw: HardwareSpec, dtype: str) -> str:
+    """The power limit's row label: what it does to the GEMM rate beside it."""
+    if dtype in hw.gemm_flops:
+        return "power limit (the measured GEMM rate's)"
+    return f"power limit (GEMM clock x {hw.clock_share:.3g})"
+
+
 def _rates(plan: Plan, est: Estimate) -> FitTable:
     """The figures compute and communication are priced with, and where each comes from: the
     calibration profile the plan names, the preset, or the plan itself; on a GPU priced by
@@ -328,11 +335,15 @@ def _rates(plan: Plan, est: Estimate) -> FitTable:
         table.add_column(name, justify="right" if name == "value" else "left")
     gemm_source = origin("gemm_flops", hw.gemm_flops.get(dtype)) if dtype in hw.gemm_flops \
         else origin("achievable_fraction", hw.achievable_fraction)
+    capped = f" x {hw.clock_share:.3g}" if hw.power_limit is not None else ""
     gemm_how = "" if dtype in hw.gemm_flops else \
-        f" (peak x {hw.achievable_fraction:g})"
+        f" (peak x {hw.achievable_fraction:g}{capped})"
     rate = hw.gemm_rate(dtype)
     shown = f"{rate / 1e12:,.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.4g} GFLOP/s"
     table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
+    if hw.power_limit is not None:
+        table.add_row(_power_row(hw, dtype), f"{hw.power_limit:g} W of {hw.board_power:g} W",
+                      origin("power_limit", hw.power_limit))
     sms = rates(hw, plan.train.dtype).multiprocessors
     if sms:
         lay, layer_profile = est.layout, plan_profile(plan)

@@ -79,7 +79,7 @@ def test_a_model_that_cannot_be_profiled_is_profiled_once_until_its_source_chang
     monkeypatch.setattr(profile, "_CACHE", {})
     calls = []
 
-    def refuse(spec, dtype, shards):
+    def refuse(spec, dtype, shards, fp8_recipe):
         calls.append(spec.factory)
         raise PtcError(f"model \"{spec.factory}\": no token embedding found")
 

@@ -177,3 +177,21 @@ def test_a_split_backwards_w_is_the_linears_weight_gradient_gemms(tp):
     assert layer.gemm == pytest.approx(2 * b * s * 12 * h * h / tp, rel=1e-9)
     assert head.gemm == pytest.approx(2 * b * s * h * vocab / tp, rel=1e-9)
     assert layer.ops == profile.params["layer"].tensors
+
+
+def test_a_power_capped_plan_is_priced_with_its_gemms_at_the_clock_the_cap_sustains():
+    """The stated model (docs/cost-model.md, "Power limits"): under a cap only the matrix
+    products slow, by the clock share (power limit / board power)^(1/3). So a capped plan's
+    step is the full-power plan's with its GEMMs' share of peak lowered by that share, and
+    slower than the full-power step by less than 1/share (memory, links and bubble stay)."""
+    share = (500 / 700) ** (1 / 3)
+    base = _plan(num_gpus=8, tp=2, dp=4, zero=1)
+
+    def with_hardware(**kw):
+        return dataclasses.replace(base, hardware=dataclasses.replace(base.hardware, **kw))
+
+    capped = with_hardware(power_limit=500.0)
+    lowered = with_hardware(achievable_fraction=base.hardware.achievable_fraction * share)
+    full, at_cap, at_lower_share = (estimate(p).step_time_s for p in (base, capped, lowered))
+    assert at_cap == pytest.approx(at_lower_share)
+    assert full < at_cap < full / share

@@ -80,3 +80,36 @@ def test_emulated_fp8_is_priced_at_the_bf16_rate_without_an_fp8_peak():
     priced = estimate(emulated)  # the GEMMs at bf16's rate, the casts beside them
     assert priced.breakdown["compute"] == pytest.approx(
         estimate(plan).breakdown["compute"] + _cast_seconds(emulated, priced.layout))
+
+
+def _recipe_cast_seconds(plan, lay, recipe) -> float:
+    """The seconds a step's rowwise or mxfp8 casts take on one rank: each operand quantised
+    once per GEMM it feeds (5 bytes an element), a copy laid out transposed for its GEMM
+    2 bytes more (x's and the output gradient's along M, the weight's along N), mxfp8's
+    E8M0 scales one byte per 32 elements (`profile.fp8.fp8_casts`)."""
+    m, h, ffn = lay.micro_batch * plan.train.seq_len, plan.model.hidden, plan.model.ffn
+    linears = [(h, h)] * 4 + [(h, ffn)] * 2 + [(ffn, h)]
+    per_element = 1 / 32 if recipe == "mxfp8" else 0
+    cast_bytes = 0.0
+    for k, n in linears:
+        x, w, out = m * k, n * k, m * n
+        forward = (5 + per_element) * (2 * x + w) + 2 * x
+        backward = (5 + per_element) * (2 * out + w) + 2 * out + 2 * w
+        cast_bytes += forward + backward
+    return lay.microbatches * lay.layers * cast_bytes / lay.tp / plan.hardware.mem_bandwidth
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_rowwise_and_mxfp8_pay_their_extra_casts_at_the_same_gemm_rate(recipe):
+    """The GEMMs stay at the fp8 peak (no per-recipe efficiency): the step differs from
+    tensorwise's by the casts alone."""
+    plan = load_plan(PLAN)
+    plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware,
+                                                                  multiprocessors=0))
+    tensorwise = _with(plan, dtype="fp8", fp8_scaling="current")
+    other = _with(tensorwise, fp8_recipe=recipe)
+    e8, er = estimate(tensorwise), estimate(other)
+    assert er.layout == e8.layout
+    extra = _recipe_cast_seconds(other, er.layout, recipe) - _cast_seconds(tensorwise, e8.layout)
+    assert er.breakdown["compute"] - e8.breakdown["compute"] == pytest.approx(extra, rel=1e-6)
+    assert er.step_time_s > e8.step_time_s

@@ -76,6 +76,26 @@ def test_rates_come_from_the_hardware():
     assert rates(HardwareSpec.preset("cpu"), "fp32").synchronous
 
 
+def documented_clock_share(power_limit: float, board_power: float) -> float:
+    """The curve docs/cost-model.md ("Power limits") states: dynamic power ~ f·V², V ~ f,
+    so a capped part's clock is (power limit / board power)^(1/3) of its full-power one."""
+    return (power_limit / board_power) ** (1 / 3)
+
+
+def test_a_power_limit_lowers_the_matrix_products_rates_by_the_clock_it_sustains():
+    full, capped = HardwareSpec.preset("H100-SXM"), HardwareSpec.preset("H100-SXM",
+                                                                        power_limit=500.0)
+    share = documented_clock_share(500, 700)
+    for dtype in ("bf16", "fp8"):
+        r, rc = rates(full, dtype), rates(capped, dtype)
+        assert rc.gemm == pytest.approx(r.gemm * share)
+        assert (rc.fp8 or 0) == pytest.approx((r.fp8 or 0) * share)
+        assert (rc.memory, rc.dispatch, rc.multiprocessors) == \
+            (r.memory, r.dispatch, r.multiprocessors)
+    at_board = HardwareSpec.preset("H100-SXM", power_limit=700.0)
+    assert rates(at_board, "bf16") == rates(full, "bf16")
+
+
 GPT = ModelSpec(family="gpt", layers=1, hidden=64, heads=4, vocab=128, max_seq=64)
 LLAMA = ModelSpec(family="llama", layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=128,
                   max_seq=64)
@@ -131,6 +151,24 @@ def test_a_layer_costs_its_work_at_the_rates():
     assert t.core == pytest.approx(hand("core", "fwd"))
     assert t.pre == pytest.approx(hand("pre", "fwd") + hand("pre", "bwd"))
     assert t.post == pytest.approx(hand("post", "fwd") + hand("post", "bwd"))
+
+
+def test_a_capped_layer_pays_the_slower_clock_on_its_gemms_only():
+    """A layer's seconds under a 250 W cap on a 400 W A100, against the hand sum of its
+    GEMM FLOPs at the capped rate and its bytes at the unchanged bandwidth."""
+    profile = model_profile(GPT, "bf16")
+    hw = HardwareSpec.preset("A100-80GB", power_limit=250.0)
+    r = dataclasses.replace(rates(hw, "bf16"), multiprocessors=0)  # FLOPs alone: by hand
+    t = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
+    gemm = 312e12 * hw.achievable_fraction * documented_clock_share(250, 400)
+    f = profile.fn
+
+    def hand(phase):
+        g, a, m = (f[f"work.layer.{phase}.{q}.all"](2, 32) for q in ("gemm", "attn", "mem"))
+        return (g + a) / gemm + m / hw.mem_bandwidth
+
+    assert t.forward == pytest.approx(hand("fwd"))
+    assert t.backward == pytest.approx(hand("bwd"))
 
 
 def test_one_sample_micro_batches_have_their_own_terms():

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from ptc.compiler.cost.step import tp_units
+from ptc.compiler.cost.tp_exposure import BoundaryCollectives, LinearTimes, layer_tp_time
 from ptc.compiler.search.estimate import estimate
 from ptc.compiler.profile.cache import model_profile, plan_profile
 from ptc.compiler.shapes import plan_from_shape
@@ -30,9 +30,16 @@ def test_a_block_kept_whole_is_held_whole_and_leaves_one_tp_region():
     assert kept.params["layer"].replicated == inferred.params["layer"].replicated + mlp
     assert (inferred.tp_entries, inferred.tp_exits) == (2, 2)  # attention and MLP
     assert (kept.tp_entries, kept.tp_exits) == (1, 1)  # attention only
+    each = BoundaryCollectives(all_gather=1.0, reduce_scatter=1.0, all_reduce=2.0)
+
+    def issued(profile, sp: bool, rerun: bool) -> float:
+        return layer_tp_time(profile, tp=2, sp=sp, async_tp=False, overlap=False,
+                             rerun_layer=rerun, regathers=0, each=each,
+                             linears=LinearTimes(0.0, 0.0), exposed_extra=0.0).issued
+
     for sp in (False, True):
-        assert tp_units(kept, "none", sp) == tp_units(inferred, "none", sp) / 2
-        assert tp_units(kept, "full", sp) == tp_units(inferred, "full", sp) / 2
+        for rerun in (False, True):
+            assert issued(kept, sp, rerun) == issued(inferred, sp, rerun) / 2
 
 
 def test_a_whole_attention_under_sequence_parallelism_runs_on_the_whole_sequence():

@@ -275,6 +275,7 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
     import torch.distributed as dist
 
     from ptc.lower.driver import compile_plan
+    from ptc.ops import weight_gathers
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import init_distributed
 
@@ -286,7 +287,13 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
         program = compile_plan(plan, model=module_of(case) if module_of else None)
         with case_groups(plan) as groups:
             trainer = Trainer(program, groups, models=MODELS)
-            losses = [trainer.train_step(k).loss for k in range(plan.train.steps)]
+            # As the training loop runs them: each step but the last leaves its ZeRO 1-2
+            # weight all-gathers for the next forward to wait on (`ptc.ops.weight_gathers`).
+            steps = plan.train.steps
+            losses, left = [], []
+            for k in range(steps):
+                losses.append(trainer.train_step(k, leave_weights=k + 1 < steps).loss)
+                left.append(weight_gathers.pending())
             state = trainer.full_state_dict()
             held = trainer.held_bytes()
             extra = {}
@@ -295,7 +302,7 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
                 dist.all_gather_object(extra["gathered"], gathered(trainer, program, groups))
         if dist.get_rank() == 0:
             results[case] = {
-                "losses": losses, "state": state, "held": held,
+                "losses": losses, "left_in_flight": left, "state": state, "held": held,
                 "predicted": program.state_bytes(), "log": program.pass_log, **extra}
     dist.destroy_process_group()
     return results

@@ -107,3 +107,108 @@ def fp8_pp_plan(case: tuple[str, int, str, str, int]) -> Plan:
 def run_fp8_pp_cases(cases: list[tuple[str, int, str, str, int]]) -> dict:
     """Worker: train every pipeline case (`dist_helpers.train_cases`)."""
     return train_cases(cases, fp8_pp_plan)
+
+
+RECIPE_SEQ = 64
+"""Sequence length of the recipe tests: a rank's chunk under sequence parallelism at tp 2
+holds one whole mxfp8 block of 32 tokens."""
+
+
+def fp8_recipe_plan(case: tuple) -> Plan:
+    """(family, tp, fp8 recipe[, "sp"]): the tp test's tiny model widened so that every
+    linear's shard holds whole 32-blocks at tp 2 (hidden 64; Llama with 4 key/value heads),
+    at sequence length RECIPE_SEQ, in fp8 (emulated, current scaling) with that recipe."""
+    family, tp, recipe, *sp = case
+    plan = tp_plan(TPCase(family, tp, sp=sp == ["sp"]))
+    heads = {"kv_heads": 4} if family == "llama" else {}
+    model = dataclasses.replace(plan.model, hidden=64, max_seq=RECIPE_SEQ, **heads)
+    return dataclasses.replace(plan, model=model, train=dataclasses.replace(
+        plan.train, seq_len=RECIPE_SEQ, dtype="fp8", fp8_recipe=recipe, fp8_scaling="current",
+        fp8_emulate=True))
+
+
+def run_fp8_recipe_cases(cases: list[tuple]) -> dict:
+    """Worker: train every recipe case (`dist_helpers.train_cases`)."""
+    return train_cases(cases, fp8_recipe_plan)
+
+
+def split_gemm_worker(recipes: tuple[str, ...]) -> dict:
+    """Worker (2 ranks, gloo): per recipe and tp role, the largest |split - unsplit| of y,
+    dx and dW of one fp8_linear, each over its bound (`test_fp8_recipes`): the linear run
+    whole on every rank, then column-parallel (W's rows split: y and dW by column, dx a
+    partial sum) and row-parallel (W's columns and x's features split: y a partial sum, dx
+    and dW by column), each rank's pieces joined."""
+    import torch
+    import torch.distributed as dist
+
+    from ptc.ops.comm import bind_axes
+    from ptc.ops.fp8_linear import COLUMN, ROW, Fp8Scaling, fp8_linear
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 32, 64, generator=g) * torch.logspace(-2, 1, 64)
+    w = torch.randn(128, 64, generator=g) * torch.logspace(0, -2, 128)[:, None]
+    dy = torch.randn(2, 32, 128, generator=g) * torch.logspace(-3, 0, 128)
+
+    def run(x, w, dy, recipe, role):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        scaling = Fp8Scaling(delayed=False, window=1, emulate=True, axis="tp" if role else None,
+                             recipe=recipe, role=role)
+        y = fp8_linear(x, w, None, scaling)
+        y.backward(dy)
+        return y.detach(), x.grad, w.grad
+
+    def joined(t, dim):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim)
+
+    def summed(t):
+        dist.all_reduce(t)
+        return t
+
+    out = {}
+    n, k = w.shape[0] // world, w.shape[1] // world
+    # fp32 sums in another order: 2·(K + 4)·2^-24 of the products' magnitudes (K at most
+    # 128, the dgrad's), the float8
+    # operands within 2^-3 of the originals (e4m3, current scaling: no saturation).
+    slack = 2 * (128 + 4) * 2.0**-24 * (1 + 2**-3) ** 2
+    magnitude = {"y": x.abs().reshape(-1, 64) @ w.abs().t(),
+                 "dx": dy.abs().reshape(-1, 128) @ w.abs(),
+                 "dw": dy.abs().reshape(-1, 128).t() @ x.abs().reshape(-1, 64)}
+    with bind_axes({"tp": dist.group.WORLD}):
+        for recipe in recipes:
+            whole = run(x, w, dy, recipe, None)
+            rows = slice(rank * n, (rank + 1) * n)
+            y, dx, dw = run(x, w[rows], dy[..., rows], recipe, COLUMN)
+            column = (joined(y, -1), summed(dx), joined(dw, 0))
+            cols = slice(rank * k, (rank + 1) * k)
+            y, dx, dw = run(x[..., cols], w[:, cols], dy, recipe, ROW)
+            row = (summed(y), joined(dx, -1), joined(dw, 1))
+            for role, split in ((COLUMN, column), (ROW, row)):
+                out[recipe, role] = {
+                    name: ((a - b).abs().reshape(magnitude[name].shape)
+                           / (slack * magnitude[name])).max().item()
+                    for name, a, b in zip(("y", "dx", "dw"), split, whole)}
+    dist.destroy_process_group()
+    return out
+
+
+LR, STEPS = 3e-3, 5  # as dist_helpers.tiny_plan trains
+"""The learning rate and steps of the fp8 plans (`tp_plan`'s)."""
+
+
+def assert_trains_as_tp1(one: dict, two: dict) -> None:
+    """tp 2 trained as tp 1: every step's loss within 2^-6 relative (float8 rounding of
+    partial sums taken in another order), every weight within 2·lr per step (Adam moves a
+    weight by at most about lr a step: two runs apart by more moved differently)."""
+    import torch  # noqa: PLC0415 - the worker module imports no torch at load
+
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]),
+                               rtol=2**-6, atol=0)
+    bound = 2 * LR * STEPS
+    for name, value in one["state"].items():
+        diff = (two["state"][name].float() - value.float()).abs()
+        assert diff.max() <= bound, f"{name}: {diff.max():.3g} > {bound:.3g}"
+

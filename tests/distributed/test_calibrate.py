@@ -10,13 +10,14 @@ import json
 import math
 
 import pytest
+import torch
 from ckpt_helpers import ckpt_plan
 
 from ptc.cli import main
 from ptc.dsl import load_plan
-from ptc.hwprofile import load_profile
+from ptc.hwprofile import Power, load_profile
 from ptc.models import build_model
-from ptc.runtime.calibrate import Settings, calibrate
+from ptc.runtime.calibrate import PowerMeter, Settings, calibrate
 
 QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2, warmup=1)
 
@@ -39,6 +40,28 @@ def test_calibrate_measures_every_rate_and_the_dp_link(tmp_path):
     assert profile.info["world_size"] == 2
     for probe in ("dispatch", "memory", "gemm"):
         assert profile.info["probes"][probe]["ops"] > 0
+    # A CPU has no power limit: the profile says so and leaves the plan's limit alone.
+    assert profile.power == Power(unmeasured="a CPU has no power limit")
+    assert "power_limit" not in profile.overrides()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpus_power_limit_and_sustained_clock_are_read_or_said_unreadable():
+    """With NVML (nvidia-ml-py) the meter reads the enforced limit and the SM clock after a
+    GEMM; without it, the reading says why instead of guessing."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    meter = PowerMeter(device)
+    x = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    for _ in range(20):
+        x = x @ x.T / 64
+    torch.cuda.synchronize(device)
+    meter.sample()
+    reading = meter.reading()
+    if reading.limit is None:
+        assert "nvidia-ml-py" in reading.unmeasured
+    else:
+        assert reading.limit > 0 and reading.sm_clock > 0 and not reading.unmeasured
 
 
 @pytest.mark.distributed

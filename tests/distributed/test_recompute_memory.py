@@ -5,7 +5,8 @@ the runtime does (`tp_helpers.measure_activations`: what autograd saves,
 gathered activations kept as their local chunks under sequence parallelism,
 the checkpoint regions' inputs, what a saving region's selective checkpoint
 caches), for GPT (written-out attention, LayerNorm, GELU) and Llama (fused
-attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32, bf16 and fp8 (emulated), tp 2 with
+attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32, bf16 and fp8 (emulated; its rowwise
+and mxfp8 recipes too), tp 2 with
 and without sequence parallelism, under none, selective, full, ops, each
 recompute module alone and all four; `checkpoint = auto(all)` under a budget that makes it mix
 op-level and module recompute; and modules `shard ... replicate` rules keep whole (an MLP,
@@ -94,6 +95,15 @@ TP_CASES = [MemoryCase(spec, sp) for spec in (*SPECS, dataclasses.replace(SPECS[
 """fp32 without recompute, and a Llama with one key/value head (whole on both ranks: the
 model's `kv` class): what tp and sequence parallelism save."""
 CASES += [case for case in TP_CASES if case not in CASES]
+RECIPE_CASES = [MemoryCase(spec, sp, "fp8", policy, recipe="rowwise") for spec in SPECS
+                for sp in (False, True) for policy in ("none", "selective", "ops", "full")]
+RECIPE_CASES += [MemoryCase(spec, False, "fp8", policy, recipe="mxfp8")
+                 for spec in (SPECS[0], dataclasses.replace(SPECS[1], kv_heads=4))
+                 for policy in ("none", "selective", "ops")]
+"""The other fp8 recipes: rowwise (its row-parallel linears keep their shard's column
+scales: `SavedClasses.split_const`), and mxfp8 where every contraction holds whole 32-blocks
+on a rank (Llama's key/value projections of 2 heads have 16 output features a rank: with 4)."""
+CASES += RECIPE_CASES
 LOSS_SCALAR = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""

@@ -16,7 +16,10 @@ draws them the same way (`dist_helpers.keyed_dropout`).
 The programs are the full pass list's: each tp entry collective is fused
 with its column-parallel linears by comm_overlap, so their input-gradient
 all-reduce (reduce-scatter with SP) runs while the weight gradients are
-computed (checkpointed tp layouts: test_recompute_equivalence).
+computed (checkpointed tp layouts: test_recompute_equivalence). With
+`tp_comm = async` every sequence-parallel all-gather and row-parallel
+reduce-scatter runs as a collective matmul (`ptc.ops.async_tp`): tp 2 and 4,
+fp32 and bf16, dropout, full and selective recompute, ZeRO-1 and ZeRO-3.
 The loss of every step and every parameter after 5 AdamW steps (cosine
 schedule with warm-up, global-norm clipping at 1.0) equal `torch.optim.AdamW`
 on the eager model over the full global batch, from the same initial
@@ -41,6 +44,8 @@ start-up is paid once per launch: three launches in all.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from dist_helpers import STEPS, assert_same_training, reference
@@ -72,16 +77,26 @@ LAUNCHES = {
            + [TPCase(f, 2, True, shards=((WHOLE_ATTENTION[f], "replicate"),))
               for f in ("llama", "gpt+dropout", "nanogpt+dropout")]
            # one layer's MLP kept whole, the other's split (a plan ptc runs but cannot price)
-           + [TPCase("llama", 2, True, shards=(("layers.1.mlp.*", "replicate"),))],
+           + [TPCase("llama", 2, True, shards=(("layers.1.mlp.*", "replicate"),))]
+           # collective matmuls (tp_comm = async): every sequence-parallel all-gather and
+           # reduce-scatter in ring steps beside its GEMMs, in fp32 and bf16, with dropout
+           # and under full and selective recompute
+           + [TPCase(f, 2, True, tp_comm="async") for f in FAMILIES + ("gpt+dropout",)]
+           + [TPCase("llama", 2, True, tp_comm="async", dtype="bf16"),
+              TPCase("llama", 2, True, tp_comm="async", checkpoint="full"),
+              TPCase("gpt", 2, True, tp_comm="async", checkpoint="selective")],
     "tp4": [TPCase(f, 4, sp) for f in FAMILIES for sp in (False, True)]
            + [TPCase("gpt+dropout", 4, False)]
            # 2 key/value heads over 4 ranks: each head shared by two ranks' query heads
-           + [TPCase("llama+kv2", 4, sp) for sp in (False, True)],
+           + [TPCase("llama+kv2", 4, sp) for sp in (False, True)]
+           + [TPCase(f, 4, True, tp_comm="async") for f in ("gpt", "llama")],
     "tp2dp2": [TPCase(f, 2, sp, dp=2, zero=z) for f in ("gpt", "llama") for z in (1, 3)
                for sp in (False, True)]
               + [TPCase("nanogpt", 2, True, dp=2, zero=1), TPCase("nanogpt", 2, False, dp=2, zero=3),
                  TPCase("gpt+dropout", 2, True, dp=2, zero=3),
-                 TPCase("llama+kv1", 2, False, dp=2, zero=3)],
+                 TPCase("llama+kv1", 2, False, dp=2, zero=3),
+                 TPCase("llama", 2, True, dp=2, zero=3, tp_comm="async"),
+                 TPCase("gpt", 2, True, dp=2, zero=1, tp_comm="async")],
 }
 CASES = [(launch, case) for launch, cases in LAUNCHES.items() for case in cases]
 
@@ -109,6 +124,15 @@ def test_matches_single_process_adamw(launch: str, case: TPCase) -> None:
         assert any(", 6 gather_seq" in m for m in got["log"])
     if "head" in rules and case.sp:  # the whole head's input
         assert any(", 1 gather_seq" in m for m in got["log"])
-    # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward).
-    assert any("tp input-gradient reductions overlap weight gradients" in m for m in got["log"])
+    # comm_overlap fuses every tp entry with its column-parallel linears (overlapped backward);
+    # with tp_comm = async every all_gather_seq and every row-parallel linear's reduce-scatter
+    # becomes a collective matmul.
+    if case.tp_comm == "async":
+        gathers = int(re.search(r"(\d+) all_gather_seq", " ".join(got["log"])).group(1))
+        rows = int(re.search(r"(\d+) rowwise", got["log"][0]).group(1))
+        assert any(f"{gathers + rows} tp collectives run in ring steps beside their GEMMs" in m
+                   for m in got["log"]), got["log"]
+    else:
+        assert any("tp input-gradient reductions overlap weight gradients" in m
+                   for m in got["log"])
     assert_same_training(got, reference(tp_plan(case)), what=str(case))

@@ -14,7 +14,10 @@ Each process count launches once and trains all 17 cases in a row
 (module-scoped cache), so start-up is paid three times in all (3 processes:
 every unit padded to a multiple of dp, the odd case).
 The bytes each rank holds afterwards are checked against the Program's
-prediction, the ZeRO formulas and the compiler's memory model.
+prediction, the ZeRO formulas and the compiler's memory model. Steps run as
+the training loop runs them: at ZeRO 1-2 each leaves its weight all-gathers
+in flight, waited for unit by unit by the next forward's `await_weights`
+nodes, so equality covers that path too.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def _reference(dp: int, family: str, accum: int) -> Reference:
 def test_matches_single_process_adamw(dp: int, family: str, zero: int, accum: int) -> None:
     got = _run(dp)[(family, zero, accum)]
     assert len(got["losses"]) == STEPS
+    # ZeRO 1-2: every unit's weight all-gather is left in flight after each step but the last,
+    # for the next forward to wait on where it first reads the unit; none otherwise.
+    units = len(compile_plan(tiny_plan(family, zero=zero, dp=dp, accum=accum)).layout.units)
+    left = units if zero in (1, 2) else 0
+    assert got["left_in_flight"] == [left] * (STEPS - 1) + [0]
     assert_same_training(got, _reference(dp, family, accum),
                          what=f"{family} zero={zero} dp={dp} accum={accum}")
 

@@ -37,6 +37,11 @@ class TPCase:
     zero: int = 0
     shards: tuple[tuple[str, str], ...] = ()
     """(glob, style) shard rules, e.g. a replicated embedding."""
+    tp_comm: str = "sync"
+    """parallel.tp_comm: "async" runs sequence parallelism's collectives as collective
+    matmuls (`ptc.ops.async_tp`)."""
+    dtype: str = "fp32"
+    checkpoint: str = "none"
 
     @property
     def world(self) -> int:
@@ -46,7 +51,9 @@ class TPCase:
     def __str__(self) -> str:
         dp = f" dp{self.dp} zero{self.zero}" if self.dp > 1 else ""
         rules = "".join(f" {glob}={style}" for glob, style in self.shards)
-        return f"{self.family} tp{self.tp}{' sp' if self.sp else ''}{dp}{rules}"
+        extra = "".join(f" {v}" for v, default in ((self.tp_comm, "sync"), (self.dtype, "fp32"),
+                                                    (self.checkpoint, "none")) if v != default)
+        return f"{self.family} tp{self.tp}{' sp' if self.sp else ''}{extra}{dp}{rules}"
 
 
 def tp_model(family: str, tp: int) -> ModelSpec:
@@ -69,12 +76,13 @@ def tp_model(family: str, tp: int) -> ModelSpec:
 
 def tp_plan(case: TPCase, steps: int = STEPS) -> Plan:
     """The tiny model of `case`, two samples per micro-batch, one micro-batch per dp rank."""
-    base = tiny_plan("gpt", zero=case.zero, dp=case.dp, accum=1, steps=steps)
+    base = tiny_plan("gpt", zero=case.zero, dp=case.dp, accum=1, steps=steps, dtype=case.dtype)
     return dataclasses.replace(
         base, model=tp_model(case.family, case.tp),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(tp=case.tp, dp=case.dp, zero=case.zero,
-                              sequence_parallel=case.sp,
+                              sequence_parallel=case.sp, tp_comm=case.tp_comm,
+                              checkpoint=case.checkpoint,
                               shards=tuple(ShardRule(pattern=glob, style=style)
                                            for glob, style in case.shards)))
 
@@ -97,12 +105,15 @@ class MemoryCase:
     """Bytes per GPU "auto" fits in (through memory_margin); None: the whole HBM."""
     shards: tuple[tuple[str, str], ...] = ()
     """(pattern, style) of the plan's shard rules: modules kept whole or split by hand."""
+    recipe: str = "tensorwise"
+    """train.fp8_recipe of an fp8 case (rowwise and mxfp8 with current scaling)."""
 
     def __str__(self) -> str:
         ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
         rules = "".join(f"-{pattern}={style}" for pattern, style in self.shards)
+        dtype = self.dtype if self.recipe == "tensorwise" else f"{self.dtype}:{self.recipe}"
         return (f"{self.spec.family}-kv{self.spec.num_kv_heads}{'-sp' if self.sp else ''}"
-                f"-{self.dtype}-{ckpt}{rules}")
+                f"-{dtype}-{ckpt}{rules}")
 
 
 def memory_plan(case: MemoryCase, tp: int) -> Plan:
@@ -112,7 +123,8 @@ def memory_plan(case: MemoryCase, tp: int) -> Plan:
     base = tiny_plan("gpt", zero=0, dp=1, accum=1, dtype="bf16" if fp8 else case.dtype)
     if fp8:
         base = dataclasses.replace(base, train=dataclasses.replace(
-            base.train, dtype="fp8", fp8_emulate=True))
+            base.train, dtype="fp8", fp8_emulate=True, fp8_recipe=case.recipe,
+            fp8_scaling="delayed" if case.recipe == "tensorwise" else "current"))
     hw = HardwareSpec.preset("cpu", gpus_per_node=tp)
     if case.budget is not None:
         hw = dataclasses.replace(hw, memory_margin=hw.hbm_bytes - case.budget)

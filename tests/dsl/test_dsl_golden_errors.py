@@ -85,6 +85,15 @@ GOLDEN = [
      "unknown schedule '1f2b'; did you mean '1f1b'?", 23, 14, ("gpipe", "1f1b", "interleaved")),
     ("bad-dtype", edit("dtype = bf16", "dtype = bf61"),
      "dtype = bf61 is not a valid choice", 31, 11, ("fp32", "bf16", "fp16")),
+    ("fp8-recipe-delayed", edit("dtype = bf16", "dtype = fp8\n  fp8_recipe = rowwise"),
+     "fp8_recipe = rowwise scales current only: fp8_scaling must be current, got delayed",
+     32, 16, ("current",)),
+    ("fp8-recipe-delayed-written", edit("dtype = bf16", "dtype = fp8\n  fp8_recipe = mxfp8\n"
+                                        "  fp8_scaling = delayed"),
+     "fp8_recipe = mxfp8 scales current only: fp8_scaling must be current, got delayed",
+     33, 17, ("current",)),
+    ("bad-fp8-recipe", edit("dtype = bf16", "dtype = fp8\n  fp8_recipe = blockwise"),
+     "fp8_recipe = blockwise is not a valid choice", 32, 16, ("tensorwise", "rowwise", "mxfp8")),
     ("bad-norm", edit("max_seq = 512", "max_seq = 512\n  norm = batchnorm"),
      "norm = batchnorm is not a valid choice", 10, 10, ("layernorm", "rmsnorm")),
     ("bad-nan-policy", edit("nan_policy = rollback", "nan_policy = retry"),
@@ -159,6 +168,35 @@ GOLDEN = [
     ("virtual-stages-twice", edit("schedule = 1f1b", "schedule = interleaved(virtual_stages = 2)"
                                   "\n  virtual_stages = 4"),
      "virtual_stages is 4 but the schedule says interleaved(virtual_stages = 2)", 24, 20, ()),
+    # --- tensor-parallel communication
+    ("tp-comm-unknown", edit("zero = 1", "zero = 1\n  tp_comm = overlapped"),
+     "tp_comm", 23, 13, ("sync", "async")),
+    ("tp-comm-async-without-sp", edit("zero = 1", "zero = 1\n  tp_comm = async"),
+     "tp_comm = async needs sequence_parallel = true", 23, 13, ("sync",)),
+    ("tp-comm-async-without-overlap", edit("zero = 1", "zero = 1\n  tp_comm = async\n"
+                                           "  sequence_parallel = true\n  overlap = false"),
+     "tp_comm = async needs overlap = true", 23, 13, ("sync",)),
+    # --- power limits
+    ("power-limit-above-board-power", edit("nodes = 1", "nodes = 1\n  power_limit = 800 W"),
+     "power_limit = 800 W is outside H100-SXM's range, 200 W to 700 W", 15, 17, ()),
+    ("power-limit-below-minimum", edit("nodes = 1", "nodes = 1\n  power_limit = 150 W"),
+     "power_limit = 150 W is outside H100-SXM's range, 200 W to 700 W", 15, 17, ()),
+    ("power-limit-without-unit", edit("nodes = 1", "nodes = 1\n  power_limit = 500"),
+     "power_limit needs a unit of a power, e.g. power_limit = 500 W", 15, 17, ("W", "kW")),
+    ("power-limit-wrong-dimension", edit("nodes = 1", "nodes = 1\n  power_limit = 500 GB"),
+     "power_limit expects a power (e.g. 500 W, 1.2 kW), got 500 GB, which is bytes",
+     15, 17, ("W",)),
+    ("power-limit-on-a-cpu", edit('gpu = "H100-SXM"', "gpu = cpu\n  power_limit = 100 W"),
+     "power_limit caps a GPU's power; a CPU has none (remove power_limit)", 14, 17, ()),
+    ("power-limit-of-a-custom-gpu", edit('gpu = "H100-SXM"', """gpu = custom
+  hbm = 24 GiB
+  peak = flops(bf16 = 165 TFLOP/s)
+  mem_bandwidth = 1000 GB/s
+  intra = link(bandwidth = 32 GB/s, latency = 5 us)
+  inter = link(bandwidth = 25 GB/s, latency = 5 us)
+  power_limit = 300 W"""),
+     "power_limit needs the part's board_power (its full power, e.g. board_power = 700 W)",
+     19, 17, ()),
 ]
 
 
@@ -175,6 +213,13 @@ def test_golden_error(text: str, needle: str, line: int, column: int,
     assert rendered.startswith(f"plan.ptc:{line}:{column}: error: ")
     if d.span.source_line:  # the end of a file is an empty line: nothing to underline
         assert "\n    " + " " * (column - 1) + "^" in rendered
+
+
+def test_every_power_limit_error_is_one_line_naming_the_field() -> None:
+    for name, text, *_ in GOLDEN:
+        if name.startswith("power-limit"):
+            (d,) = errors(text)
+            assert d.field == "hardware.power_limit" and "\n" not in d.message, name
 
 
 def test_golden_count() -> None:

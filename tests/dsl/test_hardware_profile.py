@@ -13,7 +13,14 @@ import pytest
 
 from ptc.dsl import dump_plan, load_plan, parse
 from ptc.errors import PlanError
-from ptc.hwprofile import HardwareProfile, Link, ProfileError, load_profile, write_profile
+from ptc.hwprofile import (
+    HardwareProfile,
+    Link,
+    Power,
+    ProfileError,
+    load_profile,
+    write_profile,
+)
 from ptc.plan import HardwareSpec, LinkSpec
 
 PLAN = """\
@@ -40,7 +47,14 @@ train {
 PROFILE = HardwareProfile(
     device="cpu", gemm_flops={"fp32": 4.5e10}, mem_bandwidth=7.5e9, dispatch_overhead=9e-6,
     links={"intra": Link(bandwidth=6e8, latency=1.25e-3)},
+    power=Power(unmeasured="a CPU has no power limit"),
     info={"world_size": 2, "device_name": "x86_64", "axes": {"dp": {"ranks": 2}}})
+
+GPU_PLAN = PLAN.replace("gpu = cpu", 'gpu = "H100-SXM"').replace("dtype = fp32", "dtype = bf16")
+
+CAPPED = HardwareProfile(
+    device="cuda", gemm_flops={"bf16": 4.2e14}, mem_bandwidth=2.9e12, dispatch_overhead=0.0,
+    power=Power(limit=500.0, sm_clock=1455.0), info={"device_name": "NVIDIA H100 80GB HBM3"})
 
 
 def write(folder, plan: str = PLAN, profile: HardwareProfile | dict | str = PROFILE,
@@ -101,6 +115,35 @@ def test_dump_writes_the_profile_not_its_figures(tmp_path):
     assert parse(text, file=str(tmp_path / "dumped.ptc")) == plan
 
 
+def test_a_cpu_profile_says_why_it_has_no_power_limit(tmp_path):
+    write_profile(PROFILE, tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["power"] == {
+        "limit": None, "sm_clock": None, "unmeasured": "a CPU has no power limit"}
+    assert load_plan(write(tmp_path)).hardware.power_limit is None
+
+
+def test_a_capped_gpus_profile_describes_the_capped_part(tmp_path):
+    """The limit the profile was measured under becomes the plan's; its measured GEMM rate is
+    that limit's already, and a rate it did not measure is priced at the clock it leaves."""
+    hw = load_plan(write(tmp_path, GPU_PLAN, CAPPED)).hardware
+    assert load_profile(tmp_path / "hw.json") == CAPPED
+    assert hw.power_limit == 500.0 and hw.gemm_rate("bf16") == 4.2e14
+    assert hw.gemm_rate("fp16") == pytest.approx(
+        989e12 * hw.achievable_fraction * (500 / 700) ** (1 / 3))
+
+
+def test_a_plan_cannot_price_another_limit_than_its_profile_was_measured_under(tmp_path):
+    text = GPU_PLAN.replace('  profile = "hw.json"\n', '  profile = "hw.json"\n'
+                            "  power_limit = 600 W\n")
+    path = write(tmp_path, text, CAPPED)
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    (d,) = info.value.diagnostics
+    assert d.field == "hardware.power_limit" and (d.span.line, d.span.column) == (12, 17)
+    assert d.message == ("power_limit = 600 W, but hardware profile hw.json was measured under "
+                         "500 W, the limit its rates hold at; calibrate under 600 W")
+
+
 def test_gemm_and_dispatch_overhead_are_plan_keys(tmp_path):
     text = PLAN.replace('  profile = "hw.json"\n',
                         "  gemm = flops(fp32 = 50 GFLOP/s)\n  dispatch_overhead = 5 us\n")
@@ -135,6 +178,10 @@ GOOD = PROFILE.to_json()
      "be a finite number, found None"),
     ({**GOOD, "device": "cuda"}, "hardware profile hw.json was measured on a GPU, but gpu is "
      "cpu; calibrate on the plan's device"),
+    ({**GOOD, "power": {"limit": None, "sm_clock": None}}, 'hardware profile hw.json: "power" '
+     'without limit or sm_clock must say why in "unmeasured"'),
+    ({**GOOD, "power": {"limit": -5, "sm_clock": 1400}}, 'hardware profile hw.json: '
+     '"power.limit" must be > 0, found -5'),
 ])
 def test_a_bad_profile_is_one_error_at_the_key(tmp_path, profile, message):
     first = _error(tmp_path, profile)

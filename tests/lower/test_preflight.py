@@ -340,3 +340,21 @@ def test_a_plan_for_gpus_on_a_machine_without_them_is_said_in_a_warning(tmp_path
         f"H100-SXM; set runtime.backend = gloo where that is meant [hardware.gpu]")
     assert main(["check", str(_plan(tmp_path, hardware__gpu='"H100-SXM"'))]) == 0  # gloo
     assert "warning" not in capsys.readouterr().err
+
+
+def test_fp8_recipes_without_their_matmuls_are_refused_unless_emulated(tmp_path, capsys):
+    # rowwise needs capability 9.0 and mxfp8 runs emulated only: this CPU machine has neither.
+    rowwise = _plan(tmp_path, train__dtype="fp8", hardware__gpu='"H100-SXM"',
+                    train__fp8_recipe="rowwise", train__fp8_scaling="current")
+    err = _refused("check", rowwise, capsys)
+    assert err[0].endswith("error: train.dtype = fp8 with fp8_recipe = rowwise needs a GPU with "
+                           "rowwise-scaled float8 matmuls (compute capability 9.0+); this "
+                           "machine has none; set train.fp8_emulate = true to emulate "
+                           "[train.dtype]")
+    mxfp8 = _plan(tmp_path, train__dtype="fp8", hardware__gpu='"H100-SXM"',
+                  train__fp8_recipe="mxfp8", train__fp8_scaling="current")
+    err = _refused("check", mxfp8, capsys)
+    assert "error: train.fp8_recipe = mxfp8 runs emulated only" in err[0]
+    assert main(["check", str(_plan(tmp_path, train__dtype="fp8", hardware__gpu='"H100-SXM"',
+                                    train__fp8_recipe="mxfp8", train__fp8_scaling="current",
+                                    train__fp8_emulate="true"))]) == 0

@@ -54,9 +54,10 @@ B, S = 2, 32
 
 
 def plan(family: str, checkpoint, *, zero: int = 0, pp: int = 1, hbm: float | None = None,
-         spec: ModelSpec | None = None, dtype: str = "fp32") -> Plan:
+         spec: ModelSpec | None = None, dtype: str = "fp32", recipe: str = "tensorwise") -> Plan:
     """A plan of the tiny model on CPU processes; fp16 at the CPU's fp32 rate (the preset
-    names none for it; memory does not depend on it), fp8 emulated."""
+    names none for it; memory does not depend on it), fp8 emulated (`recipe`: its
+    fp8_recipe, with current scaling but for tensorwise)."""
     hw = HardwareSpec.preset("cpu", gpus_per_node=pp)
     if hbm is not None:
         hw = dataclasses.replace(hw, hbm_bytes=hbm)
@@ -65,7 +66,8 @@ def plan(family: str, checkpoint, *, zero: int = 0, pp: int = 1, hbm: float | No
     return Plan(model=spec or SPECS[family], hardware=hw,
                 parallel=ParallelSpec(pp=pp, zero=zero, checkpoint=checkpoint),
                 train=TrainSpec(seq_len=S, global_batch=B * pp, micro_batch=B, dtype=dtype,
-                                fp8_emulate=dtype == "fp8"))
+                                fp8_emulate=dtype == "fp8", fp8_recipe=recipe,
+                                fp8_scaling="delayed" if recipe == "tensorwise" else "current"))
 
 
 def dtype_passes(dtype: str, *passes) -> tuple:
@@ -183,7 +185,22 @@ def test_saved_bytes_match_the_memory_model(family, policy, dtype):
     In fp8 each float8 linear outside a region keeps its input's float8 copy and two
     scales; one a region recomputes keeps nothing; one a saving region keeps (`ops`,
     `modules(norm)`) keeps its output, bias added, in bf16, as a bf16 linear."""
-    p = plan(family, policy, dtype=dtype)
+    _check_saved_bytes(family, policy, dtype)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+@pytest.mark.parametrize("family", list(SPECS))
+@pytest.mark.parametrize("policy", POLICIES + NEW_POLICIES, ids=str)
+def test_fp8_recipes_saved_bytes_match_the_memory_model(family, policy, recipe):
+    """Exact under every fp8 recipe: a float8 linear outside a region keeps its input's
+    column-quantised copy and its scales, rowwise one fp32 per input feature, mxfp8 one
+    E8M0 byte per 32 elements (`profile.fp8`)."""
+    _check_saved_bytes(family, policy, "fp8", recipe)
+
+
+def _check_saved_bytes(family, policy, dtype, recipe="tensorwise"):
+    """What the lowered one-process graph saves equals the memory model's activations."""
+    p = plan(family, policy, dtype=dtype, recipe=recipe)
     model = build_model(p.model, device="cpu", seed=0).to(DTYPES[dtype])
     tokens, targets = torch.randint(0, p.model.vocab, (2, B, S))
     gm = lower_graph(with_weights(capture_plan(p), model), p,
@@ -192,7 +209,8 @@ def test_saved_bytes_match_the_memory_model(family, policy, dtype):
     layout = Layout(tp=1, pp=1, dp=1, vstages=1, micro_batch=B, microbatches=1, zero=0, sp=False,
                     schedule="1f1b", layers=p.model.layers, checkpoint=policy, overlap=True)
     prec = precision(DTYPES[dtype].itemsize, "adamw")
-    predicted = stage_memory(model_profile(p.model, dtype), layout, prec, S)[0]
+    predicted = stage_memory(model_profile(p.model, dtype, fp8_recipe=recipe), layout, prec,
+                             S)[0]
     gap = cpu_statistics_gap(kept_layer_norms(gm), B * S, DTYPES[dtype])
     assert predicted["activations"] == measured + gap
 

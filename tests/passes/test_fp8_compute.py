@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ptc.compiler.graph.meta import get_info
+from ptc.errors import CompileError
 from ptc.lower.driver import compile_plan
 from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
 from ptc.ops.recompute import checkpoint_region
@@ -62,3 +63,39 @@ def test_zero3_rewrites_the_weight_fp8_linear_reads():
     nodes = _fp8_nodes(gm)
     assert len(nodes) == 14
     assert all(n.args[1].op != "get_attr" for n in nodes)  # views of gathered shards
+
+
+def _recipe_plan(recipe: str, *, tp: int = 1, sp: bool = False, hidden: int = 64,
+                 seq: int = 32) -> Plan:
+    return Plan(model=ModelSpec(family="llama", layers=1, hidden=hidden, heads=4, kv_heads=4,
+                                ffn=2 * hidden, vocab=64, max_seq=seq),
+                hardware=HardwareSpec.preset("cpu", gpus_per_node=tp),
+                parallel=ParallelSpec(tp=tp, sequence_parallel=sp),
+                train=TrainSpec(seq_len=seq, global_batch=1, micro_batch=1, dtype="fp8",
+                                fp8_scaling="current", fp8_recipe=recipe, fp8_emulate=True))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_each_linear_is_told_its_recipe_and_tp_role(recipe):
+    gm = compile_plan(_recipe_plan(recipe, tp=2)).stages[0].graph
+    roles = {}
+    for node in _fp8_nodes(gm):
+        scaling = gm.get_submodule(str(node.args[3].target))
+        assert scaling.recipe == recipe and not scaling.delayed
+        roles[get_info(node).module_path.rsplit(".", 1)[-1]] = scaling.role
+    assert roles == {"q": "column", "k": "column", "v": "column", "gate": "column",
+                     "up": "column", "o": "row", "down": "row"}, roles
+
+
+def test_mxfp8_refuses_a_linear_without_whole_blocks_naming_it():
+    with pytest.raises(CompileError, match=r"quantize_gemms_pass.*fp8_recipe = mxfp8: linear "
+                                           r"layers\.0\.attn\.q has 32 input and 16 output "
+                                           r"features on each rank"):
+        compile_plan(_recipe_plan("mxfp8", tp=2, hidden=32))
+
+
+def test_mxfp8_refuses_sequence_chunks_without_whole_blocks():
+    with pytest.raises(CompileError, match=r"train\.seq_len: seq_len / \(cp · tp\) = 16 per "
+                                           r"rank tokens, not a multiple of 32"):
+        compile_plan(_recipe_plan("mxfp8", tp=2, sp=True))
+    compile_plan(_recipe_plan("mxfp8", tp=2, sp=True, seq=64))

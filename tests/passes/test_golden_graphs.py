@@ -66,6 +66,9 @@ PLANS = {
     # the sequence, fused with the column-parallel linears by the overlap pass
     "gpt_tp2_sp": _plan(GPT, tp=2, sequence_parallel=True),
     "llama_tp2": _plan(LLAMA, tp=2),
+    # collective matmuls: each all-gather with its column-parallel linears, each row-parallel
+    # linear with its reduce-scatter, one op each
+    "llama_tp2_sp_async": _plan(LLAMA, tp=2, sequence_parallel=True, tp_comm="async"),
     # the pipeline split: two stage graphs, the tied embedding on both ends
     "gpt_pp2_1f1b": _plan(GPT, pp=2, schedule="1f1b"),
     # ZeRO-3: a gather per parameter group, started ahead (prefetch) by the overlap pass

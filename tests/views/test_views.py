@@ -83,3 +83,16 @@ def test_ptcs_views_cut_nothing_at_80_columns(render):
         assert ("optimizer" in text and "activations" in text) if render == "explain" \
             else "tokens/s" in text
     assert "…" not in text
+
+
+def test_explain_shows_a_power_limit_beside_the_gemm_rate_it_lowers():
+    plan = load_plan(EXAMPLES / "llama70b_h100x64_tp8_pp4_dp2.ptc",
+                     overrides={"hardware.power_limit": "500 W"})
+    share = (500 / 700) ** (1 / 3)  # docs/cost-model.md, "Power limits"
+    text = " ".join(_text(render_explain(plan), 80).split())
+    assert f"x {plan.hardware.achievable_fraction:g} x {share:.3g})" in text
+    assert "│ power limit (GEMM" in text and f"clock x {share:.3g})" in text
+    assert "│ 500 W of 700 W │ plan" in text
+    full = " ".join(_text(render_explain(load_plan(
+        EXAMPLES / "llama70b_h100x64_tp8_pp4_dp2.ptc")), 80).split())
+    assert "power limit" not in full

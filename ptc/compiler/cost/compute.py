@@ -11,8 +11,9 @@ outside it written once) and N the kernels launched (`ptc.compiler.graph.work`).
 Each physical effect has one rate (`Rates`, from the hardware section):
 
 - GEMMs run at R = `HardwareSpec.gemm_rate(dtype)` (a calibration's measured
-  rate, else peak x achievable_fraction), float8 GEMMs at R8 (the fp8 peak x
-  achievable_fraction); a fused attention kernel's matrix products run at R too;
+  rate, else peak x achievable_fraction x the clock share a power limit leaves,
+  `HardwareSpec.clock_share`), float8 GEMMs at R8 (the fp8 peak, likewise); a fused
+  attention kernel's matrix products run at R too;
 - memory-bound ops (element-wise, norms, softmax, the loss, copies) and the
   attention kernel's reads and writes move their bytes at B = mem_bandwidth;
 - the host spends o = dispatch_overhead dispatching each op.
@@ -69,8 +70,8 @@ def rates(hw: HardwareSpec, dtype: str) -> Rates:
     compute = "bf16" if dtype == "fp8" else dtype
     fp8 = None
     if dtype == "fp8":
-        fp8 = hw.gemm_flops.get("fp8") or \
-            hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) * hw.achievable_fraction
+        fp8 = hw.gemm_flops.get("fp8") or hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) \
+            * hw.achievable_fraction * hw.clock_share
     return Rates(gemm=hw.gemm_rate(compute), fp8=fp8, memory=hw.mem_bandwidth,
                  dispatch=hw.dispatch_overhead, synchronous=hw.synchronous,
                  multiprocessors=0 if compute in hw.gemm_flops else hw.multiprocessors)

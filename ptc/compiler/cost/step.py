@@ -18,9 +18,11 @@ recompute, and the communication it cannot hide).
   linears reading it (`rerun_gathers`), and backward gathers each entry's
   input again where no region recomputes it, for the column-parallel
   linears' weight gradients (`regathers`: the runtime keeps only the rank's
-  chunk of it, as Megatron-LM does). They sit on the
-  critical path, except that with sequence parallelism and overlap they run
-  under the layer's GEMMs (Megatron's tp-comm-overlap): only the excess shows.
+  chunk of it, as Megatron-LM does). What of them the runtime hides, behind
+  which GEMMs, is `ptc.compiler.cost.tp_exposure`'s: the backward's
+  input-gradient reductions and re-gathers beside the column-parallel
+  linears' gradients; with `tp_comm = async` (collective matmuls) every
+  sequence-parallel collective beside the GEMMs it feeds; the rest exposed.
   Key/value heads fewer than t are replicated: their projections' FLOPs are
   not divided by t, and their gradients are all-reduced over tp once a step.
 - pipeline: one boundary activation forward and one gradient backward per
@@ -63,6 +65,7 @@ from ptc.compiler.memory.model import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision,
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.cost.step_sync import step_sync
 from ptc.compiler.cost.topology import AxisGroup, axis_placements
+from ptc.compiler.cost.tp_exposure import BoundaryCollectives, layer_tp_time, linear_times
 from ptc.plan import SPLIT_BACKWARD, HardwareSpec, policy_modules
 
 
@@ -113,6 +116,8 @@ class _Stage:
     """The weight-gradient part of `compute` (a split backward's W)."""
     recompute: float = 0.0
     tp: float = 0.0
+    tp_hidden: float = 0.0
+    """Tensor-parallel communication that ran beside compute (not in `total`)."""
     cp: float = 0.0
     pp: float = 0.0
     dp: float = 0.0
@@ -176,22 +181,27 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         profile, rates(hw, dtype), bb=bb, ss=ss, seq_len=seq_len,
         split=Split(tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp), fused=layout.fused))
 
-    # Per-layer communication, by recompute policy.
+    # Per-layer communication, by recompute policy, and how much of it the runtime hides.
     tp_unit, algos["tp"] = _cached(memo, ("tp", bb, ss, tp, layout.sp, groups["tp"]),
                                    lambda: _tp_collectives(boundary, layout, groups["tp"], hw, 1))
     policies = {pol for i in range(p) for pol, _ in layout.stage_policies(i)}
-    # A layer rerun whole (full, ops) repeats its forward's collectives; regions of modules
-    # rerun only the sequence all-gathers they hold (a norm's, feeding its linears).
-    gather_s = _cached(memo, ("tp_ag", bb, ss, tp, groups["tp"]), lambda: (
-        comm.all_gather(boundary, groups["tp"], hw).seconds if layout.sp else 0.0))
-    tp_layer = {pol: tp_units(profile, pol, layout.sp) * tp_unit
-                + (rerun_gathers(profile, pol, layout.sp) + regathers(profile, pol, layout.sp))
-                * gather_s for pol in policies}
+    each = _cached(memo, ("tp_each", bb, ss, tp, groups["tp"]), lambda: BoundaryCollectives(
+        all_gather=comm.all_gather(boundary, groups["tp"], hw).seconds,
+        reduce_scatter=comm.reduce_scatter(boundary, groups["tp"], hw).seconds,
+        all_reduce=comm.all_reduce(boundary, groups["tp"], hw).seconds))
+    whole = 0.0
     if layout.sp and tp > 1:  # what sequence parallelism runs whole: its gathers
-        gathered = comm.all_gather(f["sp_gathered"](bb, ss), groups["tp"], hw).seconds
-        scattered = comm.all_gather(f["sp_scattered"](bb, ss), groups["tp"], hw).seconds
-        for pol in policies:
-            tp_layer[pol] += (2 if pol in RERUN_LAYER else 1) * gathered + scattered
+        whole = (comm.all_gather(f["sp_gathered"](bb, ss), groups["tp"], hw).seconds,
+                 comm.all_gather(f["sp_scattered"](bb, ss), groups["tp"], hw).seconds)
+    linears = linear_times(profile, rates(hw, dtype), bb=bb, ss=ss, split=Split(
+        tp=tp, kv_divisor=kv_div, sp=layout.sp, cp=cp), weight_grad=times.weight_grad)
+    tp_layer = {pol: layer_tp_time(
+        profile, tp=tp, sp=layout.sp, async_tp=layout.tp_comm == "async",
+        overlap=layout.overlap, rerun_layer=pol in RERUN_LAYER,
+        regathers=regathers(profile, pol, layout.sp), each=each, linears=linears,
+        exposed_extra=rerun_gathers(profile, pol, layout.sp) * each.all_gather + (
+            (2 if pol in RERUN_LAYER else 1) * whole[0] + whole[1] if whole else 0.0))
+        for pol in policies}
     z3 = {}
     if layout.zero >= 3:
         split, whole = layer_params(profile, tp)
@@ -226,8 +236,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             st.weight_grad += count * times.weight_grad
             st.recompute += count * extra
             hide = work + extra if layout.overlap else 0.0
-            exposed_tp = max(0.0, tp_layer[policy] - hide) if layout.sp else tp_layer[policy]
-            st.tp += count * exposed_tp
+            st.tp += count * tp_layer[policy].exposed
+            st.tp_hidden += count * tp_layer[policy].hidden
             st.cp += count * cp_layer[policy]
             if z3:
                 st.dp += count * max(0.0, z3[policy] - hide)
@@ -262,7 +272,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         if layout.zero < 3 else 0.0
     opt_elements = _max_stage_elements(profile, layout) / (
         layout.grad_ranks if layout.zero >= 1 else 1)
-    hidden = {}
+    hidden = {"tp_comm": mb * slowest.tp_hidden} if slowest.tp_hidden else {}
     if layout.offload:
         # Every stage steps at once: the step waits for the slowest one's.
         offload = max((offloaded_step(
@@ -312,17 +322,6 @@ def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
 
 RERUN_LAYER = frozenset({"full", "ops"})
 """Policies whose recompute reruns the whole layer's ops, its collectives among them."""
-
-
-def tp_units(profile: ModelProfile, policy: str, sp: bool) -> float:
-    """Tensor-parallel collectives of one layer's step under `policy`, in all-reduces (with
-    sequence parallelism, reduce-scatter + all-gather pairs): one per region entered
-    (backward) and left (forward), and a rerun forward's again under RERUN_LAYER (with
-    sequence parallelism a forward holds half of each pair of both)."""
-    units = profile.tp_entries + profile.tp_exits
-    if policy in RERUN_LAYER:
-        units += (profile.tp_entries + profile.tp_exits) / 2 if sp else profile.tp_exits
-    return units
 
 
 def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:

@@ -453,8 +453,9 @@ def _activation(f: dict[str, Callable], region: str, policy: str, bb, ss, tt, se
         return (f[f"{region}.{tp}"](bb, ss) - kv_bytes) / tt + kv_bytes / kv_div
 
     whole = f[f"{region}.whole"](bb, ss)  # the part of seq sequence parallelism leaves whole
+    split_const = f[f"{region}.split_const"](bb, ss)  # rowwise column scales of a tp shard
     full = split("tp", "kv") + (f[f"{region}.seq"](bb, ss) - whole) / seq_div + whole \
-        + f[f"{region}.const"](bb, ss)
+        + f[f"{region}.const"](bb, ss) - split_const + split_const / tt
     if policy != "selective":
         return full
     core_whole = f[f"{region}.core_whole"](bb, ss)

@@ -36,11 +36,11 @@ def _shape_key(spec: ModelSpec) -> tuple:
                  if f.name not in ("layers", "spans", "kwargs"))
 
 
-def model_profile(spec: ModelSpec, dtype: str,
-                  shards: tuple[ShardRule, ...] = ()) -> ModelProfile:
+def model_profile(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...] = (),
+                  fp8_recipe: str = "tensorwise") -> ModelProfile:
     """The profile of `spec` at compute `dtype` ("bf16", ...) with the plan's `shard` rules
-    deciding how tensor parallelism splits the linears they match (`plan_profile`); captured
-    once per model shape and rules.
+    deciding how tensor parallelism splits the linears they match (`plan_profile`), and
+    for dtype "fp8" its `train.fp8_recipe`; captured once per model shape, rules and recipe.
 
     Kept in memory for the process and on disk (see `cache_dir`) across
     processes, keyed by the shape and by the source of everything that
@@ -52,9 +52,11 @@ def model_profile(spec: ModelSpec, dtype: str,
     raises its CaptureError (at the first capture), and nothing is kept.
     Shard rules that place layers unlike each other raise UnpricedError too.
     """
-    key = (_shape_key(spec), dtype) + ((_rules_key(shards),) if shards else ())
+    recipe = fp8_recipe if dtype == "fp8" else "tensorwise"
+    key = (_shape_key(spec), dtype) + ((_rules_key(shards),) if shards else ()) \
+        + ((("fp8_recipe", recipe),) if recipe != "tensorwise" else ())
     if key not in _CACHE:
-        _CACHE[key] = _load_or_capture(spec, dtype, shards, key)
+        _CACHE[key] = _load_or_capture(spec, dtype, shards, key, recipe)
     profile = _CACHE[key]
     if isinstance(profile, Unprofiled):
         raise UnpricedError(profile.reason)
@@ -95,8 +97,9 @@ def _rules_unlike(layer_paths: tuple[str, ...], rules: tuple[tuple[str, str], ..
 
 def plan_profile(plan: Plan) -> ModelProfile:
     """The profile the memory and cost models read for `plan`: its model at its compute
-    dtype, split as its shard rules say."""
-    return model_profile(plan.model, plan.train.dtype, plan.parallel.shards)
+    dtype (and fp8 recipe), split as its shard rules say."""
+    return model_profile(plan.model, plan.train.dtype, plan.parallel.shards,
+                         plan.train.fp8_recipe)
 
 
 def _rules_key(shards: tuple[ShardRule, ...]) -> tuple:
@@ -131,7 +134,7 @@ def cache_dir() -> Path:
 
 
 def _load_or_capture(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
-                     key: tuple) -> ModelProfile | Unprofiled:
+                     key: tuple, fp8_recipe: str) -> ModelProfile | Unprofiled:
     root = Path(__file__).resolve().parents[2]  # ptc/
     digest = hashlib.sha256(repr((key, torch.__version__)).encode())
     for name in _SOURCES:
@@ -149,7 +152,7 @@ def _load_or_capture(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
         if stored is not None:
             return stored
         try:
-            profile = profile_one_layer(spec, dtype, shards)
+            profile = profile_one_layer(spec, dtype, shards, fp8_recipe)
         except CaptureError:
             raise  # not a profile's failure: the model cannot be trained at all
         except PtcError as exc:

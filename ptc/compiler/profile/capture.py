@@ -25,11 +25,12 @@ from ptc.errors import CompileError, PtcError
 from ptc.plan import ModelSpec, ShardRule
 
 
-def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
-                       ) -> ModelProfile:
+def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...],
+                      fp8_recipe: str = "tensorwise") -> ModelProfile:
     """Capture the model at seven (b, s) points and fit every term; a built-in family with
     one layer, a custom model whole (its first layer stands for the others). `shards`: the
-    rules that override how tensor parallelism splits a linear (`infer_sharding`)."""
+    rules that override how tensor parallelism splits a linear (`infer_sharding`);
+    `fp8_recipe`: how dtype "fp8"'s float8 linears scale (what they keep and cast)."""
     from ptc.compiler.capture import capture  # noqa: PLC0415 - capture needs the model zoo
     custom = spec.family == "custom"
     model = model_source().build(spec if custom else dataclasses.replace(spec, layers=1),
@@ -38,6 +39,7 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
     max_seq = spec.max_seq or getattr(config, "max_position_embeddings", None)
     points = profile_points(max_seq or 64)
     samples, first = [], None
+    recipe = fp8_recipe if dtype == "fp8" else None
     work_samples: dict[tuple[int, int], dict[str, int]] = {}
     gemm_samples: dict[tuple[int, int], dict[str, list]] = {}
     for pb, ps in dict.fromkeys(points + work_points(points)):  # each graph measured first
@@ -45,13 +47,12 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
                      buffers_as_built=True)  # as the runtime binds them
         split = infer_sharding(gm, shards)
         if (pb, ps) in points:
-            samples.append(measure_saved(gm, split, fp8=dtype == "fp8"))
+            samples.append(measure_saved(gm, split, fp8=recipe))
             gathered = with_gathered_copies(gm, split)
             if gathered is not None:
                 samples[-1].update({f"sp:{name}": value for name, value in measure_saved(
-                    gathered, split, fp8=dtype == "fp8").items() if is_saved_term(name)})
-        work_samples[pb, ps], gemm_samples[pb, ps] = measure_work(gm, split,
-                                                                   fp8=dtype == "fp8")
+                    gathered, split, fp8=recipe).items() if is_saved_term(name)})
+        work_samples[pb, ps], gemm_samples[pb, ps] = measure_work(gm, split, fp8=recipe)
         if first is None:  # a custom model whose shape cannot be read says so before the rest
             if custom and not graph_info(gm).num_layers:
                 raise PtcError(f"model \"{spec.factory}\": ptc finds no stack of like layers "

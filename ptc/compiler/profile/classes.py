@@ -33,7 +33,7 @@ def saved_classes(fit: dict[str, sympy.Expr], region: str) -> SavedClasses:
     (whole, _), (cwhole, _) = split("whole"), split("core_whole")
     return SavedClasses(tp=tp, seq=seq, const=tp0 + seq0,
                         core_tp=ctp, core_seq=cseq, core_const=ctp0 + cseq0, kv=kv, core_kv=ckv,
-                        whole=whole, core_whole=cwhole)
+                        whole=whole, core_whole=cwhole, split_const=fit[f"{region}.split_const"])
 
 
 def linear_styles(gm: torch.fx.GraphModule, sharding: Sharding) -> dict[str, str]:

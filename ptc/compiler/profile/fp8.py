@@ -1,49 +1,144 @@
 """What float8 linears add to a profile: the float8 copies and scales one keeps for
-backward, and the casts it runs beside its GEMMs."""
+backward, and the casts it runs beside its GEMMs, per `train.fp8_recipe`
+(`ptc.ops.fp8_linear`).
+
+Terms: a linear's *copy* is the float8 copy of its input it keeps for the
+weight gradient (one byte an element of the bf16 storage); its *scales* are
+what it keeps beside it: tensorwise the input's and the weight's fp32 scales
+(FP8_SCALE_BYTES), rowwise one fp32 per column of the input (its in
+features), mxfp8 one E8M0 byte per 32 elements of the copy.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import sympy
+import torch.fx
+
+from ptc.compiler.graph.nodes import is_fp8_linear, linear_out_dim, linear_weight
 from ptc.compiler.graph.work import GemmCall
-from ptc.compiler.profile.types import FP8_SCALE_BYTES
+from ptc.compiler.profile.types import FP8_SCALE_BYTES, MX_SCALE_ELEMENTS, ROWWISE_SCALE_BYTES
 
 
-def with_fp8_copies(storage, fp8_linears: set[str], savers=None) -> int:
+@dataclass(frozen=True)
+class Fp8Linears:
+    """The float8 linears of a captured graph under one recipe: node name -> in features."""
+
+    recipe: str
+    in_features: Mapping[str, int]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.in_features
+
+    def scale_bytes(self, name: str, elements: int) -> int | sympy.Rational:
+        """Bytes of the scales linear `name` keeps beside a copy of `elements` elements
+        (mxfp8: a fraction where the profile's sample shapes hold no whole blocks, so the
+        fitted polynomial is exact)."""
+        if self.recipe == "rowwise":
+            return ROWWISE_SCALE_BYTES * self.in_features[name]
+        if self.recipe == "mxfp8":
+            return sympy.Rational(elements, MX_SCALE_ELEMENTS)
+        return FP8_SCALE_BYTES
+
+    def split_scale_bytes(self, name: str) -> int:
+        """Of `scale_bytes`, the batch-free bytes that tp splits as it splits the linear's
+        input features: rowwise's column scales (a row-parallel linear keeps its shard's)."""
+        return ROWWISE_SCALE_BYTES * self.in_features[name] if self.recipe == "rowwise" else 0
+
+
+NO_FP8 = Fp8Linears("tensorwise", {})
+"""No float8 linears (a plan not in fp8)."""
+
+
+def fp8_linears(gm: torch.fx.GraphModule, recipe: str | None) -> Fp8Linears:
+    """The float8 linears of `gm` (`is_fp8_linear`) when profiled for `recipe` (None: not
+    fp8), each with its weight's input features."""
+    if recipe is None:
+        return NO_FP8
+    return Fp8Linears(recipe, {n.name: _in_features(gm, n) for n in gm.graph.nodes
+                               if is_fp8_linear(n)})
+
+
+def _in_features(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+    """Input features of a linear: the dimension of its weight that is not the output's."""
+    shape = gm.get_parameter(linear_weight(node)).shape
+    return shape[1 - linear_out_dim(node)]
+
+
+def with_fp8_copies(storage, fp8: Fp8Linears, savers=None) -> int:
     """Bytes a saved storage costs when kept by `savers` (all its savers when None; a
     storage nothing saves is held as a checkpoint's input, whole), each float8 GEMM among
     them keeping its own float8 copy of it instead (`kept_as`)."""
     if savers is None and not storage.savers:
         return storage.nbytes
-    whole, copies = kept_as(storage, fp8_linears, storage.savers if savers is None else savers)
+    whole, copies, _ = kept_as(storage, fp8, storage.savers if savers is None else savers)
     return storage.nbytes * whole + copies
 
 
-def kept_as(storage, fp8_linears: set[str], savers) -> tuple[bool, int]:
-    """(whether the storage itself is kept, bytes of float8 copies kept of it) when
-    `savers` keep it: each float8 GEMM (`ptc.ops.fp8_linear`) keeps its own copy, one
-    byte an element of the bf16 storage, and its scales; the storage itself stays when
-    another saver keeps it or it is held (the next layer's input)."""
-    users = [x for x in savers if x in fp8_linears]
+def kept_as(storage, fp8: Fp8Linears, savers) -> tuple[bool, int, int]:
+    """(whether the storage itself is kept, bytes of float8 copies kept of it, of those the
+    batch-free scale bytes tp splits) when `savers` keep it: each float8 GEMM
+    (`ptc.ops.fp8_linear`) keeps its own copy, one byte an element of the bf16 storage,
+    and its scales; the storage itself stays when another saver keeps it or it is held
+    (the next layer's input)."""
+    users = [x for x in savers if x in fp8]
     whole = bool(savers) and (len(users) < len(savers) or storage.held)
-    return whole, len(users) * (storage.nbytes // 2 + FP8_SCALE_BYTES)
+    elements = storage.nbytes // 2
+    copies = sum(elements + fp8.scale_bytes(x, elements) for x in users)
+    return whole, copies, sum(fp8.split_scale_bytes(x) for x in users)
 
 
 CAST_OPS = {"ops": 7, "kern": 2}
 """Ops one quantisation dispatches (`ptc.ops.fp8_linear`: abs, amax, the scale, divide,
 clamp, cast...), and the kernels it takes fused (the amax, then the scaled cast)."""
+TRANSPOSE_OPS = {"ops": 1, "kern": 1}
+"""A float8 copy laid out transposed for the GEMM that reads it: one copy kernel."""
+QUANTISED = {  # phase -> (operand, laid out transposed) per quantisation
+    "fwd": (("x", False), ("x", True), ("weight", False)),
+    "bwd": (("out", False), ("out", True), ("weight", True)),
+}
+"""What rowwise and mxfp8 quantise per phase: forward x along K (the forward GEMM) and
+along M (the copy kept for wgrad, transposed: cuBLAS reads it column-major), the weight
+along K; backward the output gradient along N (dgrad) and along M (wgrad, transposed),
+the weight along N (dgrad, transposed)."""
 
 
-def fp8_casts(gemm: GemmCall, phase: str) -> dict[str, float]:
+def fp8_casts(gemm: GemmCall, phase: str, recipe: str = "tensorwise") -> dict[str, float]:
     """The memory-bound work a float8 linear adds to its GEMMs in `phase`, from the shape of
-    its forward GEMM (x [m, k] times the weight [n, k]).
+    its forward GEMM (x [m, k] times the weight [n, k]), as `recipe` quantises.
 
-    Quantising a bf16 tensor of E elements reads it twice (its amax, then the
-    cast) and writes E float8 bytes: 5E bytes; with a known scale, 3E.
-    Forward quantises x and the weight; backward the output gradient [m, n]
-    and the weight again with the forward's scale (x's float8 copy is kept).
-    Fused (`runtime.compile`), the amax of x and of the output gradient is
-    taken in the kernel that makes them, which reads them anyway: 3E each; the
-    weight's casts are kernels of their own either way.
+    tensorwise: quantising a bf16 tensor of E elements reads it twice (its
+    amax, then the cast) and writes E float8 bytes: 5E bytes; with a known
+    scale, 3E. Forward quantises x and the weight; backward the output
+    gradient [m, n] and the weight again with the forward's scale (x's float8
+    copy is kept). Fused (`runtime.compile`), the amax of x and of the output
+    gradient is taken in the kernel that makes them, which reads them anyway:
+    3E each; the weight's casts are kernels of their own either way.
+
+    rowwise and mxfp8 (`QUANTISED`): each operand once per GEMM it feeds, each
+    quantisation 5E (its amaxes, then the cast; the scales are per row or block
+    of the operand's own values, taken right before the cast, so no kernel
+    before fuses them and fused equals unfused), plus 2E for a copy written
+    transposed (read and written once more, float8); mxfp8 also writes one
+    E8M0 byte per 32 elements.
     """
+    if recipe == "tensorwise":
+        return _tensorwise_casts(gemm, phase)
+    sizes = {"x": gemm.m * gemm.k, "weight": gemm.n * gemm.k, "out": gemm.m * gemm.n}
+    moved, ops, kern = 0.0, 0, 0
+    for operand, transposed in QUANTISED[phase]:
+        elements = sizes[operand]
+        moved += 5 * elements + 2 * elements * transposed
+        moved += elements / MX_SCALE_ELEMENTS if recipe == "mxfp8" else 0
+        ops += CAST_OPS["ops"] + TRANSPOSE_OPS["ops"] * transposed
+        kern += CAST_OPS["kern"] + TRANSPOSE_OPS["kern"] * transposed
+    return {"mem": moved, "fmem": moved, "ops": ops, "kern": kern}
+
+
+def _tensorwise_casts(gemm: GemmCall, phase: str) -> dict[str, float]:
+    """`fp8_casts` of the tensorwise recipe (its docstring)."""
     x, weight, out = gemm.m * gemm.k, gemm.n * gemm.k, gemm.m * gemm.n
     if phase == "fwd":
         moved, fused = 5 * x + 5 * weight, 3 * x + 5 * weight

@@ -16,7 +16,8 @@ from ptc.compiler.graph.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding
 from ptc.compiler.graph.work import GemmCall, graph_work
 from ptc.compiler.profile.classes import (kv_nodes, linear_styles, saved_whole, sp_moves,
                                           tp_sharded, whole_under_sp)
-from ptc.compiler.profile.fp8 import fp8_casts, kept_as, with_fp8_copies
+from ptc.compiler.profile.fp8 import fp8_casts, fp8_linears as find_fp8_linears, kept_as, \
+    with_fp8_copies
 from ptc.compiler.profile.regions import (boundary_nodes, layer_nodes, meta_inputs, node_regions,
                                           placeholder_names)
 from ptc.compiler.profile.types import (COUNTS, SAVED_CLASS_TERMS, SAVED_REGIONS, WORK_CLASSES,
@@ -25,10 +26,10 @@ from ptc.errors import CompileError
 
 
 def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
-             fp8: bool = False) -> dict[str, int]:
+             fp8: str | None = None) -> dict[str, int]:
     """Saved bytes by region and class, and FLOPs by region, of one capture split as
-    `sharding` says; `fp8`: as the float8 GEMMs of train dtype "fp8" save their inputs
-    (`with_fp8_copies`)."""
+    `sharding` says; `fp8`: the `train.fp8_recipe` whose float8 GEMMs save their inputs
+    as train dtype "fp8" runs them (`with_fp8_copies`), None when not fp8."""
     region, sharded = node_regions(gm), tp_sharded(gm, sharding)
     # What selective recompute reruns: the regions the activation_checkpoint pass makes.
     core = {n.name for c in attention_cores(layer_nodes(gm, region)) for n in c}
@@ -39,10 +40,11 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
     placeholders = placeholder_names(gm)
     storages, outputs = saved_and_output_storages(gm, meta_inputs(gm),
                                                   held=boundary_nodes(gm, region))
-    fp8_linears = {n.name for n in gm.graph.nodes if fp8 and is_fp8_linear(n)}
+    fp8_linears = find_fp8_linears(gm, fp8)
     for st in storages:
         nbytes = with_fp8_copies(st, fp8_linears)
         cls = "tp" if st.producer in sharded else "seq"
+        split_scales = kept_as(st, fp8_linears, st.savers)[2] if cls == "tp" else 0
         # A graph input (targets) belongs where it is used.
         r = region[st.savers[0] if st.producer in placeholders and st.savers
                    else st.producer]
@@ -69,6 +71,7 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
             for c in (cls, "kv") if st.producer in kv_path else (cls,):
                 out[f"{target}.{c}"] += nbytes
                 out[f"{target}.core_{c}"] += dropped
+            out[f"{target}.split_const"] += split_scales
     # Selective recompute keeps the core's inputs, whether or not backward saved them: the
     # storages they view (a transposed v is its projection's output) that nothing saves.
     saved_keys, added = {st.key for st in storages if st.savers}, set()
@@ -135,15 +138,17 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
         # regions keep of it (`with_fp8_copies`).
         whole_kept: dict[int, tuple[int, str]] = {}
         copies: dict[int, tuple[int, str]] = {}
+        split_scales: dict[int, tuple[int, str]] = {}
         for st in storages:
             after = [x for x in st.savers if x not in inside]
             if not after:
                 continue
-            whole, copy_bytes = kept_as(st, fp8_linears, after)
+            whole, copy_bytes, split = kept_as(st, fp8_linears, after)
             if whole:
                 whole_kept[st.key] = (st.nbytes, st.producer)
             if copy_bytes:
                 copies[st.key] = (copy_bytes, st.producer)
+                split_scales[st.key] = (split, st.producer)
         for name in read | kept_nodes:  # the regions' inputs and kept matmul outputs
             whole_kept.update(outputs.get(name, {}))
         kernels = {n.name for r in regions if r.saving for n in r.nodes
@@ -161,6 +166,8 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
             if (producer in rowwise and producer in kept_nodes  # before its reduce-scatter
                     or key in whole_keys):  # a whole module's (`whole_under_sp`)
                 terms["whole"] += nbytes
+        terms["split_const"] = sum(split for split, producer in split_scales.values()
+                                   if region.get(producer) == "layer" and producer in sharded)
         out.update({f"{policy}.{c}": v for c, v in terms.items()})
         out[f"{policy}.flops"] = sum(get_info(n).flops for r in regions for n in r.nodes
                                      if get_info(n) is not None and n.name not in kept_nodes)
@@ -188,12 +195,13 @@ def _reruns(gm: torch.fx.GraphModule, region: dict[str, str]) -> dict[str, set[s
     return out
 
 
-def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: bool = False
+def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: str | None = None
           ) -> tuple[dict[str, int], dict[str, list[tuple[GemmCall, frozenset[str], str | None]]]]:
     """Forward and backward device work by region and class (`ModelProfile.work`), split
     as `sharding` says; and per "{region}.{phase}" its GEMMs, each with its node's classes
     and the dimension tensor parallelism divides (`gemm_tiles.split_dim`). `fp8`: the
-    layers' linears quantise their operands as train dtype "fp8" runs them (`fp8_casts`)."""
+    `train.fp8_recipe` whose quantisations the layers' linears run beside their GEMMs as
+    train dtype "fp8" runs them (`fp8_casts`), None when not fp8."""
     region, sharded = node_regions(gm), tp_sharded(gm, sharding)
     core = {n.name for c in attention_cores(layer_nodes(gm, region)) for n in c}
     reruns = _reruns(gm, region)
@@ -222,7 +230,7 @@ def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: bool = Fa
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
                       "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
             if fp8 and name in nodes and is_fp8_linear(nodes[name]) and node_work.forward_gemms:
-                for q, value in fp8_casts(node_work.forward_gemms[0], ph).items():
+                for q, value in fp8_casts(node_work.forward_gemms[0], ph, fp8).items():
                     values[q] += value
             shaped = [(call, frozenset(classes) - {"all"}, split_dim(call, *split_by))
                       for call in calls]

@@ -81,6 +81,10 @@ class SavedClasses:
     (`whole_under_sp`)."""
     core_whole: sympy.Expr = sympy.Integer(0)
     """Part of `whole` that selective recompute drops (a whole attention's scores)."""
+    split_const: sympy.Expr = sympy.Integer(0)
+    """Part of `const` each tp rank keeps 1/t of: the column scales of the float8 copies
+    row-parallel linears keep under `train.fp8_recipe = rowwise` (one fp32 per input
+    feature of the rank's shard, `profile.fp8`)."""
 
     @property
     def total(self) -> sympy.Expr:
@@ -242,7 +246,8 @@ SAVED_REGIONS = ("pre", "layer", "post", "out", "out_unsaved", "in_unsaved")
 """Keys of `measure_saved`'s saved bytes: the graph regions and `ModelProfile`'s boundary terms."""
 
 
-SAVED_CLASS_TERMS = ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole", "core_whole")
+SAVED_CLASS_TERMS = ("tp", "seq", "core_tp", "core_seq", "kv", "core_kv", "whole", "core_whole",
+                     "split_const")
 """The classes `measure_saved` reports saved bytes in (`SavedClasses`, before `saved_classes`)."""
 
 
@@ -254,5 +259,10 @@ WORK_CLASSES = ("all", "tp", "kv", "whole")
 
 
 FP8_SCALE_BYTES = 8
-"""What a float8 linear saves beside its input's copy: the input's and the weight's scales,
-one fp32 each (`ptc.ops.fp8_linear`)."""
+"""What a tensorwise float8 linear saves beside its input's copy: the input's and the
+weight's scales, one fp32 each (`ptc.ops.fp8_linear`)."""
+ROWWISE_SCALE_BYTES = 4
+"""What a rowwise float8 linear saves beside its input's column copy per input feature: the
+column's fp32 scale."""
+MX_SCALE_ELEMENTS = 32
+"""Elements of an mxfp8 copy per E8M0 scale byte kept beside it (one block)."""

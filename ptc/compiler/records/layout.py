@@ -51,6 +51,9 @@ class Layout:
     """fp32 masters and optimizer state in host memory, stepped on the CPU (ZeRO >= 1)."""
     fused: bool = False
     """Memory-bound ops run as fused kernels (`runtime.compile`; `ptc.compiler.graph.work`)."""
+    tp_comm: str = "sync"
+    """Sequence parallelism's collectives whole ("sync") or as collective matmuls beside
+    their GEMMs ("async"; `parallel.tp_comm`)."""
     chunk_layers: tuple[int, ...] = ()
     """Layers of each of the p·v chunks in pipeline order (chunk c runs on rank
     `stage_rank(c)`: c % p, or in a V for zbv) when they differ
@@ -127,4 +130,5 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,
                   order=par.order, chunk_layers=split if len(set(split)) > 1 else (),
-                  offload=par.offload == "optimizer", fused=plan.runtime.compile)
+                  offload=par.offload == "optimizer", fused=plan.runtime.compile,
+                  tp_comm=par.tp_comm if par.sequence_parallel and par.tp > 1 else "sync")

@@ -127,15 +127,24 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
             for v in vs:
                 for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
                     for schedule in _schedules(pp, v, m, zero, plan.runtime.compile):
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                        for sp in _sequence_parallel(tp, par.tp_comm):
                             for ckpt in CHECKPOINTS:
                                 layouts.append(Layout(
                                     tp=tp, pp=pp, dp=dp, cp=cp, vstages=v, micro_batch=mb,
                                     microbatches=m, zero=zero, sp=sp, schedule=schedule,
                                     layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
                                     order=par.order, offload=par.offload != "none",
-                                    fused=plan.runtime.compile))
+                                    fused=plan.runtime.compile,
+                                    tp_comm=par.tp_comm if sp else "sync"))
     return layouts
+
+
+def _sequence_parallel(tp: int, tp_comm: str) -> tuple[bool, ...]:
+    """Sequence parallelism off and on where tp splits layers; on alone when the plan asks
+    for its collectives as collective matmuls (`tp_comm = async`)."""
+    if tp == 1:
+        return (False,)
+    return (True,) if tp_comm == "async" else (False, True)
 
 
 def _schedules(pp: int, v: int, m: int, zero: int, compiled: bool) -> tuple[str, ...]:
@@ -172,8 +181,8 @@ def to_plan(plan: Plan, layout: Layout) -> Plan:
     cut = NO_CUT if (layout.pp, layout.vstages) != (par.pp, par.virtual_stages) else {}
     parallel = dataclasses.replace(
         par, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
-        sequence_parallel=layout.sp, schedule=layout.schedule, virtual_stages=layout.vstages,
-        checkpoint=ckpt, microbatches=None, **cut)
+        sequence_parallel=layout.sp, tp_comm=layout.tp_comm, schedule=layout.schedule,
+        virtual_stages=layout.vstages, checkpoint=ckpt, microbatches=None, **cut)
     train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
     return dataclasses.replace(plan, parallel=parallel, train=train)
 
