@@ -155,7 +155,7 @@ def _check_grad_dtype(plan: Plan, sink: DiagnosticSink) -> None:
 
 def _check_tp_comm(plan: Plan, sink: DiagnosticSink) -> None:
     """tp_comm = async takes sequence parallelism's collectives apart beside their GEMMs:
-    it needs them (sequence_parallel), the overlap that runs them, and bf16/fp32 linears."""
+    it needs them (sequence_parallel) and the overlap that runs them."""
     par = plan.parallel
     if par.tp_comm != "async":
         return
@@ -165,8 +165,6 @@ def _check_tp_comm(plan: Plan, sink: DiagnosticSink) -> None:
               "and reduce-scatters with the GEMMs they feed"
     elif not par.overlap:
         why = "needs overlap = true"
-    elif plan.train.dtype == "fp8":
-        why = "runs bf16, fp16 and fp32 linears; float8 linears gather their input whole"
     if why:
         sink.error(f"tp_comm = async {why}", field="parallel.tp_comm",
                    span=_span(par, "tp_comm"), choices=("sync",))

@@ -46,6 +46,8 @@ from ptc.compiler.graph.stage_graphs import pipeline_stages
 from ptc.passes.checkpoint_layers import checkpoint_regions
 from ptc.passes.functional import param_node
 from ptc.ops.async_tp import all_gather_linears, linear_reduce_scatter
+from ptc.ops.async_tp_fp8 import all_gather_fp8_linears, fp8_linear_reduce_scatter
+from ptc.ops.fp8_linear import fp8_linear
 from ptc.ops.tp_ops import (all_gather_seq, column_parallel_linears,
                             column_parallel_linears_seq, copy_to_tp, reduce_scatter_seq)
 
@@ -65,6 +67,8 @@ class _Linear:
     x: fx.Node
     weight: fx.Node | str
     bias: fx.Node | str | None
+    scaling: fx.Node | None = None
+    """A float8 linear's `Fp8Scaling` node (`ptc.ops.fp8_linear`); None for others."""
 
 
 def fuse_column_parallel_linears(gm: fx.GraphModule, *, collective_matmul: bool = False) -> int:
@@ -86,7 +90,7 @@ def fuse_column_parallel_linears(gm: fx.GraphModule, *, collective_matmul: bool 
     total = 0
     for graph in _graphs(gm):
         fused = sum(_fuse(graph, entry, linears, fused_ops)
-                    for entry, linears in _entries(graph))
+                    for entry, linears in _entries(graph, fp8=collective_matmul))
         if collective_matmul:
             fused += sum(_fuse_exit(graph, exit_, linear) for exit_, linear in _exits(graph))
         if fused:
@@ -105,15 +109,18 @@ def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return out
 
 
-def _entries(gm: fx.GraphModule) -> list[tuple[fx.Node, list[_Linear]]]:
-    """Every entry of the graph with its linears, in graph order."""
+def _entries(gm: fx.GraphModule, *, fp8: bool) -> list[tuple[fx.Node, list[_Linear]]]:
+    """Every entry of the graph with its linears, in graph order; entries of float8 linears
+    (all of them float8) only with `fp8`."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _FUSED or not node.users:
             continue
         linears = [_linear(user) for user in node.users]
+        kinds = {lin.scaling is None for lin in linears if lin is not None}
         if all(lin is not None and lin.x is node and node not in (lin.weight, lin.bias)
-               for lin in linears):
+               for lin in linears) and (kinds == {True} or (
+                   fp8 and kinds == {False} and node.target is all_gather_seq)):
             out.append((node, linears))
         else:
             log.debug("%s: read by other nodes than linears' inputs, not fused", node.name)
@@ -128,6 +135,9 @@ def _linear(node: fx.Node) -> _Linear | None:
             return None
         bias = f"{node.target}.bias" if module.bias is not None else None
         return _Linear(node, node.args[0], f"{node.target}.weight", bias)
+    if node.op == "call_function" and node.target is fp8_linear:
+        x, weight, bias, scaling = node.args
+        return _Linear(node, x, weight, bias, scaling)
     if node.op != "call_function" or op_name(node) != "linear":
         return None
     args = dict(zip(("input", "weight", "bias"), node.args)) | dict(node.kwargs)
@@ -160,7 +170,11 @@ def _fuse_exit(gm: fx.GraphModule, exit_: fx.Node, linear: _Linear) -> int:
     kwargs = {k: v for k, v in bound.arguments.items() if k != "x"}
     with gm.graph.inserting_before(linear.node):
         weight = _operand(gm, linear.weight, linear.node, linear.node)
-        fused = gm.graph.call_function(linear_reduce_scatter, (linear.x, weight), kwargs)
+        if linear.scaling is None:
+            fused = gm.graph.call_function(linear_reduce_scatter, (linear.x, weight), kwargs)
+        else:
+            fused = gm.graph.call_function(fp8_linear_reduce_scatter,
+                                           (linear.x, weight, linear.scaling), kwargs)
     info = get_info(linear.node)
     if info is None or get_info(exit_) is None:
         copy_meta(exit_, fused)
@@ -190,8 +204,14 @@ def _fuse(gm: fx.GraphModule, entry: fx.Node, linears: list[_Linear], fused_ops:
     bound.apply_defaults()
     kwargs = {k: v for k, v in bound.arguments.items() if k != "x"}
     with gm.graph.inserting_before(first):
-        fused = gm.graph.call_function(fused_ops[entry.target],
-                                       (bound.arguments["x"], weights, biases), kwargs)
+        if linears[0].scaling is None:
+            fused = gm.graph.call_function(fused_ops[entry.target],
+                                           (bound.arguments["x"], weights, biases), kwargs)
+        else:
+            scalings = tuple(lin.scaling for lin in linears)
+            fused = gm.graph.call_function(all_gather_fp8_linears,
+                                           (bound.arguments["x"], weights, biases, scalings),
+                                           kwargs)
     _fused_meta(entry, fused, [lin.node for lin in linears])
     _replace_linears(gm, fused, [lin.node for lin in linears])
     gm.graph.erase_node(entry)
@@ -200,7 +220,8 @@ def _fuse(gm: fx.GraphModule, entry: fx.Node, linears: list[_Linear], fused_ops:
 
 def _hoist_operands(linears: list[_Linear], first: fx.Node, order: dict[fx.Node, int]) -> bool:
     """Move weight/bias get_attr nodes made after `first` before it; False if others are."""
-    operands = [v for lin in linears for v in (lin.weight, lin.bias) if isinstance(v, fx.Node)]
+    operands = [v for lin in linears for v in (lin.weight, lin.bias, lin.scaling)
+                if isinstance(v, fx.Node)]
     late = [v for v in operands if order[v] > order[first]]
     if any(v.op != "get_attr" for v in late):
         return False

@@ -115,11 +115,13 @@ holds one whole mxfp8 block of 32 tokens."""
 
 
 def fp8_recipe_plan(case: tuple) -> Plan:
-    """(family, tp, fp8 recipe[, "sp"]): the tp test's tiny model widened so that every
-    linear's shard holds whole 32-blocks at tp 2 (hidden 64; Llama with 4 key/value heads),
-    at sequence length RECIPE_SEQ, in fp8 (emulated, current scaling) with that recipe."""
-    family, tp, recipe, *sp = case
-    plan = tp_plan(TPCase(family, tp, sp=sp == ["sp"]))
+    """(family, tp, fp8 recipe[, "sp"[, "async"]]): the tp test's tiny model widened so that
+    every linear's shard holds whole 32-blocks at tp 2 (hidden 64; Llama with 4 key/value
+    heads), at sequence length RECIPE_SEQ, in fp8 (emulated, current scaling) with that
+    recipe; with "async" sequence parallelism's collectives are collective matmuls."""
+    family, tp, recipe, *extras = case
+    plan = tp_plan(TPCase(family, tp, sp="sp" in extras,
+                          tp_comm="async" if "async" in extras else "sync"))
     heads = {"kv_heads": 4} if family == "llama" else {}
     model = dataclasses.replace(plan.model, hidden=64, max_seq=RECIPE_SEQ, **heads)
     return dataclasses.replace(plan, model=model, train=dataclasses.replace(
@@ -191,6 +193,72 @@ def split_gemm_worker(recipes: tuple[str, ...]) -> dict:
                     name: ((a - b).abs().reshape(magnitude[name].shape)
                            / (slack * magnitude[name])).max().item()
                     for name, a, b in zip(("y", "dx", "dw"), split, whole)}
+    dist.destroy_process_group()
+    return out
+
+
+def collective_matmul_worker(recipes: tuple[str, ...]) -> dict:
+    """Worker (2 ranks, gloo): per recipe, the largest |async - sync| of the outputs and
+    gradients of the float8 collective matmuls (`ptc.ops.async_tp_fp8`) against the ops
+    they stand for, each over its bound (`test_fp8_recipes`): two column-parallel linears
+    reading an all_gather_seq, and a row-parallel linear whose output a reduce_scatter_seq
+    sums, on a [2, 64, 64] input split along its 64 tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from ptc.ops.async_tp_fp8 import all_gather_fp8_linears, fp8_linear_reduce_scatter
+    from ptc.ops.comm import bind_axes
+    from ptc.ops.fp8_linear import COLUMN, ROW, Fp8Scaling, fp8_linear
+    from ptc.ops.tp_ops import all_gather_seq, reduce_scatter_seq
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5 + rank)  # each rank its own chunk and shards
+    x = torch.randn(2, 64 // world, 64, generator=g) * torch.logspace(-2, 1, 64)
+    ws = [torch.randn(64, 64, generator=g) * torch.logspace(0, -2, 64)[:, None] for _ in range(2)]
+    dys = [torch.randn(2, 64, 64, generator=g) * torch.logspace(-3, 0, 64) for _ in range(2)]
+    x_row = torch.randn(2, 64, 64, generator=g)
+    w_row = torch.randn(64, 64, generator=g) * torch.logspace(0, -2, 64)[:, None]
+    dy_row = torch.randn(2, 64 // world, 64, generator=g)
+
+    def scaling(recipe, role):
+        return Fp8Scaling(delayed=False, window=1, emulate=True, axis="tp", recipe=recipe,
+                          role=role)
+
+    def leaves(*tensors):
+        return [t.clone().requires_grad_() for t in tensors]
+
+    def entry(recipe, fused):
+        xs, *wl = leaves(x, *ws)
+        scales = [scaling(recipe, COLUMN) for _ in wl]
+        if fused:
+            ys = all_gather_fp8_linears(xs, tuple(wl), (None, None), tuple(scales))
+        else:
+            full = all_gather_seq(xs)
+            ys = [fp8_linear(full, w, None, sc) for w, sc in zip(wl, scales)]
+        torch.autograd.backward(list(ys), dys)
+        return [*(y.detach() for y in ys), xs.grad, *(w.grad for w in wl)]
+
+    def exit_(recipe, fused):
+        xs, w = leaves(x_row, w_row)
+        sc = scaling(recipe, ROW)
+        y = fp8_linear_reduce_scatter(xs, w, sc) if fused else \
+            reduce_scatter_seq(fp8_linear(xs, w, None, sc))
+        y.backward(dy_row)
+        return [y.detach(), xs.grad, w.grad]
+
+    # The same float8 values summed in another order (chunk by chunk, over ranks): the
+    # fp32 bound of split_gemm_worker's, on the magnitudes of the products summed.
+    slack = 2 * (128 + 4) * 2.0**-24 * (1 + 2**-3) ** 2
+    out = {}
+    with bind_axes({"tp": dist.group.WORLD}):
+        for recipe in recipes:
+            worst = 0.0
+            for run in (entry, exit_):
+                for a, b in zip(run(recipe, True), run(recipe, False)):
+                    worst = max(worst, ((a - b).abs() / (slack * (b.abs().max() + 1e-30)))
+                                .max().item())
+            out[recipe] = worst
     dist.destroy_process_group()
     return out
 

@@ -1,4 +1,5 @@
-"""`train.fp8_recipe = rowwise | mxfp8` (emulated) trains with tp = 2 as without.
+"""`train.fp8_recipe = rowwise | mxfp8` (emulated) trains with tp = 2 as without; so does
+every recipe with sequence parallelism's collectives as collective matmuls (tp_comm = async).
 
 The tiny GPT and Llama (2 layers, hidden 64, sequence 64) train 5 AdamW steps in fp8 with
 each recipe, at tp = 1, tp = 2 and tp = 2 with sequence parallelism. Every scale vector
@@ -23,8 +24,11 @@ pytestmark = pytest.mark.distributed
 
 RECIPES = ("rowwise", "mxfp8")
 FAMILIES = ("gpt", "llama")
-TWO = [(f, 2, r, *sp) for f in FAMILIES for r in RECIPES for sp in ((), ("sp",))]
-ONE = [(f, 1, r) for f in FAMILIES for r in RECIPES]
+ASYNC = ("sp", "async")
+"""Sequence parallelism's collectives as collective matmuls (`ptc.ops.async_tp_fp8`)."""
+TWO = [(f, 2, r, *sp) for f in FAMILIES for r in RECIPES for sp in ((), ("sp",))] \
+    + [(f, 2, r, *ASYNC) for f in FAMILIES for r in ("tensorwise", *RECIPES)]
+ONE = [(f, 1, r) for f in FAMILIES for r in ("tensorwise", *RECIPES)]
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,32 @@ def test_split_gemms_quantise_as_the_whole_linear(split_gemms, recipe, role):
     largest |split - whole| over that bound: at most 1)."""
     ratios = split_gemms[recipe, role]
     assert max(ratios.values()) <= 1, ratios
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("recipe", ("tensorwise", *RECIPES))
+def test_collective_matmuls_train_as_tp1(runs, recipe, family):
+    """tp 2 with tp_comm = async: each chunk quantised with the whole tensor's scales, so
+    the same float8 values as tp 1 multiply; the same bound as the other layouts."""
+    one, two = runs[(family, 1, recipe)], runs[(family, 2, recipe, *ASYNC)]
+    assert any("tp collectives run in ring steps beside their GEMMs" in line
+               for line in two["log"]), two["log"]
+    assert_trains_as_tp1(one, two)
+
+
+@pytest.fixture(scope="module")
+def collective_matmuls() -> dict:
+    from fp8_helpers import collective_matmul_worker
+
+    return run_local(collective_matmul_worker, 2, ("tensorwise", *RECIPES))[0]
+
+
+@pytest.mark.parametrize("recipe", ("tensorwise", *RECIPES))
+def test_collective_matmuls_multiply_the_float8_values_of_the_ops_they_replace(
+        collective_matmuls, recipe):
+    """Op by op, tighter than training: outputs, input and weight gradients of the float8
+    collective matmuls against all_gather_seq + fp8_linear and fp8_linear +
+    reduce_scatter_seq, within the fp32 bound of summing the same products in another
+    order (relative to each tensor's largest element; at most 1)."""
+    assert collective_matmuls[recipe] <= 1, collective_matmuls
+

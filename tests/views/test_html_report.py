@@ -5,13 +5,15 @@ estimate's numbers and the pass log, and it must fetch nothing. Then headless
 Chromium opens it and takes a screenshot, and the picture must show the
 schedule: forward and backward cells in their colours, as many of one as of
 the other (every micro-batch is forwarded and backwarded once on each rank),
-and the memory budget's line; a zero-bubble schedule's picture draws its input- and
+and the memory bars drawn to their own scale (the budget's line where they
+reach it); each graph node names itself on hover; a zero-bubble schedule's picture draws its input- and
 weight-gradient cells in colours of their own. Without a Chromium on the machine that test is
 skipped with the reason (CI installs one).
 """
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import subprocess
@@ -22,8 +24,10 @@ import pytest
 
 from ptc.cli import main
 from ptc.compiler.schedule.build import build_schedule
-from ptc.views.html_report import (BACKWARD, BUDGET, FORWARD, INPUT_GRADIENTS, WEIGHT_GRADIENTS,
-                                   _gantt, render_report)
+from ptc.compiler.memory.model import TERMS
+from ptc.compiler.search.estimate import estimate
+from ptc.views.html_report import (BACKWARD, BUDGET, FORWARD, INPUT_GRADIENTS, PALETTE,
+                                   WEIGHT_GRADIENTS, _gantt, _memory, render_report)
 from ptc.dsl import load_plan
 from ptc.lower.driver import compile_plan
 from ptc.units import format_bytes, format_seconds
@@ -50,7 +54,9 @@ def test_the_page_carries_the_estimate_and_the_passes_and_fetches_nothing(page):
     est = program.decisions.estimate
     assert f"<td>{format_seconds(est.step_time_s)}</td>" in text
     assert f"{format_bytes(est.peak_memory_bytes)} of a {format_bytes(est.budget_bytes)}" in text
-    assert all(line.replace("<", "&lt;") in text for line in program.pass_log)
+    # every pass's line, the pass named in words
+    assert all(html.escape(line.partition(": ")[2]) in text for line in program.pass_log)
+    assert "<b>Pipeline split</b> <small>(split_pipeline_pass)</small>" in text
     assert [m for m in ("schedule", "memory", "time", "stage0", "stage1")
             if f'id="{m}"' not in text] == []
     assert text.count("<svg") == 5
@@ -76,7 +82,32 @@ def test_headless_chromium_shows_the_schedule_and_the_budget(page, tmp_path):
     forward, backward = _pixels(image, FORWARD), _pixels(image, BACKWARD)
     assert forward > 2000 and backward > 2000, (forward, backward)
     assert abs(forward - backward) < 0.1 * forward  # 8 forward and 8 backward cells
-    assert _pixels(image, BUDGET) > 500  # the budget's dashed line
+    # The memory bars fill their chart: a CPU rank's few hundred MiB against a 16 GiB budget
+    # is drawn to its own scale, the budget named above it.
+    assert _pixels(image, PALETTE[TERMS.index("buffers")]) > 2000
+
+
+def test_the_budget_line_is_drawn_where_the_bars_reach_it(tmp_path):
+    """A 70B plan on 64 H100s nearly fills its budget: the chart keeps the HBM and budget
+    lines, the budget's dashed red one visible."""
+    from matplotlib.image import imread
+
+    est = estimate(load_plan(TINY.parent / "llama70b_h100x64_tp8_pp4_dp2.ptc"))
+    assert est.peak_memory_bytes * 3 > est.budget_bytes
+    _memory(est).savefig(tmp_path / "memory.png", dpi=100)
+    assert _pixels(imread(tmp_path / "memory.png"), BUDGET) > 300
+
+
+def test_each_graph_node_names_itself_on_hover(page):
+    """Every node of each stage's picture carries its name, op and layer as an SVG title."""
+    text = page.read_text()
+    program = compile_plan(load_plan(TINY, overrides=PIPELINE))
+    for stage, info in enumerate(program.stages):
+        group = text[text.index(f'<g id="ptc-nodes-{stage}"'):]
+        group = group[:group.index("</g>")]
+        titles = re.findall(r"<title>([^<]*)</title>", group)
+        assert len(titles) == len(info.graph.graph.nodes)
+        assert any(t.endswith(", layer 0") or t.endswith(", layer 2") for t in titles)
 
 
 def test_a_split_backward_draws_its_i_and_w_cells_in_their_own_colours(tmp_path):
