@@ -193,8 +193,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     _preflight(plan, args)  # refused on a missing file before torch is imported
     from ptc.worker import write_plan  # noqa: PLC0415 - imports torch
 
-    return launch(plan, write_plan, nproc=args.nproc, extra_launcher_args=extra,
-                  log_dir=args.log_dir)
+    return launch(_priced_on_this_host(plan), write_plan, nproc=args.nproc,
+                  extra_launcher_args=extra, log_dir=args.log_dir)
+
+
+def _priced_on_this_host(plan, *, measure: bool = True):
+    """A CPU plan naming no hardware profile, priced with this host's: measured with the
+    plan's processes the first time (`ptc run`; with `measure` False, as the preset until a
+    run has), read from the cache after (`ptc.runtime.host_profile`)."""
+    from ptc.runtime import host_profile  # noqa: PLC0415 - imports torch
+
+    if not host_profile.applies(plan):
+        return plan
+    path = host_profile.host_profile_path(plan)
+    if not path.exists() and not measure:
+        return plan
+    if not path.exists():
+        from ptc.hwprofile import write_profile  # noqa: PLC0415
+        from ptc.models import build_model  # noqa: PLC0415
+        from ptc.runtime.calibrate import calibrate  # noqa: PLC0415
+
+        _err.print(f"ptc run: measuring this machine once for the predictions (ptc calibrate "
+                   f"with the plan's {plan.num_gpus} processes); kept in {path}", markup=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")  # another run reads it whole
+        write_profile(calibrate(plan, build=build_model), partial)
+        os.replace(partial, path)
+    return host_profile.with_host_profile(plan, path)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -209,7 +234,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Search the layouts of a plan and print the best ones and why others failed."""
     from ptc.views.explain import render_search  # noqa: PLC0415
 
-    _out.print(render_search(_load(args.plan, args.overrides), top=args.top))
+    plan = _priced_on_this_host(_load(args.plan, args.overrides), measure=False)
+    _out.print(render_search(plan, top=args.top))
     return EXIT_OK
 
 
@@ -221,7 +247,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from ptc.lower.preflight import memory_problems  # noqa: PLC0415
     from ptc.views.explain import render_explain  # noqa: PLC0415
 
-    plan = _load(args.plan, args.overrides)
+    plan = _priced_on_this_host(_load(args.plan, args.overrides), measure=False)
     if args.plan_only:
         est = estimate(plan)
     else:
@@ -241,7 +267,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ptc.views.html_report import render_report  # noqa: PLC0415
     from ptc.lower.driver import compile_plan  # noqa: PLC0415
 
-    page = render_report(compile_plan(_load(args.plan, args.overrides)))
+    page = render_report(compile_plan(_priced_on_this_host(_load(args.plan, args.overrides),
+                                                           measure=False)))
     Path(args.output).write_text(page, encoding="utf-8")
     _out.print(f"wrote {args.output}", markup=False)
     return EXIT_OK

@@ -398,8 +398,9 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
                   dtype: str, extra_recompute: float = 0.0) -> float:
     """A lower bound of `step_cost(...).step_time`: compute and recompute plus their bubble.
 
-    The step is at least m times the mean stage's work plus the bubble, both
-    without any communication; plan search prices layouts fully only while
+    The step is at least m times the mean stage's work plus the bubble (a split
+    backward's less the weight gradients that fill it), both without any
+    communication; plan search prices layouts fully only while
     this bound can still beat the ones it has. `extra_recompute` is
     recompute seconds per micro-batch, over all stages, beyond what the
     layout's own policies rerun (search's bound for a mix not yet chosen).
@@ -408,7 +409,10 @@ def compute_floor(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, se
     work = layout.layers * (times.forward + times.backward) + times.pre + times.post
     work += sum(times.recompute[pol] * n for pol, n in layout.policy_counts()) + extra_recompute
     mean_stage = work / layout.pp
-    return (layout.microbatches + (layout.pp - 1) / layout.vstages) * mean_stage
+    idle = mean_stage
+    if layout.schedule in SPLIT_BACKWARD:  # the Ws fill the bubble (`step_cost`)
+        idle -= 2 * (layout.layers * times.weight_grad + times.post_weight_grad) / layout.pp
+    return layout.microbatches * mean_stage + (layout.pp - 1) / layout.vstages * max(0.0, idle)
 
 
 def floor_layer_times(profile: ModelProfile, layout: Layout, hw: HardwareSpec, *, seq_len: int,

@@ -165,8 +165,8 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     lay, zero = layout, layout.zero
     kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
-        profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, prec, tt, dd, zero,
-                  kv_whole, lay.offload),
+        profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, lay.last_rank, prec, tt,
+                  dd, zero, kv_whole, lay.offload),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
@@ -176,9 +176,10 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
                   tuple(c and lay.policy(c[0]) for c in lay.chunks(stage)),
                   bb, ss, tt, lay.sp, kv_whole),
         lambda: _stage_activations(profile, lay, stage, bb, ss, tt, mb, mn))
-    buffers = _memo(profile, ("buffers", lay.pp > 1, lay.sp, lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt,
-                              kv_whole),
-                    lambda: _buffers(profile, lay, prec, bb, ss, tt))
+    buffers = _memo(profile, ("buffers", lay.pp, lay.layers, lay.chunk_layers, stage,
+                              lay.last_rank, lay.sp,
+                              lay.grad_ranks > 1, zero >= 3, prec, bb, ss, tt, kv_whole),
+                    lambda: _buffers(profile, lay, stage, prec, bb, ss, tt, mn))
     if zero >= 3 and lay.schedule in SPLIT_BACKWARD and lay.pp > 1:
         buffers += regathered_until_w(profile, lay, stage, prec, tt)
     return dict(weights=weights, grads=grads, optimizer=optimizer, activations=activations,
@@ -410,8 +411,12 @@ def _chunk_ends(layout: Layout, stage: int, holds_input=frozenset({"full"})) -> 
     return ends
 
 
-def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt) -> object:
-    """Communication buffers and runtime reserve of one rank."""
+def _buffers(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, bb, ss, tt,
+             mn: Callable = min) -> object:
+    """Communication buffers and runtime reserve of one rank of `stage`: the gradient
+    reduction's two buckets in flight, each a copy of its units' gradients, hold at most
+    the stage's gradients (a stage smaller than two buckets has no more in flight,
+    `ptc.runtime.grads`)."""
     boundary = prec.weight * profile.fn["boundary"](bb, ss)
     buffers = prec.reserve
     if layout.pp > 1:
@@ -419,7 +424,8 @@ def _buffers(profile: ModelProfile, layout: Layout, prec: Precision, bb, ss, tt)
     if layout.sp:
         buffers += boundary
     if layout.grad_ranks > 1:
-        buffers += 2 * GRAD_BUCKET_ELEMENTS * prec.grad
+        split, whole, _ = stage_params(profile, layout, stage)
+        buffers += mn(2 * GRAD_BUCKET_ELEMENTS, split / tt + whole) * prec.grad
     if layout.zero >= 3:
         split, whole = layer_params(profile, layout.tp)
         buffers += 2 * prec.weight * (split / tt + whole)
