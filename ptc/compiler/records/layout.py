@@ -9,6 +9,8 @@ per pipeline, L the layers.
 
 from __future__ import annotations
 
+import functools
+
 from collections import Counter
 from dataclasses import dataclass
 
@@ -86,15 +88,8 @@ class Layout:
 
     def chunks(self, stage: int) -> list[range]:
         """The layers of each of pipeline rank `stage`'s chunks, in chunk order."""
-        indices = [c for c in range(self.pp * self.vstages)
-                   if stage_rank(c, self.pp, self.schedule) == stage]
-        if not self.chunk_layers:
-            per_chunk = self.layers // (self.pp * self.vstages)
-            return [range(c * per_chunk, (c + 1) * per_chunk) for c in indices]
-        first = [0]
-        for n in self.chunk_layers:
-            first.append(first[-1] + n)
-        return [range(first[c], first[c + 1]) for c in indices]
+        return list(_chunks(self.pp, self.vstages, self.schedule, self.layers, self.chunk_layers,
+                            stage))
 
     def policy(self, layer: int) -> str:
         """The recompute policy of `layer`."""
@@ -132,3 +127,18 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
                   order=par.order, chunk_layers=split if len(set(split)) > 1 else (),
                   offload=par.offload == "optimizer", fused=plan.runtime.compile,
                   tp_comm=par.tp_comm if par.sequence_parallel and par.tp > 1 else "sync")
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(pp: int, vstages: int, schedule: str, layers: int, chunk_layers: tuple[int, ...],
+            stage: int) -> tuple[range, ...]:
+    """`Layout.chunks`, remembered: plan search asks for the same few thousand times over."""
+    indices = [c for c in range(pp * vstages) if stage_rank(c, pp, schedule) == stage]
+    if not chunk_layers:
+        per_chunk = layers // (pp * vstages)
+        return tuple(range(c * per_chunk, (c + 1) * per_chunk) for c in indices)
+    first = [0]
+    for n in chunk_layers:
+        first.append(first[-1] + n)
+    return tuple(range(first[c], first[c + 1]) for c in indices)
+
