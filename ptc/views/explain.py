@@ -37,6 +37,8 @@ from ptc.units import format_bytes, format_duration, format_seconds
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
          "step_sync")
 """Step-time parts in display order."""
+COMM_PARTS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm", "step_sync")
+"""The parts that are communication."""
 
 
 def describe_layout(layout: Layout) -> str:
@@ -92,7 +94,22 @@ def _breakdown(est: Estimate) -> FitTable:
         seconds = est.breakdown[part]
         table.add_row(part, format_seconds(seconds), f"{seconds / est.step_time_s:.1%}")
     for part, seconds in est.hidden.items():  # overlapped: shown, not counted
-        table.add_row(f"{part}, hidden", format_seconds(seconds), "overlapped")
+        if part not in COMM_PARTS:  # communication's: in its own table
+            table.add_row(f"{part}, hidden", format_seconds(seconds), "overlapped")
+    return table
+
+
+def _communication(est: Estimate) -> FitTable:
+    """Each kind of communication a step issues: what ran beside compute (hidden) and what
+    the step waits for (exposed, in the step time), as the runtime orders them."""
+    table = FitTable(title="Communication: issued = hidden beside compute + exposed")
+    for name in ("kind", "issued", "hidden", "exposed"):
+        table.add_column(name, justify="left" if name == "kind" else "right")
+    for part in COMM_PARTS:
+        exposed, hidden = est.breakdown[part], est.hidden.get(part, 0.0)
+        if exposed or hidden:
+            table.add_row(part, format_seconds(exposed + hidden), format_seconds(hidden),
+                          format_seconds(exposed))
     return table
 
 
@@ -222,7 +239,7 @@ def render_explain(plan: Plan, est: Estimate | None = None, *, compiled: bool = 
                    "Predicted from the plan alone, not compiled (--plan-only): the cut and "
                    "policies a compile would choose.")
     parts = [source, _summary(est, plan.hardware.gpus_per_node), _breakdown(est),
-             _rates(plan, est), _memory(est)]
+             _communication(est), _rates(plan, est), _memory(est)]
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))

@@ -89,3 +89,28 @@ def test_collective_matmuls_make_a_tp8_step_faster_and_show_what_they_hide() -> 
     # The same bytes are issued either way: exposed + hidden is the same.
     assert async_.breakdown["tp_comm"] + async_.hidden["tp_comm"] == pytest.approx(
         sync.breakdown["tp_comm"] + sync.hidden["tp_comm"], rel=1e-9)
+
+
+def test_explain_shows_each_kind_issued_hidden_and_exposed() -> None:
+    """tp 8 × pp 4 × dp 2 (ZeRO-1, overlap): tp's entries hide their backward beside the
+    column-parallel linears' gradients, the pipeline's hops all but fill and drain, the
+    gradient reduction behind the last backward and the weight gathers behind the next
+    forward; `ptc explain` prints issued, hidden and exposed per kind."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from ptc.dsl import load_plan  # noqa: PLC0415
+    from ptc.views.explain import render_explain  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "llama70b_h100x64_tp8_pp4_dp2.ptc"
+    plan = load_plan(path)
+    est = estimate(plan)
+    assert {"tp_comm", "pp_comm", "dp_comm"} <= set(est.hidden)
+    console = Console(width=80, record=True)
+    console.print(render_explain(plan, est, compiled=False))
+    text = console.export_text()
+    assert "Communication: issued = hidden beside compute + exposed" in text
+    row = next(line for line in text.splitlines() if "tp_comm" in line and "│" in line
+               and line.count("│") == 5)
+    assert row.split("│")[1].strip() == "tp_comm"

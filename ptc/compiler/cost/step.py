@@ -121,6 +121,8 @@ class _Stage:
     cp: float = 0.0
     pp: float = 0.0
     dp: float = 0.0
+    dp_hidden: float = 0.0
+    """ZeRO-3's gathers and reduce-scatters that ran beside compute (not in `total`)."""
 
     @property
     def total(self) -> float:
@@ -240,7 +242,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             st.tp_hidden += count * tp_layer[policy].hidden
             st.cp += count * cp_layer[policy]
             if z3:
-                st.dp += count * max(0.0, z3[policy] - hide)
+                exposed = max(0.0, z3[policy] - hide)
+                st.dp += count * exposed
+                st.dp_hidden += count * (z3[policy] - exposed)
         if first:
             st.compute += times.pre
             st.forward += times.pre_forward
@@ -268,11 +272,16 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     bubble = (p - 1) / v * (mean if layout.schedule not in SPLIT_BACKWARD else mean - 2 * sum(
         st.weight_grad * n for st, n in kinds.values()) / p)
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
-    dp_exposed = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest, algos, memo) \
-        if layout.zero < 3 else 0.0
+    dp_exposed, dp_issued = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest,
+                                        algos, memo) if layout.zero < 3 else (0.0, 0.0)
     opt_elements = _max_stage_elements(profile, layout) / (
         layout.grad_ranks if layout.zero >= 1 else 1)
-    hidden = {"tp_comm": mb * slowest.tp_hidden} if slowest.tp_hidden else {}
+    # Communication that ran beside compute, by kind: issued = exposed (in the step) + hidden.
+    pp_issued = mb * 2 * v * p2p.seconds if p > 1 else 0.0
+    hidden = {part: seconds for part, seconds in (
+        ("tp_comm", mb * slowest.tp_hidden),
+        ("pp_comm", max(0.0, pp_issued - mb * slowest.pp - fill)),
+        ("dp_comm", mb * slowest.dp_hidden + dp_issued - dp_exposed)) if seconds > 0}
     if layout.offload:
         # Every stage steps at once: the step waits for the slowest one's.
         offload = max((offloaded_step(
@@ -458,10 +467,10 @@ def _stage_units(profile: ModelProfile, layout: Layout, stage: int) -> list[floa
 
 def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: HardwareSpec,
                 prec: Precision, slowest: _Stage, algos: dict[str, str], memo: dict | None
-                ) -> float:
-    """Exposed seconds of the once-per-step gradient sync (ZeRO 0-2)."""
+                ) -> tuple[float, float]:
+    """(exposed, issued) seconds of the once-per-step gradient sync (ZeRO 0-2)."""
     if group.size == 1:
-        return 0.0
+        return 0.0, 0.0
     elements = _max_stage_elements(profile, layout)
     if layout.zero == 0:
         ar = _cached(memo, ("ar", elements, group, prec.grad_wire), lambda: comm.all_reduce(
@@ -475,8 +484,9 @@ def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: Har
         algos["dp"] = f"rs:{rs.algorithm} ag:{ag.algorithm}"
         grad_sync, gather = rs.seconds, ag.seconds
     if not layout.overlap:
-        return grad_sync + gather
-    # Buckets reduce while the last micro-batch's backward runs; the gather feeds the next forward.
+        return grad_sync + gather, grad_sync + gather
+    # Buckets reduce while the last micro-batch's backward runs; the gather feeds the next
+    # forward, each unit's waited for where it first reads it (`ptc.ops.weight_gathers`).
     backward = slowest.compute - slowest.forward + slowest.recompute
     forward = slowest.forward
-    return max(0.0, grad_sync - backward) + max(0.0, gather - forward)
+    return max(0.0, grad_sync - backward) + max(0.0, gather - forward), grad_sync + gather
