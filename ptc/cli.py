@@ -198,28 +198,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _priced_on_this_host(plan, *, measure: bool = True):
-    """A CPU plan naming no hardware profile, priced with this host's: measured with the
-    plan's processes the first time (`ptc run`; with `measure` False, as the preset until a
-    run has), read from the cache after (`ptc.runtime.host_profile`)."""
-    from ptc.runtime import host_profile  # noqa: PLC0415 - imports torch
+    """`ptc.runtime.host_profile.priced_on_this_host`, saying on stderr when it measures."""
+    from ptc.models import build_model  # noqa: PLC0415
+    from ptc.runtime.host_profile import priced_on_this_host  # noqa: PLC0415 - imports torch
 
-    if not host_profile.applies(plan):
-        return plan
-    path = host_profile.host_profile_path(plan)
-    if not path.exists() and not measure:
-        return plan
-    if not path.exists():
-        from ptc.hwprofile import write_profile  # noqa: PLC0415
-        from ptc.models import build_model  # noqa: PLC0415
-        from ptc.runtime.calibrate import calibrate  # noqa: PLC0415
-
-        _err.print(f"ptc run: measuring this machine once for the predictions (ptc calibrate "
-                   f"with the plan's {plan.num_gpus} processes); kept in {path}", markup=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")  # another run reads it whole
-        write_profile(calibrate(plan, build=build_model), partial)
-        os.replace(partial, path)
-    return host_profile.with_host_profile(plan, path)
+    return priced_on_this_host(plan, measure=measure, build=build_model,
+                               say=lambda line: _err.print(line, markup=False))
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

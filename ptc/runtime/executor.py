@@ -460,8 +460,8 @@ class Trainer:
         rank updates, and the stats name those ranks. `leave_weights`: at
         ZeRO 1-2 with overlap, leave the updated weights' all-gathers in flight
         for the next step's forward to wait on unit by unit
-        (`ptc.ops.weight_gathers`); whoever calls must `settle_weights()` before
-        anything else reads the weights. Without it they are waited for here.
+        (`ptc.ops.weight_gathers`); whoever calls must `weight_gathers.settle()`
+        before anything else reads the weights. Without it they are waited for here.
         """
         train = self.plan.train
         start, waited = time.perf_counter(), comm_wait_seconds()
@@ -521,11 +521,6 @@ class Trainer:
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited)
-
-    @staticmethod
-    def settle_weights() -> None:
-        """Wait for the weight all-gathers a `train_step(leave_weights=True)` left in flight."""
-        weight_gathers.settle()
 
     @property
     def _uncounted(self) -> set[int]:

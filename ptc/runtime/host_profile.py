@@ -19,11 +19,13 @@ import dataclasses
 import hashlib
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ptc.compiler.profile.cache import cache_dir
+from ptc.hwprofile import write_profile
 from ptc.plan import HardwareSpec, Plan
 
 SWITCH = "PTC_HOST_PROFILE"
@@ -55,6 +57,30 @@ def with_host_profile(plan: Plan, path: Path) -> Plan:
     hardware = HardwareSpec.preset(hw.gpu, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
                                    profile=str(path), **written, spans=hw.spans)
     return dataclasses.replace(plan, hardware=hardware)
+
+
+def priced_on_this_host(plan: Plan, *, measure: bool, build: Callable,
+                        say: Callable[[str], None]) -> Plan:
+    """`plan` priced with this host's profile where it `applies`: read from the cache, or,
+    with `measure` (`ptc run`), measured first by `ptc calibrate` with the plan's processes
+    (`build`: the probe model's builder, `ptc.models.build_model`) and kept, written whole
+    so that another run never reads half of it; `say` gets the one line that says so.
+    Without `measure` (ptc explain, plan, report) and nothing kept, the plan as it is."""
+    from ptc.runtime.calibrate import calibrate  # noqa: PLC0415 - starts processes
+
+    if not applies(plan):
+        return plan
+    path = host_profile_path(plan)
+    if not path.exists():
+        if not measure:
+            return plan
+        say(f"ptc run: measuring this machine once for the predictions (ptc calibrate with "
+            f"the plan's {plan.num_gpus} processes); kept in {path}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        write_profile(calibrate(plan, build=build), partial)
+        os.replace(partial, path)
+    return with_host_profile(plan, path)
 
 
 def _cpu_model() -> str:

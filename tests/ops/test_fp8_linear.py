@@ -259,7 +259,7 @@ def test_mxfp8_refuses_a_gpu_and_rowwise_a_cpu_without_emulation():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not device_has_fp8("cuda", "rowwise"), reason="needs capability 9.0")
+@pytest.mark.skipif(not device_has_fp8("cuda", "rowwise"), reason="needs a CUDA GPU of capability 9.0 or more (rowwise float8 matmuls)")
 def test_rowwise_scaled_mm_agrees_with_emulation():
     x, w, b, dy = (t.to("cuda", torch.bfloat16) for t in _recipe_tensors())
     real = _run(_scaling("rowwise", emulate=False), x, w, b, dy)
