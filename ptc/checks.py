@@ -32,6 +32,7 @@ def check_plan(plan: Plan, sink: DiagnosticSink) -> None:
     _check_schedule(plan, sink)
     _check_grad_dtype(plan, sink)
     _check_tp_comm(plan, sink)
+    _check_expert_parallel(plan, sink)
     _check_pipeline(plan, sink)
     _check_hardware_fit(plan, sink)
 
@@ -168,6 +169,26 @@ def _check_tp_comm(plan: Plan, sink: DiagnosticSink) -> None:
     if why:
         sink.error(f"tp_comm = async {why}", field="parallel.tp_comm",
                    span=_span(par, "tp_comm"), choices=("sync",))
+
+
+def _check_expert_parallel(plan: Plan, sink: DiagnosticSink) -> None:
+    """ep folds expert shards from the ranks that hold other tokens of the same weights
+    (dp·cp): it must divide them. Whether it divides each layer's experts is known once the
+    model is captured (`ptc.passes.shard_experts`)."""
+    par = plan.parallel
+    if par.ep == 1 or not isinstance(par.ep, int):
+        return
+    ranks = plan.grad_ranks
+    if ranks != "auto" and ranks % par.ep:
+        dividers = tuple(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
+        sink.error(f"ep({par.ep}) must divide dp({par.dp}) * cp({par.cp}) = {ranks}: the "
+                   f"expert shards are folded from those ranks", field="parallel.ep",
+                   span=_span(par, "ep"), choices=dividers)
+    if par.offload != "none":
+        sink.error(f"ep({par.ep}) with offload = {par.offload} is not supported: the host "
+                   f"update gathers every unit over dp, and expert units are sharded over the "
+                   f"ranks holding the same experts", field="parallel.offload",
+                   span=_span(par, "offload"), choices=("none",))
 
 
 def _check_pipeline(plan: Plan, sink: DiagnosticSink) -> None:

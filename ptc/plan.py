@@ -533,6 +533,11 @@ class ParallelSpec(_Section):
     cp: int | Auto = 1
     """Context-parallel degree, or "auto": each sample's sequence is split over cp ranks
     (load-balanced chunks for causal attention; keys and values gathered over cp)."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts of every mixture-of-experts layer are
+    sharded over ep ranks folded from the dp·cp ranks (Megatron-Core's parallel folding),
+    which exchange tokens by all-to-all; each expert's gradient is averaged over the
+    dp·cp/ep ranks that hold it. 1: every rank holds every expert."""
     zero: int = 0
     """ZeRO stage 0-3."""
     sequence_parallel: bool = False
@@ -608,6 +613,7 @@ class ParallelSpec(_Section):
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or not 0 <= self.zero <= 3:
             self._bad(sink, "zero", f"zero must be a stage 0-3, got {self.zero!r}",
                       ("0", "1", "2", "3"))
+        self._int(sink, "ep")
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
         self._choice(sink, "tp_comm", TP_COMMS)
@@ -1134,6 +1140,13 @@ class Plan:
         context parallelism)."""
         dp, cp = self.parallel.dp, self.parallel.cp
         return AUTO if AUTO in (dp, cp) else dp * cp
+
+    @property
+    def expert_grad_ranks(self) -> int | Auto:
+        """Ranks that hold the same routed experts, dp·cp/ep: the group an expert's gradient
+        is averaged over and ZeRO shards it over (Megatron-Core's expert-data-parallel group)."""
+        ranks = self.grad_ranks
+        return AUTO if ranks == AUTO else max(1, ranks // self.parallel.ep)
 
 
 def _layer_index(cut: str) -> int | None:

@@ -42,15 +42,21 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
     priced, unpriced = None, None
     try:
         _check_priced_model(gm, plan)
+        if plan.parallel.ep > 1:  # its experts would be priced whole on every rank
+            raise UnpricedError(f"expert parallelism (parallel.ep = {plan.parallel.ep}) is not "
+                                "priced yet: the memory and step-time model would count every "
+                                "expert on every rank")
         plan, priced = balanced_cut(plan)
     except (PtcError, ValueError) as exc:
         priced, unpriced = None, f"no predicted step time: {exc}"
         log.warning(unpriced)
     par = plan.parallel
-    folds = guard_folds(zero=par.zero, dp=par.dp, world=par.tp * par.cp * par.pp * par.dp,
-                        offload=par.offload != "none",
-                        grad_bytes=DTYPE_BYTES[plan.train.grad_dtype],
-                        wire_bytes=plan.grad_wire_bytes)
+    # An expert unit is reduced over fewer ranks than the job: no all-reduce carries the guard.
+    folds = par.ep == 1 and guard_folds(zero=par.zero, dp=par.dp,
+                                        world=par.tp * par.cp * par.pp * par.dp,
+                                        offload=par.offload != "none",
+                                        grad_bytes=DTYPE_BYTES[plan.train.grad_dtype],
+                                        wire_bytes=plan.grad_wire_bytes)
     return Decisions(plan=plan, checkpoint=_policies(plan, layers, priced), estimate=priced,
                      unpriced=unpriced, guard_folds=folds)
 

@@ -25,7 +25,9 @@ def with_stage_layouts(decisions: Decisions, whole: fx.GraphModule,
     on `whole`, and each stage graph's parameter layout."""
     return dataclasses.replace(
         decisions, tensor_parallel=graph_record(whole).tensor_parallel,
-        layouts={stage_info(s).index: stage_param_layout(s, decisions.plan.grad_ranks)
+        expert_parallel=graph_record(whole).expert_parallel,
+        layouts={stage_info(s).index: stage_param_layout(s, decisions.plan.grad_ranks,
+                                                         graph_record(whole).expert_parallel)
                  for s in stages})
 
 

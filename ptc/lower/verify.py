@@ -109,7 +109,7 @@ def _node_problems(gm: fx.GraphModule, node: fx.Node, plan: Plan) -> list[str]:
                        f"{node.target} of shape {tuple(value.shape)}")
     elif node.op == "call_function":
         axis = _axis(node)
-        if axis is not None and axis not in plan.parallel.order:
+        if axis is not None and axis not in (*plan.parallel.order, "ep", "edp"):
             out.append(f"node {node.name} ({getattr(node.target, '__name__', node.target)}) "
                        f"communicates over axis {axis!r}, which is not a mesh axis of the plan "
                        f"({', '.join(plan.parallel.order)})")
@@ -125,6 +125,8 @@ def _shape_problems(gm: fx.GraphModule, plan: Plan, rerun: Rerun) -> list[str]:
     """
     groups = {axis: ShapeGroup(plan.parallel.degree(axis)) for axis in plan.parallel.order}
     groups["dp"] = ShapeGroup(plan.grad_ranks)  # what the runtime binds "dp" to: dp·cp ranks
+    groups["ep"] = ShapeGroup(plan.parallel.ep)
+    groups["edp"] = ShapeGroup(plan.expert_grad_ranks)
     cache = rerun.calls.for_root(gm)
     interp = _MetaInterpreter(gm, cache)
     unknown, same, problems = set(), set(), []

@@ -10,6 +10,7 @@ The ordered list and the runner live above, in `ptc.lower`.
 from ptc.passes.checkpoint_layers import checkpoint_layers_pass
 from ptc.passes.overlap_collectives import overlap_collectives_pass
 from ptc.passes.quantize_gemms import quantize_gemms_pass
+from ptc.passes.shard_experts import shard_experts_pass
 from ptc.passes.shard_params import shard_params_pass
 from ptc.passes.shard_sequence import shard_sequence_pass
 from ptc.passes.shard_tensors import shard_tensors_pass
@@ -17,5 +18,5 @@ from ptc.passes.split_context import split_context_pass
 from ptc.passes.split_pipeline import split_pipeline_pass
 
 __all__ = ["checkpoint_layers_pass", "overlap_collectives_pass", "quantize_gemms_pass",
-           "shard_params_pass", "shard_sequence_pass", "shard_tensors_pass", "split_context_pass",
+           "shard_experts_pass", "shard_params_pass", "shard_sequence_pass", "shard_tensors_pass", "split_context_pass",
            "split_pipeline_pass"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Sequence
 
 from torch import fx
 
@@ -168,7 +169,8 @@ def _bucket_gathers(gm: fx.GraphModule, plan: Plan, layout: ParamLayout
     before = [u for us in units for u in us]
     sizes = [sum(GRAD_BYTES * layout.units[u].padded_numel for u in us) for us in units]
     size = resolve_bucket_bytes(plan, sizes)
-    groups = plan_buckets(sizes, size, units)
+    axes = [start.kwargs.get("axis", "dp") for start, _ in gathers]
+    groups = [run for group in plan_buckets(sizes, size, units) for run in _same_axis(group, axes)]
     for group in groups:
         if len(group) > 1:
             _merge(gm.graph, [gathers[i] for i in group])
@@ -176,6 +178,18 @@ def _bucket_gathers(gm: fx.GraphModule, plan: Plan, layout: ParamLayout
         raise CompileError("comm_overlap: bucketing would reorder the dp gathers")
     buckets = [tuple(u for i in group for u in units[i]) for group in groups]
     return buckets, size, any(len(g) > 1 for g in groups)
+
+
+def _same_axis(group: Sequence[int], axes: Sequence[str]) -> list[list[int]]:
+    """`group` cut into runs of gathers over one axis: an expert unit's gather ("edp") and
+    a dp one are different collectives, never merged."""
+    runs: list[list[int]] = []
+    for i in group:
+        if runs and axes[runs[-1][-1]] == axes[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _merge(graph: fx.Graph, gathers: list[tuple[fx.Node, fx.Node]]) -> None:

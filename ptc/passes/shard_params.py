@@ -57,7 +57,10 @@ def shard_params_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModul
     layout = decisions.stage_layout(stage_info(gm).index)
     slots = _slots_by_param(gm, layout)
     gm.add_submodule(SHARDS_ATTR, ZeroShards(layout))
-    gathers = [_insert_gather(gm, uses, slots, dtype) for uses in _uses_by_group(gm).values()]
+    gathers = [_insert_gather(gm, uses, slots, dtype, expert)
+               for uses in _uses_by_group(gm).values() for expert in (False, True)
+               if any(layout.units[slots[id(p)].unit].expert == expert
+                      for _, params in uses for _, p in params)]
     _drop_params(gm, layout)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
@@ -90,18 +93,25 @@ def _meta(src: fx.Node, dst: fx.Node, **changes: Any) -> None:
 
 
 def _insert_gather(gm: fx.GraphModule, uses: list[tuple[fx.Node, list]],
-                   slots: dict[int, ParamSlot], dtype: torch.dtype) -> tuple[fx.Node, ...]:
-    """Insert shard reads, start, wait and weight views before the group's first use."""
+                   slots: dict[int, ParamSlot], dtype: torch.dtype,
+                   expert: bool) -> tuple[fx.Node, ...]:
+    """Insert shard reads, start, wait and weight views before the group's first use of
+    its expert units (`expert`, gathered over the ranks holding the same experts, "edp")
+    or of its other units (over dp)."""
+    layout = getattr(gm, SHARDS_ATTR).layout
+    uses = [(node, [(n, p) for n, p in params if layout.units[slots[id(p)].unit].expert == expert])
+            for node, params in uses]
+    uses = [(node, params) for node, params in uses if params]
     graph, first = gm.graph, uses[0][0]
     units = sorted({slots[id(p)].unit for _, params in uses for _, p in params})
     free = dict(flops=0, params=0, param_bytes=0)
     views: dict[str, fx.Node] = {}
     with graph.inserting_before(first):
         shards = tuple(graph.get_attr(f"{SHARDS_ATTR}.shard_{u}") for u in units)
-        start = graph.call_function(gather_params_start, (shards,), {"axis": "dp", "dtype": dtype})
+        start = graph.call_function(gather_params_start, (shards,),
+                                    {"axis": "edp" if expert else "dp", "dtype": dtype})
         wait = graph.call_function(gather_params, (start, shards))
         shard_params = [gm.get_parameter(f"{SHARDS_ATTR}.shard_{u}") for u in units]
-        layout = getattr(gm, SHARDS_ATTR).layout
         full = tuple((layout.units[u].padded_numel,) for u in units)
         for node, param in zip(shards, shard_params):
             _meta(first, node, kind="other", shapes=(tuple(param.shape),), dtypes=(param.dtype,),

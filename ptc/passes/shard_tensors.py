@@ -44,6 +44,7 @@ from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
                             vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
+from ptc.passes.local_params import param_aliases, set_local_param
 from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
 from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, find_sharding,
                                              layer_glob)
@@ -167,11 +168,11 @@ class _Rewrite:
             add(weight, VOCAB, 0, (self.gm.get_parameter(weight).shape[0],))
         self.padded = {spec.full_shape[spec.dim]: spec.local_shape(self.tp)[spec.dim]
                        for spec in specs.values() if spec.pad}
-        aliases = _aliases(self.gm)
+        aliases = param_aliases(self.gm)
         self._check_whole_uses({a for name in specs for a in aliases[name]})
         out = {}
         for name, spec in specs.items():
-            _set_param(self.gm, aliases[name], spec.local_shape(self.tp))
+            set_local_param(self.gm, aliases[name], spec.local_shape(self.tp))
             out.update({alias: spec for alias in aliases[name]})
         return TensorParallelLayout(tp=self.tp, params=out)
 
@@ -457,24 +458,6 @@ def _whole_readers(node: fx.Node, sharded: set[fx.Node]) -> list[fx.Node]:
         else:
             out.append(user)
     return out
-
-
-def _aliases(gm: fx.GraphModule) -> dict[str, list[str]]:
-    """Parameter name -> every name of the same parameter (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
-
-
-def _set_param(gm: fx.GraphModule, names: list[str], shape: tuple[int, ...]) -> None:
-    """Replace a parameter (under all its names) by an empty meta one of `shape`."""
-    old = gm.get_parameter(names[0])
-    new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"),
-                       requires_grad=old.requires_grad)
-    for name in names:
-        owner, _, leaf = name.rpartition(".")
-        (gm.get_submodule(owner) if owner else gm)._parameters[leaf] = new
 
 
 # ------------------------------------------------------------------ checks

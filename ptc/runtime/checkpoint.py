@@ -119,7 +119,7 @@ def held(trainer) -> Source:
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         flat = _flat(trainer, unit, kind)
         shard = trainer.units[unit].spec.shard_numel
-        start = 0 if trainer.zero == 0 else trainer.dp_rank * shard
+        start = 0 if trainer.zero == 0 else trainer.units[unit].rank * shard
         return start, flat
     return source
 
@@ -131,7 +131,7 @@ def owned(trainer) -> Source:
     def source(unit: int, kind: str) -> tuple[int, torch.Tensor]:
         start, flat = hold(unit, kind)
         size = trainer.units[unit].spec.shard_numel
-        mine = trainer.dp_rank * size
+        mine = trainer.units[unit].rank * size
         return mine, flat[mine - start:mine - start + size]
     return source
 
@@ -140,9 +140,11 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
     """Every parameter and optimizer tensor by full name, as the chunks `source` covers.
 
     Under tensor parallelism a slot holds the rank's slice of the parameter;
-    its chunks are re-addressed in the full parameter (`tp_chunks`).
+    its chunks are re-addressed in the full parameter (`tp_chunks`); an expert
+    stack under expert parallelism first from its ep rank's experts to all of them.
     """
     tp = trainer.program.tensor_parallel
+    experts = trainer.program.decisions.expert_parallel
     out = {}
     for index, unit in enumerate(trainer.units):
         for kind in ("model", *optimizer_kinds(trainer)):
@@ -156,6 +158,9 @@ def chunked_state(trainer, source: Source) -> dict[str, FlatChunks]:
                 name = full_name(trainer, slot)
                 chunks = FlatChunks.from_flat(slot.shape, flat[lo - start:hi - start],
                                               lo - slot.offset)
+                if experts is not None and experts.is_expert(slot.name):
+                    chunks = tp_chunks(chunks, experts.params[slot.name], trainer.ep_rank,
+                                       experts.ep)
                 split = None if tp is None else tp.params.get(name, tp.params.get(slot.name))
                 if split is not None:
                     chunks = tp_chunks(chunks, split, trainer.tp_rank, tp.tp)
@@ -465,8 +470,7 @@ class Checkpointer:
             leader = dist.get_process_group_ranks(trainer.tp_group)[0] if trainer.tp_group \
                 else trainer.rank
             torch.manual_seed(trainer.plan.runtime.seed + leader + self.world * step)
-        publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
-                world=trainer.dp)
+        publish(trainer.units, zero=trainer.zero)
 
 
 def _failure(error: BaseException, rank: int) -> tuple[int, str]:

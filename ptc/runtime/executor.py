@@ -64,7 +64,7 @@ from ptc.compiler.graph.devices import bind_device
 from ptc.compiler.graph.lazy_code import with_code
 from ptc.compiler.graph.meta import get_info
 from ptc.compiler.records.overlap import OverlapPlan
-from ptc.compiler.records.params import COMPUTE_DTYPES, ParamSlot
+from ptc.compiler.records.params import COMPUTE_DTYPES, ParamSlot, ShardUnit
 from ptc.compiler.records.program import Program
 from ptc.compiler.schedule.actions import Action
 from ptc.compiler.records.stages import StageInfo
@@ -88,7 +88,7 @@ from ptc.runtime.mesh import timeout
 from ptc.runtime.offload import HostOptimizer, offload_masters
 from ptc.runtime.optimizer import ShardedOptimizer
 from ptc.runtime.p2p import Transfer, post_recv, send
-from ptc.runtime.params import (UnitState, bind_buffers, build_units, drop_grads,
+from ptc.runtime.params import (Placement, UnitState, bind_buffers, build_units, drop_grads,
                                 fill_main_grads, held_bytes, publish, slot_ranges)
 from ptc.runtime.tp_state import (join_over_tp, partial_grad_ranges, rank_values, replicated_ranges,
                                   seed_dropout, sum_partial_grads)
@@ -332,7 +332,12 @@ class Trainer:
         self.batch_ranks, self.batch_rank = group_size(batch), group_rank(batch)
         self.pp, self.pp_rank = group_size(self.pp_group), group_rank(self.pp_group)
         self.tp_rank = group_rank(self.tp_group)
-        for axis, size in (("tp", group_size(self.tp_group)), ("pp", self.pp)):
+        self.ep_group, self.edp_group = self.groups.get("ep"), self.groups.get("edp")
+        """Expert parallelism: the ranks that share out the experts, and those that hold the
+        same ones (`ptc.runtime.mesh.expert_groups`); None when ep = 1."""
+        self.ep_rank = group_rank(self.ep_group)
+        for axis, size in (("tp", group_size(self.tp_group)), ("pp", self.pp),
+                           ("ep", group_size(self.ep_group))):
             if size != plan.parallel.degree(axis):
                 raise PtcError(f"the program is split over {axis} = {plan.parallel.degree(axis)},"
                                f" but this rank's {axis} group has {size} rank(s)")
@@ -350,7 +355,8 @@ class Trainer:
         if model is None:
             model = program.model if program.model is not None else \
                 reference_model(plan, models.build)
-        values = rank_values(program, model, models.initial_value, values, self.tp_rank)
+        values = rank_values(program, model, models.initial_value, values, self.tp_rank,
+                             self.ep_rank)
         tp = program.tensor_parallel
         self.canonical = {alias: slot.name for slot in program.layout.params.values()
                           for alias in slot.aliases}
@@ -360,23 +366,20 @@ class Trainer:
             s: self._chunk(program, s, values, model) for s in schedule.stages_of(self.pp_rank)}
         self.units = [u for chunk in self.chunks.values() for u in chunk.units]
         """Every unit this rank holds, chunk by chunk."""
-        self.offload: HostOptimizer | None = offload_masters(
-            self.units, self.device, self.group, rank=self.dp_rank, world=self.dp) \
+        self.offload: HostOptimizer | None = offload_masters(self.units, self.device) \
             if plan.parallel.offload == "optimizer" else None
         """With optimizer offload: the update on the host and its copies (`ptc.runtime.offload`)."""
         self.optimizer = ShardedOptimizer(
             self.units, plan.train.optimizer, self.group, sharded=self.zero >= 1,
-            tp_group=self.tp_group, replicated=None if tp is None else replicated_ranges(
-                self.units, tp, zero=self.zero, rank=self.dp_rank),
-            frozen=slot_ranges(self.units, self._frozen, whole=self.zero == 0,
-                               rank=self.dp_rank))
-        self.frozen_grads = slot_ranges(self.units, self._frozen, whole=False,
-                                        rank=self.dp_rank) if self.zero == 3 else []
+            tp_group=self.tp_group, ep_group=self.ep_group,
+            replicated=None if tp is None else replicated_ranges(self.units, tp, zero=self.zero),
+            frozen=slot_ranges(self.units, self._frozen, whole=self.zero == 0))
+        self.frozen_grads = slot_ranges(self.units, self._frozen, whole=False) \
+            if self.zero == 3 else []
         """Per unit, the ranges of its gradient shard that hold parameters the model does
         not train, which ZeRO-3's graph computes gradients for (it reads flat shards);
         empty below ZeRO-3, where autograd computes none (`build_units`)."""
-        self.partial = [] if tp is None else partial_grad_ranges(
-            self.units, tp, zero=self.zero, rank=self.dp_rank)
+        self.partial = [] if tp is None else partial_grad_ranges(self.units, tp, zero=self.zero)
         self.tied = self._tied_groups()
         self.data = TokenSource(plan.train.data, vocab=program.vocab, seq_len=plan.train.seq_len)
         self.peak_in_flight = 0
@@ -395,18 +398,23 @@ class Trainer:
         mine = {slot.name: values[self.canonical[slot.name]] for slot in layout.params.values()}
         grad_dtype = COMPUTE_DTYPES[self.plan.train.grad_dtype]
         units = build_units(gm, layout, mine, zero=self.zero,
-                            dtype=COMPUTE_DTYPES[self.plan.train.compute_dtype], rank=self.dp_rank,
-                            world=self.dp, device=self.device, grad_dtype=grad_dtype,
-                            frozen=self._frozen)
+                            dtype=COMPUTE_DTYPES[self.plan.train.compute_dtype], place=self._place,
+                            device=self.device, grad_dtype=grad_dtype, frozen=self._frozen)
         bind_buffers(gm, initial_buffers(gm, self.plan, model), self.device)
         overlap = stage.overlap
-        reducer = GradReducer(units, self.group, self.zero, overlap, grad_dtype,
+        reducer = GradReducer(units, self.zero, overlap, grad_dtype,
                               self.plan.parallel.grad_comm, self.guard) if self.zero < 3 else None
         last = [a.microbatch for a in self.actions if a.kind in ("B", "W") and a.stage == s][-1]
         runner = GraphRunner(gm, self.rank, compiled=self.plan.runtime.compile)
         return Chunk(info=stage.info, gm=gm, runner=runner, units=units,
                      reducer=reducer, last_backward=last, overlap=overlap,
                      trainable=[w for w in gm.parameters() if w.requires_grad])
+
+    def _place(self, unit: ShardUnit) -> Placement:
+        """The group a unit is sharded and reduced over, this rank's place in it, its size:
+        dp·cp, or for an expert unit the ranks that hold the same experts."""
+        group = self.edp_group if unit.expert else self.group
+        return group, group_rank(group), group_size(group)
 
     def _frozen(self, slot: ParamSlot) -> bool:
         """Whether `slot` holds a parameter the model does not train."""
@@ -490,7 +498,7 @@ class Trainer:
                 tied.sum_grads()
             sum_partial_grads(self.units, self.partial, self.tp_group)
             drop_grads(self.units, self.frozen_grads)
-            fill_main_grads(self.units, rank=self.dp_rank, world=self.dp)
+            fill_main_grads(self.units)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
             def update() -> float:
@@ -503,9 +511,8 @@ class Trainer:
                 self.optimizer.step(lr)
                 leave = leave_weights and self.plan.parallel.overlap
                 for s, chunk in self.chunks.items():
-                    publish(chunk.units, self.group, zero=self.zero, rank=self.dp_rank,
-                            world=self.dp, leave=functools.partial(weight_gathers.expect, s)
-                            if leave else None)
+                    publish(chunk.units, zero=self.zero,
+                            leave=functools.partial(weight_gathers.expect, s) if leave else None)
                 return norm
 
             # One flag per rank of the job (every axis): all ranks skip or update together.
@@ -711,10 +718,12 @@ class Trainer:
         with torch.no_grad():
             for unit in self.units:
                 full = unit.master if self.zero == 0 else all_gather_flat(
-                    unit.master.detach().to(self.device).contiguous(), self.group).wait()
+                    unit.master.detach().to(self.device).contiguous(), unit.group).wait()
                 for slot in unit.slots:
                     mine.setdefault(self.canonical[slot.name], full[
                         slot.offset:slot.offset + slot.numel].view(slot.shape).clone().cpu())
+        if self.program.decisions.expert_parallel is not None:
+            mine = join_over_tp(mine, self.program.decisions.expert_parallel, self.ep_group)
         if self.program.tensor_parallel is not None:
             mine = join_over_tp(mine, self.program.tensor_parallel, self.tp_group)
         if self.pp > 1:

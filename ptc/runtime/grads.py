@@ -37,11 +37,9 @@ gradient (so every rank issues the same collectives) and waits for all.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ptc.compiler.records.overlap import OverlapPlan
-from ptc.ops.comm import (Piece, Waitable, all_reduce_bucket, group_rank, group_size,
-                          reduce_scatter_bucket)
+from ptc.ops.comm import Piece, Waitable, all_reduce_bucket, reduce_scatter_bucket
 from ptc.ops.fp8_comm import FORMATS, fp8_reduction
 from ptc.runtime.health import FoldedGuard
 from ptc.runtime.params import UnitState
@@ -50,16 +48,16 @@ from ptc.runtime.params import UnitState
 class GradReducer:
     """Per-bucket gradient buffers with asynchronous reduction (ZeRO 0-2)."""
 
-    def __init__(self, units: list[UnitState], group: dist.ProcessGroup | None, zero: int,
-                 overlap: OverlapPlan, grad_dtype: torch.dtype = torch.float32,
-                 grad_comm: str = "none", guard: FoldedGuard | None = None):
+    def __init__(self, units: list[UnitState], zero: int, overlap: OverlapPlan,
+                 grad_dtype: torch.dtype = torch.float32, grad_comm: str = "none",
+                 guard: FoldedGuard | None = None):
         """`grad_dtype`: what a ZeRO-2 micro-batch's gradients are summed and reduce-scattered
         in (train.grad_dtype); ZeRO 0-1 buffers carry their own dtype. `grad_comm`: "none",
         or the float8 format the reductions move (parallel.grad_comm, `ptc.ops.fp8_comm`).
         `guard`: the non-finite guard the ZeRO-0 all-reduces carry (fp32 buffers and
-        reductions, `group` every rank of the job)."""
-        self.units, self.group, self.zero = units, group, zero
-        self._rank, self._world = group_rank(group), group_size(group)
+        reductions, every unit's group every rank of the job). Each unit is reduced over its
+        own group (`UnitState.group`): a bucket's units of one group go in one collective."""
+        self.units, self.zero = units, zero
         self.grad_dtype = grad_dtype
         fmt = FORMATS.get(grad_comm)
         self._all_reduce = fp8_reduction(fmt, everywhere=True) if fmt is not None else None
@@ -128,25 +126,36 @@ class GradReducer:
         if self._flushed[bucket] or not self._reduce:
             return
         self._flushed[bucket] = True
-        members = self.buckets[bucket]
-        if self.zero == 0:
-            flats = [self.units[u].grad for u in members]
-            if self.guard is not None:
-                self.guard.see(flats)
-                if all(self._flushed):  # the step's last reduction: the guard's slots ride it
-                    flats.append(self.guard.slots())
-            works = all_reduce_bucket(flats, self.group, self._all_reduce)
-        elif self.zero == 1:
-            works = reduce_scatter_bucket([self.units[u].grad for u in members], self.group,
-                                          self._reduce_scatter)
-        else:
-            works = reduce_scatter_bucket([self._buffer(u) for u in members], self.group,
-                                          self._reduce_scatter)
-            for u in members:
-                del self._micro[u]
+        members = self._by_group(self.buckets[bucket])
+        works: list[Waitable | Piece] = []
+        for index, part in enumerate(members):
+            group = self.units[part[0]].group
+            if self.zero == 0:
+                flats = [self.units[u].grad for u in part]
+                if self.guard is not None:
+                    self.guard.see(flats)
+                    if all(self._flushed) and index == len(members) - 1:
+                        flats.append(self.guard.slots())  # the step's last: the slots ride it
+                works += all_reduce_bucket(flats, group, self._all_reduce)
+            elif self.zero == 1:
+                works += reduce_scatter_bucket([self.units[u].grad for u in part], group,
+                                               self._reduce_scatter)
+            else:
+                works += reduce_scatter_bucket([self._buffer(u) for u in part], group,
+                                               self._reduce_scatter)
+                for u in part:
+                    del self._micro[u]
         self._works.append((bucket, works))
         while len(self._works) > self.in_flight:
             self._complete(*self._works.pop(0))
+
+    def _by_group(self, bucket: tuple[int, ...]) -> list[list[int]]:
+        """The bucket's units by the group they are reduced over, in bucket order (an expert
+        unit's group is not dp's: `UnitState.group`)."""
+        parts: dict[int, list[int]] = {}
+        for u in bucket:
+            parts.setdefault(id(self.units[u].group), []).append(u)
+        return list(parts.values())
 
     def finish(self) -> None:
         """Reduce the buckets that got no gradient, wait for every reduction, fill shard grads."""
@@ -157,12 +166,14 @@ class GradReducer:
         self._works.clear()
 
     def _complete(self, bucket: int, works: list[Waitable | Piece]) -> None:
+        order = [u for part in self._by_group(self.buckets[bucket]) for u in part]
         with torch.no_grad():
-            for unit, work in zip(self.buckets[bucket], works):
+            for unit, work in zip(order, works):
                 out = work.wait()  # ZeRO-0: summed in the unit's own gradient buffer
+                state = self.units[unit]
                 if self.zero == 1:
-                    self.units[unit].grad.view(self._world, -1)[self._rank].copy_(out)
+                    state.grad.view(state.world, -1)[state.rank].copy_(out)
                 elif self.zero == 2:
-                    self.units[unit].grad.add_(out)
-            for work in works[len(self.buckets[bucket]):]:  # the guard's slots, summed in place
+                    state.grad.add_(out)
+            for work in works[len(order):]:  # the guard's slots, summed in place
                 work.wait()

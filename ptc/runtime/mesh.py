@@ -13,6 +13,7 @@ rank that waits for a dead peer raises instead of hanging.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -89,13 +90,14 @@ def _options(backend: str):
     return options
 
 
-def axis_process_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+def axis_process_groups(mesh: DeviceMesh, ep: int = 1) -> dict[str, dist.ProcessGroup]:
     """Axis name -> this rank's process group along that mesh dimension.
 
     With context parallelism (cp > 1) "dp" is the group gradients are
     averaged and ZeRO shards over, the dp·cp ranks that hold other tokens of
     the same weights (as Megatron-LM's data-parallel group with cp), and
     "batch" the dp axis alone, whose coordinate says which samples a rank reads.
+    With expert parallelism (`ep` > 1) also "ep" and "edp" (`expert_groups`).
     """
     names = mesh.mesh_dim_names
     groups = {name: mesh.get_group(name) for name in names}
@@ -104,7 +106,33 @@ def axis_process_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
         backend = dist.get_backend(groups["cp"])
         flat = mesh[joint]._flatten("dp_cp", backend_override=(backend, _options(backend)))
         groups["batch"], groups["dp"] = groups["dp"], flat.get_group()
+    if ep > 1:
+        groups.update(expert_groups(mesh, ep))
     return groups
+
+
+def expert_groups(mesh: DeviceMesh, ep: int) -> dict[str, dist.ProcessGroup]:
+    """This rank's expert-parallel groups, folded from its dp·cp group (Megatron-Core's
+    parallel folding): "ep", the ep consecutive ranks of it that share out the routed
+    experts (and exchange tokens), and "edp", the dp·cp/ep ranks of it at the same place in
+    their ep groups, which hold the same experts (their gradients are averaged, and ZeRO
+    shards them, over it). Every rank creates every group, in the same order."""
+    names = mesh.mesh_dim_names
+    joint = [names.index(n) for n in names if n in ("dp", "cp")]
+    others = [i for i in range(len(names)) if i not in joint]
+    rows = mesh.mesh.permute(*others, *joint).reshape(-1, math.prod(
+        mesh.mesh.shape[i] for i in joint)).tolist()
+    backend = dist.get_backend()
+    me, out = dist.get_rank(), {}
+    for row in rows:  # each dp·cp group, its ranks in the order of the flattened "dp" group
+        blocks = [row[k:k + ep] for k in range(0, len(row), ep)]
+        for axis, members in (("ep", blocks), ("edp", [row[j::ep] for j in range(ep)])):
+            for ranks in members:
+                group = dist.new_group(ranks, timeout=timeout(), backend=backend,
+                                       pg_options=_options(backend))
+                if me in ranks:
+                    out[axis] = group
+    return out
 
 
 def device_for(plan: Plan) -> torch.device:

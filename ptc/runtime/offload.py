@@ -73,13 +73,10 @@ class HostOptimizer:
     copy lanes, and the copies of new weights still in flight."""
 
     def __init__(self, units: list[UnitState], sources: list[torch.Tensor],
-                 device: torch.device, group: dist.ProcessGroup | None, *, rank: int,
-                 world: int):
+                 device: torch.device):
         """`units` whose masters are on the host; `sources[i]` the device fp32 gradient of
-        what unit i's master updates (made by `offload_masters`); `group`, `rank`, `world`
-        the dp group the weights are gathered over."""
+        what unit i's master updates (made by `offload_masters`)."""
         self.units, self.sources, self.device = units, sources, device
-        self.group, self.rank, self.world = group, rank, world
         self.down, self.up = Lane(device), Lane(device)
         self.sent: list[Landing | None] = [None] * len(units)
         """Per unit, the copy of its latest weights to the device."""
@@ -111,15 +108,14 @@ class HostOptimizer:
                     self.arrivals.expect(unit.shard, self.sent[i].wait_device)
                 else:
                     self.sent[i].wait_device()
-                    gathers.append(gather_full(unit, self.group, rank=self.rank,
-                                               world=self.world))
+                    gathers.append(gather_full(unit))
         for work in gathers:
             work.wait()
         return float(norm)
 
     def _send(self, unit: UnitState) -> Landing:
         """Queue the copy of `unit`'s updated master into the weights the graph reads."""
-        target = weight_shard(unit, rank=self.rank, world=self.world)
+        target = weight_shard(unit)
         source = unit.master
         if target.dtype != source.dtype:  # cast on the CPU, into the gradient's free storage
             source = unit.master.grad.view(target.dtype)[:source.numel()]
@@ -139,13 +135,11 @@ class HostOptimizer:
         return [t for unit in units for t in (unit.master, unit.master.grad)]
 
 
-def offload_masters(units: Iterable[UnitState], device: torch.device,
-                    group: dist.ProcessGroup | None, *, rank: int, world: int) -> HostOptimizer:
+def offload_masters(units: Iterable[UnitState], device: torch.device) -> HostOptimizer:
     """Move each unit's master and its gradient to the host (see the module docstring).
 
     Call once, before the optimizer is built over the masters. A ZeRO-3
     master is the graph's parameter: it stays on the device as `unit.shard`.
-    `group`, `rank`, `world`: the dp group the weights are gathered over.
     """
     units = list(units)
     pin = device.type == "cuda"
@@ -159,4 +153,4 @@ def offload_masters(units: Iterable[UnitState], device: torch.device,
         if unit.full is None:  # ZeRO-3: the graph gathers from this shard
             unit.shard = device_master
         unit.master = host
-    return HostOptimizer(units, sources, device, group, rank=rank, world=world)
+    return HostOptimizer(units, sources, device)

@@ -49,10 +49,11 @@ class ShardedOptimizer:
     def __init__(self, units: list[UnitState], spec: OptimizerSpec,
                  group: dist.ProcessGroup | None, *, sharded: bool,
                  tp_group: dist.ProcessGroup | None = None,
+                 ep_group: dist.ProcessGroup | None = None,
                  replicated: list[list[tuple[int, int]]] | None = None,
                  frozen: list[list[tuple[int, int]]] | None = None):
         self.units, self.group, self.sharded = units, group, sharded
-        self.tp_group = tp_group
+        self.tp_group, self.ep_group = tp_group, ep_group
         self.replicated = replicated or [[] for _ in units]
         """Per unit, master element ranges of parameters replicated over tp (ptc.runtime.tp_state)."""
         self.frozen = frozen or [[] for _ in units]
@@ -79,7 +80,8 @@ class ShardedOptimizer:
         default each master's `.grad`), counting a parameter that tp
         replicates once over tp and leaving out the units whose ids are in
         `uncounted` (the extra copies of a weight tied across pipeline
-        stages), then adds the sums over dp (when sharded), tp and pp.
+        stages), then adds the sums over dp (when sharded; without, the expert units'
+        over ep), tp and pp.
         """
         grads = [u.master.grad for u in self.units] if grads is None else list(grads)
         counted = [(g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
@@ -94,6 +96,15 @@ class ShardedOptimizer:
                        torch.zeros((), device=squares.device))
             squares = squares - same * (1 - 1 / tp)
         squares = squares.to(device)
+        experts = [g for u, g in zip(self.units, grads) if u.spec.expert and id(u) not in uncounted]
+        if experts and not self.sharded:
+            # The ranks holding the same experts hold their whole gradient, and the other ep
+            # ranks the other experts: their squares are summed over ep (from ZeRO-1 on, the
+            # shards' over dp, as every other unit's).
+            theirs = torch.stack([g.pow(2).sum() for g in experts]).sum().to(device)
+            mine = theirs.clone()
+            all_reduce_flat(theirs.view(1), self.ep_group).wait()
+            squares = squares + (theirs - mine)
         if self.sharded:
             all_reduce_flat(squares.view(1), self.group).wait()
         if tp > 1:

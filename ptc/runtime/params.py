@@ -30,12 +30,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
 from ptc.compiler.records.params import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import PtcError
-from ptc.ops.comm import Work, all_gather_flat
+from ptc.ops.comm import Group, Work, all_gather_flat
+
+Placement = tuple[Group, int, int]
+"""A unit's group, this rank's place in it, and its size (`build_units`)."""
 
 @dataclass(eq=False)
 class UnitState:
@@ -58,16 +60,23 @@ class UnitState:
     shard: torch.Tensor | None = None
     """ZeRO-3 with optimizer offload: the graph's fp32 parameter shard on the device, which
     the update refreshes from the host master (without offload the master is that shard)."""
+    group: Group = None
+    """The ranks the unit is sharded and its gradient reduced over: dp·cp, or for an expert
+    unit (`ShardUnit.expert`) the ranks that hold the same experts."""
+    rank: int = 0
+    """This rank's place in `group`: the shard it owns."""
+    world: int = 1
+    """Ranks in `group`: the unit's shards."""
 
 
-def slot_ranges(units: list[UnitState], keep: Callable[[ParamSlot], bool], *, whole: bool,
-                rank: int) -> list[list[tuple[int, int]]]:
+def slot_ranges(units: list[UnitState], keep: Callable[[ParamSlot], bool], *,
+                whole: bool) -> list[list[tuple[int, int]]]:
     """Per unit, the ranges of the slots `keep` accepts within the whole flat buffer or the
-    dp shard `rank`, relative to that buffer's start (padding is never included)."""
+    rank's own shard of it, relative to that buffer's start (padding is never included)."""
     out = []
     for unit in units:
         n = unit.spec.shard_numel
-        base, end = (0, unit.spec.padded_numel) if whole else (rank * n, (rank + 1) * n)
+        base, end = (0, unit.spec.padded_numel) if whole else (unit.rank * n, (unit.rank + 1) * n)
         ranges = []
         for slot in unit.slots:
             if not keep(slot):
@@ -80,11 +89,12 @@ def slot_ranges(units: list[UnitState], keep: Callable[[ParamSlot], bool], *, wh
 
 
 def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, torch.Tensor], *,
-                zero: int, dtype: torch.dtype, rank: int, world: int, device: torch.device,
-                grad_dtype: torch.dtype = torch.float32,
+                zero: int, dtype: torch.dtype, place: Callable[[ShardUnit], Placement],
+                device: torch.device, grad_dtype: torch.dtype = torch.float32,
                 frozen: Callable[[ParamSlot], bool] = lambda slot: False) -> list[UnitState]:
     """Create this rank's buffers from full initial `values` and bind them into `gm`
-    (`grad_dtype`: of the ZeRO 0-1 gradient buffers, see the module docstring). A parameter
+    (`place`: each unit's group, this rank's place in it and its size; `grad_dtype`: of
+    the ZeRO 0-1 gradient buffers, see the module docstring). A parameter
     `frozen` says the model does not train is bound with requires_grad = False (ZeRO 0-2,
     where each is a tensor of its own): autograd computes no gradient for it, as in eager
     PyTorch. Under ZeRO-3 the graph reads flat shards that mix such parameters with trained
@@ -92,6 +102,7 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
     units = []
     for index, spec in enumerate(layout.units):
         slots = layout.slots(index)
+        group, rank, world = place(spec)
         full32 = torch.zeros(spec.padded_numel, dtype=torch.float32, device=device)
         for slot in slots:
             full32[slot.offset:slot.offset + slot.numel] = values[slot.name].reshape(-1)
@@ -99,7 +110,8 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
         if zero == 3:
             master = nn.Parameter(shard32.clone())
             gm.zero.register_parameter(f"shard_{index}", master)
-            unit = UnitState(spec=spec, slots=slots, master=master, grad=torch.zeros_like(master))
+            unit = UnitState(spec=spec, slots=slots, master=master, grad=torch.zeros_like(master),
+                             group=group, rank=rank, world=world)
         else:
             full = full32 if dtype == torch.float32 else full32.to(dtype)
             if zero == 0:
@@ -110,7 +122,7 @@ def build_units(gm: fx.GraphModule, layout: ParamLayout, values: Mapping[str, to
                                dtype=grad_dtype if zero < 2 else torch.float32, device=device)
             unit = UnitState(spec=spec, slots=slots, master=master, grad=grad, full=full,
                              params=[_bind_param(gm, full, slot, trained=not frozen(slot))
-                                     for slot in slots])
+                                     for slot in slots], group=group, rank=rank, world=world)
         # ZeRO-1 keeps full gradients but updates only its shard of them.
         owned = unit.grad.view(world, -1)[rank] if zero == 1 else unit.grad
         if owned.dtype != torch.float32:
@@ -131,14 +143,14 @@ def drop_grads(units: Iterable[UnitState], ranges: list[list[tuple[int, int]]]) 
                 unit.grad[a:b].zero_()
 
 
-def fill_main_grads(units: Iterable[UnitState], *, rank: int, world: int) -> None:
+def fill_main_grads(units: Iterable[UnitState]) -> None:
     """Copy each 16-bit gradient (the part this rank updates) into its fp32 `main`, which
     the optimizer, the clip and the norm read; call once the step's sums are complete."""
     with torch.no_grad():
         for unit in units:
             if unit.main is not None:
                 owned = unit.grad if unit.main.numel() == unit.grad.numel() else \
-                    unit.grad.view(world, -1)[rank]
+                    unit.grad.view(unit.world, -1)[unit.rank]
                 unit.main.copy_(owned)
 
 
@@ -163,8 +175,8 @@ def bind_buffers(gm: fx.GraphModule, values: Mapping[str, torch.Tensor],
         raise PtcError(f"tensors still on the meta device after initialisation: {left}")
 
 
-def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero: int,
-            rank: int, world: int, leave: Callable[[int, Work], None] | None = None) -> None:
+def publish(units: Iterable[UnitState], *, zero: int,
+            leave: Callable[[int, Work], None] | None = None) -> None:
     """Make the graph's weights equal the updated masters (cast, then all-gather shards).
 
     Ordered on the device's stream: what runs next reads the new weights. With
@@ -183,10 +195,10 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
                 if unit.full.data_ptr() != unit.master.data_ptr():
                     unit.full.copy_(unit.master)
                 continue
-            mine = weight_shard(unit, rank=rank, world=world)
+            mine = weight_shard(unit)
             if mine.data_ptr() != unit.master.data_ptr():
                 mine.copy_(unit.master)
-            works.append((index, gather_full(unit, group, rank=rank, world=world)))
+            works.append((index, gather_full(unit)))
     for index, work in works:
         if leave is None:
             work.wait()
@@ -194,20 +206,18 @@ def publish(units: Iterable[UnitState], group: dist.ProcessGroup | None, *, zero
             leave(index, work)
 
 
-def weight_shard(unit: UnitState, *, rank: int, world: int) -> torch.Tensor:
+def weight_shard(unit: UnitState) -> torch.Tensor:
     """This rank's part of the weights the graph reads, in the compute dtype (ZeRO 1-3): its
     1/dp of the full buffer (ZeRO 1-2) or the shard the graph gathers (ZeRO-3)."""
     if unit.full is None:
         return unit.shard if unit.shard is not None else unit.master
-    return unit.full.view(world, -1)[rank]
+    return unit.full.view(unit.world, -1)[unit.rank]
 
 
-def gather_full(unit: UnitState, group: dist.ProcessGroup | None, *, rank: int,
-                world: int) -> Work:
+def gather_full(unit: UnitState) -> Work:
     """Start all-gathering every rank's `weight_shard` into the unit's full buffer (ZeRO 1-2)."""
     # A copy of our shard as input: the output buffer must not alias the input.
-    return all_gather_flat(weight_shard(unit, rank=rank, world=world).clone(), group,
-                           out=unit.full)
+    return all_gather_flat(weight_shard(unit).clone(), unit.group, out=unit.full)
 
 
 def held_bytes(gm: fx.GraphModule, units: Iterable[UnitState],

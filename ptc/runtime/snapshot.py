@@ -280,8 +280,7 @@ class MemorySnapshots:
             torch.cuda.set_rng_state(tensors["rng.cuda"])
         if trainer.plan.train.dtype == "fp8":
             restore_histories(trainer, {k: v for k, v in tensors.items() if k.startswith("fp8")})
-        publish(trainer.units, trainer.group, zero=trainer.zero, rank=trainer.dp_rank,
-                world=trainer.dp)
+        publish(trainer.units, zero=trainer.zero)
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> int:

@@ -5,7 +5,7 @@ lowered graph holds; under tensor parallelism those are the tp-local
 parameters (`ptc.compiler.records.tp_layout`). Three things need the tp axis:
 
 - initial values: every rank builds the same full tensors as the eager model
-  and keeps its slice (`local_initial_values`);
+  and keeps its slice (`rank_values`);
 - the global gradient norm: split parameters contribute their local squares,
   replicated ones (norms, row-parallel biases) hold the same gradient on
   every tp rank and must be counted once (`replicated_ranges` tells the
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptc.compiler.records.ep_layout import ExpertParallelLayout
 from ptc.compiler.records.params import ParamLayout
 from ptc.compiler.records.program import Program
 from ptc.compiler.records.tp_layout import TensorParallelLayout
@@ -36,26 +37,29 @@ from ptc.runtime.init import InitialValue, initial_params
 from ptc.runtime.params import UnitState, slot_ranges
 
 
-def local_initial_values(plan: Plan, layout: ParamLayout, tp: TensorParallelLayout,
-                         model: nn.Module, initial_value: InitialValue,
-                         rank: int) -> dict[str, torch.Tensor]:
-    """This tp rank's slice of the plan's initial weights, by canonical name."""
-    full = ParamLayout(units=layout.units, params={
-        name: dataclasses.replace(slot, shape=tp.full_shape(name, slot.shape))
-        for name, slot in layout.params.items()})
-    return tp.local_values(initial_params(plan, full, model, initial_value), rank)
-
-
 def rank_values(program: Program, model: nn.Module, initial_value: InitialValue,
-                values: Mapping[str, torch.Tensor] | None, tp_rank: int) -> dict[str, torch.Tensor]:
+                values: Mapping[str, torch.Tensor] | None, tp_rank: int,
+                ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """The initial weights this rank holds, by canonical name: `values` (full tensors) or the
     plan's own initial weights (`initial_params` of `model`), cut to the rank's tp slice
-    under tensor parallelism."""
+    under tensor parallelism, then to its ep rank's experts under expert parallelism."""
     plan, layout, tp = program.plan, program.layout, program.tensor_parallel
+    experts = program.decisions.expert_parallel
     if values is None:
-        return initial_params(plan, layout, model, initial_value) if tp is None else \
-            local_initial_values(plan, layout, tp, model, initial_value, tp_rank)
-    return dict(values) if tp is None else tp.local_values(values, tp_rank)
+        full = ParamLayout(units=layout.units, params={
+            name: dataclasses.replace(slot, shape=_full_shape(name, slot.shape, tp, experts))
+            for name, slot in layout.params.items()})
+        values = initial_params(plan, full, model, initial_value)
+    values = dict(values) if tp is None else tp.local_values(values, tp_rank)
+    return values if experts is None else experts.local_values(values, ep_rank)
+
+
+def _full_shape(name: str, shape: tuple[int, ...], tp: TensorParallelLayout | None,
+                experts: ExpertParallelLayout | None) -> tuple[int, ...]:
+    """The whole parameter's shape, from the shape a rank holds (ep-, then tp-local)."""
+    if experts is not None and experts.is_expert(name):
+        shape = experts.params[name].full_shape
+    return shape if tp is None else tp.full_shape(name, shape)
 
 
 def seed_dropout(plan: Plan, tp_group: dist.ProcessGroup | None, rank: int) -> None:
@@ -65,24 +69,22 @@ def seed_dropout(plan: Plan, tp_group: dist.ProcessGroup | None, rank: int) -> N
     torch.manual_seed(plan.runtime.seed + leader)
 
 
-def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
-                      rank: int) -> list[list[tuple[int, int]]]:
+def replicated_ranges(units: list[UnitState], tp: TensorParallelLayout, *,
+                      zero: int) -> list[list[tuple[int, int]]]:
     """Per unit, the [start, end) element ranges of its master that hold replicated parameters.
 
-    The master is the unit's whole flat buffer at ZeRO-0 and dp shard `rank`
+    The master is the unit's whole flat buffer at ZeRO-0 and the rank's shard
     from ZeRO-1 on (padding is zero and needs no range).
     """
-    return slot_ranges(units, lambda slot: slot.name not in tp.params, whole=zero == 0,
-                        rank=rank)
+    return slot_ranges(units, lambda slot: slot.name not in tp.params, whole=zero == 0)
 
 
-def partial_grad_ranges(units: list[UnitState], tp: TensorParallelLayout, *, zero: int,
-                            rank: int) -> list[list[tuple[int, int]]]:
-    """Per unit, the ranges of its gradient buffer (whole at ZeRO 0-1, dp shard `rank` from
+def partial_grad_ranges(units: list[UnitState], tp: TensorParallelLayout, *,
+                        zero: int) -> list[list[tuple[int, int]]]:
+    """Per unit, the ranges of its gradient buffer (whole at ZeRO 0-1, the rank's shard from
     ZeRO-2) that hold parameters with partial gradients per tp rank (`tp.partial_grads`)."""
     partial = set(tp.partial_grads)
-    return slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases),
-                        whole=zero < 2, rank=rank)
+    return slot_ranges(units, lambda slot: not partial.isdisjoint(slot.aliases), whole=zero < 2)
 
 
 def sum_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]],
@@ -98,9 +100,11 @@ def sum_partial_grads(units: list[UnitState], ranges: list[list[tuple[int, int]]
             work.wait()
 
 
-def join_over_tp(values: Mapping[str, torch.Tensor], tp: TensorParallelLayout,
+def join_over_tp(values: Mapping[str, torch.Tensor],
+                 tp: TensorParallelLayout | ExpertParallelLayout,
                  group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Full tensors from every tp rank's local ones (collective over `group`)."""
+    """Full tensors from every tp rank's local ones (collective over `group`); given an
+    expert-parallel layout and the ep group, the tp-local stacks from every ep rank's."""
     world = group_size(group)
     out = dict(values)
     for name, local in values.items():  # the same order on every rank: the layout's

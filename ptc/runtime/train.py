@@ -99,7 +99,7 @@ def train_worker(plan_or_program: Plan | Program, *, models: ModelFactory,
             raise TypeError("train_worker of a Plan needs the compiler that lowers it")
         else:
             program = compiler(plan) if model is None else compiler(plan, model=model)
-        groups = axis_process_groups(build_mesh(plan))
+        groups = axis_process_groups(build_mesh(plan), plan.parallel.ep)
         trainer = Trainer(program, groups, models=models, device=device_for(plan))
         steps = steps if steps is not None else plan.train.steps
         loop = TrainLoop(trainer, steps)

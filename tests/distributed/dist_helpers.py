@@ -258,7 +258,7 @@ def case_groups(plan: Plan):
 
     before = set(distributed_c10d._world.pg_map)
     try:
-        yield axis_process_groups(build_mesh(plan))
+        yield axis_process_groups(build_mesh(plan), plan.parallel.ep)
     finally:
         for group in set(distributed_c10d._world.pg_map) - before:
             dist.destroy_process_group(group)

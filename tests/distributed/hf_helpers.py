@@ -31,6 +31,8 @@ class HFCase:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Expert parallelism, folded from dp·cp (not a factor of the world size)."""
     zero: int = 0
     sp: bool = False
     checkpoint: str = "none"
@@ -45,7 +47,8 @@ class HFCase:
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
-                                                       ("dp", self.dp), ("cp", self.cp)) if v > 1]
+                                                       ("dp", self.dp), ("cp", self.cp),
+                                                       ("ep", self.ep)) if v > 1]
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += ["sp"] if self.sp else []
         parts += [self.checkpoint] if self.checkpoint != "none" else []
@@ -71,7 +74,8 @@ def hf_plan(case: HFCase) -> Plan:
         model=ModelSpec(family="custom", factory=f"{MODELS}:{case.model}", kwargs=dict(case.config),
                         max_seq=SEQ),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
-        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, cp=case.cp, zero=case.zero,
+        parallel=ParallelSpec(tp=case.tp, pp=case.pp, dp=case.dp, cp=case.cp, ep=case.ep,
+                              zero=case.zero,
                               sequence_parallel=case.sp, checkpoint=case.checkpoint,
                               schedule=case.schedule,
                               shards=tuple(ShardRule(pattern=glob, style=style)

@@ -35,6 +35,7 @@ MLPs and q/k norms without weights (NanoChat), experts with q/k norms (OLMoE), n
 attention and MLP (BitNet), and a Gemma without soft-capping (VaultGemma).
 """
 
+import torch
 from transformers import (ApertusConfig, ApertusForCausalLM, BitNetConfig, BitNetForCausalLM,
                           DeepseekV3Config, DeepseekV3ForCausalLM, Glm4Config, Glm4ForCausalLM,
                           NanoChatConfig, NanoChatForCausalLM, OlmoeConfig, OlmoeForCausalLM,
@@ -118,6 +119,17 @@ def mixtral(**overrides) -> MixtralForCausalLM:
     a grouped product) behind a top-2 router."""
     return MixtralForCausalLM(MixtralConfig(**_DECODER | {"num_local_experts": 4,
                                                           "num_experts_per_tok": 2} | overrides))
+
+
+def mixtral_one_sided(**overrides) -> MixtralForCausalLM:
+    """Mixtral whose routers are frozen at zero: every score ties, so every token of every
+    step goes to the first top-k experts (0 and 1) and the ranks holding the others, under
+    expert parallelism, receive no token at all."""
+    model = mixtral(**overrides)
+    for layer in model.model.layers:
+        torch.nn.init.zeros_(layer.mlp.gate.weight)
+        layer.mlp.gate.requires_grad_(False)
+    return model
 
 
 def qwen2_moe(**overrides) -> Qwen2MoeForCausalLM:

@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from ptc.compiler.graph.nodes import module_path
 from ptc.compiler.graph.stage_graphs import tied_names
+from ptc.compiler.records.ep_layout import ExpertParallelLayout
 from ptc.compiler.records.params import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import CompileError
 
@@ -36,8 +37,8 @@ def used_params(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, nn.Paramet
     return []
 
 
-def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] = ()
-                 ) -> ParamLayout:
+def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] = (),
+                 experts: ExpertParallelLayout | None = None) -> ParamLayout:
     """Group the parameters of `gm` into units by first use and give each its slot.
 
     Deterministic in the graph alone, so every rank computes the same layout.
@@ -60,7 +61,8 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            key = name if name in own_units else group
+            key = name if name in own_units else \
+                f"{group}.experts" if experts is not None and experts.is_expert(name) else group
             if key not in members:
                 unit_names.append(key)
                 members[key] = []
@@ -77,11 +79,14 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
                                           unit=index, offset=offset)
             unit_params.append(aliases[0])
             offset += p.numel()
-        units.append(ShardUnit(name=key, params=tuple(unit_params), numel=offset, shards=shards))
+        expert = experts is not None and experts.is_expert(unit_params[0])
+        units.append(ShardUnit(name=key, params=tuple(unit_params), numel=offset,
+                               shards=shards // experts.ep if expert else shards, expert=expert))
     return ParamLayout(units=tuple(units), params=slots)
 
 
-def stage_param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
+def stage_param_layout(gm: fx.GraphModule, shards: int,
+                       experts: ExpertParallelLayout | None = None) -> ParamLayout:
     """The parameter layout of a stage graph: its own parameters, each tied weight a unit of
     its own (so the copies on several stages have the same geometry and summable shards).
 
@@ -92,7 +97,7 @@ def stage_param_layout(gm: fx.GraphModule, shards: int) -> ParamLayout:
     shards_module = getattr(gm, "zero", None)
     if isinstance(shards_module, ZeroShards):  # lowered by the zero pass already: its layout
         return shards_module.layout
-    return param_layout(gm, shards, own_units=tied_names(gm))
+    return param_layout(gm, shards, own_units=tied_names(gm), experts=experts)
 
 
 def shard_unit(node: fx.Node) -> int:

@@ -40,6 +40,7 @@ from ptc.errors import CompileError
 from ptc.plan import Plan
 
 if TYPE_CHECKING:
+    from ptc.compiler.records.ep_layout import ExpertParallelLayout
     from ptc.compiler.records.estimate import Estimate
     from ptc.compiler.records.overlap import OverlapPlan
     from ptc.compiler.records.params import ParamLayout
@@ -64,6 +65,8 @@ class Decisions:
     (`ptc.compiler.cost.step_sync.guard_folds`, priced so by the cost model)."""
     tensor_parallel: TensorParallelLayout | None = None
     """How tp splits each parameter (None when tp = 1): fixed at the seam."""
+    expert_parallel: ExpertParallelLayout | None = None
+    """How ep spreads the routed experts (None when ep = 1): fixed at the seam."""
     layouts: Mapping[int, ParamLayout] = field(default_factory=dict)
     """Each stage graph's parameter layout, by stage index: fixed at the seam."""
     overlap: Mapping[int, OverlapPlan] = field(default_factory=dict)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ptc.compiler.records.overlap import OverlapPlan
     from ptc.compiler.records.stages import PipelineInfo, StageInfo
     from ptc.compiler.records.tp_layout import TensorParallelLayout
+    from ptc.compiler.records.ep_layout import ExpertParallelLayout
 
 
 KEY = "ptc"
@@ -104,6 +105,8 @@ class GraphRecord:
     """What capture found (stage graphs carry their whole graph's)."""
     tensor_parallel: TensorParallelLayout | None = None
     """How the tensor_parallel pass split the parameters (None: not split over tp)."""
+    expert_parallel: ExpertParallelLayout | None = None
+    """How the expert_parallel pass spread the routed experts (None: ep = 1)."""
     pipeline: PipelineInfo | None = None
     """Set on the pipeline graph the split returns: its stages and tied weights."""
     stage: StageInfo | None = None

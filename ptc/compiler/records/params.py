@@ -9,6 +9,8 @@ transformer layer (`layers.{i}`) and one per other top-level module (`embed`,
 completes them in reverse order and each reduction overlaps the rest of
 backward. A parameter belongs to the unit of its first use; a tied parameter
 (head sharing embed's weight) has one slot and several names (*aliases*).
+Under expert parallelism a layer's routed experts form a unit of their own
+(`layers.{i}.experts`), sharded over the dp·cp/ep ranks that hold them.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ class ShardUnit:
     numel: int
     """Elements of all its parameters."""
     shards: int
-    """Number of shards (the dp degree)."""
+    """Number of shards (the dp degree; for an expert unit, dp·cp/ep)."""
+    expert: bool = False
+    """Whether it holds one ep rank's routed experts (`ptc.compiler.records.ep_layout`): its
+    gradient is averaged, and ZeRO shards it, over the ranks holding the same experts (the
+    expert-data-parallel group), not over dp."""
 
     @property
     def shard_numel(self) -> int:
