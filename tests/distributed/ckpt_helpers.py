@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,13 +55,17 @@ def with_runtime(plan: Plan, **runtime) -> Plan:
     return dataclasses.replace(plan, runtime=dataclasses.replace(plan.runtime, **runtime))
 
 
-def _trainer(plan: Plan):
+def _trainer(plan: Plan, module: Callable[[], torch.nn.Module] | None = None):
+    """This rank's Trainer of `plan` (its ep groups too); `module()`, when given, builds the
+    user's module the plan compiles instead of its model (every rank the same weights)."""
     from ptc.lower.driver import compile_plan
     from ptc.runtime.executor import Trainer
     from ptc.runtime.mesh import axis_process_groups, build_mesh, init_distributed
 
     init_distributed(plan)
-    return Trainer(compile_plan(plan), axis_process_groups(build_mesh(plan)), models=MODELS)
+    program = compile_plan(plan, model=None if module is None else module())
+    return Trainer(program, axis_process_groups(build_mesh(plan), plan.parallel.ep),
+                   models=MODELS)
 
 
 def _checkpointer(trainer, directory: str):
@@ -74,7 +79,10 @@ def _checkpointer(trainer, directory: str):
 
 
 def full_state(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer tensor, full and by name, on every rank (collective)."""
+    """Every parameter and optimizer tensor, full and by name, on every rank (collective).
+
+    Each unit's shards are gathered over its own group (an expert unit's: the ranks holding
+    the same experts), then the expert stacks joined over ep, then the tp slices over tp."""
     from ptc.runtime.checkpoint import (
         ensure_optimizer_state,
         full_name,
@@ -91,13 +99,15 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
         for kind in kinds:
             flat = unit.master.detach() if kind == "model" else state[kind]
             full = flat if trainer.zero == 0 else all_gather_flat(flat.contiguous(),
-                                                                  trainer.group).wait()
+                                                                  unit.group).wait()
             for slot in unit.slots:
                 local[kind].setdefault(full_name(trainer, slot), full[
                     slot.offset:slot.offset + slot.numel].view(slot.shape).clone())
     out = {"step": state["step"].clone()}
-    tp = trainer.program.tensor_parallel
+    tp, experts = trainer.program.tensor_parallel, trainer.program.decisions.expert_parallel
     for kind, values in local.items():
+        if experts is not None:  # each ep rank's experts (tp-local), then the tp slices
+            values = join_over_tp(values, experts, trainer.ep_group)
         if tp is not None:
             values = join_over_tp(values, tp, trainer.tp_group)
         out.update({f"{kind}.{name}": value for name, value in values.items()})
@@ -108,9 +118,11 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_worker(plan: Plan, directory: str, steps: int, more: int) -> dict:
-    """Train `steps`, checkpoint, record everything, train `more` steps uninterrupted."""
-    trainer = _trainer(plan)
+def save_worker(plan: Plan, directory: str, steps: int, more: int,
+                module: Callable[[], torch.nn.Module] | None = None) -> dict:
+    """Train `steps`, checkpoint, record everything, train `more` steps uninterrupted
+    (`module`: as `_trainer`'s)."""
+    trainer = _trainer(plan, module)
     losses = [trainer.train_step(k).loss for k in range(steps)]
     state = full_state(trainer)
     checkpointer = _checkpointer(trainer, directory)
@@ -126,19 +138,20 @@ def save_worker(plan: Plan, directory: str, steps: int, more: int) -> dict:
 def layout(plan: Plan) -> dict[str, int]:
     """The layout a checkpoint's manifest records."""
     p = plan.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+    ep = {"ep": p.ep} if p.ep != 1 else {}
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, **ep, "zero": p.zero}
 
 
-def load_worker(jobs: list[tuple[Plan, str]], more: int, save_to: list[str] | None = None
-                ) -> list[dict]:
+def load_worker(jobs: list[tuple[Plan, str]], more: int, save_to: list[str] | None = None,
+                module: Callable[[], torch.nn.Module] | None = None) -> list[dict]:
     """Per (plan, directory): restore, record the state, train `more` steps.
 
     With `save_to`, then checkpoint into save_to[i], record the state saved and the
-    losses of `more` further steps.
+    losses of `more` further steps. `module`: as `_trainer`'s.
     """
     out = []
     for index, (plan, directory) in enumerate(jobs):
-        trainer = _trainer(plan)
+        trainer = _trainer(plan, module)
         manifest = _checkpointer(trainer, directory).restore()
         assert manifest.position == manifest.step * GLOBAL_BATCH
         got = {"state": full_state(trainer), "step": manifest.step,

@@ -367,11 +367,6 @@ class TestExpertBlocks:
             compile_plan(_tiny_plan(), model=_TinyMoE(mix))
         assert info.value.field == "parallel.ep"
 
-    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "moe_structure: a gather of the rows by a row-aligned index (h[perm], "
-        "h.index_select(0, perm)) is a 'view' op of unchanged shape, so it passes as row-wise; "
-        "the index becomes a row input, travels with the rows, and indexes the receiving "
-        "rank's rows with the sender's positions"))
     @pytest.mark.parametrize("mix", ["gather", "index_select"])
     def test_a_gather_along_the_rows_is_refused(self, mix: str) -> None:
         gm = _tiny(mix)
@@ -382,11 +377,6 @@ class TestExpertBlocks:
         else:
             raise AssertionError(f"{mix} across the routed rows was accepted")
 
-    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "moe_structure: the body is the nodes on a path from the first grouped product to the "
-        "last, so a second product of the same rows (torchtitan's silu(x w1) * (x w3)) is left "
-        "out of the block: its stack is not among the block's, and the pass then takes the "
-        "product for a row input computed after the first one and refuses the model"))
     def test_a_gate_and_an_up_product_of_the_same_rows_are_one_block(self) -> None:
         (block,) = find_expert_blocks(_tiny("silu", split_gate=True))
         assert set(block.stacks) == {"w_up", "w_gate", "w_down"}

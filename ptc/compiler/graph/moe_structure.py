@@ -10,8 +10,9 @@ and what lies between the first and the last of them.
 
 Terms:
 - the *rows*: the token rows the first product reads, in expert order;
-- the *body*: the nodes on a path from the first product to the last one
-  (the products, the activation, the gate-times-up, per-row biases added);
+- the *body*: the nodes on a path from a product to the last one (the
+  products — a fused gate_up, or separate gate and up products of the same
+  rows — the activation, the gate-times-up, per-row biases added);
   every one of them must keep rows apart (a row's output depends on that row
   alone), so the body runs the same on any rows an ep rank receives;
 - *stacks*: the parameters the products multiply by, [experts, ., .];
@@ -36,6 +37,11 @@ from ptc.errors import CompileError
 
 _ROWWISE_KINDS = frozenset({"pointwise", "activation", "view", "linear"})
 """Node kinds a body may hold, each checked to keep its rows (the first dim) apart."""
+_INDEXING_OPS = frozenset({"index", "index_select", "gather", "take", "take_along_dim",
+                           "index_put", "index_put_", "scatter", "scatter_", "scatter_add",
+                           "scatter_add_", "scatter_reduce", "masked_select", "nonzero",
+                           "embedding"})
+"""Ops that pick elements by computed positions: refused in a body (`_check_keeps_rows`)."""
 _DIM_ARG = {"chunk": 2, "split": 2, "split_with_sizes": 2, "narrow": 1, "slice": 1,
             "select": 1, "cat": 1}
 """Ops that cut or join along one dim: the index of that dim among their arguments."""
@@ -83,7 +89,7 @@ def find_expert_blocks(gm: fx.GraphModule) -> list[ExpertBlock]:
 
 def _block(products: list[fx.Node], offsets: fx.Node) -> ExpertBlock:
     first, last = products[0], products[-1]
-    after = set(walk([first], lambda n: n.users))
+    after = set(walk(products, lambda n: n.users))
     before = set(walk([last], lambda n: n.all_input_nodes))
     body = frozenset(after & before)
     rows = _arg(first, 0, "input")
@@ -93,7 +99,8 @@ def _block(products: list[fx.Node], offsets: fx.Node) -> ExpertBlock:
     for node in sorted(body, key=_order):
         _check_keeps_rows(node, count, products)
         for source in node.all_input_nodes:
-            if source in body or source is offsets or (source is rows and node is first):
+            if source in body or source is offsets or \
+                    (source is rows and op_name(node) in GROUPED_MM_OPS):
                 continue
             if op_name(node) in GROUPED_MM_OPS and source is _arg(node, 1, "weight"):
                 stacks.append(_stack(node, source))
@@ -125,13 +132,16 @@ def _order(node: fx.Node) -> int:
 
 
 def _check_keeps_rows(node: fx.Node, count: int | None, products: list[fx.Node]) -> None:
-    """A body node must compute each row from that row alone: no reduction or reshape across
-    the rows, no dropout (its masks are drawn per sample, and rows change rank)."""
+    """A body node must compute each row from that row alone: no reduction, reshape or
+    indexing across the rows (an index computed on the sending rank means nothing on the
+    receiving one), no dropout (its masks are drawn per sample, and rows change rank)."""
     info = get_info(node)
     kind = info.kind if info is not None else "other"
     shapes = info.shapes if info is not None else ()
     name = op_name(node)
     fine = node in products or (kind in _ROWWISE_KINDS and name not in DROPOUT_OPS
+                                and name not in _INDEXING_OPS
+                                and not (name == "getitem" and len(node.all_input_nodes) > 1)
                                 and all(s and s[0] == count for s in shapes))
     if name in _DIM_ARG:
         index = _DIM_ARG[name]
