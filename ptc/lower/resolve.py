@@ -42,10 +42,6 @@ def resolve(gm: fx.GraphModule, plan: Plan) -> Decisions:
     priced, unpriced = None, None
     try:
         _check_priced_model(gm, plan)
-        if plan.parallel.ep > 1:  # its experts would be priced whole on every rank
-            raise UnpricedError(f"expert parallelism (parallel.ep = {plan.parallel.ep}) is not "
-                                "priced yet: the memory and step-time model would count every "
-                                "expert on every rank")
         plan, priced = balanced_cut(plan)
     except (PtcError, ValueError) as exc:
         priced, unpriced = None, f"no predicted step time: {exc}"

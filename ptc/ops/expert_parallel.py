@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ptc.ops.comm import Group, ShapeGroup, Work, all_gather_flat, axis_group, group_rank, \
     group_size, note
+from ptc.ops.session import Session
 from ptc.ops.tp_ops import _collective
 
 EP = "ep"
@@ -150,6 +151,27 @@ class _FromExperts(torch.autograd.Function):
         return _move(grad, route, ctx.axis, to_experts=True), None, None
 
 
+class RoutedTokens(Session):
+    """Entered while forwards run (not their recompute): the rows each dispatch routed to
+    each expert, every rank of its ep group's — what the run's metrics report."""
+
+    def __init__(self) -> None:
+        self.counts: list[torch.Tensor] = []
+        """Per dispatch, in call order: rows per expert [E], summed over the ep group."""
+
+    def add(self, route: torch.Tensor) -> None:
+        """Count one dispatch's route ([ep, E] rows per source rank and expert)."""
+        self.counts.append(route.sum(0))
+
+    def spread(self) -> tuple[float, ...]:
+        """(min, mean, max) rows an expert received in one layer's dispatch of one
+        micro-batch; () when nothing was dispatched."""
+        if not self.counts:
+            return ()
+        every = torch.cat(self.counts).double()
+        return float(every.min()), float(every.mean()), float(every.max())
+
+
 def _check_rows(x: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:
     for i, r in enumerate(rows):
         if r.shape[0] != x.shape[0]:
@@ -194,6 +216,9 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, *rows: torch.Tensor, expert
     if ep == 1:
         return (x, offs, counts.view(1, experts), *rows)
     route = all_gather_flat(counts, group).wait().view(ep, experts)
+    routed = RoutedTokens.current()
+    if routed is not None:
+        routed.add(route)
     plan_offs = torch.cumsum(_Plan(route, group).per_expert, 0).to(offs.dtype)
     return (_ToExperts.apply(x, route, axis), plan_offs, route,
             *(_ToExperts.apply(r, route, axis) for r in rows))

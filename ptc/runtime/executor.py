@@ -69,6 +69,7 @@ from ptc.compiler.records.program import Program
 from ptc.compiler.schedule.actions import Action
 from ptc.compiler.records.stages import StageInfo
 from ptc.errors import PtcError
+from ptc.ops.expert_parallel import RoutedTokens
 from ptc.ops.comm import (all_gather_flat, all_reduce_flat, bind_axes, comm_wait_seconds,
                           group_rank, group_size)
 from ptc.ops import weight_gathers
@@ -223,6 +224,10 @@ class StepStats:
     """Seconds each rank (by global rank) worked in the step rather than waited for
     collectives (its step_time - comm_wait): where a slow rank shows; empty when not
     gathered."""
+    expert_tokens: tuple[float, ...] = ()
+    """Under expert parallelism, (min, mean, max) rows one expert received in one layer's
+    dispatch of one micro-batch (its ep group's tokens): how even the router was; empty
+    without."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -284,6 +289,8 @@ class _StepState:
     weights: dict[tuple[int, int], _PendingWeights] = field(default_factory=dict)
     """The Ws to come of the stage micro-batches whose I ran."""
     in_flight: int = 0
+    routed: RoutedTokens = field(default_factory=RoutedTokens)
+    """The rows the forwards' expert dispatches routed to each expert (`StepStats`)."""
 
 
 @dataclass(eq=False)
@@ -527,7 +534,8 @@ class Trainer:
         return StepStats(step=step + 1, loss=float(loss_sum) / (micro * self.dp), lr=lr,
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
-                         comm_wait=comm_wait_seconds() - waited)
+                         comm_wait=comm_wait_seconds() - waited,
+                         expert_tokens=state.routed.spread())
 
     @property
     def _uncounted(self) -> set[int]:
@@ -598,7 +606,7 @@ class Trainer:
         once = recompute_once() if self.splits_backward else contextlib.nullcontext()
         with session or contextlib.nullcontext(), forward_context(
                 regather, session.saved_tensor_hooks() if session is not None else None), \
-                dropout_samples(samples), once:
+                dropout_samples(samples), once, state.routed:
             outputs = chunk.runner.run(*args)
         for tensor, spec in zip(outputs if not info.is_last else (), info.outputs):
             if tuple(tensor.shape) != spec.shape:

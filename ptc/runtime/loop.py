@@ -337,8 +337,10 @@ class TrainLoop:
 
     def _layout(self) -> dict[str, int]:
         p = self.plan.parallel
-        cp = {"cp": p.cp} if p.cp != 1 else {}  # checkpoints without cp read as cp 1
-        return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, "zero": p.zero}
+        # Checkpoints without cp (ep) read as cp 1 (ep 1).
+        cp = {"cp": p.cp} if p.cp != 1 else {}
+        ep = {"ep": p.ep} if p.ep != 1 else {}
+        return {"tp": p.tp, **cp, "pp": p.pp, "dp": p.dp, **ep, "zero": p.zero}
 
 
 def _watchdog(rank: int, hang_timeout: float | str | None, trainer

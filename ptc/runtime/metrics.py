@@ -18,7 +18,9 @@ seconds since the epoch: the wall time between two records is a step with
 everything around it, checkpoint and snapshot pauses included), and the
 step's work skew: `slowest_rank`
 and `work_skew`, the largest rank's work (seconds not waiting for
-collectives) over the median rank's. The run's closing lines name the
+collectives) over the median rank's; under expert parallelism
+`expert_tokens_min`, `_mean` and `_max`, the rows one expert received in
+one layer's dispatch of one micro-batch (rank 0's ep group's tokens). The run's closing lines name the
 ranks whose median work per step exceeds the median rank's by more than
 `STRAGGLER_SHARE` (stragglers: a slow GPU, a throttled node, a busy host). A resumed run appends to the file; a
 fresh run keeps an earlier run's file as `NAME.1` (then `.2`, ...) and says
@@ -172,7 +174,8 @@ def run_banner(program: Program) -> str:
     else:
         model = f"{spec.family} {spec.layers} layers, hidden {spec.hidden}"
     layout = f"tp{p.tp}" + (f" cp{p.cp}" if p.cp != 1 else "") + \
-        f" pp{p.pp} dp{p.dp} zero{p.zero}" + (" sp" if p.sequence_parallel else "")
+        f" pp{p.pp} dp{p.dp}" + (f" ep{p.ep}" if p.ep != 1 else "") + \
+        f" zero{p.zero}" + (" sp" if p.sequence_parallel else "")
     est = program.decisions.estimate
     predicted = (f"predicted {format_bytes(est.peak_memory_bytes)} peak of "
                  f"{format_bytes(est.budget_bytes)}, {format_seconds(est.step_time_s)} per step"
@@ -254,6 +257,13 @@ def _skew(work: tuple[float, ...]) -> dict:
             "work_skew": work[slowest] / typical if typical > 0 else None}
 
 
+def _expert_tokens(spread: tuple[float, ...]) -> dict:
+    """The record's `expert_tokens_min`, `_mean` and `_max` (none without routed experts)."""
+    if not spread:
+        return {}
+    return dict(zip(("expert_tokens_min", "expert_tokens_mean", "expert_tokens_max"), spread))
+
+
 class StepReporter(AbstractContextManager):
     """Prints and records steps on rank 0; does nothing on other ranks."""
 
@@ -326,7 +336,7 @@ class StepReporter(AbstractContextManager):
                 "peak_memory_bytes": peak_memory_bytes(), "nonfinite": list(stats.nonfinite),
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "time": time.time(),
-                **_skew(stats.rank_work)}
+                **_skew(stats.rank_work), **_expert_tokens(stats.expert_tokens)}
 
     def _record(self, record: dict, step: int) -> None:
         """Append the record to the JSONL file and plot its numbers in TensorBoard and W&B."""

@@ -17,7 +17,7 @@ from rich.console import Group
 from ptc.compiler.cost.compute import Split, rates, tile_efficiency
 from ptc.compiler.cost.goodput import (checkpoint_interval, goodput, job_mtbf, save_pause,
                                        snapshot_bytes, snapshot_goodput, snapshot_pause)
-from ptc.compiler.cost.step import policy_flops, rerun_gathers
+from ptc.compiler.cost.step import ep_rows_bytes, policy_flops, rerun_gathers
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.search.estimate import estimate, plan_precision
 from ptc.compiler.search.fit import largest_micro_batch, smallest_model_parallel
@@ -34,10 +34,10 @@ from ptc.plan import AUTO, DTYPE_BYTES, HardwareSpec, LinkSpec, Plan
 from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_duration, format_seconds
 
-PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer",
-         "step_sync")
+PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble",
+         "optimizer", "step_sync")
 """Step-time parts in display order."""
-COMM_PARTS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm", "step_sync")
+COMM_PARTS = ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "step_sync")
 """The parts that are communication."""
 
 
@@ -47,7 +47,7 @@ def describe_layout(layout: Layout) -> str:
     ckpt = layout.checkpoint if isinstance(layout.checkpoint, str) else "mixed(" + ",".join(
         f"{p}:{n}" for p, n in layout.policy_counts()) + ")"
     parts = [f"tp{layout.tp}"] + ([f"cp{layout.cp}"] if layout.cp != 1 else []) + \
-        [f"pp{layout.pp}", f"dp{layout.dp}"]
+        [f"pp{layout.pp}", f"dp{layout.dp}"] + ([f"ep{layout.ep}"] if layout.ep != 1 else [])
     if layout.vstages > 1:
         parts.append(f"v{layout.vstages}")
     if layout.schedule not in ("1f1b", "interleaved"):  # 1F1B (interleaved for v > 1): unsaid
@@ -240,10 +240,25 @@ def render_explain(plan: Plan, est: Estimate | None = None, *, compiled: bool = 
                    "policies a compile would choose.")
     parts = [source, _summary(est, plan.hardware.gpus_per_node), _breakdown(est),
              _communication(est), _rates(plan, est), _memory(est)]
+    if est.layout.ep > 1:
+        parts.append(_experts(plan, est))
     if plan.parallel.checkpoint != "none":
         parts.append(_checkpointing(plan, est))
     parts.append(_overlap(plan, est))
     return Group(*parts, _expression(plan, est), _fit_hints(plan), _failures(plan, est))
+
+
+def _experts(plan: Plan, est: Estimate) -> Prose:
+    """What expert parallelism moves: each layer's routed rows, per all-to-all."""
+    profile = plan_profile(plan)
+    lay = est.layout
+    rows = ep_rows_bytes(profile, plan_precision(plan, profile), lay.micro_batch,
+                         lay.rank_seq(plan.train.seq_len))
+    return Prose(f"Experts: each rank holds 1/{lay.ep} of every layer's routed experts; each "
+                 f"all-to-all of a layer is handed {format_bytes(rows)} per micro-batch "
+                 f"({profile.routed_rows} routed rows per token; dispatch and combine forward, "
+                 f"their gradients backward, again where a layer is recomputed), priced at an "
+                 f"even routing: a rank whose experts get more tokens waits longer.")
 
 
 def _failures(plan: Plan, est: Estimate) -> Prose:

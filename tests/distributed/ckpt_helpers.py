@@ -285,3 +285,11 @@ def damage_worker(plans: list[Plan], hows: list[str], steps: int) -> list[dict]:
         out.append({"events": result.events, "losses": result.losses})
     dist.destroy_process_group()
     return out
+
+
+def assert_restored(got: dict, step: int, state: dict, what: str) -> None:
+    """A load resumed at `step` and its data position, with exactly the saved `state`."""
+    assert (got["step"], got["position"]) == (step, step * GLOBAL_BATCH), what
+    assert got["state"].keys() == state.keys(), what
+    for name, value in state.items():
+        assert torch.equal(got["state"][name], value), f"{what}: {name} differs"

@@ -90,3 +90,32 @@ def hf_plan(case: HFCase) -> Plan:
 def run_hf_cases(cases: list[HFCase]) -> dict:
     """Worker: train every case from its seeded module (`dist_helpers.train_cases`)."""
     return train_cases(cases, hf_plan, hf_module)
+
+
+def record_ep_step(cases: list[HFCase]) -> dict:
+    """Worker: per case, one training step's bytes each rank handed expert parallelism's
+    all-to-alls (`ptc.ops.comm.record_collectives`), every rank's ("sent"), and the
+    step's spread of rows per expert (`StepStats.expert_tokens`, rank 0's)."""
+    import torch.distributed as dist
+    from dist_helpers import MODELS, case_groups  # noqa: PLC0415 - a worker imports its own
+
+    from ptc.lower.driver import compile_plan
+    from ptc.ops.comm import record_collectives
+    from ptc.runtime.executor import Trainer
+    from ptc.runtime.mesh import init_distributed
+
+    out = {}
+    for case in cases:
+        plan = hf_plan(case)
+        init_distributed(plan)
+        program = compile_plan(plan, model=hf_module(case))
+        with case_groups(plan) as groups:
+            trainer = Trainer(program, groups, models=MODELS)
+            with record_collectives() as log:
+                stats = trainer.train_step(0)
+            sent = sum(nbytes for op, _, _, nbytes in log if op == "all_to_all")
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sent)
+        out[case] = {"sent": every, "expert_tokens": stats.expert_tokens}
+    dist.destroy_process_group()
+    return out

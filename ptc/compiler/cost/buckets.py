@@ -123,7 +123,11 @@ def predicted_buckets(plan: Plan, profile: ModelProfile, layout: Layout, stage: 
     `ptc inspect` shows exactly.
     """
     pr, tp = profile.params, layout.tp
-    per_rank = {region: GRAD_BYTES * (g.split // tp + g.replicated) for region, g in pr.items()}
+    # Expert parallelism: a rank reduces the gradients of its 1/ep of the experts only.
+    experts = {region: (g.experts // tp + g.experts_whole) * (layout.ep - 1) // layout.ep
+               for region, g in pr.items()}
+    per_rank = {region: GRAD_BYTES * (g.split // tp + g.replicated - experts[region])
+                for region, g in pr.items()}
     items: list[tuple[str, int, tuple]] = []  # (name, bytes, units it touches)
     if stage == 0:
         items.append(("embedding", per_rank["pre"], ("pre",)))

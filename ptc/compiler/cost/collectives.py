@@ -122,6 +122,19 @@ def all_gather(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:
     return _half(size, group, hw)
 
 
+def all_to_all(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:
+    """All-to-all of a `size`-byte input over `group`, spread evenly (the mean of a
+    router's): each rank keeps 1/n of it and sends 1/n to every other member at once, the
+    sends to members on its node over NVLink beside those crossing nodes over its NIC
+    (NCCL's grouped point-to-point: one latency per link)."""
+    if group.size == 1 or size == 0:
+        return _FREE
+    n, local = group.size, min(group.per_node, group.size)
+    intra = hw.intra.latency + size * (local - 1) / n / hw.intra.bandwidth
+    inter = hw.inter.latency + size * (n - local) / n / hw.inter.bandwidth if n > local else 0.0
+    return CommCost(max(intra, inter), "pairwise")
+
+
 def send_recv(size: float, group: AxisGroup, hw: HardwareSpec) -> CommCost:
     """Point-to-point transfer of `size` bytes between neighbours of `group`."""
     if group.size == 1 or size == 0:

@@ -25,6 +25,13 @@ recompute, and the communication it cannot hide).
   sequence-parallel collective beside the GEMMs it feeds; the rest exposed.
   Key/value heads fewer than t are replicated: their projections' FLOPs are
   not divided by t, and their gradients are all-reduced over tp once a step.
+- expert parallel: per layer with routed experts, four all-to-alls of its
+  routed rows (b·s·k rows of h: dispatch and combine forward, their
+  gradients backward; two more where a recompute reruns the layer), each
+  rank sending (ep-1)/ep of them (a routing as even as the mean), exposed
+  (the runtime waits for each). A rank holds, reduces and updates 1/ep of
+  the experts (`ptc.compiler.memory.model`); their FLOPs per rank are the
+  mean's. No load-imbalance term yet.
 - pipeline: one boundary activation forward and one gradient backward per
   micro-batch per chunk, 1/t of it per rank (scatter/gather, or SP). With
   overlap only the fill and drain hops are exposed; without, every one is.
@@ -61,7 +68,7 @@ from ptc.compiler.cost import collectives as comm
 from ptc.compiler.cost.compute import LayerTimes, Split, layer_times, rates
 from ptc.compiler.records.layout import Layout
 from ptc.compiler.memory.model import (MAIN_GRAD_BYTES, MASTER_BYTES, Precision, layer_params,
-                                       stage_params)
+                                       stage_experts, stage_params)
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.cost.step_sync import step_sync
 from ptc.compiler.cost.topology import AxisGroup, axis_placements
@@ -119,6 +126,8 @@ class _Stage:
     tp_hidden: float = 0.0
     """Tensor-parallel communication that ran beside compute (not in `total`)."""
     cp: float = 0.0
+    ep: float = 0.0
+    """Expert parallelism's all-to-alls (the runtime waits for each)."""
     pp: float = 0.0
     dp: float = 0.0
     dp_hidden: float = 0.0
@@ -126,7 +135,7 @@ class _Stage:
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.cp + self.pp + self.dp
+        return self.compute + self.recompute + self.tp + self.cp + self.ep + self.pp + self.dp
 
 
 def _tp_collectives(size: float, layout: Layout, group: AxisGroup, hw: HardwareSpec,
@@ -222,6 +231,10 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
         comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
     cp_layer = {pol: (3 if pol in RERUN_LAYER else 2) * cp_unit for pol in policies}
+    ep_unit = _cached(memo, ("ep", bb, ss, layout.ep, groups["grad"]), lambda: comm.all_to_all(
+        ep_rows_bytes(profile, prec, bb, ss), expert_group(groups["grad"], layout.ep),
+        hw).seconds)
+    ep_layer = {pol: ep_exchanges(pol) * ep_unit for pol in policies}
     extra_f = {pol: _recompute_flops(f, pol, bb, ss, keys, layer_f, core_f, tp)
                for pol in policies}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
@@ -241,6 +254,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
             st.tp += count * tp_layer[policy].exposed
             st.tp_hidden += count * tp_layer[policy].hidden
             st.cp += count * cp_layer[policy]
+            st.ep += count * ep_layer[policy]
             if z3:
                 exposed = max(0.0, z3[policy] - hide)
                 st.dp += count * exposed
@@ -274,8 +288,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     fill = 2 * (p - 1) * p2p.seconds if layout.overlap else 0.0
     dp_exposed, dp_issued = _dp_exposed(profile, layout, groups["grad"], hw, prec, slowest,
                                         algos, memo) if layout.zero < 3 else (0.0, 0.0)
-    opt_elements = _max_stage_elements(profile, layout) / (
-        layout.grad_ranks if layout.zero >= 1 else 1)
+    opt_elements = _max_stage_elements(profile, layout) / layout.grad_ranks \
+        if layout.zero >= 1 else _max_stage_elements(profile, layout, held=True)
     # Communication that ran beside compute, by kind: issued = exposed (in the step) + hidden.
     pp_issued = mb * 2 * v * p2p.seconds if p > 1 else 0.0
     hidden = {part: seconds for part, seconds in (
@@ -302,6 +316,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "recompute": mb * slowest.recompute,
         "tp_comm": mb * slowest.tp + kv_sync,
         "cp_comm": mb * slowest.cp,
+        "ep_comm": mb * slowest.ep,
         "pp_comm": mb * slowest.pp + fill,
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
@@ -318,6 +333,35 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
                     model_flops=per_micro * micro_total,
                     hw_flops=(executed + recomputed) * micro_total, algorithms=algos,
                     hidden=hidden)
+
+
+def ep_rows_bytes(profile: ModelProfile, prec: Precision, bb, ss) -> float:
+    """Bytes one layer's routed rows take on a rank (b·s tokens, top-k rows each, `hidden`
+    wide): what each of expert parallelism's all-to-alls is handed."""
+    return prec.weight * bb * ss * profile.routed_rows * profile.hidden
+
+
+def ep_bytes_per_step(profile: ModelProfile, layout: Layout, prec: Precision,
+                      seq_len: int) -> float:
+    """Bytes one rank hands expert parallelism's all-to-alls in one step, on the pipeline
+    rank holding most layers: every layer's exchanges (`ep_exchanges`) of its routed rows
+    (`ep_rows_bytes`), per micro-batch. What `ptc.ops.comm.record_collectives` counts."""
+    if layout.ep == 1 or not profile.routed_rows:
+        return 0.0
+    rows = ep_rows_bytes(profile, prec, layout.micro_batch, layout.rank_seq(seq_len))
+    return max(sum(ep_exchanges(pol) * n for pol, n in layout.stage_policies(stage))
+               for stage in range(layout.pp)) * rows * layout.microbatches
+
+
+def ep_exchanges(policy: str) -> int:
+    """All-to-alls of one layer's routed rows per micro-batch: dispatch and combine forward,
+    their gradients backward, and the forward's again where the layer is recomputed."""
+    return 6 if policy in RERUN_LAYER else 4
+
+
+def expert_group(grad: AxisGroup, ep: int) -> AxisGroup:
+    """Placement of an ep group: `ep` consecutive members of the dp·cp group `grad`."""
+    return AxisGroup(axis="ep", size=ep, stride=grad.stride, per_node=min(ep, grad.per_node))
 
 
 def policy_flops(profile: ModelProfile, policy: str, bb, ss) -> float:
@@ -439,12 +483,14 @@ def _most_layers(layout: Layout) -> int:
     return max(len(layout.stage_layers(i)) for i in range(layout.pp))
 
 
-def _max_stage_elements(profile: ModelProfile, layout: Layout) -> float:
+def _max_stage_elements(profile: ModelProfile, layout: Layout, held: bool = False) -> float:
     """Parameter elements per tp rank on the stage holding most (the first or the last when
-    the layers split evenly, any stage when they do not)."""
+    the layers split evenly, any stage when they do not); `held`: of those, what one rank
+    holds under expert parallelism (1/ep of the routed experts)."""
     def per_rank(stage: int) -> float:
         split, whole, _ = stage_params(profile, layout, stage)
-        return split / layout.tp + whole
+        experts = stage_experts(profile, layout, stage, layout.tp) if held else 0
+        return split / layout.tp + whole - experts * (layout.ep - 1) / layout.ep
     stages = range(layout.pp) if layout.chunk_layers else (0, layout.last_rank)
     return max(per_rank(stage) for stage in stages)
 
@@ -471,7 +517,8 @@ def _dp_exposed(profile: ModelProfile, layout: Layout, group: AxisGroup, hw: Har
     """(exposed, issued) seconds of the once-per-step gradient sync (ZeRO 0-2)."""
     if group.size == 1:
         return 0.0, 0.0
-    elements = _max_stage_elements(profile, layout)
+    # Under expert parallelism a rank reduces its 1/ep of the experts (over fewer ranks).
+    elements = _max_stage_elements(profile, layout, held=True)
     if layout.zero == 0:
         ar = _cached(memo, ("ar", elements, group, prec.grad_wire), lambda: comm.all_reduce(
             elements * prec.grad_wire, group, hw))

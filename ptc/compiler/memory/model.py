@@ -166,7 +166,7 @@ def stage_memory_terms(profile: ModelProfile, layout: Layout, stage: int, prec: 
     kv_whole = profile.kv_divisor(lay.tp) == 1  # replicated key/value heads: whole on a rank
     weights, grads, optimizer = _memo(
         profile, ("state", lay.pp, lay.layers, lay.chunk_layers, stage, lay.last_rank, prec, tt,
-                  dd, zero, kv_whole, lay.offload),
+                  dd, zero, kv_whole, lay.offload, lay.ep),
         lambda: _model_state(profile, lay, stage, prec, tt, dd))
     mb = m if mn is sympy.Min else lay.microbatches
     activations, recompute = _memo(
@@ -211,16 +211,29 @@ def _memo(profile: ModelProfile, key: tuple, make: Callable):
 
 def _model_state(profile: ModelProfile, layout: Layout, stage: int, prec: Precision, tt, dd
                  ) -> tuple:
-    """(weights, grads, optimizer) bytes of one rank of `stage`."""
+    """(weights, grads, optimizer) bytes of one rank of `stage`.
+
+    Under expert parallelism a rank holds whole only its 1/ep of the routed experts; what
+    ZeRO shards is the same share as without it (1/ep of the experts over dp·cp/ep ranks)."""
     zero = layout.zero
     split, whole, tensors = stage_params(profile, layout, stage)
-    n = split / tt + whole
+    n = split / tt + whole  # elements a dp rank's tp rank would hold whole
+    held = n if layout.ep == 1 else \
+        n - stage_experts(profile, layout, stage, tt) * (layout.ep - 1) / layout.ep
     weight, (grad, grad_shard), state = held_per_element(prec, zero)
-    weights = weight * n / (dd if zero >= 3 else 1)
-    grads = grad * n + grad_shard * n / dd
+    weights = weight * n / dd if zero >= 3 else weight * held
+    grads = grad * held + grad_shard * n / dd
     counters = 4 * tensors if prec.optimizer else 0
-    optimizer = 0 if layout.offload else (state * n + counters) / (dd if zero >= 1 else 1)
+    optimizer = 0 if layout.offload else \
+        (state * n + counters) / dd if zero >= 1 else state * held + counters
     return weights, grads, optimizer
+
+
+def stage_experts(profile: ModelProfile, layout: Layout, stage: int, tt) -> object:
+    """Routed experts' elements one tp rank of `stage` would hold without expert parallelism
+    (part of `stage_params`'s)."""
+    layer = profile.params["layer"]
+    return len(layout.stage_layers(stage)) * (layer.experts / tt + layer.experts_whole)
 
 
 def offloaded_per_element(prec: Precision) -> int:

@@ -9,7 +9,8 @@ import torch
 import torch.fx
 
 from ptc.compiler.graph.meta import get_info, graph_info
-from ptc.compiler.graph.nodes import attention_parts, is_embedding, is_linear, node_shape
+from ptc.compiler.graph.nodes import (GROUPED_MM_OPS, attention_parts, is_embedding, is_linear,
+                                      linear_weight, node_shape, op_name)
 from ptc.compiler.graph.recompute_regions import EXTRA_POLICIES, recompute_regions
 from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding,
                                              rule_paths)
@@ -109,9 +110,22 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
         sp_scattered=fit["sp.scattered"], sp_saved=sp_saved,
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
         unavailable=unavailable, layer_paths=layer_paths, params=params, tied=tied_elements > 0,
-        tied_elements=tied_elements, boundary_elements=b * s * shape.hidden,
+        tied_elements=tied_elements, routed_rows=_routed_rows(first),
+        boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=profile_functions(profile))
+
+
+def _routed_rows(gm: torch.fx.GraphModule) -> int:
+    """Rows per token the first layer's routed experts compute (the top-k): the rows of its
+    first grouped product over the tokens of the capture; 0 without one."""
+    record = graph_info(gm)
+    for n in gm.graph.nodes:
+        info = get_info(n)
+        if info is not None and info.layer == 0 and op_name(n) in GROUPED_MM_OPS:
+            rows = node_shape(n.args[0])[0]
+            return rows // (record.micro_batch * record.seq_len)
+    return 0
 
 
 def _layers_unlike(gm: torch.fx.GraphModule) -> str | None:
@@ -193,7 +207,8 @@ def _param_groups(gm: torch.fx.GraphModule,
     for name, p in gm.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     order = ("pre", "layer", "later", "post")
-    groups = {r: [0, 0, 0, 0] for r in ("pre", "layer", "post")}
+    groups = {r: [0, 0, 0, 0, 0, 0] for r in ("pre", "layer", "post")}
+    stacks = {linear_weight(n) for n in gm.graph.nodes if op_name(n) in GROUPED_MM_OPS}
     tied_elements = 0
     for names in by_id.values():
         found = [r for name in names for r in readers.get(name, [])]
@@ -208,11 +223,15 @@ def _param_groups(gm: torch.fx.GraphModule,
         # by module path, or by the parameter's own name (a stack of expert weights)
         styles = {sharding.styles.get(name, sharding.styles.get(name.rpartition(".")[0]))
                   for name in names}
+        # A row-parallel linear's weight is split (an expert stack's too, whatever its
+        # name); its bias, one vector, is replicated.
         split = bool(styles & {COLWISE, VOCAB}) or (
-            ROWWISE in styles and names[0].endswith("weight"))
+            ROWWISE in styles and gm.get_parameter(names[0]).dim() > 1)
         g = groups[where]
         g[0 if split else 1] += numel
         g[2] += 1
+        if any(name in stacks for name in names):
+            g[4 if split else 5] += numel
         if split and any(name.rpartition(".")[0] in sharding.kv_projections
                          for name in names):
             g[3] += numel

@@ -105,6 +105,11 @@ class ParamGroups:
     kv: int = 0
     """Part of `split`: the key/value projections, whole on every rank when tp exceeds the
     key/value heads (`ModelProfile.kv_divisor`)."""
+    experts: int = 0
+    """Part of `split`: the routed experts' stacks, 1/ep of them per rank under expert
+    parallelism (`parallel.ep`)."""
+    experts_whole: int = 0
+    """Part of `replicated`: expert stacks a shard rule keeps whole over tp."""
 
     @property
     def total(self) -> int:
@@ -192,6 +197,10 @@ class ModelProfile:
     """Per policy of `policy_saved`: the inputs of column-parallel linears one layer's regions
     recompute (a norm's output under `norm`) — under sequence parallelism each is an
     all-gather that backward's recompute reruns."""
+    routed_rows: int = 0
+    """Rows one layer's routed experts compute per token (the router's top-k): what expert
+    parallelism's all-to-alls move, b·s·routed_rows rows of `hidden` each; 0 without
+    routed experts."""
     tp_entries: int = 2
     """Tensor-parallel regions one layer enters (distinct inputs of its column-parallel
     linears): an all-reduce of the input gradient each in backward (with sequence

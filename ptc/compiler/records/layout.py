@@ -47,6 +47,8 @@ class Layout:
     """Communication overlapped with compute where the schedule allows."""
     cp: int = 1
     """Context-parallel degree: each rank holds 1/cp of every sample's sequence."""
+    ep: int = 1
+    """Expert-parallel degree, folded from dp·cp: each rank holds 1/ep of the routed experts."""
     order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
     """Mesh axes, innermost first."""
     offload: bool = False
@@ -120,7 +122,8 @@ def layout_of(plan: Plan, checkpoint: str | tuple[str, ...] | None = None) -> La
         checkpoint = par.checkpoint
     layers = plan.model.layers
     split = par.stage_layers(layers) if par.pins_layers and layers else ()
-    return Layout(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, vstages=par.virtual_stages,
+    return Layout(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep,
+                  vstages=par.virtual_stages,
                   micro_batch=plan.train.micro_batch, microbatches=plan.num_microbatches,
                   zero=par.zero, sp=par.sequence_parallel and par.tp > 1, schedule=par.schedule,
                   layers=plan.model.layers, checkpoint=checkpoint, overlap=par.overlap,

@@ -115,7 +115,7 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
     model, batch, par = plan.model, plan.train.global_batch, plan.parallel
     layouts = []
     for tp, cp, pp, dp in axis_choices(plan):
-        if batch % dp:
+        if batch % dp or (dp * cp) % par.ep:  # the plan's ep is folded from dp·cp
             continue
         per_rank = batch // dp
         for mb in [k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH]:
@@ -130,7 +130,8 @@ def enumerate_layouts(plan: Plan) -> list[Layout]:
                         for sp in _sequence_parallel(tp, par.tp_comm):
                             for ckpt in CHECKPOINTS:
                                 layouts.append(Layout(
-                                    tp=tp, pp=pp, dp=dp, cp=cp, vstages=v, micro_batch=mb,
+                                    tp=tp, pp=pp, dp=dp, cp=cp, ep=par.ep, vstages=v,
+                                    micro_batch=mb,
                                     microbatches=m, zero=zero, sp=sp, schedule=schedule,
                                     layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
                                     order=par.order, offload=par.offload != "none",

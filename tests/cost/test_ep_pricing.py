@@ -1,0 +1,88 @@
+"""Expert parallelism priced: what a rank holds, and what its all-to-alls are handed.
+
+The memory model counts 1/ep of the routed experts held whole on a rank (the
+weights at ZeRO 0-2, the gradients at ZeRO 0-1, the optimizer at ZeRO-0) and
+the same ZeRO shards as without ep (1/ep of the experts over dp/ep ranks):
+its weights and gradients equal `Program.state_bytes` — the layout the
+runtime holds, itself equal to the runtime's bytes in
+tests/distributed/test_ep_equivalence.py — exactly, and its optimizer too but
+for Adam's 4-byte step counter per tensor, which the program's figure leaves
+out. The step's all-to-alls are handed, on the mean rank, the bytes
+`ep_bytes_per_step` predicts: counted at the collectives of a real step on 2
+and 4 gloo processes. A dispatch is handed all of a rank's routed rows, a
+combine the rows its experts received, which the router decides: each rank's
+own figure varies, their sum over the ranks does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
+from hf_helpers import HFCase, hf_module, hf_plan, record_ep_step  # noqa: E402
+
+from ptc.compiler.cost.step import ep_bytes_per_step  # noqa: E402
+from ptc.compiler.search.estimate import plan_precision  # noqa: E402
+from ptc.compiler.profile.cache import plan_profile, with_model_shape  # noqa: E402
+from ptc.compiler.records.layout import layout_of  # noqa: E402
+from ptc.lower.driver import compile_plan  # noqa: E402
+from ptc.runtime.launcher import run_local  # noqa: E402
+
+MEMORY = [HFCase("mixtral", dp=2), HFCase("mixtral", dp=2, ep=2), HFCase("mixtral", dp=4, ep=4),
+          HFCase("mixtral", dp=4, ep=2, zero=1), HFCase("mixtral", dp=4, ep=2, zero=2),
+          HFCase("mixtral", dp=4, ep=2, zero=3), HFCase("mixtral", tp=2, dp=2, ep=2),
+          HFCase("qwen3_moe", dp=4, ep=4, dtype="bf16"),
+          HFCase("qwen3_moe", dp=4, ep=2, zero=1, dtype="bf16")]
+
+
+@pytest.mark.parametrize("case", MEMORY, ids=str)
+def test_predicted_state_is_what_the_layout_holds(case: HFCase) -> None:
+    program = compile_plan(hf_plan(case), model=hf_module(case))
+    assert program.decisions.estimate is not None, program.decisions.unpriced
+    predicted = program.decisions.estimate.memory_terms[0]
+    held = program.state_bytes()
+    assert predicted["weights"] == held["params"]
+    assert predicted["grads"] == held["grads"]
+    tensors = sum(1 for _ in program.model.parameters())
+    counters = 4 * tensors / (program.plan.grad_ranks if program.plan.parallel.zero >= 1 else 1)
+    assert predicted["optimizer"] == held["optimizer"] + counters
+
+
+def test_expert_parallelism_is_priced_as_its_all_to_alls() -> None:
+    """ep_comm is there with ep and only with it; a rank holds fewer bytes."""
+    one, two = (compile_plan(hf_plan(c), model=hf_module(c)).decisions.estimate
+                for c in (HFCase("mixtral", dp=2), HFCase("mixtral", dp=2, ep=2)))
+    assert one.breakdown["ep_comm"] == 0.0 < two.breakdown["ep_comm"]
+    assert two.memory_terms[0]["weights"] < one.memory_terms[0]["weights"]
+
+
+BYTES = {2: [HFCase("mixtral", dp=2, ep=2), HFCase("qwen3_moe", dp=2, ep=2, checkpoint="full")],
+         4: [HFCase("mixtral", dp=4, ep=4), HFCase("mixtral", tp=2, dp=2, ep=2),
+             HFCase("mixtral", dp=4, ep=2, config=(("num_experts_per_tok", 1),)),
+             HFCase("mixtral_one_sided", dp=4, ep=4)]}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", sorted(BYTES))
+def test_all_to_all_bytes_are_the_cost_models(world: int) -> None:
+    """And the step reports how many rows each expert got: their mean is the ep group's
+    b·s·k rows over the experts it shares out; routers frozen at zero send every row to
+    experts 0 and 1 (a top-2 of ties), none to 2 and 3."""
+    got = run_local(record_ep_step, world, BYTES[world])[0]
+    for case in BYTES[world]:
+        plan = with_model_shape(hf_plan(case))
+        profile = plan_profile(plan)
+        predicted = ep_bytes_per_step(profile, layout_of(plan), plan_precision(plan, profile),
+                                      plan.train.seq_len)
+        assert predicted > 0
+        assert sum(got[case]["sent"]) == predicted * world, case
+        low, mean, high = got[case]["expert_tokens"]
+        tokens = plan.train.micro_batch * plan.train.seq_len * profile.routed_rows
+        assert low <= mean == tokens * case.ep / 4 <= high, case  # 4 experts
+        if case.model == "mixtral_one_sided":
+            assert (low, high) == (0, 2 * mean), case
