@@ -533,8 +533,9 @@ class ParallelSpec(_Section):
     cp: int | Auto = 1
     """Context-parallel degree, or "auto": each sample's sequence is split over cp ranks
     (load-balanced chunks for causal attention; keys and values gathered over cp)."""
-    ep: int = 1
-    """Expert-parallel degree: the routed experts of every mixture-of-experts layer are
+    ep: int | Auto = 1
+    """Expert-parallel degree, or "auto" (`ptc plan` searches the divisors of dp·cp that
+    divide the experts): the routed experts of every mixture-of-experts layer are
     sharded over ep ranks folded from the dp·cp ranks (Megatron-Core's parallel folding),
     which exchange tokens by all-to-all; each expert's gradient is averaged over the
     dp·cp/ep ranks that hold it. 1: every rank holds every expert."""
@@ -613,7 +614,7 @@ class ParallelSpec(_Section):
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or not 0 <= self.zero <= 3:
             self._bad(sink, "zero", f"zero must be a stage 0-3, got {self.zero!r}",
                       ("0", "1", "2", "3"))
-        self._int(sink, "ep")
+        self._int(sink, "ep", allow_auto=True)
         self._bool(sink, "sequence_parallel")
         self._bool(sink, "overlap")
         self._choice(sink, "tp_comm", TP_COMMS)
@@ -1114,8 +1115,8 @@ class Plan:
 
     @property
     def is_resolved(self) -> bool:
-        """True when no mesh axis is "auto"."""
-        return all(self.parallel.degree(a) != AUTO for a in AXES)
+        """True when no mesh axis (nor ep) is "auto"."""
+        return all(self.parallel.degree(a) != AUTO for a in AXES) and self.parallel.ep != AUTO
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -1145,8 +1146,8 @@ class Plan:
     def expert_grad_ranks(self) -> int | Auto:
         """Ranks that hold the same routed experts, dp·cp/ep: the group an expert's gradient
         is averaged over and ZeRO shards it over (Megatron-Core's expert-data-parallel group)."""
-        ranks = self.grad_ranks
-        return AUTO if ranks == AUTO else max(1, ranks // self.parallel.ep)
+        ranks, ep = self.grad_ranks, self.parallel.ep
+        return AUTO if AUTO in (ranks, ep) else max(1, ranks // ep)
 
 
 def _layer_index(cut: str) -> int | None:

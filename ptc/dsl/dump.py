@@ -43,8 +43,8 @@ _KEYWORDS = {"true", "false", "none"}
 
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
-_WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp",
-                "bucket_size", "offload", "checkpoint_every",
+_WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp", "cp",
+                "ep", "bucket_size", "offload", "checkpoint_every",
                 "snapshot_every"}
 
 # Which dimension each quantity field measures, keyed by plan field name.

@@ -125,7 +125,7 @@ PARALLEL_KEYS: dict[str, Key] = {
     "pp": Key("pp", int_or_auto),
     "dp": Key("dp", int_or_auto),
     "cp": Key("cp", int_or_auto),
-    "ep": Key("ep", integer),
+    "ep": Key("ep", int_or_auto),
     "zero": Key("zero", integer),
     "sequence_parallel": Key("sequence_parallel", boolean),
     "tp_comm": Key("tp_comm", word(TP_COMMS)),

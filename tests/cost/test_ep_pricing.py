@@ -16,6 +16,7 @@ own figure varies, their sum over the ranks does not.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from hf_helpers import HFCase, hf_module, hf_plan, record_ep_step  # noqa: E402
 
 from ptc.compiler.cost.step import ep_bytes_per_step  # noqa: E402
 from ptc.compiler.search.estimate import plan_precision  # noqa: E402
+from ptc.compiler.search.plan_search import search_all  # noqa: E402
 from ptc.compiler.profile.cache import plan_profile, with_model_shape  # noqa: E402
 from ptc.compiler.records.layout import layout_of  # noqa: E402
 from ptc.lower.driver import compile_plan  # noqa: E402
@@ -86,3 +88,15 @@ def test_all_to_all_bytes_are_the_cost_models(world: int) -> None:
         assert low <= mean == tokens * case.ep / 4 <= high, case  # 4 experts
         if case.model == "mixtral_one_sided":
             assert (low, high) == (0, 2 * mean), case
+
+
+def test_plan_search_tries_every_ep_that_divides_dp_and_the_experts() -> None:
+    """`ep = auto`: the divisors of dp·cp that divide the 4 experts; each layout's plan
+    keeps its ep, and a plan that names its ep is searched at that ep alone."""
+    base = with_model_shape(hf_plan(HFCase("mixtral", dp=4)))
+    auto = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ep="auto"))
+    ranked = search_all(auto, top=200).ranked
+    assert {est.layout.ep for _, est in ranked} == {1, 2, 4}
+    assert all(plan.parallel.ep == est.layout.ep for plan, est in ranked)
+    two = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ep=2))
+    assert {est.layout.ep for _, est in search_all(two, top=200).ranked} == {2}

@@ -6,7 +6,9 @@ travel to the rank holding it by an all-to-all of uneven splits and come
 back after its GEMMs. Routing itself — softmax top-2 (Mixtral, Qwen3-MoE),
 sigmoid grouped top-k with a correction bias beside a shared expert and a
 dense first layer (DeepSeek-V3), a router with a bias and per-expert biases
-gathered per row (GPT-OSS) — runs unchanged on each rank's own tokens.
+gathered per row (GPT-OSS), a shared expert behind its own sigmoid gate
+(Qwen2-MoE), a sparse mixer (PhiMoE) — runs unchanged on each rank's own
+tokens.
 
 Each case is compared with single-process eager training of the same module
 from the same weights on the same samples: the loss of every step and every
@@ -14,7 +16,8 @@ parameter after 5 AdamW steps, within the bounds `tests/tolerances.py`
 derives from the same run in float64 (bf16: from that recipe's own distance
 to fp64). Covered: ep 2 and 4 at dp 4 (ZeRO 0-3: each expert's gradient
 averaged, and its shards gathered, over the ranks that hold it), ep × tp (the
-stacks split by both), ep × pp, full and selective recompute (the dispatch
+stacks split by both), ep × pp (1F1B and zero bubble, whose split backward
+runs the dispatch's gradient in I), full and selective recompute (the dispatch
 recomputed with its layer), bf16, attention dropout, a top-1 router, and routers frozen at zero
 so that every token goes to experts 0 and 1 and the ranks holding the others
 receive nothing. The bytes each rank holds equal `Program.state_bytes`. All
@@ -39,6 +42,8 @@ CASES = [
     HFCase("mixtral", dp=4, ep=2, checkpoint="full"),
     HFCase("qwen3_moe", dp=4, ep=4, checkpoint="selective"),
     HFCase("mixtral", tp=2, dp=2, ep=2), HFCase("mixtral", pp=2, dp=2, ep=2),
+    HFCase("mixtral", pp=2, dp=2, ep=2, schedule="zero_bubble"),
+    HFCase("qwen2_moe", dp=4, ep=2), HFCase("phimoe", dp=4, ep=2),
     HFCase("mixtral", dp=4, ep=4, dtype="bf16"), HFCase("qwen3_moe", dp=4, ep=2, dtype="bf16"),
     HFCase("mixtral", dp=4, ep=2, config=(("attention_dropout", 0.1),)),
     # a top-1 router; a router that sends every token to experts 0 and 1 (ranks 2 and 3 of

@@ -110,22 +110,24 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
         sp_scattered=fit["sp.scattered"], sp_saved=sp_saved,
         holds_input=frozenset({"full", *(p for p in policies if fit[f"{p}.holds"])}),
         unavailable=unavailable, layer_paths=layer_paths, params=params, tied=tied_elements > 0,
-        tied_elements=tied_elements, routed_rows=_routed_rows(first),
+        tied_elements=tied_elements, **_routing(first),
         boundary_elements=b * s * shape.hidden,
         shape=shape if custom else None)
     return dataclasses.replace(profile, fn=profile_functions(profile))
 
 
-def _routed_rows(gm: torch.fx.GraphModule) -> int:
-    """Rows per token the first layer's routed experts compute (the top-k): the rows of its
-    first grouped product over the tokens of the capture; 0 without one."""
+def _routing(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """The first layer's routed experts: rows per token they compute (the top-k: the rows
+    of its first grouped product over the tokens of the capture) and how many there are
+    (dim 0 of the stack it multiplies by); zeros without one."""
     record = graph_info(gm)
     for n in gm.graph.nodes:
         info = get_info(n)
         if info is not None and info.layer == 0 and op_name(n) in GROUPED_MM_OPS:
             rows = node_shape(n.args[0])[0]
-            return rows // (record.micro_batch * record.seq_len)
-    return 0
+            return {"routed_rows": rows // (record.micro_batch * record.seq_len),
+                    "routed_experts": gm.get_parameter(linear_weight(n)).shape[0]}
+    return {"routed_rows": 0, "routed_experts": 0}
 
 
 def _layers_unlike(gm: torch.fx.GraphModule) -> str | None:

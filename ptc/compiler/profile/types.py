@@ -201,6 +201,8 @@ class ModelProfile:
     """Rows one layer's routed experts compute per token (the router's top-k): what expert
     parallelism's all-to-alls move, b·s·routed_rows rows of `hidden` each; 0 without
     routed experts."""
+    routed_experts: int = 0
+    """Routed experts of one layer (what `parallel.ep` must divide); 0 without."""
     tp_entries: int = 2
     """Tensor-parallel regions one layer enters (distinct inputs of its column-parallel
     linears): an all-reduce of the input gradient each in backward (with sequence

@@ -1,7 +1,9 @@
 """Plan search: every valid layout of a plan, filtered by memory, ranked by step time.
 
 The axes the plan leaves "auto" (any of tp, pp, dp) are enumerated over the
-divisors that the model and GPU count allow; the rest of the layout is
+divisors that the model and GPU count allow, and `ep = auto` over the
+divisors of dp·cp that divide the model's routed experts (the plan's ep
+where it names one: only the meshes whose dp·cp it divides); the rest of the layout is
 always enumerated: virtual stages (1F1B, or interleaved with v dividing the
 layers per stage, each also as zero bubble, and as ZB-V and DualPipeV with
 two chunks per rank), micro-batch (divisors of the per-rank batch), ZeRO stage (0-3, >0 only with dp > 1; 1-3 when the plan offloads its optimizer),
@@ -110,34 +112,51 @@ def axis_choices(plan: Plan) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def enumerate_layouts(plan: Plan) -> list[Layout]:
-    """Every valid layout of `plan` (see module docstring)."""
-    model, batch, par = plan.model, plan.train.global_batch, plan.parallel
+def enumerate_layouts(plan: Plan, experts: int = 0) -> list[Layout]:
+    """Every valid layout of `plan` (see module docstring); `experts`: the model's routed
+    experts per layer, which an `ep = auto` layout's ep must divide (0: none, ep 1)."""
     layouts = []
     for tp, cp, pp, dp in axis_choices(plan):
-        if batch % dp or (dp * cp) % par.ep:  # the plan's ep is folded from dp·cp
+        if plan.train.global_batch % dp:
             continue
-        per_rank = batch // dp
-        for mb in [k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH]:
-            m = per_rank // mb
-            if pp > 1 and m < pp:
-                continue
-            vs = [1] + ([v for v in _divisors(model.layers // pp)[1:] if m % pp == 0]
-                        if pp > 1 else [])
-            for v in vs:
-                for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
-                    for schedule in _schedules(pp, v, m, zero, plan.runtime.compile):
-                        for sp in _sequence_parallel(tp, par.tp_comm):
-                            for ckpt in CHECKPOINTS:
-                                layouts.append(Layout(
-                                    tp=tp, pp=pp, dp=dp, cp=cp, ep=par.ep, vstages=v,
-                                    micro_batch=mb,
-                                    microbatches=m, zero=zero, sp=sp, schedule=schedule,
-                                    layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
-                                    order=par.order, offload=par.offload != "none",
-                                    fused=plan.runtime.compile,
-                                    tp_comm=par.tp_comm if sp else "sync"))
+        for ep in _expert_parallel(plan.parallel.ep, dp * cp, experts):
+            layouts += _layouts_at(plan, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep)
     return layouts
+
+
+def _layouts_at(plan: Plan, *, tp: int, cp: int, pp: int, dp: int, ep: int) -> list[Layout]:
+    """The layouts of one mesh: every micro-batch, interleaving, ZeRO stage, schedule,
+    sequence parallelism and recompute policy worth pricing."""
+    model, par = plan.model, plan.parallel
+    per_rank = plan.train.global_batch // dp
+    layouts = []
+    for mb in [k for k in _divisors(per_rank) if k <= MAX_MICRO_BATCH]:
+        m = per_rank // mb
+        if pp > 1 and m < pp:
+            continue
+        vs = [1] + ([v for v in _divisors(model.layers // pp)[1:] if m % pp == 0]
+                    if pp > 1 else [])
+        for v in vs:
+            for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
+                for schedule in _schedules(pp, v, m, zero, plan.runtime.compile):
+                    for sp in _sequence_parallel(tp, par.tp_comm):
+                        for ckpt in CHECKPOINTS:
+                            layouts.append(Layout(
+                                tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vstages=v, micro_batch=mb,
+                                microbatches=m, zero=zero, sp=sp, schedule=schedule,
+                                layers=model.layers, checkpoint=ckpt, overlap=par.overlap,
+                                order=par.order, offload=par.offload != "none",
+                                fused=plan.runtime.compile,
+                                tp_comm=par.tp_comm if sp else "sync"))
+    return layouts
+
+
+def _expert_parallel(ep: int | str, ranks: int, experts: int) -> list[int]:
+    """The ep degrees to try on `ranks` dp·cp ranks: the plan's where it divides them;
+    for "auto" every divisor of both them and the layer's `experts` (1 without experts)."""
+    if ep != AUTO:
+        return [ep] if ranks % ep == 0 else []
+    return [e for e in _divisors(ranks) if experts and experts % e == 0] or [1]
 
 
 def _sequence_parallel(tp: int, tp_comm: str) -> tuple[bool, ...]:
@@ -181,7 +200,8 @@ def to_plan(plan: Plan, layout: Layout) -> Plan:
     par = plan.parallel
     cut = NO_CUT if (layout.pp, layout.vstages) != (par.pp, par.virtual_stages) else {}
     parallel = dataclasses.replace(
-        par, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=layout.zero,
+        par, tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, ep=layout.ep,
+        zero=layout.zero,
         sequence_parallel=layout.sp, tp_comm=layout.tp_comm, schedule=layout.schedule,
         virtual_stages=layout.vstages, checkpoint=ckpt, microbatches=None, **cut)
     train = dataclasses.replace(plan.train, micro_batch=layout.micro_batch)
@@ -219,7 +239,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     profile = plan_profile(plan)
     prec = plan_precision(plan, profile)
     budget, seq, dtype = plan.hardware.memory_budget, plan.train.seq_len, plan.train.dtype
-    layouts = enumerate_layouts(plan)
+    layouts = enumerate_layouts(plan, profile.routed_experts)
     fitting: list[_Candidate] = []
     rejected, memo = [], {}
     # Per layout without its policy: each uniform policy's peak on the checked stages.
