@@ -26,7 +26,7 @@ from safetensors import safe_open
 from ptc.errors import PtcError
 from ptc.runtime.hf_conversion import ConvertedNames, conversion_rules, convert
 
-if TYPE_CHECKING:  # torch loads with the first tensor read: `ptc check` stays light
+if TYPE_CHECKING:  # torch (and transformers' rules) load with the first name asked for
     import torch
 
 SINGLE = "model.safetensors"

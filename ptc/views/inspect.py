@@ -77,6 +77,34 @@ def overlap_line(program: Program, stage: int = 0) -> str:
     return "; ".join(parts)
 
 
+def experts_line(program: Program) -> str:
+    """"experts: ep 2, each held by 2 ranks; by ep rank: 0: 0-3, 1: 4-7 (of layers 0-1)" —
+    which routed experts each ep rank holds ("" without expert parallelism)."""
+    experts = program.decisions.expert_parallel
+    if experts is None:
+        return ""
+    counts = sorted(set(experts.layers.values()))
+    layers = sorted(experts.layers)
+    if len(counts) != 1:
+        return f"experts: ep {experts.ep}; layers {layers} hold {counts} routed experts, 1/ep each"
+    local = counts[0] // experts.ep
+    held = ", ".join(f"{j}: {j * local}-{(j + 1) * local - 1}" for j in range(experts.ep))
+    holders = program.plan.expert_grad_ranks
+    return (f"experts: ep {experts.ep}, each held by {holders} rank{'s' * (holders != 1)}; "
+            f"by ep rank: {held} (of layers {_runs_text(layers)})")
+
+
+def _runs_text(numbers: list[int]) -> str:
+    """"0-3, 5" for [0, 1, 2, 3, 5]."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(n) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
 def render_graph(program: Program, stage: int = 0, fmt: str = "code", *,
                  color: bool = False, width: int = 160) -> str:
     """The stage's lowered graph as text at most `width` columns wide (where a word allows):
@@ -84,13 +112,14 @@ def render_graph(program: Program, stage: int = 0, fmt: str = "code", *,
 
     In "code" every collective's statement carries a comment naming its forward
     and backward communication; in "table" collectives are highlighted (with
-    ANSI colours when `color`). Both start with `summary_line` and `overlap_line`.
+    ANSI colours when `color`). Both start with `summary_line`, `overlap_line` and,
+    under expert parallelism, `experts_line`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     gm = stage_graph(program, stage)
-    lines = [line for part in (summary_line(program, stage), overlap_line(program, stage))
-             if part for line in _comment(part, "", width)]
+    parts = (summary_line(program, stage), overlap_line(program, stage), experts_line(program))
+    lines = [line for part in parts if part for line in _comment(part, "", width)]
     head = "\n".join(lines) + "\n"
     if fmt == "code":
         return head + _annotated_code(gm, width)

@@ -21,8 +21,8 @@ order) — which they could not if a sample were skipped or repeated.
 Export: the ep 4 checkpoint written by the test's worker, exported with the
 module (`ptc.export(..., hf=, model=)`), gives from_pretrained every stack at
 its full [experts, ., .] shape, bit-equal to the weights saved; and an ep 4 ·
-dp 4 ZeRO-1 run of the production loop (`ptc.run`, from `init = state_dict(file)`
-of the module's weights), exported by
+dp 4 ZeRO-1 run of the production loop (`ptc.run`, from `init = hf(dir)` of the
+module's `save_pretrained`, per-expert tensors and all), exported by
 `ptc export CHECKPOINT --hf OUT` (the module rebuilt from the manifest), gives
 the eager-trained parameters within the same bounds.
 """
@@ -140,14 +140,13 @@ def test_export_of_an_ep_checkpoint_writes_every_expert_under_the_modules_names(
 
 @pytest.mark.timeout(600)
 def test_ptc_export_hf_of_an_ep_run(tmp_path, capsys):
-    # The weights the eager run starts from. Not through save_pretrained: transformers 5
-    # writes Mixtral's stacks back as per-expert w1/w2/w3 tensors, which init = hf() does
-    # not read.
-    torch.save(MODULE().state_dict(), tmp_path / "in.pt")
+    # The weights the eager run starts from, as transformers saves them: its per-expert
+    # w1/w2/w3 tensors, stacked again on reading (`ptc.runtime.hf_conversion`).
+    MODULE().save_pretrained(tmp_path / "in")
     base = plan(dp=4, ep=4, zero=1)
     run = dataclasses.replace(
-        base, train=dataclasses.replace(base.train, init=InitSpec(kind="state_dict", path=str(
-            tmp_path / "in.pt"))),
+        base, train=dataclasses.replace(base.train, init=InitSpec(kind="hf", path=str(
+            tmp_path / "in"))),
         runtime=RuntimeSpec(checkpoint_dir=str(tmp_path / "ckpt"), async_save=False))
     result = ptc.run(run)
     assert_losses_match(result.losses, eager(), "ep4·dp4 ZeRO-1 (ptc.run)")

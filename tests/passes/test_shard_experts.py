@@ -394,3 +394,14 @@ class TestExpertBlocks:
         assert len(calls(gm, ep_dispatch)) == 1
         for name in ("w_up", "w_gate", "w_down"):
             assert gm.get_parameter(name).shape[0] == EXPERTS // 2, name
+
+
+def test_inspect_says_which_experts_each_ep_rank_holds() -> None:
+    """`ptc inspect` names the dispatches and combines among the collectives and, per ep
+    rank, its routed experts; DeepSeek-V3's dense first layer is not among the layers."""
+    from ptc.views.inspect import experts_line, summary_line  # noqa: PLC0415
+
+    assert "2 ep_dispatch, 2 ep_combine" in summary_line(compiled("mixtral"))
+    assert experts_line(compiled("mixtral")) == (
+        "experts: ep 2, each held by 1 rank; by ep rank: 0: 0-1, 1: 2-3 (of layers 0-1)")
+    assert experts_line(compiled("deepseek_v3")).endswith("(of layers 1)")
