@@ -12,7 +12,10 @@ after a row-parallel one (and the vocabulary-parallel embedding) into
 attention whose projections a `shard ... replicate` rule keeps whole, a
 convolution along the sequence) gets its split inputs whole through
 `gather_seq` and runs whole, alike on every rank, until its output meets
-the split sequence again (`scatter_seq`). Sizes the model reads off its
+the split sequence again (`scatter_seq`). So does a mixture-of-experts
+block, whose rows are reordered by expert (`_experts_whole`): its input
+gathered whole, its router and its experts (split over tp, their
+all-reduces kept) run on every token, its output scattered back. Sizes the model reads off its
 tensors are folded to the whole sequence first, so that a table sliced to
 the sequence length (rotary angles) spans all of it and enters the split
 through `scatter_seq`, not as the first rank's rows on every rank.
@@ -38,8 +41,9 @@ from torch import fx
 from ptc.compiler.records.decisions import Decisions
 from ptc.compiler.graph.meta import (copy_meta, get_info, graph_info, graph_record,
                                      update_graph_record)
+from ptc.compiler.graph.moe_structure import find_expert_blocks
 from ptc.compiler.graph.nodes import (CROSS_ENTROPY_OPS, logits_linear, module_of, op_name,
-                                      params_behind, where)
+                                      params_behind, walk, where)
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (all_gather_seq, copy_to_tp, gather_seq, reduce_from_tp,
                             reduce_scatter_seq, scatter_seq)
@@ -91,8 +95,11 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
                            f"not divisible by tp = {tp}")
     fold_sizes(gm)  # a table sliced to the sequence length spans the whole sequence
     counts = {"all_gather_seq": 0, "reduce_scatter_seq": 0, "scatter_seq": 0, "gather_seq": 0}
-    split = _split_activations(gm)
+    kept = _experts_whole(gm, capture.micro_batch, seq_len, counts)
+    split = _split_activations(gm, kept)
     for node in list(gm.graph.nodes):
+        if node in kept:
+            continue
         if node.target is copy_to_tp and node.args[0] in split:
             _swap(gm, node, all_gather_seq, capture.micro_batch, seq_len)
             counts["all_gather_seq"] += 1
@@ -129,9 +136,77 @@ def shard_sequence_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphMod
     return gm
 
 
-def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
+def _experts_whole(gm: fx.GraphModule, b: int, s: int, counts: dict[str, int]) -> set[fx.Node]:
+    """Run each mixture-of-experts block on the whole sequence: its input gathered
+    (`gather_seq`), its output scattered back (`scatter_seq`); return the tp collectives
+    inside, which stay all-reduces.
+
+    A block routes token rows reordered by expert (`ptc.compiler.graph.moe_structure`):
+    between its router and its weighted sum over the top-k there is no sequence dim to
+    split. So the [b, s, h] tensor its rows are gathered from is gathered whole where the
+    block reads it, and the first [b, s, ...] tensor after its experts' output is cut back
+    to the rank's chunk. Everything between — router, experts (split over tp as ever), a
+    shared expert — runs on every token, alike on every tp rank.
+    """
+    try:
+        blocks = find_expert_blocks(gm)
+    except CompileError:
+        return set()  # not followed: `_swap` refuses its collectives in one line
+    kept: set[fx.Node] = set()
+    for block in blocks:
+        source, out = _block_input(block.rows, b, s), _block_output(block.output, b, s)
+        if source is None or out is None:
+            continue  # `_swap` refuses the block's collectives
+        inside = set(walk([source], lambda n: n.users)) & \
+            set(walk([out], lambda n: n.all_input_nodes))
+        with gm.graph.inserting_after(source):
+            whole = gm.graph.call_function(gather_seq, (source, SEQ_DIM))
+        copy_meta(source, whole, kind="other", **_FREE)
+        for user in [u for u in source.users if u in inside]:
+            user.replace_input_with(source, whole)
+        with gm.graph.inserting_after(out):
+            mine = gm.graph.call_function(scatter_seq, (out, SEQ_DIM))
+        copy_meta(out, mine, kind="other", **_FREE)
+        out.replace_all_uses_with(mine, delete_user_cb=lambda user: user is not mine)
+        counts["gather_seq"] += 1
+        counts["scatter_seq"] += 1
+        kept |= {n for n in inside if n.target in (copy_to_tp, reduce_from_tp)}
+    return kept
+
+
+def _block_input(rows: fx.Node, b: int, s: int) -> fx.Node | None:
+    """The [b, s, ...] activation a block's routed rows are taken from: back from the rows
+    through casts, row gathers and reshapes (None when there is none)."""
+    node = rows
+    for _ in range(12):
+        shape = (get_info(node).shapes or ((),))[0] if get_info(node) else ()
+        if tuple(shape[:2]) == (b, s):
+            return node
+        if not node.all_input_nodes:
+            return None
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+        if node is None:
+            return None
+    return None
+
+
+def _block_output(output: fx.Node, b: int, s: int) -> fx.Node | None:
+    """The first [b, s, ...] tensor after a block's experts' output, along single users."""
+    node = output
+    for _ in range(16):
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        shape = (get_info(node).shapes or ((),))[0] if get_info(node) else ()
+        if tuple(shape[:2]) == (b, s):
+            return node
+    return None
+
+
+def _split_activations(gm: fx.GraphModule, kept: set[fx.Node]) -> set[fx.Node]:
     """The nodes that will hold 1/tp of the sequence: those a reduce_from_tp (to become a
-    reduce-scatter) reaches without entering a tp region (a copy_to_tp).
+    reduce-scatter; not one `kept` inside a block run whole) reaches without entering a tp
+    region (a copy_to_tp).
 
     A tp region entered from anything else (a replicated embedding's output, a
     parameter) keeps its copy_to_tp: its input is whole on every rank, and the
@@ -139,7 +214,7 @@ def _split_activations(gm: fx.GraphModule) -> set[fx.Node]:
     """
     split: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.target is reduce_from_tp:
+        if node.target is reduce_from_tp and node not in kept:
             split.add(node)
         elif node.target is not copy_to_tp and any(a in split for a in node.all_input_nodes):
             split.add(node)

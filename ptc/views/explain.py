@@ -257,8 +257,10 @@ def _experts(plan: Plan, est: Estimate) -> Prose:
     return Prose(f"Experts: each rank holds 1/{lay.ep} of every layer's routed experts; each "
                  f"all-to-all of a layer is handed {format_bytes(rows)} per micro-batch "
                  f"({profile.routed_rows} routed rows per token; dispatch and combine forward, "
-                 f"their gradients backward, again where a layer is recomputed), priced at an "
-                 f"even routing: a rank whose experts get more tokens waits longer.")
+                 f"their gradients backward, again where a layer is recomputed), priced and "
+                 f"charged in memory at an even routing: a rank receives that much per layer "
+                 f"on the mean, and up to {format_bytes(rows * lay.ep)} if the router sends it "
+                 f"every token (its experts' inputs, saved for backward), and waits longer.")
 
 
 def _failures(plan: Plan, est: Estimate) -> Prose:

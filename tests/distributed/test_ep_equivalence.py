@@ -16,7 +16,7 @@ parameter after 5 AdamW steps, within the bounds `tests/tolerances.py`
 derives from the same run in float64 (bf16: from that recipe's own distance
 to fp64). Covered: ep 2 and 4 at dp 4 (ZeRO 0-3: each expert's gradient
 averaged, and its shards gathered, over the ranks that hold it), ep × tp (the
-stacks split by both), ep × pp (1F1B and zero bubble, whose split backward
+stacks split by both; with sequence parallelism too), ep × pp (1F1B and zero bubble, whose split backward
 runs the dispatch's gradient in I), full and selective recompute (the dispatch
 recomputed with its layer), bf16, attention dropout, a top-1 router, and routers frozen at zero
 so that every token goes to experts 0 and 1 and the ranks holding the others
@@ -42,6 +42,7 @@ CASES = [
     HFCase("mixtral", dp=4, ep=2, checkpoint="full"),
     HFCase("qwen3_moe", dp=4, ep=4, checkpoint="selective"),
     HFCase("mixtral", tp=2, dp=2, ep=2), HFCase("mixtral", pp=2, dp=2, ep=2),
+    HFCase("qwen2_moe", tp=2, dp=2, ep=2, sp=True, zero=1),
     HFCase("mixtral", pp=2, dp=2, ep=2, schedule="zero_bubble"),
     HFCase("qwen2_moe", dp=4, ep=2), HFCase("phimoe", dp=4, ep=2),
     HFCase("mixtral", dp=4, ep=4, dtype="bf16"), HFCase("qwen3_moe", dp=4, ep=2, dtype="bf16"),

@@ -16,7 +16,8 @@ same under every layout as in the eager run (`ptc.ops.dropout`). With one key/va
 head, fewer than tp, the heads are replicated (in SDPA's grouped-query form and in
 the eager attention's repeated heads). Mixtral's experts (stacked weights
 applied by a grouped product) are split as MLPs under tp, their top-2 router
-kept whole. bf16 plans are compared with eager training by ptc's bf16 recipe
+kept whole; with sequence parallelism each MoE block runs on the whole
+sequence (gathered at its input, its output scattered back). bf16 plans are compared with eager training by ptc's bf16 recipe
 (bf16 compute, AdamW on fp32 masters), within bounds derived from that run's
 own distance to fp64 (`tests/tolerances.py`). The module given to
 `ptc.compile` is what trains: the loss of
@@ -112,6 +113,9 @@ LAUNCHES = {"layouts": [
     # a mixture of experts: router replicated, each expert's MLP split as an MLP
     HFCase("mixtral", tp=2), HFCase("mixtral", dp=2, zero=3),
     HFCase("mixtral", pp=2, checkpoint="full"), HFCase("mixtral", pp=2, schedule="zero_bubble"),
+    # with sequence parallelism: each MoE block gathered whole, its experts split over tp,
+    # its output scattered back (a shared expert beside them in Qwen2-MoE)
+    HFCase("mixtral", tp=2, sp=True), HFCase("qwen2_moe", tp=2, sp=True),
 ], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
@@ -250,8 +254,3 @@ def test_heads_split_into_one_module_each_are_refused_naming_the_attention_rule(
                     r"parallel section: shard "
                     r"\"model.layers.\*.self_attn.\*\" replicate$")
 
-
-def test_sequence_parallel_mixture_of_experts_is_refused_in_one_line() -> None:
-    """The experts see the tokens reordered by expert: no sequence dim to split there."""
-    _assert_refused(HFCase("mixtral", tp=2, sp=True), r"mixture-of-experts block routes its tokens "
-                    r"reordered\); turn sequence_parallel off")
