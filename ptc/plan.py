@@ -68,6 +68,8 @@ DATA_KINDS = ("synthetic", "uniform", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 INIT_KINDS = ("random", "state_dict", "hf")
 BACKENDS = ("auto", "nccl", "gloo")
+DROP_POLICIES = ("probs", "position")
+"""`moe.drop_policy`: which of an expert's rows over its capacity are dropped."""
 NAN_POLICIES = ("stop", "skip", "rollback")
 
 
@@ -1077,6 +1079,30 @@ class RuntimeSpec(_Section):
         sink.raise_if_errors()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoESpec(_Section):
+    """How a mixture of experts routes: dropless, or with a capacity per expert."""
+
+    _path = "moe"
+    capacity_factor: float | None = None
+    """None: dropless, every routed row computed (the module's own semantics). A number:
+    each expert computes at most ceil(capacity_factor · rows / experts) of the rows a rank
+    routes to its layer (rows = tokens · top-k, the rank's own, before any exchange), as
+    Megatron-LM's --moe-expert-capacity-factor; a dropped row adds nothing to its token's
+    output. The run reports how many it dropped."""
+    drop_policy: str = "probs"
+    """Which rows over an expert's capacity are dropped: "probs", those of the lowest
+    routing weight (Megatron-LM's default); "position", the last in the expert's order."""
+    spans: Mapping[str, Span] = _spans()
+    """Field name -> place in the plan file."""
+
+    def __post_init__(self) -> None:
+        sink = self._sink()
+        self._number(sink, "capacity_factor", strict=True, allow_none=True)
+        self._choice(sink, "drop_policy", DROP_POLICIES)
+        sink.raise_if_errors()
+
+
 # ---------------------------------------------------------------------- plan
 
 
@@ -1094,6 +1120,8 @@ class Plan:
     """The training job."""
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     """The run's production settings."""
+    moe: MoESpec = field(default_factory=MoESpec)
+    """How mixture-of-experts layers route (dropless unless a capacity is set)."""
     source: str = field(default="<python>", compare=False)
     """Where the plan came from (file path), for messages; not part of equality,
     so a plan read back from `dump_plan` text equals the original."""

@@ -1,7 +1,7 @@
 """Write a `Plan` as canonical plan text, so that `parse(dump_plan(p)) == p`.
 
 *Canonical* means one fixed layout: sections in the order model, hardware,
-parallel, train, runtime; keys in schema order; two-space indent; a field
+parallel, train, runtime, moe; keys in schema order; two-space indent; a field
 is written when it differs from its default (the mesh degrees, the batch
 shape and the dtype are always written, since a reader looks for them).
 With a preset gpu only the figures that differ from the preset are
@@ -18,7 +18,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ptc.dsl.schema import HARDWARE_KEYS, MODEL_KEYS, PARALLEL_KEYS, RUNTIME_KEYS, TRAIN_KEYS
+from ptc.dsl.schema import (HARDWARE_KEYS, MODEL_KEYS, MOE_KEYS, PARALLEL_KEYS, RUNTIME_KEYS,
+                            TRAIN_KEYS)
 from ptc.errors import PtcError
 from ptc.plan import (
     DataSpec,
@@ -29,6 +30,7 @@ from ptc.plan import (
     OptimizerSpec,
     ParallelSpec,
     Plan,
+    MoESpec,
     RuntimeSpec,
     TrainSpec,
     is_auto_checkpoint,
@@ -44,7 +46,7 @@ _KEYWORDS = {"true", "false", "none"}
 # Fields whose string values are choices, written bare (`dtype = bf16`,
 # `tp = auto`) rather than quoted like paths.
 _WORD_FIELDS = {"norm", "activation", "dtype", "backend", "nan_policy", "tp", "pp", "dp", "cp",
-                "ep", "bucket_size", "offload", "checkpoint_every",
+                "ep", "drop_policy", "bucket_size", "offload", "checkpoint_every",
                 "snapshot_every"}
 
 # Which dimension each quantity field measures, keyed by plan field name.
@@ -62,7 +64,7 @@ def dump_plan(plan: Plan) -> str:
     argument that is a dict, a non-finite number).
     """
     parts = [_model(plan.model), _hardware(plan.hardware), _parallel(plan.parallel),
-             _train(plan.train), _runtime(plan.runtime)]
+             _train(plan.train), _runtime(plan.runtime), _moe(plan.moe)]
     return "\n".join(p for p in parts if p)
 
 
@@ -187,6 +189,11 @@ def _train(train: TrainSpec) -> str:
 def _runtime(runtime: RuntimeSpec) -> str:
     lines = _scalar_lines(runtime, RUNTIME_KEYS)
     return _section("runtime", lines) if lines else ""
+
+
+def _moe(moe: MoESpec) -> str:
+    lines = _scalar_lines(moe, MOE_KEYS)
+    return _section("moe", lines) if lines else ""
 
 
 # ------------------------------------------------------------------- calls

@@ -29,6 +29,7 @@ from ptc.dsl.values import (
 from ptc.plan import (
     ACTIVATIONS,
     BACKENDS,
+    DROP_POLICIES,
     DTYPES,
     FP8_RECIPES,
     FP8_SCALINGS,
@@ -186,14 +187,20 @@ RUNTIME_KEYS: dict[str, Key] = {
 }
 """runtime { ... }."""
 
+MOE_KEYS: dict[str, Key] = {
+    "capacity_factor": Key("capacity_factor", optional(number), example="capacity_factor = 1.25"),
+    "drop_policy": Key("drop_policy", word(DROP_POLICIES)),
+}
+"""moe { ... }."""
+
 SECTIONS: dict[str, dict[str, Key]] = {
     "model": MODEL_KEYS, "hardware": HARDWARE_KEYS, "parallel": PARALLEL_KEYS,
-    "train": TRAIN_KEYS, "runtime": RUNTIME_KEYS,
+    "train": TRAIN_KEYS, "runtime": RUNTIME_KEYS, "moe": MOE_KEYS,
 }
 """Section name -> its keys, in the order sections are written."""
 
 REQUIRED_SECTIONS = ("model", "hardware", "train")
-"""Sections every plan must have; parallel and runtime have defaults."""
+"""Sections every plan must have; parallel, runtime and moe have defaults."""
 
 DIRECTIVES = {"parallel": ("shard",)}
 """Section -> the `keyword "string" word` lines it accepts."""

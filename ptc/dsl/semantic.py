@@ -27,6 +27,7 @@ from ptc.dsl.schema import (
     MODEL_KEYS,
     PARALLEL_KEYS,
     REQUIRED_SECTIONS,
+    MOE_KEYS,
     RUNTIME_KEYS,
     SECTIONS,
     TRAIN_KEYS,
@@ -43,6 +44,7 @@ from ptc.plan import (
     ModelSpec,
     ParallelSpec,
     Plan,
+    MoESpec,
     RuntimeSpec,
     ShardRule,
     TrainSpec,
@@ -74,12 +76,15 @@ def build_plan(tree: ast.PlanFile, source: Source) -> Plan:
     parallel = _parallel(sections.get("parallel"), source, layers)
     train = _train(sections.get("train"), source)
     runtime = _runtime(sections.get("runtime"), source)
+    moe = _moe(sections.get("moe"), source)
     source.sink.raise_if_errors()
     parts = {"model": model, "hardware": hardware, "train": train}
     if parallel is not None:
         parts["parallel"] = parallel
     if runtime is not None:
         parts["runtime"] = runtime
+    if moe is not None:
+        parts["moe"] = moe
     headers = {name: sec.pos for name, sec in sections.items()}
     try:
         plan = Plan(**parts, source=source.file)
@@ -399,6 +404,14 @@ def _train(sec: ast.Section | None, source: Source) -> Any:
     fill = _missing(sec, read, TRAIN_KEYS, r)
     values = {**read.values, **fill, "spans": read.spans}
     return construct(TrainSpec, values, source, placeholders=set(fill) | read.bad)
+
+
+def _moe(sec: ast.Section | None, source: Source) -> Any:
+    if sec is None:
+        return None
+    r = Reader(source, "moe")
+    read = _read_items(sec, MOE_KEYS, r)
+    return construct(MoESpec, {**read.values, "spans": read.spans}, source, placeholders=read.bad)
 
 
 def _runtime(sec: ast.Section | None, source: Source) -> Any:

@@ -35,19 +35,20 @@ from ptc.lower.runner import DISABLE_ENV, Lowered, Pass, PassList, run_passes
 from ptc.lower.stamp import (NotStampable, representative_layers, stamp_layers,
                              stamp_layers_pass)
 from ptc.lower.verify import verify_graph
-from ptc.passes import (checkpoint_layers_pass, overlap_collectives_pass, quantize_gemms_pass,
-                        shard_experts_pass, shard_params_pass, shard_sequence_pass,
-                        shard_tensors_pass, split_context_pass, split_pipeline_pass)
+from ptc.passes import (cap_experts_pass, checkpoint_layers_pass, overlap_collectives_pass,
+                        quantize_gemms_pass, shard_experts_pass, shard_params_pass,
+                        shard_sequence_pass, shard_tensors_pass, split_context_pass,
+                        split_pipeline_pass)
 from ptc.plan import Plan
 
 log = logging.getLogger(__name__)
 
 PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_pass,
-                         shard_experts_pass, quantize_gemms_pass),
+                         cap_experts_pass, shard_experts_pass, quantize_gemms_pass),
                   split=split_pipeline_pass,
                   per_stage=(checkpoint_layers_pass, shard_params_pass, overlap_collectives_pass))
-"""The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel, expert_parallel,
-fp8_compute |
+"""The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel,
+expert_capacity, expert_parallel, fp8_compute |
 pipeline_split | activation_checkpoint, zero, comm_overlap. fp8_compute runs after the tp
 split so its GEMMs take the rank's shard; activation_checkpoint runs before zero so zero sees
 the parameters its regions read; comm_overlap runs last, on every collective."""
@@ -55,6 +56,7 @@ the parameters its regions read; comm_overlap runs last, on every collective."""
 PLAN_FIELDS = {
     "split_context_pass": "parallel.cp", "shard_tensors_pass": "parallel.tp",
     "shard_sequence_pass": "parallel.sequence_parallel", "shard_experts_pass": "parallel.ep",
+    "cap_experts_pass": "moe.capacity_factor",
     "quantize_gemms_pass": "train.dtype",
     "split_pipeline_pass": "parallel.pp", "checkpoint_layers_pass": "parallel.checkpoint",
     "shard_params_pass": "parallel.zero", "overlap_collectives_pass": "parallel.overlap",
@@ -67,6 +69,8 @@ NEEDED_BY = {
     "shard_sequence_pass": lambda plan: (plan.parallel.sequence_parallel and plan.parallel.tp > 1
                                          and "sequence_parallel"),
     "shard_experts_pass": lambda plan: plan.parallel.ep > 1 and "ep > 1",
+    "cap_experts_pass": lambda plan: (plan.moe.capacity_factor is not None
+                                      and "moe.capacity_factor"),
     "split_pipeline_pass": lambda plan: plan.parallel.pp > 1 and "pp > 1",
     "shard_params_pass": lambda plan: plan.parallel.zero == 3 and "zero = 3",
     "quantize_gemms_pass": lambda plan: plan.train.dtype == "fp8" and "dtype = fp8",

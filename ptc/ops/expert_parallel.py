@@ -49,7 +49,7 @@ EP = "ep"
 """The mesh axis of expert parallelism."""
 
 
-def _counts(offs: torch.Tensor) -> torch.Tensor:
+def expert_counts(offs: torch.Tensor) -> torch.Tensor:
     """Rows per expert (int64) from the cumulative row ends `offs`."""
     ends = offs.round() if offs.is_floating_point() else offs
     ends = ends.to(torch.int64)
@@ -153,11 +153,19 @@ class _FromExperts(torch.autograd.Function):
 
 class RoutedTokens(Session):
     """Entered while forwards run (not their recompute): the rows each dispatch routed to
-    each expert, every rank of its ep group's — what the run's metrics report."""
+    each expert, every rank of its ep group's, and the rows dropped over capacity — what
+    the run's metrics report."""
 
     def __init__(self) -> None:
         self.counts: list[torch.Tensor] = []
         """Per dispatch, in call order: rows per expert [E], summed over the ep group."""
+        self.dropped: int | None = None
+        """Rows dropped over the experts' capacity (`ptc.ops.expert_capacity`), this rank's;
+        None where no capacity applies."""
+
+    def drop(self, rows: int) -> None:
+        """Count `rows` more rows dropped over an expert's capacity."""
+        self.dropped = (self.dropped or 0) + rows
 
     def add(self, route: torch.Tensor) -> None:
         """Count one dispatch's route ([ep, E] rows per source rank and expert)."""
@@ -212,7 +220,7 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, *rows: torch.Tensor, expert
         route = torch.empty(ep, experts, dtype=torch.int64, device=offs.device)
         return (_ToExperts.apply(x, route, axis), offs.new_empty(experts // ep), route,
                 *(_ToExperts.apply(r, route, axis) for r in rows))
-    counts = _counts(offs.detach())
+    counts = expert_counts(offs.detach())
     if ep == 1:
         return (x, offs, counts.view(1, experts), *rows)
     route = all_gather_flat(counts, group).wait().view(ep, experts)

@@ -63,7 +63,9 @@ def shard_experts_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     if not blocks:
         raise CompileError(f"parallel.ep = {ep}, but the model has no routed experts: no "
                            "grouped product of token rows with a stack of expert weights "
-                           "(parallel.ep = 1 trains it as it is)")
+                           "(experts kept as a list of modules, or looped over one by one — "
+                           "transformers' experts_implementation = \"eager\" — are not "
+                           "sharded; parallel.ep = 1 trains it as it is)")
     aliases = param_aliases(gm)
     specs: dict[str, ParamShard] = {}
     layers: dict[int, int] = {}

@@ -42,6 +42,9 @@ def plan_for_world(plan: Plan, world: int) -> Plan:
         raise PtcError(f"{world} processes joined: not a multiple of tp({p.tp}) * cp({p.cp}) "
                        f"* pp({p.pp})")
     dp = world // fixed
+    if (dp * p.cp) % p.ep:
+        raise PtcError(f"{world} processes joined, so dp = {dp}: ep({p.ep}) does not divide "
+                       f"dp({dp}) * cp({p.cp}), which the expert shards are folded from")
     if plan.train.global_batch % (plan.train.micro_batch * dp):
         raise PtcError(f"{world} processes joined, so dp = {dp}: global_batch"
                        f"({plan.train.global_batch}) is not divisible by micro_batch"

@@ -228,6 +228,9 @@ class StepStats:
     """Under expert parallelism, (min, mean, max) rows one expert received in one layer's
     dispatch of one micro-batch (its ep group's tokens): how even the router was; empty
     without."""
+    expert_dropped: int | None = None
+    """With `moe.capacity_factor`, the routed rows this rank dropped over the experts'
+    capacity in the step's forwards; None without a capacity."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -535,7 +538,8 @@ class Trainer:
                          grad_norm=norm, step_time=time.perf_counter() - start,
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited,
-                         expert_tokens=state.routed.spread())
+                         expert_tokens=state.routed.spread(),
+                         expert_dropped=state.routed.dropped)
 
     @property
     def _uncounted(self) -> set[int]:

@@ -20,7 +20,9 @@ step's work skew: `slowest_rank`
 and `work_skew`, the largest rank's work (seconds not waiting for
 collectives) over the median rank's; under expert parallelism
 `expert_tokens_min`, `_mean` and `_max`, the rows one expert received in
-one layer's dispatch of one micro-batch (rank 0's ep group's tokens). The run's closing lines name the
+one layer's dispatch of one micro-batch (rank 0's ep group's tokens); with
+`moe.capacity_factor`, `expert_rows_dropped`, the routed rows rank 0 dropped
+over the experts' capacity in the step. The run's closing lines name the
 ranks whose median work per step exceeds the median rank's by more than
 `STRAGGLER_SHARE` (stragglers: a slow GPU, a throttled node, a busy host). A resumed run appends to the file; a
 fresh run keeps an earlier run's file as `NAME.1` (then `.2`, ...) and says
@@ -336,7 +338,9 @@ class StepReporter(AbstractContextManager):
                 "peak_memory_bytes": peak_memory_bytes(), "nonfinite": list(stats.nonfinite),
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "time": time.time(),
-                **_skew(stats.rank_work), **_expert_tokens(stats.expert_tokens)}
+                **_skew(stats.rank_work), **_expert_tokens(stats.expert_tokens),
+                **({} if stats.expert_dropped is None
+                   else {"expert_rows_dropped": stats.expert_dropped})}
 
     def _record(self, record: dict, step: int) -> None:
         """Append the record to the JSONL file and plot its numbers in TensorBoard and W&B."""

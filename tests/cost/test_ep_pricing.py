@@ -100,3 +100,15 @@ def test_plan_search_tries_every_ep_that_divides_dp_and_the_experts() -> None:
     assert all(plan.parallel.ep == est.layout.ep for plan, est in ranked)
     two = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ep=2))
     assert {est.layout.ep for _, est in search_all(two, top=200).ranked} == {2}
+
+
+def test_sequence_parallel_moe_is_left_unpriced_rather_than_priced_split() -> None:
+    """Under sp a MoE block runs on the whole sequence (`shard_sequence._experts_whole`);
+    the models would count it split: no figure, and plan search does not offer it."""
+    case = HFCase("mixtral", tp=2, sp=True)
+    decisions = compile_plan(hf_plan(case), model=hf_module(case)).decisions
+    assert decisions.estimate is None
+    assert "sequence parallelism with mixture-of-experts blocks is not priced" in \
+        decisions.unpriced
+    base = with_model_shape(hf_plan(HFCase("mixtral", tp=2)))
+    assert not any(est.layout.sp for _, est in search_all(base, top=200).ranked)

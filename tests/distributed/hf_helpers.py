@@ -14,8 +14,8 @@ import importlib
 import torch
 from dist_helpers import SEQ, STEPS, train_cases
 
-from ptc.plan import (DataSpec, HardwareSpec, LRScheduleSpec, ModelSpec, OptimizerSpec,
-                      ParallelSpec, Plan, ShardRule, TrainSpec)
+from ptc.plan import (DataSpec, HardwareSpec, LRScheduleSpec, ModelSpec, MoESpec,
+                      OptimizerSpec, ParallelSpec, Plan, ShardRule, TrainSpec)
 
 MODELS = "tests.user_models.transformers_models"
 SEED = 13
@@ -44,6 +44,10 @@ class HFCase:
     """The plan's compute dtype."""
     schedule: str = "1f1b"
     """The pipeline schedule (pp > 1)."""
+    capacity: float | None = None
+    """moe.capacity_factor (None: dropless)."""
+    drop_policy: str = "probs"
+    """moe.drop_policy."""
 
     def __str__(self) -> str:
         parts = [self.model] + [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp),
@@ -56,6 +60,7 @@ class HFCase:
         parts += [f"shard {glob} {style}" for glob, style in self.shards]
         parts += [self.dtype] if self.dtype != "fp32" else []
         parts += [self.schedule] if self.schedule != "1f1b" else []
+        parts += [f"capacity={self.capacity}:{self.drop_policy}"] if self.capacity else []
         return " ".join(parts)
 
 
@@ -84,7 +89,8 @@ def hf_plan(case: HFCase) -> Plan:
                         grad_clip=1.0,
                         optimizer=OptimizerSpec(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
                         lr_schedule=LRScheduleSpec(kind="cosine", warmup=2, min_lr=3e-4),
-                        data=DataSpec(kind="synthetic", seed=7)))
+                        data=DataSpec(kind="synthetic", seed=7)),
+        moe=MoESpec(capacity_factor=case.capacity, drop_policy=case.drop_policy))
 
 
 def run_hf_cases(cases: list[HFCase]) -> dict:
@@ -116,6 +122,8 @@ def record_ep_step(cases: list[HFCase]) -> dict:
             sent = sum(nbytes for op, _, _, nbytes in log if op == "all_to_all")
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, sent)
-        out[case] = {"sent": every, "expert_tokens": stats.expert_tokens}
+        dropped = [None] * dist.get_world_size()
+        dist.all_gather_object(dropped, stats.expert_dropped)
+        out[case] = {"sent": every, "expert_tokens": stats.expert_tokens, "dropped": dropped}
     dist.destroy_process_group()
     return out

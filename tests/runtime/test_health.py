@@ -129,4 +129,8 @@ def test_elastic_plan_keeps_the_global_batch_on_the_processes_that_joined():
     tp2 = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, tp=2, dp=2))
     with pytest.raises(PtcError, match="not a multiple of tp\\(2\\)"):
         plan_for_world(tp2, 3)
+    ep4 = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, ep=4))
+    assert plan_for_world(ep4, 8).parallel.ep == 4
+    with pytest.raises(PtcError, match="ep\\(4\\) does not divide dp\\(2\\)"):
+        plan_for_world(ep4, 2)  # expert shards fold from dp: ep must still divide it
     assert is_elastic_range("1:2") and not is_elastic_range("2") and not is_elastic_range("2:2")

@@ -26,7 +26,7 @@ from ptc.compiler.profile.cache import plan_profile, with_model_shape
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.records.layout import Layout, layout_of
-from ptc.errors import DiagnosticSink, PlanError
+from ptc.errors import DiagnosticSink, PlanError, UnpricedError
 from ptc.plan import DTYPE_BYTES, Plan, is_auto_checkpoint
 
 
@@ -66,6 +66,10 @@ def balanced_cut(plan: Plan) -> tuple[Plan, Estimate]:
         raise ValueError("estimate needs tp, pp and dp resolved; use search() for 'auto' axes")
     priced = with_model_shape(plan)
     profile = plan_profile(priced)
+    if plan.parallel.sequence_parallel and plan.parallel.tp > 1 and profile.routed_rows:
+        raise UnpricedError("sequence parallelism with mixture-of-experts blocks is not priced "
+                            "yet: each block runs on the whole sequence, which the memory and "
+                            "cost models would count split")
     prec = plan_precision(priced, profile)
     par, layers = plan.parallel, priced.model.layers
     if par.pp == 1 or par.pins_layers or not layers:

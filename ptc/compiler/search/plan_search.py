@@ -120,13 +120,15 @@ def enumerate_layouts(plan: Plan, experts: int = 0) -> list[Layout]:
         if plan.train.global_batch % dp:
             continue
         for ep in _expert_parallel(plan.parallel.ep, dp * cp, experts):
-            layouts += _layouts_at(plan, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep)
+            layouts += _layouts_at(plan, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, moe=experts > 0)
     return layouts
 
 
-def _layouts_at(plan: Plan, *, tp: int, cp: int, pp: int, dp: int, ep: int) -> list[Layout]:
+def _layouts_at(plan: Plan, *, tp: int, cp: int, pp: int, dp: int, ep: int,
+                moe: bool) -> list[Layout]:
     """The layouts of one mesh: every micro-batch, interleaving, ZeRO stage, schedule,
-    sequence parallelism and recompute policy worth pricing."""
+    sequence parallelism (not for a model with routed experts, `moe`: not priced) and
+    recompute policy worth pricing."""
     model, par = plan.model, plan.parallel
     per_rank = plan.train.global_batch // dp
     layouts = []
@@ -139,7 +141,7 @@ def _layouts_at(plan: Plan, *, tp: int, cp: int, pp: int, dp: int, ep: int) -> l
         for v in vs:
             for zero in _zero_stages(dp * cp, offload=par.offload != "none"):
                 for schedule in _schedules(pp, v, m, zero, plan.runtime.compile):
-                    for sp in _sequence_parallel(tp, par.tp_comm):
+                    for sp in _sequence_parallel(tp, par.tp_comm, moe=moe):
                         for ckpt in CHECKPOINTS:
                             layouts.append(Layout(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vstages=v, micro_batch=mb,
@@ -159,10 +161,11 @@ def _expert_parallel(ep: int | str, ranks: int, experts: int) -> list[int]:
     return [e for e in _divisors(ranks) if experts and experts % e == 0] or [1]
 
 
-def _sequence_parallel(tp: int, tp_comm: str) -> tuple[bool, ...]:
+def _sequence_parallel(tp: int, tp_comm: str, *, moe: bool) -> tuple[bool, ...]:
     """Sequence parallelism off and on where tp splits layers; on alone when the plan asks
-    for its collectives as collective matmuls (`tp_comm = async`)."""
-    if tp == 1:
+    for its collectives as collective matmuls (`tp_comm = async`); off for a model with
+    routed experts (`moe`), whose blocks run on the whole sequence: not priced."""
+    if tp == 1 or moe:
         return (False,)
     return (True,) if tp_comm == "async" else (False, True)
 
