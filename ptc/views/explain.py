@@ -17,7 +17,7 @@ from rich.console import Group
 from ptc.compiler.cost.compute import Split, rates, tile_efficiency
 from ptc.compiler.cost.goodput import (checkpoint_interval, goodput, job_mtbf, save_pause,
                                        snapshot_bytes, snapshot_goodput, snapshot_pause)
-from ptc.compiler.cost.step import ep_rows_bytes, policy_flops, rerun_gathers
+from ptc.compiler.cost.step import ep_bytes_per_step, ep_rows_bytes, policy_flops, rerun_gathers
 from ptc.compiler.records.estimate import Estimate
 from ptc.compiler.search.estimate import estimate, plan_precision
 from ptc.compiler.search.fit import largest_micro_batch, smallest_model_parallel
@@ -251,13 +251,14 @@ def render_explain(plan: Plan, est: Estimate | None = None, *, compiled: bool = 
 def _experts(plan: Plan, est: Estimate) -> Prose:
     """What expert parallelism moves: each layer's routed rows, per all-to-all."""
     profile = plan_profile(plan)
-    lay = est.layout
-    rows = ep_rows_bytes(profile, plan_precision(plan, profile), lay.micro_batch,
-                         lay.rank_seq(plan.train.seq_len))
+    lay, prec = est.layout, plan_precision(plan, profile)
+    rows = ep_rows_bytes(profile, prec, lay.micro_batch, lay.rank_seq(plan.train.seq_len))
+    step = ep_bytes_per_step(profile, lay, prec, plan.train.seq_len)
     return Prose(f"Experts: each rank holds 1/{lay.ep} of every layer's routed experts; each "
                  f"all-to-all of a layer is handed {format_bytes(rows)} per micro-batch "
                  f"({profile.routed_rows} routed rows per token; dispatch and combine forward, "
-                 f"their gradients backward, again where a layer is recomputed), priced and "
+                 f"their gradients backward, again where a layer is recomputed: "
+                 f"{format_bytes(step)} a step on the busiest stage), priced and "
                  f"charged in memory at an even routing: a rank receives that much per layer "
                  f"on the mean, and up to {format_bytes(rows * lay.ep)} if the router sends it "
                  f"every token (its experts' inputs, saved for backward), and waits longer.")

@@ -17,22 +17,26 @@ own figure varies, their sum over the ranks does not.
 from __future__ import annotations
 
 import dataclasses
+import io
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from hf_helpers import HFCase, hf_module, hf_plan, record_ep_step  # noqa: E402
 
-from ptc.compiler.cost.step import ep_bytes_per_step  # noqa: E402
+from ptc.compiler.cost.step import ep_bytes_per_step, ep_rows_bytes  # noqa: E402
 from ptc.compiler.search.estimate import plan_precision  # noqa: E402
 from ptc.compiler.search.plan_search import search_all  # noqa: E402
 from ptc.compiler.profile.cache import plan_profile, with_model_shape  # noqa: E402
 from ptc.compiler.records.layout import layout_of  # noqa: E402
 from ptc.lower.driver import compile_plan  # noqa: E402
 from ptc.runtime.launcher import run_local  # noqa: E402
+from ptc.units import format_bytes  # noqa: E402
+from ptc.views.explain import render_explain  # noqa: E402
 
 MEMORY = [HFCase("mixtral", dp=2), HFCase("mixtral", dp=2, ep=2), HFCase("mixtral", dp=4, ep=4),
           HFCase("mixtral", dp=4, ep=2, zero=1), HFCase("mixtral", dp=4, ep=2, zero=2),
@@ -112,3 +116,20 @@ def test_sequence_parallel_moe_is_left_unpriced_rather_than_priced_split() -> No
         decisions.unpriced
     base = with_model_shape(hf_plan(HFCase("mixtral", tp=2)))
     assert not any(est.layout.sp for _, est in search_all(base, top=200).ranked)
+
+
+def test_explain_says_what_each_all_to_all_carries() -> None:
+    """`ptc explain` of an ep plan: the ep_comm row, and per all-to-all and per step the
+    bytes `ep_rows_bytes` and `ep_bytes_per_step` price."""
+    plan = with_model_shape(hf_plan(HFCase("mixtral", dp=4, ep=2)))
+    buffer = io.StringIO()
+    Console(file=buffer, width=1000).print(render_explain(plan))
+    out = buffer.getvalue()
+    profile, layout = plan_profile(plan), layout_of(plan)
+    prec = plan_precision(plan, profile)
+    rows = ep_rows_bytes(profile, prec, layout.micro_batch, plan.train.seq_len)
+    step = ep_bytes_per_step(profile, layout, prec, plan.train.seq_len)
+    assert "│ ep_comm" in out and "tp1 pp1 dp4 ep2" in out
+    assert f"Experts: each rank holds 1/2 of every layer's routed experts; each all-to-all of " \
+           f"a layer is handed {format_bytes(rows)} per micro-batch" in out
+    assert f"{format_bytes(step)} a step on the busiest stage" in out
