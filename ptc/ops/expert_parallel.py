@@ -100,55 +100,32 @@ def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: Group) -
     return Work(work, out, t).wait()  # waited through Work: counted as exposed
 
 
-def _to_experts(t: torch.Tensor, route: torch.Tensor, group: Group) -> torch.Tensor:
-    """Rows in this rank's x order -> its local experts' rows, expert-major."""
-    plan = _Plan(route, group)
-    return _exchange(t, plan.send, plan.recv, group)[plan.order]
-
-
-def _from_experts(t: torch.Tensor, route: torch.Tensor, group: Group) -> torch.Tensor:
-    """Local experts' rows, expert-major -> the rows of their sources, in x's order."""
-    plan = _Plan(route, group)
-    return _exchange(t[plan.inverse], plan.recv, plan.send, group)
-
-
 def _meta(t: torch.Tensor) -> torch.Tensor:
     """A ShapeGroup's result for rows t: as many rows (balanced routing), nothing moved."""
     return t.new_empty(t.shape)
 
 
-def _move(t: torch.Tensor, route: torch.Tensor, axis: str, to_experts: bool) -> torch.Tensor:
-    """Rows to the local experts (`to_experts`) or back to their sources, over `axis`."""
-    group = axis_group(axis)
-    if isinstance(group, ShapeGroup):
+def _move(t: torch.Tensor, plan: _Plan | None, group: Group, to_experts: bool) -> torch.Tensor:
+    """Rows in this rank's x order to its local experts' rows, expert-major (`to_experts`),
+    or back; `plan` None: a ShapeGroup's shapes, nothing moved."""
+    if plan is None:
         return _meta(t)
-    return (_to_experts if to_experts else _from_experts)(t, route, group)
+    if to_experts:
+        return _exchange(t, plan.send, plan.recv, group)[plan.order]
+    return _exchange(t[plan.inverse], plan.recv, plan.send, group)
 
 
-class _ToExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, route, axis):  # noqa: D102 - autograd.Function protocol
-        ctx.save_for_backward(route)
-        ctx.axis = axis
-        return _move(t, route, axis, to_experts=True)
+class _Move(torch.autograd.Function):
+    """`_move` forward; the other way backward, by the same plan (computed once a layer)."""
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        (route,) = ctx.saved_tensors
-        return _move(grad, route, ctx.axis, to_experts=False), None, None
-
-
-class _FromExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, route, axis):  # noqa: D102
-        ctx.save_for_backward(route)
-        ctx.axis = axis
-        return _move(t, route, axis, to_experts=False)
+    def forward(ctx, t, plan, group, to_experts):  # noqa: D102 - autograd.Function protocol
+        ctx.plan, ctx.group, ctx.to_experts = plan, group, to_experts
+        return _move(t, plan, group, to_experts)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        (route,) = ctx.saved_tensors
-        return _move(grad, route, ctx.axis, to_experts=True), None, None
+        return _move(grad, ctx.plan, ctx.group, not ctx.to_experts), None, None, None
 
 
 class RoutedTokens(Session):
@@ -218,8 +195,8 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, *rows: torch.Tensor, expert
                          f"axis {axis!r}")
     if isinstance(group, ShapeGroup):
         route = torch.empty(ep, experts, dtype=torch.int64, device=offs.device)
-        return (_ToExperts.apply(x, route, axis), offs.new_empty(experts // ep), route,
-                *(_ToExperts.apply(r, route, axis) for r in rows))
+        return (_Move.apply(x, None, group, True), offs.new_empty(experts // ep), route,
+                *(_Move.apply(r, None, group, True) for r in rows))
     counts = expert_counts(offs.detach())
     if ep == 1:
         return (x, offs, counts.view(1, experts), *rows)
@@ -227,9 +204,10 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, *rows: torch.Tensor, expert
     routed = RoutedTokens.current()
     if routed is not None:
         routed.add(route)
-    plan_offs = torch.cumsum(_Plan(route, group).per_expert, 0).to(offs.dtype)
-    return (_ToExperts.apply(x, route, axis), plan_offs, route,
-            *(_ToExperts.apply(r, route, axis) for r in rows))
+    plan = _Plan(route, group)
+    local_offs = torch.cumsum(plan.per_expert, 0).to(offs.dtype)
+    return (_Move.apply(x, plan, group, True), local_offs, route,
+            *(_Move.apply(r, plan, group, True) for r in rows))
 
 
 @_collective("all-to-all", "all-to-all")
@@ -246,8 +224,5 @@ def ep_combine(y_local: torch.Tensor, route: torch.Tensor, axis: str = EP) -> to
     group = axis_group(axis)
     if group_size(group) == 1:
         return y_local
-    return _FromExperts.apply(y_local, route, axis)
-
-
-EP_OPS = (ep_dispatch, ep_combine)
-"""Every op of this module, for passes and reports that look for them."""
+    plan = None if isinstance(group, ShapeGroup) else _Plan(route, group)
+    return _Move.apply(y_local, plan, group, False)

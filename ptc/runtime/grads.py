@@ -68,6 +68,8 @@ class GradReducer:
         self.buckets = overlap.buckets
         self.in_flight = overlap.in_flight
         self._bucket_of = {u: b for b, bucket in enumerate(self.buckets) for u in bucket}
+        self._parts = [self._by_group(bucket) for bucket in self.buckets]
+        """Per bucket, its units by the group they are reduced over (one collective each)."""
         # Frozen parameters (requires_grad = False) get no gradient, so no hook: not counted.
         self._expected = [sum(p.requires_grad for u in bucket for p in units[u].params)
                           for bucket in self.buckets]
@@ -126,7 +128,7 @@ class GradReducer:
         if self._flushed[bucket] or not self._reduce:
             return
         self._flushed[bucket] = True
-        members = self._by_group(self.buckets[bucket])
+        members = self._parts[bucket]
         works: list[Waitable | Piece] = []
         for index, part in enumerate(members):
             group = self.units[part[0]].group
@@ -166,7 +168,7 @@ class GradReducer:
         self._works.clear()
 
     def _complete(self, bucket: int, works: list[Waitable | Piece]) -> None:
-        order = [u for part in self._by_group(self.buckets[bucket]) for u in part]
+        order = [u for part in self._parts[bucket] for u in part]
         with torch.no_grad():
             for unit, work in zip(order, works):
                 out = work.wait()  # ZeRO-0: summed in the unit's own gradient buffer

@@ -84,27 +84,27 @@ class ShardedOptimizer:
         over ep), tp and pp.
         """
         grads = [u.master.grad for u in self.units] if grads is None else list(grads)
-        counted = [(g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
+        counted = [(u, g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
                    if id(u) not in uncounted]
         device = self.units[0].grad.device if self.units else None  # where collectives run
-        squares = torch.stack([g.pow(2).sum() for g, _ in counted]).sum() \
-            if counted else torch.zeros(())
+        per_unit = [g.pow(2).sum() for _, g, _ in counted]
+        squares = torch.stack(per_unit).sum() if counted else torch.zeros(())
+        experts = [sq for (u, _, _), sq in zip(counted, per_unit) if u.spec.expert]
         tp = group_size(self.tp_group)
         if tp > 1:
             # Every tp rank holds the same gradient of a replicated parameter: count it once.
-            same = sum((g[a:b].pow(2).sum() for g, ranges in counted for a, b in ranges),
+            same = sum((g[a:b].pow(2).sum() for _, g, ranges in counted for a, b in ranges),
                        torch.zeros((), device=squares.device))
             squares = squares - same * (1 - 1 / tp)
         squares = squares.to(device)
-        experts = [g for u, g in zip(self.units, grads) if u.spec.expert and id(u) not in uncounted]
         if experts and not self.sharded:
             # The ranks holding the same experts hold their whole gradient, and the other ep
             # ranks the other experts: their squares are summed over ep (from ZeRO-1 on, the
             # shards' over dp, as every other unit's).
-            theirs = torch.stack([g.pow(2).sum() for g in experts]).sum().to(device)
-            mine = theirs.clone()
-            all_reduce_flat(theirs.view(1), self.ep_group).wait()
-            squares = squares + (theirs - mine)
+            mine = torch.stack(experts).sum().to(device)
+            every = mine.clone()
+            all_reduce_flat(every.view(1), self.ep_group).wait()
+            squares = squares + (every - mine)
         if self.sharded:
             all_reduce_flat(squares.view(1), self.group).wait()
         if tp > 1:

@@ -133,3 +133,17 @@ def test_explain_says_what_each_all_to_all_carries() -> None:
     assert f"Experts: each rank holds 1/2 of every layer's routed experts; each all-to-all of " \
            f"a layer is handed {format_bytes(rows)} per micro-batch" in out
     assert f"{format_bytes(step)} a step on the busiest stage" in out
+
+
+def test_a_capacity_below_one_is_left_unpriced() -> None:
+    """It drops rows even at an even routing; at 1 and above the even routing drops none,
+    and the plan is priced as the dropless one."""
+    def decisions(factor: float):
+        case = HFCase("mixtral", dp=2, ep=2, capacity=factor)
+        return compile_plan(hf_plan(case), model=hf_module(case)).decisions
+
+    assert decisions(0.5).estimate is None
+    assert "moe.capacity_factor = 0.5 is not priced" in decisions(0.5).unpriced
+    dropless = compile_plan(hf_plan(HFCase("mixtral", dp=2, ep=2)),
+                            model=hf_module(HFCase("mixtral", dp=2, ep=2))).decisions
+    assert decisions(1.25).estimate.step_time_s == dropless.estimate.step_time_s

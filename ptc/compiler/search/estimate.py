@@ -47,6 +47,16 @@ def estimate(plan: Plan) -> Estimate:
     return balanced_cut(plan)[1]
 
 
+def check_capacity_priced(plan: Plan, profile: ModelProfile) -> None:
+    """UnpricedError for a capacity below 1 on a model with routed experts: it drops rows
+    even at an even routing, and the models count every routed row (plan search asks too)."""
+    factor = plan.moe.capacity_factor
+    if profile.routed_rows and factor is not None and factor < 1:
+        raise UnpricedError(f"moe.capacity_factor = {factor:g} is not priced: it drops rows "
+                            "even at an even routing, and the memory and cost models count "
+                            "every routed row")
+
+
 def balanced_cut(plan: Plan) -> tuple[Plan, Estimate]:
     """The plan with its pipeline cut pinned where ptc compiles it, and its estimate.
 
@@ -70,6 +80,7 @@ def balanced_cut(plan: Plan) -> tuple[Plan, Estimate]:
         raise UnpricedError("sequence parallelism with mixture-of-experts blocks is not priced "
                             "yet: each block runs on the whole sequence, which the memory and "
                             "cost models would count split")
+    check_capacity_priced(plan, profile)
     prec = plan_precision(priced, profile)
     par, layers = plan.parallel, priced.model.layers
     if par.pp == 1 or par.pins_layers or not layers:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from ptc.compiler.cost.step import compute_floor, floor_layer_times, step_cost
 from ptc.compiler.records.estimate import Estimate
-from ptc.compiler.search.estimate import auto_checkpoint, estimate, plan_precision
+from ptc.compiler.search.estimate import (auto_checkpoint, check_capacity_priced, estimate,
+                                         plan_precision)
 from ptc.compiler.records.layout import Layout
 from ptc.compiler.schedule.build import required_microbatches
 from ptc.compiler.memory.model import peak, stage_memory_terms
@@ -240,6 +241,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     """Enumerate, filter by memory, rank by step time; the `top` fastest become Plans."""
     plan = with_model_shape(plan)
     profile = plan_profile(plan)
+    check_capacity_priced(plan, profile)
     prec = plan_precision(plan, profile)
     budget, seq, dtype = plan.hardware.memory_budget, plan.train.seq_len, plan.train.dtype
     layouts = enumerate_layouts(plan, profile.routed_experts)
