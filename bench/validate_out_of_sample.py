@@ -33,8 +33,8 @@ row:
   as a layer each, so the first and the last stage hold 128/pp - 1 layers;
 - interleaving when VP > 1 (VP = 1 and "n/a": 1F1B);
 - runs of more than 72 GPUs on GB200/GB300 use 64 GPUs of each NVL72 rack.
-Rows in NVFP4 (ptc has no 4-bit compute) and the mixture-of-experts models
-(ptc has no expert parallelism) are not expressible and are not listed.
+Rows in NVFP4 (ptc has no 4-bit compute) are not expressible and are not listed; the
+mixture-of-experts rows are scored by `bench/validate_moe.py`.
 
 It prints each row, then the median, p90 and max |error|, the rows within 10 %
 and 25 %, and the ordering of pairs: for every two rows of the same model on

@@ -53,8 +53,8 @@ peak (`estimate(plan).peak_memory_bytes`) is printed beside it.
 
 Not expressible: torchtitan's MXFP8 dense table (torchtitan/components/quantization/
 mxfp8.md) names neither the model nor the power limit of its "power limited B200s",
-and its MoE table trains Llama 4 Scout (ptc has no expert parallelism); both are
-listed with the reason.
+and its MoE table (Llama 4 Scout) is not scored here (`bench/validate_moe.py` scores
+Megatron-Bridge's MoE rows); both are listed with the reason.
 
 It prints each row (measured, predicted, error, the biggest parts of the step and
 memory), then the median, p90 and max |error|, the rows within 10 % and 25 %, and the
@@ -177,7 +177,7 @@ NOT_EXPRESSIBLE = [
     ("mxfp8.md dense, 4 rows (bf16, mxfp8_cublas, mxfp8_cublas_rceil, float8 tensorwise; "
      "8 B200)", "the model is not named and the B200s' power limit is not given"),
     ("mxfp8.md MoE, 2 rows (bf16, mxfp8; Llama 4 Scout on 512 GB200)",
-     "mixture of experts: ptc has no expert parallelism"),
+     "mixture of experts: not scored here (bench/validate_moe.py scores published MoE runs)"),
 ]
 """Published torchtitan rows no plan can state, with the reason."""
 

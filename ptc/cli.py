@@ -151,7 +151,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ptc.hwprofile import write_profile  # noqa: PLC0415
     from ptc.models import build_model  # noqa: PLC0415
     from ptc.runtime.bench_comm import parse_size  # noqa: PLC0415
-    from ptc.runtime.calibrate import Settings, calibrate, render_profile  # noqa: PLC0415
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
+    from ptc.runtime.calibrate import (  # noqa: PLC0415
+        RoutingRun,
+        Settings,
+        calibrate,
+        render_profile,
+    )
+    from ptc.worker import MODELS  # noqa: PLC0415
 
     plan = _load(args.plan, args.overrides)
     try:
@@ -162,7 +169,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _err.print(f"error: {exc}", markup=False)
         return EXIT_USAGE
-    profile = calibrate(plan, settings, build=build_model)
+    profile = calibrate(plan, settings, build=build_model,
+                        routing=RoutingRun(compiler=compile_plan, models=MODELS))
     write_profile(profile, args.output)
     _out.print(render_profile(profile, plan), markup=False)
     from_plan = os.path.relpath(Path(args.output).resolve(), Path(args.plan).resolve().parent)

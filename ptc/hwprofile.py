@@ -13,6 +13,11 @@ hardware section replace the profile's in turn. A profile holds:
   sustained in the GEMM probe (MHz, `sm_clock`), so the profile describes the part
   as capped; where they could not be read, `unmeasured` says why instead. A limit
   read becomes the plan's `power_limit`;
+- `routing` (plans with expert parallelism): the routing's load imbalance measured on
+  the run's data (`imbalance`: the rows the busiest ep rank's experts received in a layer
+  over the mean, averaged over the layers' exchanges of `steps` training steps at `ep`),
+  which a plan naming
+  the profile prices unless its `moe.imbalance` says otherwise;
 - `device` ("cpu" or "cuda"), which a plan's `gpu` must match ("cpu" with a
   CPU profile, any GPU with a CUDA one), and what it was measured with
   (`world_size`, `device_name`, `torch`, `created`, per axis `axes`, raw
@@ -74,6 +79,22 @@ class Power:
 
 
 @dataclass(frozen=True, slots=True)
+class Routing:
+    """The routing's load imbalance one calibration measured on the run's data."""
+
+    imbalance: float
+    """Rows the busiest ep rank's experts received in a layer over the mean (>= 1)."""
+    ep: int
+    """The expert-parallel size it was measured at."""
+    steps: int
+    """Training steps of the run's data it was averaged over."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's `routing` object."""
+        return {"imbalance": self.imbalance, "ep": self.ep, "steps": self.steps}
+
+
+@dataclass(frozen=True, slots=True)
 class HardwareProfile:
     """The figures of one profile file (see the module docstring)."""
 
@@ -85,6 +106,9 @@ class HardwareProfile:
     power: Power | None = None
     """The power limit and sustained clock (None: a profile written before they were
     recorded)."""
+    routing: Routing | None = None
+    """The routing's measured imbalance (None: the plan has no expert parallelism, or a
+    profile written before it was measured)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Everything else the file records (what it was measured with, per-axis fits, probes)."""
 
@@ -108,6 +132,8 @@ class HardwareProfile:
             data[name] = {"bandwidth": link.bandwidth, "latency": link.latency}
         if self.power is not None:
             data["power"] = self.power.to_json()
+        if self.routing is not None:
+            data["routing"] = self.routing.to_json()
         data.update(self.info)
         return data
 
@@ -165,13 +191,13 @@ def parse_profile(data: Any) -> HardwareProfile:
                            latency=_positive(link.get("latency"), f'"{name}.latency"',
                                              zero=True))
     known = {"ptc_hardware_profile", "device", "gemm_flops", "mem_bandwidth",
-             "dispatch_overhead", "power", *LINKS}
+             "dispatch_overhead", "power", "routing", *LINKS}
     return HardwareProfile(
         device=device, gemm_flops={d: float(v) for d, v in gemm.items()},
         mem_bandwidth=_positive(data.get("mem_bandwidth"), '"mem_bandwidth"'),
         dispatch_overhead=_positive(data.get("dispatch_overhead"), '"dispatch_overhead"',
                                     zero=True),
-        links=links, power=_power(data.get("power")),
+        links=links, power=_power(data.get("power")), routing=_routing(data.get("routing")),
         info={k: v for k, v in data.items() if k not in known})
 
 
@@ -190,6 +216,22 @@ def _power(data: Any) -> Power | None:
     return Power(limit=None if limit is None else _positive(limit, '"power.limit"'),
                  sm_clock=None if clock is None else _positive(clock, '"power.sm_clock"'),
                  unmeasured=unmeasured)
+
+
+def _routing(data: Any) -> Routing | None:
+    """The `routing` object of a profile (None where the file has none)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ProfileError('"routing" must be an object with imbalance, ep and steps')
+    imbalance = _positive(data.get("imbalance"), '"routing.imbalance"')
+    if imbalance < 1:
+        raise ProfileError(f'"routing.imbalance" must be >= 1, found {imbalance!r}')
+    ep, steps = data.get("ep"), data.get("steps")
+    for name, value in (("ep", ep), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProfileError(f'"routing.{name}" must be a positive integer, found {value!r}')
+    return Routing(imbalance=imbalance, ep=ep, steps=steps)
 
 
 def _positive(value: Any, name: str, *, zero: bool = False) -> float:

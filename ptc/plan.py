@@ -1093,6 +1093,11 @@ class MoESpec(_Section):
     drop_policy: str = "probs"
     """Which rows over an expert's capacity are dropped: "probs", those of the lowest
     routing weight (Megatron-LM's default); "position", the last in the expert's order."""
+    imbalance: float | None = None
+    """The routing's load imbalance the cost model prices under expert parallelism: the
+    rows the busiest ep rank's experts receive in a layer over the mean (>= 1). None: what
+    `ptc calibrate` measured on the run's data where the plan's hardware profile holds it,
+    else 1 (an even routing, as published MoE benchmarks force)."""
     spans: Mapping[str, Span] = _spans()
     """Field name -> place in the plan file."""
 
@@ -1100,6 +1105,7 @@ class MoESpec(_Section):
         sink = self._sink()
         self._number(sink, "capacity_factor", strict=True, allow_none=True)
         self._choice(sink, "drop_policy", DROP_POLICIES)
+        self._number(sink, "imbalance", minimum=1.0, allow_none=True)
         sink.raise_if_errors()
 
 
@@ -1127,6 +1133,20 @@ class Plan:
     so a plan read back from `dump_plan` text equals the original."""
     warnings: tuple = field(default=(), compare=False, repr=False)
     """Warning diagnostics of the semantic check (e.g. tp spanning nodes)."""
+
+    @property
+    def routing_imbalance(self) -> float:
+        """The routing imbalance the cost model prices (`MoESpec.imbalance`): the plan's own,
+        else the one its hardware profile measured, else 1 (even)."""
+        if self.moe.imbalance is not None:
+            return float(self.moe.imbalance)
+        if self.hardware.profile:
+            from ptc.hwprofile import load_profile  # noqa: PLC0415 - only plans naming one
+
+            routing = load_profile(self.hardware.profile).routing
+            if routing is not None:
+                return routing.imbalance
+        return 1.0
 
     def __post_init__(self) -> None:
         from ptc.checks import check_plan  # noqa: PLC0415 - checks imports this module

@@ -190,6 +190,7 @@ RUNTIME_KEYS: dict[str, Key] = {
 MOE_KEYS: dict[str, Key] = {
     "capacity_factor": Key("capacity_factor", optional(number), example="capacity_factor = 1.25"),
     "drop_policy": Key("drop_policy", word(DROP_POLICIES)),
+    "imbalance": Key("imbalance", optional(number), example="imbalance = 1.3"),
 }
 """moe { ... }."""
 

@@ -136,6 +136,8 @@ class RoutedTokens(Session):
     def __init__(self) -> None:
         self.counts: list[torch.Tensor] = []
         """Per dispatch, in call order: rows per expert [E], summed over the ep group."""
+        self.loads: list[float] = []
+        """Per dispatch: the rows the busiest ep rank's experts received over the mean."""
         self.dropped: int | None = None
         """Rows dropped over the experts' capacity (`ptc.ops.expert_capacity`), this rank's;
         None where no capacity applies."""
@@ -146,7 +148,11 @@ class RoutedTokens(Session):
 
     def add(self, route: torch.Tensor) -> None:
         """Count one dispatch's route ([ep, E] rows per source rank and expert)."""
-        self.counts.append(route.sum(0))
+        per_expert = route.sum(0)
+        self.counts.append(per_expert)
+        per_rank = per_expert.view(route.shape[0], -1).sum(1).double()
+        if per_rank.sum() > 0:
+            self.loads.append(float(per_rank.max() / per_rank.mean()))
 
     def spread(self) -> tuple[float, ...]:
         """(min, mean, max) rows an expert received in one layer's dispatch of one
@@ -155,6 +161,11 @@ class RoutedTokens(Session):
             return ()
         every = torch.cat(self.counts).double()
         return float(every.min()), float(every.mean()), float(every.max())
+
+    def imbalance(self) -> float | None:
+        """The rows the busiest ep rank received over the mean, averaged over dispatches
+        (what `moe.imbalance` prices); None when nothing was dispatched."""
+        return sum(self.loads) / len(self.loads) if self.loads else None
 
 
 def _check_rows(x: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:

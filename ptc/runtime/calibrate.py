@@ -67,7 +67,9 @@ from ptc.compiler.cost.topology import axis_placements as placement
 from ptc.compiler.graph.work import Work, function_work, graph_work
 from ptc.hwprofile import HardwareProfile, Link, Power
 from ptc.plan import ModelSpec, Plan
-from ptc.runtime.init import ModelBuilder
+from ptc.runtime.calibrate_routing import measure_routing
+from ptc.runtime.init import ModelBuilder, ModelFactory
+from ptc.runtime.train import Compiler
 
 KiB, MiB = 2**10, 2**20
 
@@ -89,21 +91,36 @@ class Settings:
     """Timed collectives per size."""
     warmup: int = 3
     """Untimed collectives per size."""
+    routing_steps: int = 2
+    """Training steps of the run's data whose routing an ep plan's imbalance is measured
+    over (`ptc.runtime.calibrate_routing`)."""
 
 
 def calibrate(plan: Plan, settings: Settings = Settings(), *,
-              build: ModelBuilder) -> HardwareProfile:
+              build: ModelBuilder, routing: RoutingRun | None = None) -> HardwareProfile:
     """Measure `plan`'s device and links (starting its processes) and return the profile;
-    `build` makes the dispatch probe's model (`ptc.models.build_model`, handed in from above)."""
+    `build` makes the dispatch probe's model (`ptc.models.build_model`, handed in from above).
+    `routing`: how to train the plan (its compiler and models, handed in from above), for
+    an expert-parallel plan's routing imbalance; without it none is measured."""
     from ptc.runtime.launcher import in_worker, run_local  # noqa: PLC0415
     from ptc.runtime.mesh import world_size  # noqa: PLC0415
 
     if in_worker() or dist.is_initialized():
-        return calibrate_worker(plan, settings, build)
-    return run_local(calibrate_worker, world_size(plan), plan, settings, build)[0]
+        return calibrate_worker(plan, settings, build, routing)
+    return run_local(calibrate_worker, world_size(plan), plan, settings, build, routing)[0]
 
 
-def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> HardwareProfile:
+@dataclass(frozen=True)
+class RoutingRun:
+    """What measuring an ep plan's routing needs from above: the compiler that lowers the
+    plan (`ptc.lower.driver.compile_plan`) and the models that build it (`ptc.worker.MODELS`)."""
+
+    compiler: Compiler
+    models: ModelFactory
+
+
+def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder,
+                     routing: RoutingRun | None = None) -> HardwareProfile:
     """One rank's part of `calibrate` (collective over all ranks); rank 0's is the profile."""
     from ptc.runtime.mesh import (  # noqa: PLC0415
         axis_process_groups,
@@ -134,7 +151,11 @@ def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> Har
         bandwidth = memory.work.memory / max(memory_s, 0.1 * memory.seconds)
         gemm_s = gemm.seconds - gemm.work.memory / bandwidth - (gemm.work.ops * o if sync else 0.0)
         rate = gemm.work.gemm / max(gemm_s, 0.1 * gemm.seconds)
-        measurements, axes = _links(plan, device, settings, axis_process_groups(build_mesh(plan)))
+        groups = axis_process_groups(build_mesh(plan), plan.parallel.ep)
+        measurements, axes = _links(plan, device, settings, groups)
+        routed = measure_routing(plan, groups, compiler=routing.compiler, models=routing.models,
+                                 device=device, steps=settings.routing_steps) \
+            if routing is not None and plan.parallel.ep > 1 else None
         if dist.get_rank() != 0:
             return None
         fit = fit_links(measurements, plan.hardware)
@@ -144,7 +165,7 @@ def calibrate_worker(plan: Plan, settings: Settings, build: ModelBuilder) -> Har
             dispatch_overhead=o,
             links={name: Link(bandwidth=link.bandwidth, latency=link.latency)
                    for name, link in fit.links.items()},
-            power=meter.reading(),
+            power=meter.reading(), routing=routed,
             info={"world_size": dist.get_world_size(), "device_name": _device_name(device),
                   "torch": torch.__version__, "threads": torch.get_num_threads(),
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -435,6 +456,12 @@ def render_profile(profile: HardwareProfile, plan: Plan) -> str:
         lines.append(f"  axis {axis}: {fit['ranks']} ranks on the {fit['link']} link; the "
                      f"fitted link reproduces its collectives within "
                      f"{fit['median_error']:.0%} (median), {fit['max_error']:.0%} (worst)")
+    if profile.routing is not None:
+        written = plan.moe.imbalance
+        lines.append(f"  routing       the busiest of ep {profile.routing.ep} ranks receives "
+                     f"{profile.routing.imbalance:.3f}x the mean rows ({profile.routing.steps} "
+                     f"steps of the run's data; plan: moe.imbalance "
+                     f"{'unset' if written is None else f'{written:g}'})")
     return "\n".join(lines)
 
 

@@ -231,6 +231,10 @@ class StepStats:
     expert_dropped: int | None = None
     """With `moe.capacity_factor`, the routed rows this rank dropped over the experts'
     capacity in the step's forwards; None without a capacity."""
+    expert_imbalance: float | None = None
+    """Under expert parallelism, the rows the busiest ep rank received in a layer's
+    dispatch over the mean, averaged over the step's dispatches (rank 0's ep group): what
+    `moe.imbalance` prices; None without."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -539,7 +543,8 @@ class Trainer:
                          tokens=train.global_batch * train.seq_len, nonfinite=bad,
                          comm_wait=comm_wait_seconds() - waited,
                          expert_tokens=state.routed.spread(),
-                         expert_dropped=state.routed.dropped)
+                         expert_dropped=state.routed.dropped,
+                         expert_imbalance=state.routed.imbalance())
 
     @property
     def _uncounted(self) -> set[int]:

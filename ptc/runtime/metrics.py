@@ -20,7 +20,9 @@ step's work skew: `slowest_rank`
 and `work_skew`, the largest rank's work (seconds not waiting for
 collectives) over the median rank's; under expert parallelism
 `expert_tokens_min`, `_mean` and `_max`, the rows one expert received in
-one layer's dispatch of one micro-batch (rank 0's ep group's tokens); with
+one layer's dispatch of one micro-batch (rank 0's ep group's tokens), and
+`expert_imbalance`, the rows the busiest ep rank received over the mean
+(averaged over the step's dispatches: what `moe.imbalance` prices); with
 `moe.capacity_factor`, `expert_rows_dropped`, the routed rows rank 0 dropped
 over the experts' capacity in the step. The run's closing lines name the
 ranks whose median work per step exceeds the median rank's by more than
@@ -339,6 +341,8 @@ class StepReporter(AbstractContextManager):
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "time": time.time(),
                 **_skew(stats.rank_work), **_expert_tokens(stats.expert_tokens),
+                **({} if stats.expert_imbalance is None
+                   else {"expert_imbalance": stats.expert_imbalance}),
                 **({} if stats.expert_dropped is None
                    else {"expert_rows_dropped": stats.expert_dropped})}
 

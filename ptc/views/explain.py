@@ -254,14 +254,19 @@ def _experts(plan: Plan, est: Estimate) -> Prose:
     lay, prec = est.layout, plan_precision(plan, profile)
     rows = ep_rows_bytes(profile, prec, lay.micro_batch, lay.rank_seq(plan.train.seq_len))
     step = ep_bytes_per_step(profile, lay, prec, plan.train.seq_len)
+    u = plan.routing_imbalance
+    where = "the plan's moe.imbalance" if plan.moe.imbalance is not None else \
+        "measured by ptc calibrate" if u != 1.0 else "an even routing; ptc calibrate measures it"
     return Prose(f"Experts: each rank holds 1/{lay.ep} of every layer's routed experts; each "
                  f"all-to-all of a layer is handed {format_bytes(rows)} per micro-batch "
                  f"({profile.routed_rows} routed rows per token; dispatch and combine forward, "
                  f"their gradients backward, again where a layer is recomputed: "
-                 f"{format_bytes(step)} a step on the busiest stage), priced and "
-                 f"charged in memory at an even routing: a rank receives that much per layer "
-                 f"on the mean, and up to {format_bytes(rows * lay.ep)} if the router sends it "
-                 f"every token (its experts' inputs, saved for backward), and waits longer.")
+                 f"{format_bytes(step)} a step on the busiest stage), charged in memory at an "
+                 f"even routing: a rank receives that much per layer on the mean, and up to "
+                 f"{format_bytes(rows * lay.ep)} if the router sends it every token (its "
+                 f"experts' inputs, saved for backward). Priced at a routing imbalance of "
+                 f"{u:g} ({where}): every rank waits for the busiest, whose exchanges carry "
+                 f"and whose experts compute {u:g}x the mean's rows.")
 
 
 def _failures(plan: Plan, est: Estimate) -> Prose:

@@ -69,7 +69,15 @@ def test_expert_parallelism_is_priced_as_its_all_to_alls() -> None:
 BYTES = {2: [HFCase("mixtral", dp=2, ep=2), HFCase("qwen3_moe", dp=2, ep=2, checkpoint="full")],
          4: [HFCase("mixtral", dp=4, ep=4), HFCase("mixtral", tp=2, dp=2, ep=2),
              HFCase("mixtral", dp=4, ep=2, config=(("num_experts_per_tok", 1),)),
-             HFCase("mixtral_one_sided", dp=4, ep=4)]}
+             HFCase("mixtral_one_sided", dp=4, ep=4), HFCase("llama", tp=2, dp=2)]}
+_recorded: dict = {}
+
+
+def _step_bytes(world: int) -> dict:
+    """`record_ep_step` of BYTES[world], run once per world size."""
+    if world not in _recorded:
+        _recorded[world] = run_local(record_ep_step, world, BYTES[world])[0]
+    return _recorded[world]
 
 
 @pytest.mark.distributed
@@ -79,8 +87,8 @@ def test_all_to_all_bytes_are_the_cost_models(world: int) -> None:
     """And the step reports how many rows each expert got: their mean is the ep group's
     b·s·k rows over the experts it shares out; routers frozen at zero send every row to
     experts 0 and 1 (a top-2 of ties), none to 2 and 3."""
-    got = run_local(record_ep_step, world, BYTES[world])[0]
-    for case in BYTES[world]:
+    got = _step_bytes(world)
+    for case in (c for c in BYTES[world] if c.ep > 1):
         plan = with_model_shape(hf_plan(case))
         profile = plan_profile(plan)
         predicted = ep_bytes_per_step(profile, layout_of(plan), plan_precision(plan, profile),
@@ -92,6 +100,29 @@ def test_all_to_all_bytes_are_the_cost_models(world: int) -> None:
         assert low <= mean == tokens * case.ep / 4 <= high, case  # 4 experts
         if case.model == "mixtral_one_sided":
             assert (low, high) == (0, 2 * mean), case
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_tp_all_reduces_of_routed_rows_are_priced_at_their_rows() -> None:
+    """Under tp the experts' entry and exit all-reduce the routed rows, top-k of them per
+    token: Mixtral's layers hand the tp group k = 2 boundaries more per entry and exit than
+    Llama's of the same width (whose embedding, head and loss hand it the same bytes), and
+    the profile counts exactly that (entries and exits in boundaries moved)."""
+    got = _step_bytes(4)
+    moe, dense = HFCase("mixtral", tp=2, dp=2, ep=2), HFCase("llama", tp=2, dp=2)
+
+    def layer_bytes(case: HFCase) -> float:
+        plan = with_model_shape(hf_plan(case))
+        profile, train = plan_profile(plan), plan.train
+        boundary = train.micro_batch * train.seq_len * profile.hidden * profile.dtype_bytes
+        micro_batches = train.global_batch // (train.micro_batch * plan.parallel.dp)
+        return ((profile.tp_entries + profile.tp_exits) * boundary * plan.model.layers
+                * micro_batches)
+
+    profile = plan_profile(with_model_shape(hf_plan(moe)))
+    assert (profile.tp_entries, profile.tp_exits) == (1 + profile.routed_rows,) * 2
+    assert got[moe]["tp_sent"] - got[dense]["tp_sent"] == layer_bytes(moe) - layer_bytes(dense)
 
 
 def test_plan_search_tries_every_ep_that_divides_dp_and_the_experts() -> None:
@@ -133,6 +164,11 @@ def test_explain_says_what_each_all_to_all_carries() -> None:
     assert f"Experts: each rank holds 1/2 of every layer's routed experts; each all-to-all of " \
            f"a layer is handed {format_bytes(rows)} per micro-batch" in out
     assert f"{format_bytes(step)} a step on the busiest stage" in out
+    assert "Priced at a routing imbalance of 1 (an even routing; ptc calibrate measures it)" in out
+    skewed = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, imbalance=1.5))
+    buffer = io.StringIO()
+    Console(file=buffer, width=1000).print(render_explain(skewed))
+    assert "Priced at a routing imbalance of 1.5 (the plan's moe.imbalance)" in buffer.getvalue()
 
 
 def test_a_capacity_below_one_is_left_unpriced() -> None:

@@ -100,8 +100,9 @@ def run_hf_cases(cases: list[HFCase]) -> dict:
 
 def record_ep_step(cases: list[HFCase]) -> dict:
     """Worker: per case, one training step's bytes each rank handed expert parallelism's
-    all-to-alls (`ptc.ops.comm.record_collectives`), every rank's ("sent"), and the
-    step's spread of rows per expert (`StepStats.expert_tokens`, rank 0's)."""
+    all-to-alls (`ptc.ops.comm.record_collectives`), every rank's ("sent"); rank 0's
+    bytes handed all-reduces over its tp group ("tp_sent"); and the step's spread of rows
+    per expert (`StepStats.expert_tokens`, rank 0's)."""
     import torch.distributed as dist
     from dist_helpers import MODELS, case_groups  # noqa: PLC0415 - a worker imports its own
 
@@ -120,10 +121,15 @@ def record_ep_step(cases: list[HFCase]) -> dict:
             with record_collectives() as log:
                 stats = trainer.train_step(0)
             sent = sum(nbytes for op, _, _, nbytes in log if op == "all_to_all")
+            tp_ranks = tuple(dist.get_process_group_ranks(groups["tp"])) \
+                if groups.get("tp") is not None else ()
+            tp_sent = sum(nbytes for op, ranks, _, nbytes in log
+                          if op == "all_reduce" and tp_ranks and ranks == tp_ranks)
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, sent)
         dropped = [None] * dist.get_world_size()
         dist.all_gather_object(dropped, stats.expert_dropped)
-        out[case] = {"sent": every, "expert_tokens": stats.expert_tokens, "dropped": dropped}
+        out[case] = {"sent": every, "tp_sent": tp_sent, "expert_tokens": stats.expert_tokens,
+                     "dropped": dropped}
     dist.destroy_process_group()
     return out

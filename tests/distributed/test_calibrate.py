@@ -6,18 +6,24 @@ file's form and that a plan takes it, never a timing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
 from ckpt_helpers import ckpt_plan
+from hf_helpers import HFCase, hf_plan
 
 from ptc.cli import main
+from ptc.compiler.search.estimate import estimate
 from ptc.dsl import load_plan
-from ptc.hwprofile import Power, load_profile
+from ptc.hwprofile import Power, load_profile, write_profile
+from ptc.lower.driver import compile_plan
 from ptc.models import build_model
-from ptc.runtime.calibrate import PowerMeter, Settings, calibrate
+from ptc.plan import MoESpec
+from ptc.runtime.calibrate import PowerMeter, RoutingRun, Settings, calibrate
+from ptc.worker import MODELS
 
 QUICK = Settings(seconds=0.02, rounds=2, min_size=4096, max_size=16384, iters=2, warmup=1)
 
@@ -43,6 +49,30 @@ def test_calibrate_measures_every_rate_and_the_dp_link(tmp_path):
     # A CPU has no power limit: the profile says so and leaves the plan's limit alone.
     assert profile.power == Power(unmeasured="a CPU has no power limit")
     assert "power_limit" not in profile.overrides()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_ep_plans_routing_imbalance_is_measured_and_priced(tmp_path):
+    """Routers frozen at zero send every row to experts 0 and 1, which ep rank 0 of 2 holds:
+    the busiest rank receives all rows, twice the mean, in every dispatch of both steps. A
+    plan naming the profile prices that (its all-to-alls carry twice the rows); one whose
+    `moe.imbalance` says otherwise keeps its own; a plan without ep measures nothing."""
+    plan = hf_plan(HFCase("mixtral_one_sided", dp=2, ep=2))
+    profile = calibrate(plan, QUICK, build=build_model,
+                        routing=RoutingRun(compiler=compile_plan, models=MODELS))
+    assert (profile.routing.imbalance, profile.routing.ep, profile.routing.steps) == (2.0, 2, 2)
+    write_profile(profile, tmp_path / "hw.json")
+    assert load_profile(tmp_path / "hw.json").routing == profile.routing
+    named = dataclasses.replace(plan, hardware=dataclasses.replace(
+        plan.hardware, profile=str(tmp_path / "hw.json")))
+    even = dataclasses.replace(named, moe=MoESpec(imbalance=1.0))
+    assert (named.routing_imbalance, even.routing_imbalance) == (2.0, 1.0)
+    measured, assumed = estimate(named).breakdown, estimate(even).breakdown
+    assert measured["ep_comm"] == pytest.approx(2 * assumed["ep_comm"], rel=1e-12)
+    assert measured["compute"] > assumed["compute"]  # the busiest rank's experts, waited for
+    assert calibrate(hf_plan(HFCase("mixtral", dp=2)), QUICK, build=build_model,
+                     routing=RoutingRun(compiler=compile_plan, models=MODELS)).routing is None
 
 
 @pytest.mark.gpu

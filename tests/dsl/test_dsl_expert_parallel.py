@@ -68,3 +68,19 @@ def test_ep_with_offload_points_at_offload() -> None:
 def test_ep_with_zero_3_is_a_valid_plan() -> None:
     plan = parse(edit("zero = 1", "ep = 2\n  zero = 3"))
     assert (plan.parallel.ep, plan.parallel.zero) == (2, 3)
+
+
+def test_moe_imbalance_parses_dumps_back_and_is_what_the_cost_model_prices() -> None:
+    """`moe { imbalance }`: the plan's own figure wins; unset, an even routing (1) unless
+    the hardware profile measured one (tests/distributed/test_calibrate.py)."""
+    plan = parse(BASE + "moe {\n  imbalance = 1.25\n}\n", "plan.ptc")
+    assert (plan.moe.imbalance, plan.routing_imbalance) == (1.25, 1.25)
+    assert "imbalance = 1.25" in dump_plan(plan) and parse(dump_plan(plan)) == plan
+    assert parse(BASE).routing_imbalance == 1.0
+
+
+def test_an_imbalance_below_one_is_located_at_the_value() -> None:
+    text = BASE + "moe {\n  imbalance = 0.8\n}\n"
+    d = find(errors(text), "imbalance must be >= 1, got 0.8")
+    assert d.field == "moe.imbalance"
+    assert d.span.source_line == "  imbalance = 0.8"

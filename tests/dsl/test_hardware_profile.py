@@ -182,6 +182,10 @@ GOOD = PROFILE.to_json()
      'without limit or sm_clock must say why in "unmeasured"'),
     ({**GOOD, "power": {"limit": -5, "sm_clock": 1400}}, 'hardware profile hw.json: '
      '"power.limit" must be > 0, found -5'),
+    ({**GOOD, "routing": {"imbalance": 0.5, "ep": 2, "steps": 2}}, 'hardware profile '
+     'hw.json: "routing.imbalance" must be >= 1, found 0.5'),
+    ({**GOOD, "routing": {"imbalance": 1.2, "ep": 0, "steps": 2}}, 'hardware profile '
+     'hw.json: "routing.ep" must be a positive integer, found 0'),
 ])
 def test_a_bad_profile_is_one_error_at_the_key(tmp_path, profile, message):
     first = _error(tmp_path, profile)

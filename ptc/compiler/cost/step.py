@@ -28,10 +28,14 @@ recompute, and the communication it cannot hide).
 - expert parallel: per layer with routed experts, four all-to-alls of its
   routed rows (b·s·k rows of h: dispatch and combine forward, their
   gradients backward; two more where a recompute reruns the layer), each
-  rank sending (ep-1)/ep of them (a routing as even as the mean), exposed
-  (the runtime waits for each). A rank holds, reduces and updates 1/ep of
-  the experts (`ptc.compiler.memory.model`); their FLOPs per rank are the
-  mean's. No load-imbalance term yet.
+  rank sending (ep-1)/ep of them, exposed (the runtime waits for each). A
+  rank holds, reduces and updates 1/ep of the experts
+  (`ptc.compiler.memory.model`). The routing's imbalance u (`moe.imbalance`:
+  the rows the busiest ep rank receives over the mean, 1 for an even
+  routing) makes every rank wait for the busiest: its all-to-alls carry u
+  times the mean's rows, and its experts' GEMMs (forward and backward) take
+  u times the mean's time, the (u - 1) more counted in compute
+  (`expert_wait`).
 - pipeline: one boundary activation forward and one gradient backward per
   micro-batch per chunk, 1/t of it per rank (scatter/gather, or SP). With
   overlap only the fill and drain hops are exposed; without, every one is.
@@ -158,11 +162,13 @@ def _cached(memo: dict | None, key: tuple, make):
 
 
 def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Precision,
-              *, seq_len: int, dtype: str, memo: dict | None = None) -> StepCost:
+              *, seq_len: int, dtype: str, memo: dict | None = None,
+              imbalance: float = 1.0) -> StepCost:
     """Predict one optimizer step of `layout` (see module docstring).
 
     `memo`: a dict to share collective and FLOP figures between calls for the
     same plan (plan search prices thousands of layouts that repeat them).
+    `imbalance`: the routing's, `moe.imbalance` (1: even).
     """
     if hw.synchronous and layout.overlap:
         # A CPU's collectives run on the cores that compute: nothing hides behind anything.
@@ -234,7 +240,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     ep_unit = _cached(memo, ("ep", bb, ss, layout.ep, groups["grad"]), lambda: comm.all_to_all(
         ep_rows_bytes(profile, prec, bb, ss), expert_group(groups["grad"], layout.ep),
         hw).seconds)
-    ep_layer = {pol: ep_exchanges(pol) * ep_unit for pol in policies}
+    ep_layer = {pol: ep_exchanges(pol) * ep_unit * (imbalance if layout.ep > 1 else 1.0)
+                for pol in policies}
+    waits = expert_wait(profile, layout, rates(hw, dtype).gemm, bb, ss, imbalance)
     extra_f = {pol: _recompute_flops(f, pol, bb, ss, keys, layer_f, core_f, tp)
                for pol in policies}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
@@ -246,7 +254,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         for policy, count in policies:
             work = times.forward + times.backward
             extra = times.recompute[policy]
-            st.compute += count * work
+            st.compute += count * (work + waits)
             st.forward += count * times.forward
             st.weight_grad += count * times.weight_grad
             st.recompute += count * extra
@@ -353,6 +361,21 @@ def ep_bytes_per_step(profile: ModelProfile, layout: Layout, prec: Precision,
                for stage in range(layout.pp)) * rows * layout.microbatches
 
 
+def expert_wait(profile: ModelProfile, layout: Layout, gemm_rate: float, bb, ss,
+                imbalance: float) -> float:
+    """Seconds one layer's experts keep the ep group waiting per micro-batch: the busiest
+    rank's experts compute `imbalance` times the mean's rows, forward and backward (three
+    GEMMs of 2 FLOPs per weight element a row meets: one expert's elements), the others
+    wait for it at the next all-to-all. 0 without expert parallelism or at an even
+    routing."""
+    if layout.ep == 1 or imbalance <= 1.0 or not profile.routed_rows:
+        return 0.0
+    params = profile.params["layer"]
+    per_expert = (params.experts / layout.tp + params.experts_whole) / profile.routed_experts
+    mean_flops = 3 * 2 * bb * ss * profile.routed_rows * per_expert
+    return (imbalance - 1.0) * mean_flops / gemm_rate
+
+
 def ep_exchanges(policy: str) -> int:
     """All-to-alls of one layer's routed rows per micro-batch: dispatch and combine forward,
     their gradients backward, and the forward's again where the layer is recomputed."""
@@ -387,7 +410,7 @@ def rerun_gathers(profile: ModelProfile, policy: str, sp: bool) -> int:
     return profile.policy_gathers.get(policy, 0)
 
 
-def regathers(profile: ModelProfile, policy: str, sp: bool) -> int:
+def regathers(profile: ModelProfile, policy: str, sp: bool) -> float:
     """Sequence all-gathers (of one b·s·h boundary each) one layer's backward runs again to
     read what its forward saved: with sequence parallelism the runtime keeps the rank's chunk
     of each entry's gathered input and gathers it again for the column-parallel linears'

@@ -85,7 +85,7 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
                            "or step time; compile, inspect and run work without predictions")
         raise ValueError(f"profile term {name} is not polynomial in b, s of the expected degree")
     params, tied_elements = _param_groups(first, sharding)
-    tp_entries, tp_exits = tp_regions(first, sharding)
+    tp_entries, tp_exits = tp_regions(first, sharding, shape.hidden)
     saved = {r: saved_classes(fit, r) for r in SAVED_REGIONS}
     policies = [p for p in EXTRA_POLICIES if f"{p}.tp" in fit]
     sp_saved = {r: saved_classes(fit, f"sp:{r}") for r in (*SAVED_REGIONS, *policies)

@@ -11,10 +11,10 @@ import sympy
 import torch
 import torch.fx
 
-from ptc.compiler.graph.meta import copy_meta, get_info
+from ptc.compiler.graph.meta import copy_meta, get_info, graph_info
 from ptc.compiler.graph.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS,
                                       POINTWISE_OPS, is_embedding, is_linear, logits_linear,
-                                      op_name)
+                                      node_shape, op_name)
 from ptc.compiler.graph.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding
 from ptc.compiler.profile.regions import node_regions
 from ptc.compiler.profile.types import SAVED_CLASS_TERMS, SavedClasses, b
@@ -182,14 +182,27 @@ def _output_bytes(node: torch.fx.Node) -> int:
     return math.prod(info.shapes[0]) * info.dtypes[0].itemsize
 
 
-def tp_regions(gm: torch.fx.GraphModule, sharding: Sharding) -> tuple[int, int]:
-    """(regions entered, regions left) in layer 0 as the tensor_parallel pass splits it: the
-    distinct inputs of its column-parallel linears, and its row-parallel linears."""
+def tp_regions(gm: torch.fx.GraphModule, sharding: Sharding, hidden: int
+               ) -> tuple[float, float]:
+    """(regions entered, regions left) in layer 0 as the tensor_parallel pass splits it, in
+    layer boundaries (b·s·h elements) moved: the distinct inputs of its column-parallel
+    linears (an all-reduce of each one's gradient) and the outputs of its row-parallel ones
+    (an all-reduce each). Most move one boundary; routed experts' products move the top-k
+    rows of every token (k boundaries), a low-rank projection's input less than one."""
     region = node_regions(gm)
     styles = linear_styles(gm, sharding)
     layer = [n for n in gm.graph.nodes if region[n.name] == "layer"]
+    record = graph_info(gm)
+    boundary = record.micro_batch * record.seq_len * hidden
     entries = {n.args[0] for n in layer if styles.get(n.name) == COLWISE and n.args}
-    return len(entries), sum(styles.get(n.name) == ROWWISE for n in layer)
+    exits = [n for n in layer if styles.get(n.name) == ROWWISE]
+    return (sum(_elements(x) for x in entries) / boundary,
+            sum(_elements(x) for x in exits) / boundary)
+
+
+def _elements(node: torch.fx.Node) -> int:
+    """Elements of a node's tensor output."""
+    return math.prod(node_shape(node))
 
 
 def saved_whole(storage, whole: set[str]) -> bool:

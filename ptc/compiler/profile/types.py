@@ -203,13 +203,15 @@ class ModelProfile:
     routed experts."""
     routed_experts: int = 0
     """Routed experts of one layer (what `parallel.ep` must divide); 0 without."""
-    tp_entries: int = 2
+    tp_entries: float = 2
     """Tensor-parallel regions one layer enters (distinct inputs of its column-parallel
     linears): an all-reduce of the input gradient each in backward (with sequence
-    parallelism: an all-gather forward, a reduce-scatter backward)."""
-    tp_exits: int = 2
+    parallelism: an all-gather forward, a reduce-scatter backward). Counted in layer
+    boundaries moved: routed experts' entry counts top-k, a low-rank input its share."""
+    tp_exits: float = 2
     """Row-parallel linears of one layer: an all-reduce of the output each in forward (with
-    sequence parallelism: a reduce-scatter forward, an all-gather backward)."""
+    sequence parallelism: a reduce-scatter forward, an all-gather backward); counted in
+    layer boundaries moved, as `tp_entries`."""
     sp_gathered: sympy.Expr = sympy.Integer(0)
     """Bytes, whole, that sequence parallelism all-gathers in one layer's forward for modules
     a rule keeps whole (`whole_under_sp`: the inputs of the ops mixing positions)."""

@@ -164,7 +164,8 @@ def estimate_layout(profile: ModelProfile, layout: Layout, plan: Plan, prec: Pre
     hw, train = plan.hardware, plan.train
     check_policies(profile, {pol for pol, _ in layout.policy_counts()})
     mem = stage_memory(profile, layout, prec, train.seq_len)
-    cost: StepCost = step_cost(profile, layout, hw, prec, seq_len=train.seq_len, dtype=train.dtype)
+    cost: StepCost = step_cost(profile, layout, hw, prec, seq_len=train.seq_len, dtype=train.dtype,
+                               imbalance=plan.routing_imbalance)
     gpus = layout.tp * layout.cp * layout.pp * layout.dp
     step = cost.step_time
     tflops = cost.model_flops / step / gpus / 1e12

@@ -272,6 +272,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
     # slower than the `top`-th fastest priced so far.
     fitting.sort(key=lambda c: c.floor)
     best: list[tuple[float, int, Layout]] = []
+    imbalance = plan.routing_imbalance
     for n, candidate in enumerate(fitting):
         if len(best) == top and candidate.floor >= -best[0][0]:
             break
@@ -281,7 +282,7 @@ def search_all(plan: Plan, top: int = 5) -> SearchResult:
             if len(set(lay.checkpoint)) == 1:  # a uniform policy: enumerated already
                 continue
         time = step_cost(profile, lay, plan.hardware, prec, seq_len=seq, dtype=dtype,
-                         memo=memo).step_time
+                         memo=memo, imbalance=imbalance).step_time
         heapq.heappush(best, (-time, -n, lay))
         if len(best) > top:
             heapq.heappop(best)
