@@ -50,8 +50,9 @@ PASSES = PassList(whole=(split_context_pass, shard_tensors_pass, shard_sequence_
 """The pipeline, in order: context_parallel, tensor_parallel, sequence_parallel,
 expert_capacity, expert_parallel, fp8_compute |
 pipeline_split | activation_checkpoint, zero, comm_overlap. fp8_compute runs after the tp
-split so its GEMMs take the rank's shard; activation_checkpoint runs before zero so zero sees
-the parameters its regions read; comm_overlap runs last, on every collective."""
+and ep splits so its GEMMs take the rank's shard and its local experts; activation_checkpoint
+runs before zero so zero sees the parameters its regions read; comm_overlap runs last, on
+every collective."""
 
 PLAN_FIELDS = {
     "split_context_pass": "parallel.cp", "shard_tensors_pass": "parallel.tp",

@@ -13,6 +13,11 @@ method: the backward reduce-scatters their gradients).
 |---------------------|------------------------------------------|------------------------------|
 | `context_chunks`    | keep the rank's two chunks along `dim`   | zeros at the other positions |
 | `context_attention` | all-gather k, v over cp; causal attention | reduce-scatter dk, dv        |
+| `context_reduce`    | all-reduce (sum or mean) over cp         | the same all-reduce          |
+
+A sum or mean over the sequence (a load-balancing loss's fraction of tokens per
+expert) is each rank's over its positions, then `context_reduce`d into the whole
+sequence's.
 
 A tensor that every cp rank holds whole (the batch's tokens, a position
 table) enters through `context_chunks`; gradients are summed over cp with
@@ -31,7 +36,7 @@ from torch.nn import functional as F
 from ptc.ops.comm import axis_group, group_rank, group_size
 from ptc.ops.dropout import current_samples, keyed_dropout
 from ptc.ops.positions import chunk_positions, gathered_order
-from ptc.ops.tp_ops import all_gather_seq
+from ptc.ops.tp_ops import all_gather_seq, copy_to_tp, reduce_from_tp
 
 CP = "cp"
 """The mesh axis of context parallelism."""
@@ -103,3 +108,21 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 context_attention.ptc_collective = ("all-gather k, v over cp", "reduce-scatter dk, dv over cp")
+
+
+def context_reduce(x: torch.Tensor, mean: bool = False, axis: str = CP) -> torch.Tensor:
+    """The whole sequence's sum (`mean`: mean) of a reduction each rank made over its own
+    positions: the ranks' results summed (averaged: every rank holds as many positions).
+
+    Forward: all-reduce over cp. Backward: the same all-reduce of the gradient, so each
+    rank's positions get the gradient of every rank's loss through the reduction (the
+    runtime then averages gradients over dp·cp, as it does the losses).
+    """
+    ranks = group_size(axis_group(axis))
+    if ranks == 1:
+        return x
+    total = reduce_from_tp(copy_to_tp(x, axis), axis)
+    return total / ranks if mean else total
+
+
+context_reduce.ptc_collective = ("all-reduce over cp", "all-reduce over cp")

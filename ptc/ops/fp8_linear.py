@@ -1,8 +1,9 @@
 """Linear layers whose GEMMs take float8 operands (`train.dtype = fp8`).
 
 Transformer Engine's hybrid recipe: weights, master weights, optimizer and
-every other op stay in bf16/fp32; only the three GEMMs of a linear read
-float8 operands, each tensor with one scale:
+every other op stay in bf16/fp32; only the three GEMMs of a linear (and of
+a routed experts' grouped product, expert by expert: `ptc.ops.fp8_grouped`)
+read float8 operands, each tensor with one scale:
 
     forward   y  = x Wᵀ      x, W in e4m3 (3 mantissa bits, largest 448)
     dgrad     dx = dy W      dy in e5m2 (2 mantissa bits, largest 57344)
@@ -94,14 +95,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptc.ops.comm import all_reduce_flat, axis_group
+from ptc.ops.comm import all_reduce_flat, axis_group, group_rank
 from ptc.ops.seq_regather import current_session
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUT, WEIGHT, GRAD = 0, 1, 2
-"""Rows of a linear's scaling state: its input, its weight, its output gradient."""
+"""The tensors a scaling state scales: a GEMM's input, its weight, its output gradient."""
 FORMATS = (E4M3, E4M3, E5M2)
-"""The float8 format of each row."""
+"""The float8 format of each."""
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability from which `torch._scaled_mm` multiplies float8 (Ada, Hopper)."""
 RECIPES = ("tensorwise", "rowwise", "mxfp8")
@@ -175,9 +176,10 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 def quantize_along(t: torch.Tensor, dim: int, recipe: str, group=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, scales) of the 2-D `t` scaled along `dim`, the dimension its GEMM
-    contracts: rowwise one fp32 scale per line along `dim` (its amax reduced (max) over
-    `group` when that dimension is split over it), mxfp8 one E8M0 scale per block of 32."""
+    """(e4m3 values, scales) of `t` (a matrix, or a stack of experts' matrices) scaled along
+    `dim`, the dimension its GEMM contracts: rowwise one fp32 scale per line along `dim`
+    (its amax reduced (max) over `group` when that dimension is split over it), mxfp8 one
+    E8M0 scale per block of 32."""
     magnitude = t.detach().abs()
     if recipe == "rowwise":
         amax = magnitude.amax(dim, keepdim=True).float()
@@ -190,7 +192,7 @@ def quantize_along(t: torch.Tensor, dim: int, recipe: str, group=None
 
 
 def _block_amax(magnitude: torch.Tensor, dim: int) -> torch.Tensor:
-    """Largest of each block of MX_BLOCK consecutive elements along `dim` of a 2-D tensor."""
+    """Largest of each block of MX_BLOCK consecutive elements along `dim` of `magnitude`."""
     if magnitude.shape[dim] % MX_BLOCK:
         raise ValueError(f"train.fp8_recipe = mxfp8: a contraction dimension of "
                          f"{magnitude.shape[dim]} is no multiple of {MX_BLOCK}")
@@ -200,30 +202,38 @@ def _block_amax(magnitude: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class Fp8Scaling(nn.Module):
-    """The scaling state of one float8 linear: how its three tensors are scaled, and for
-    delayed scaling their amax history (see the module docstring).
+    """The scaling state of one float8 linear or grouped product: how its tensors are scaled,
+    and for delayed scaling their amax history (see the module docstring).
 
-    The graph reads it with a get_attr node and passes it to `fp8_linear`. It holds no
-    parameters or buffers: `history` ([3, window] fp32, newest first) and `pending` (the
-    running step's amaxes) are made on the device of the first tensor it scales.
+    The graph reads it with a get_attr node and passes it to `fp8_linear` (or
+    `ptc.ops.fp8_grouped.fp8_grouped_mm`). It holds no parameters or buffers: `history`
+    ([experts + 2, window] fp32, newest first: the input's row, one row per weight, the
+    output gradient's row; a linear's is [3, window]) and `pending` (the running step's
+    amaxes) are made on the device of the first tensor it scales.
     """
 
     def __init__(self, *, delayed: bool, window: int, emulate: bool, axis: str | None,
-                 recipe: str = "tensorwise", role: str | None = None):
+                 recipe: str = "tensorwise", role: str | None = None, experts: int = 1,
+                 expert_axis: str | None = None):
         """`delayed`: delayed (else current) scaling over `window` steps; `emulate`: multiply
         dequantised operands in fp32; `axis`: the mesh axis amaxes are reduced over;
         `recipe`: one of RECIPES; `role`: COLUMN, ROW or None (not split over tp), which
-        says the scale vectors rowwise reduces over `axis` (module docstring)."""
+        says the scale vectors rowwise reduces over `axis` (module docstring). `experts`:
+        the weights it scales, one history row each: 1 for a linear, every routed expert
+        of a stack for a grouped product, whichever of them a rank holds; `expert_axis`:
+        the mesh axis whose rank j holds the j-th slice of those experts."""
         super().__init__()
         self.delayed, self.window, self.emulate, self.axis = delayed, window, emulate, axis
         self.recipe, self.role = recipe, role
+        self.experts, self.expert_axis = experts, expert_axis
         self.history: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
 
     def extra_repr(self) -> str:  # noqa: D102 - nn.Module protocol
         how = f"delayed over {self.window} steps" if self.delayed else "current"
         kind = "" if self.recipe == "tensorwise" else f"{self.recipe} ({self.role or 'whole'}), "
-        return f"{kind}{how}{', emulated' if self.emulate else ''}, amax over {self.axis}"
+        experts = f", {self.experts} experts" if self.experts > 1 else ""
+        return f"{kind}{how}{', emulated' if self.emulate else ''}, amax over {self.axis}{experts}"
 
     def split_group(self, role: str):
         """The tp group a scale vector contracted over a dimension split in a `role` linear
@@ -234,36 +244,51 @@ class Fp8Scaling(nn.Module):
 
     def scale(self, which: int, x: torch.Tensor) -> torch.Tensor:
         """The scale of tensor `which` (INPUT, WEIGHT, GRAD) of value `x`; records its amax."""
-        fmt = FORMATS[which]
-        amax = x.detach().abs().amax().float().reshape(1)
+        row = {INPUT: 0, WEIGHT: 1, GRAD: self.experts + 1}[which]
+        return self._scales(row, x.detach().abs().amax().float().reshape(1), FORMATS[which])
+
+    def expert_scales(self, weight: torch.Tensor) -> torch.Tensor:
+        """The scale of each expert's weight in `weight` [experts held, ., .], one each; records
+        their amaxes in the rows of the experts the rank holds."""
+        first = group_rank(axis_group(self.expert_axis)) * weight.shape[0] \
+            if self.expert_axis else 0
+        amax = weight.detach().abs().amax(dim=(1, 2)).float()
+        return self._scales(1 + first, amax, FORMATS[WEIGHT])
+
+    def _scales(self, row: int, amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+        """Scales of the tensors whose amaxes are `amax` and history rows start at `row`:
+        each amax reduced (max) over tp, recorded, and under delayed scaling replaced by
+        its history's where that holds one."""
         group = axis_group(self.axis) if self.axis else None
         all_reduce_flat(amax, group, dist.ReduceOp.MAX).wait()
-        if x.is_meta:  # the verifier's shape run: no state
+        if amax.is_meta:  # the verifier's shape run: no state
             return scale_of(amax, fmt)
         if self.history is None or self.history.device != amax.device:
-            self.history = torch.zeros(3, self.window, device=amax.device)
-            self.pending = torch.zeros(3, device=amax.device)
+            self.history = torch.zeros(self.experts + 2, self.window, device=amax.device)
+            self.pending = torch.zeros(self.experts + 2, device=amax.device)
+        rows = slice(row, row + amax.numel())
         finite = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-        self.pending[which] = torch.maximum(self.pending[which], finite[0])
+        self.pending[rows] = torch.maximum(self.pending[rows], finite)
         if self.delayed:
-            past = self.history[which].amax().reshape(1)
+            past = self.history[rows].amax(1)
             amax = torch.where(past > 0, past, amax)
         return scale_of(amax, fmt)
 
     def saved_history(self, device: torch.device) -> torch.Tensor:
-        """The history a checkpoint keeps: [3, window], newest first (zeros before the first
-        step: an empty history, as `scale` reads it). Between steps nothing is pending."""
+        """The history a checkpoint keeps: [experts + 2, window], newest first (zeros before
+        the first step: an empty history, as `scale` reads it). Between steps nothing is
+        pending."""
         if self.history is None:
-            return torch.zeros(3, self.window, device=device)
+            return torch.zeros(self.experts + 2, self.window, device=device)
         return self.history
 
     def load_history(self, history: torch.Tensor, device: torch.device) -> None:
-        """Continue from a checkpointed `history` ([3, any window], newest first): its newest
-        entries fill this window, zeros (empty) the rest."""
-        window = torch.zeros(3, self.window, device=device)
+        """Continue from a checkpointed `history` ([experts + 2, any window], newest first):
+        its newest entries fill this window, zeros (empty) the rest."""
+        window = torch.zeros(self.experts + 2, self.window, device=device)
         kept = min(self.window, history.shape[1])
         window[:, :kept] = history[:, :kept].to(device)
-        self.history, self.pending = window, torch.zeros(3, device=device)
+        self.history, self.pending = window, torch.zeros(self.experts + 2, device=device)
 
     def advance(self) -> None:
         """Close an optimizer step: its amaxes become the newest of the history."""

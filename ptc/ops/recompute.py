@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, \
 
 from ptc.ops.dropout import current_samples, dropout_samples
 from ptc.ops.seq_regather import no_session
-from ptc.ops import fp8_linear  # noqa: F401 - registers torch.ops.ptc.fp8_gemm
+from ptc.ops import fp8_grouped, fp8_linear  # noqa: F401 - register torch.ops.ptc's GEMMs
 
 
 _aten = torch.ops.aten
@@ -42,16 +42,21 @@ SAVED_OPS = frozenset({
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.ptc.fp8_gemm.default,
+    torch.ops.ptc.fp8_gemm.default, torch.ops.ptc.fp8_grouped_gemm.default,
 })
 """The ops whose outputs a saving region keeps: the matmuls a linear or a matmul of
-activations runs as (a float8 linear's GEMM among them), and the fused attention kernels
-(output and log-sum-exp)."""
+activations runs as (a float8 linear's GEMM and a float8 grouped product among them), and
+the fused attention kernels (output and log-sum-exp)."""
+GROUPED_PRODUCTS = frozenset({"_grouped_mm", "grouped_mm_fallback"})
+"""Routed experts' grouped products, kept as the matmuls are: torch's and transformers'
+fallback (an op of a library registered when it is imported, so matched by name)."""
 
 
 def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing's policy of a saving region: keep `SAVED_OPS`' outputs."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing's policy of a saving region: keep `SAVED_OPS`' outputs and
+    the grouped products'."""
+    kept = op in SAVED_OPS or getattr(op, "overloadpacket", op).__name__ in GROUPED_PRODUCTS
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _saving_contexts():

@@ -249,7 +249,7 @@ class _Propagator:
 
     def _fix_reshape(self, node: fx.Node) -> None:
         x = self._tensor_arg(node)
-        slot = _shape_slot(node)
+        slot = shape_slot(node)
         if x is None or slot is None or not self.result.before[node]:
             return
         bi, li = self._before_local(x)
@@ -373,7 +373,7 @@ class _Propagator:
 
     def _fix_expand(self, node: fx.Node) -> None:
         x = self._tensor_arg(node)
-        slot = _shape_slot(node)
+        slot = shape_slot(node)
         if x is None or slot is None:
             return
         bi, li = self._before_local(x)
@@ -532,7 +532,7 @@ def _cuts(shape: tuple[int, ...]) -> list[int]:
     return out
 
 
-def _shape_slot(node: fx.Node):
+def shape_slot(node: fx.Node):
     """(size entries, write-back) of a view/reshape/expand's target shape, or None."""
     args = node.args
     if node.op == "call_method":

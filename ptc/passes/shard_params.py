@@ -30,7 +30,7 @@ from ptc.compiler.graph.nodes import module_path
 from ptc.compiler.records.decisions import Decisions
 from ptc.compiler.graph.stage_graphs import stage_info
 from ptc.compiler.records.params import COMPUTE_DTYPES, ParamLayout, ParamSlot
-from ptc.compiler.graph.params import ZeroShards, group_key, used_params
+from ptc.compiler.graph.params import ZeroShards, blocks_path, group_key, used_params
 from ptc.errors import CompileError
 from ptc.passes.functional import functional_op, replace_call
 from ptc.ops.collectives import gather_params, gather_params_start
@@ -76,10 +76,11 @@ def _slots_by_param(gm: fx.GraphModule, layout: ParamLayout) -> dict[int, ParamS
 
 def _uses_by_group(gm: fx.GraphModule) -> dict[str, list[tuple[fx.Node, list]]]:
     groups: dict[str, list[tuple[fx.Node, list]]] = {}
+    blocks = blocks_path(gm)
     for node in list(gm.graph.nodes):
         params = used_params(gm, node)
         if params:
-            key = group_key(module_path(node) or params[0][0])
+            key = group_key(module_path(node) or params[0][0], blocks)
             groups.setdefault(key, []).append((node, params))
     return groups
 

@@ -232,27 +232,41 @@ def _whole_heads(gm: fx.GraphModule, split: set[fx.Node]) -> list[fx.Node]:
 
 def _swap(gm: fx.GraphModule, node: fx.Node, op, b: int, s: int) -> None:
     """Replace a tp collective node by the sequence op `op` along the sequence dim; a
-    tensor of flattened token rows [b·s, ...] (OPT's MLP) moves as [b, s, ...]."""
+    tensor of another layout with a sequence dim (`_as_sequence`) moves viewed as one."""
     x = node.args[0]
-    shape = get_info(x).shapes[0]
-    rows = len(shape) >= 1 and shape[0] == b * s and s > 1
-    if not rows and (len(shape) < 2 or shape[:2] != (b, s)):
+    shape = tuple(get_info(x).shapes[0])
+    moved = _as_sequence(shape, b, s)
+    if moved is None:
         raise CompileError(f"sequence parallelism: {where(node)} moves a tensor of shape {shape}, "
-                           f"not [b={b}, s={s}, ...] or [b·s, ...], so the sequence dim cannot "
-                           "be found (a mixture-of-experts block routes its tokens "
-                           "reordered); turn sequence_parallel off or shard \"...\" "
+                           f"not [b={b}, s={s}, ...], [b·s, ...] or [b, 1, s, ...], so the "
+                           "sequence dim cannot be found (a mixture-of-experts block routes its "
+                           "tokens reordered); turn sequence_parallel off or shard \"...\" "
                            "replicate the linears there")
     with gm.graph.inserting_before(node):
-        if rows:
-            x = gm.graph.call_method("view", (x, b, s, *shape[1:]))
-            copy_meta(node, x, kind="view", shapes=((b, s, *shape[1:]),), **_FREE)
+        if moved != shape:
+            x = gm.graph.call_method("view", (x, *moved))
+            copy_meta(node, x, kind="view", shapes=(moved,), **_FREE)
         new = gm.graph.call_function(op, (x, SEQ_DIM))
         copy_meta(node, new, shapes=get_info(x).shapes)
-        if rows:
+        if moved != shape:
             new = gm.graph.call_method("view", (new, *shape))
             copy_meta(node, new, kind="view", shapes=(shape,), **_FREE)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+def _as_sequence(shape: tuple[int, ...], b: int, s: int) -> tuple[int, ...] | None:
+    """The [b, s, ...] shape a tensor of `shape` moves along the sequence as: its own, its
+    flattened token rows [b·s, ...] unfolded (OPT's MLP), or [b, 1, s, ...] without the
+    unit dims (DeepSeek's latent viewed as one head); None when it has no sequence dim."""
+    if shape and shape[0] == b * s and s > 1:
+        return (b, s, *shape[1:])
+    if shape[:2] == (b, s):
+        return shape
+    unit = next((d for d in range(1, len(shape)) if shape[d] != 1), len(shape))
+    if shape[:1] == (b,) and unit < len(shape) and shape[unit] == s:
+        return (b, s, *shape[unit + 1:])
+    return None
 
 
 def _region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:

@@ -9,6 +9,9 @@ the pass rewrites the captured graph into the graph every tp rank runs:
 - a row-parallel linear (attention output, MLP down) keeps 1/tp of its
   input features; its partial output goes through `reduce_from_tp`, and its
   bias, replicated, is added after the sum;
+- a head shared by all heads (MLA's rotary key, `tp_structure.SharedHead`) is
+  expanded to the rank's own heads, what it is computed from entering the
+  split through `copy_to_tp`;
 - the token embedding becomes `vocab_parallel_embedding` of the rank's
   vocabulary rows followed by `reduce_from_tp`, and the loss
   `vocab_parallel_cross_entropy` of the rank's logits (never gathered);
@@ -42,12 +45,13 @@ from ptc.compiler.records.tp_layout import ParamShard, TensorParallelLayout
 from ptc.errors import CompileError
 from ptc.ops.tp_ops import (copy_to_tp, enter_tp_part, reduce_from_tp, tp_part,
                             vocab_parallel_cross_entropy, vocab_parallel_embedding)
+from ptc.passes.cat_form import to_cat_form
 from ptc.passes.functional import functionalize
 from ptc.passes.linear_form import to_linear_form
 from ptc.passes.local_params import param_aliases, set_local_param
-from ptc.passes.local_shapes import Propagation, is_shape_only, propagate
-from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, find_sharding,
-                                             layer_glob)
+from ptc.passes.local_shapes import Propagation, is_shape_only, propagate, shape_slot
+from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, SharedHead, Sharding,
+                                             find_sharding, layer_glob)
 
 log = logging.getLogger("ptc.passes.shard_tensors")
 
@@ -72,6 +76,7 @@ def shard_tensors_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
     if graph_record(gm).tensor_parallel is not None:
         raise CompileError("tensor_parallel: the graph is already split over tp")
     to_linear_form(gm)
+    to_cat_form(gm)  # keys filled in place (DeepSeek's MLA): a cat the trace can follow
     sharding = find_sharding(gm, plan)
     for path, style in sharding.styles.items():
         log.debug("%s: %s (%s)", path, style, sharding.why[path])
@@ -212,10 +217,28 @@ class _Rewrite:
             node.replace_input_with(x, copies[x])
             if node not in self.kv_whole:
                 self.starts.append(node)
+        for shared in self.sharding.shared_heads:
+            self._shared_head(shared)
         self.rowwise = [self._rowwise(node) for node in self.rowwise]
         self.stops.update(self.rowwise)
         for loss in self.losses:
             self.stops.add(self._cross_entropy(loss))
+
+    def _shared_head(self, shared: SharedHead) -> None:
+        """copy_to_tp after each value a one-head broadcast is computed from (its readers
+        read the copy), and the broadcast to the rank's own heads: Megatron-Core's MLA
+        expands its rotary key k_pe to the heads of its partition."""
+        for entry in shared.entries:
+            copy = self._collective(entry, copy_to_tp, (entry,), before=False)
+            for user in [u for u in entry.users if u in shared.readers]:
+                user.replace_input_with(entry, copy)
+        sizes, write = shape_slot(shared.expand)
+        heads = len(sizes) - 3
+        # A size traced off a tensor (fx's k.shape[1]) reads the rank's heads by itself.
+        if isinstance(sizes[heads], int):
+            sizes[heads] //= self.tp
+            write(sizes)
+        self.starts.append(shared.expand)
 
     def take_part(self, user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
         """This rank's part of `whole` along `dim`, where `user` pairs it with a split tensor

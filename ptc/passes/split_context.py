@@ -17,12 +17,21 @@ captured graph into the graph every cp rank runs:
   out form scores → causal masked_fill → softmax → dropout → @ values;
 - dropout sites on split activations keep their part of each sample's mask.
 
-Everything else is local to a position. The loss is the mean over the
-rank's tokens; the runtime averages gradients over dp·cp, which makes them
-the global-batch mean's. An attention that is not causal self-attention
-(a padding mask, a bias, cross-attention), a softmax or reduction over the
-sequence, or a loss that is not the mean over tokens is refused: ptc would
-otherwise train something else.
+Everything else is local to a position, or made so:
+- token rows flattened [b·s, ...] and grouped by expert (a sort of the
+  rows' expert ids, gathers in that order, per-expert counts as the offsets
+  of grouped products, the rows put back: `grouped_rows`) are each rank's
+  own rows, grouped on the rank;
+- a sum or mean over the sequence (a load-balancing loss's share of tokens
+  per expert, a count by histc) is the rank's over its positions, then
+  summed over cp by `context_reduce`, whose backward sums the gradient too.
+
+The loss is the mean over the rank's tokens; the runtime averages gradients
+over dp·cp, which makes them the global-batch mean's. An attention that is
+not causal self-attention (a padding mask, a bias, cross-attention), a
+softmax, cumulative op or other reduction over the sequence, or a loss that
+is not the mean over tokens is refused: ptc would otherwise train something
+else.
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ from ptc.compiler.graph.meta import copy_meta, graph_info
 from ptc.compiler.graph.nodes import (LOSS_OPS, attention_parts, has_effect, mixes_along, op_name,
                                       where)
 from ptc.errors import CompileError
-from ptc.ops.context import context_attention, context_chunks
+from ptc.ops.context import context_attention, context_chunks, context_reduce
 from ptc.ops.dropout import site_dropout
+from ptc.passes.grouped_rows import COUNT_OPS, groups_rows, invert_permutations, row_groupings
 from ptc.passes.local_shapes import (Propagation, fold_sizes, is_shape_only, propagate,
                                      shape_of)
 
@@ -73,6 +83,7 @@ def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
         _gather_keys(gm, node)
     gm.graph.eliminate_dead_code(is_impure_node=has_effect)
     entered = _enter_inputs(gm, capture.micro_batch, capture.seq_len)
+    inverted = invert_permutations(gm)
     mixes = 0
 
     def enter(user: fx.Node, whole: fx.Node, dim: int) -> fx.Node:
@@ -85,13 +96,15 @@ def split_context_pass(gm: fx.GraphModule, decisions: Decisions) -> fx.GraphModu
 
     prop = propagate(gm, k=cp, prefer=frozenset({capture.seq_len}), on_mix=enter,
                      what="context parallelism", axes={"cp": cp})
-    _check_region(gm, prop)
+    reduced = _check_region(gm, prop)
     sites = _key_dropout_sites(gm, prop)
     gm.graph.lint()
     gm.recompile()
     log.info("folded %d sizes; %d context_attention, %d inputs and %d whole-sequence tensors "
-             "enter through context_chunks; %d dropout sites keep their chunks of the mask",
-             folded, len(attentions), entered, mixes, sites)
+             "enter through context_chunks; %d dropout sites keep their chunks of the mask; "
+             "%d sums over the sequence made whole by context_reduce; %d inverse orders of "
+             "rows grouped by expert written as argsort",
+             folded, len(attentions), entered, mixes, sites, reduced, inverted)
     return gm
 
 
@@ -238,29 +251,67 @@ def _position(gm: fx.GraphModule):
     return order.__getitem__
 
 
-def _check_region(gm: fx.GraphModule, prop: Propagation) -> None:
+def _check_region(gm: fx.GraphModule, prop: Propagation) -> int:
     """Refuse ops that would mix positions of the split sequence: a softmax over it, a
-    cumulative sum, sort, roll or convolution along it, or anything that reduces it (the
-    loss's mean over tokens aside)."""
-    for node in gm.graph.nodes:
+    cumulative sum, sort, roll or convolution along it, or a reduction of it other than
+    the loss's mean over tokens and a sum or mean (made whole by `context_reduce`). Rows
+    grouped by expert (`grouped_rows`) pass. Returns how many reductions were made whole."""
+    groups = row_groupings(gm, prop)
+    reduced: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
         if not prop.is_split(node):
             continue
-        for user in node.users:
+        for user in list(node.users):
             if user.op == "output":
                 raise CompileError(f"context parallelism: {where(node)} reaches the graph "
                                    "output split along the sequence")
-            if mixes_along(user, node, _split_dim(prop, node)):
+            if groups_rows(user, groups) or user in reduced:
+                continue
+            dim = _split_dim(prop, node)
+            if mixes_along(user, node, dim):
                 raise CompileError(f"context parallelism: {where(user)} mixes positions along "
                                    "the sequence, which is split over cp (each rank would see "
                                    "only its chunks); cp splits models whose only mixing of "
-                                   "positions is causal attention")
+                                   "positions is causal attention, sums and means over the "
+                                   "sequence and the grouping of token rows by expert")
             if prop.is_split(user) or is_shape_only(user) or user.target is context_attention:
                 continue
             if op_name(user) in LOSS_OPS and _mean_loss(user):
                 continue
-            raise CompileError(f"context parallelism: {where(user)} turns a tensor split "
-                               f"along the sequence into one that is not ({node.name}: "
-                               f"{prop.local[node]}); it reduces over the sequence")
+            how = _reduction(user, node, dim)
+            if how is None:
+                raise CompileError(f"context parallelism: {where(user)} turns a tensor split "
+                                   f"along the sequence into one that is not ({node.name}: "
+                                   f"{prop.local[node]}); it reduces over the sequence other "
+                                   "than by a sum or mean, which cp cannot make whole")
+            _reduce_whole(gm, user, mean=how == "mean")
+            reduced.add(user)
+    return len(reduced)
+
+
+def _reduction(node: fx.Node, x: fx.Node, dim: int) -> str | None:
+    """"sum" or "mean" when `node` sums or averages its input `x` over (among others) the
+    split `dim`, or counts its values (histc, bincount: a sum); else None."""
+    name = op_name(node)
+    if name in COUNT_OPS:
+        return "sum"
+    if name not in ("sum", "mean") or node.args[:1] != (x,):
+        return None
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dims is None or dims == []:  # over every element
+        return name
+    rank = len(shape_of(x) or ())
+    listed = dims if isinstance(dims, (list, tuple)) else (dims,)
+    return name if rank and dim in {d % rank for d in listed} else None
+
+
+def _reduce_whole(gm: fx.GraphModule, node: fx.Node, *, mean: bool) -> None:
+    """Make the rank's sum or mean over its positions the whole sequence's: every later
+    use of `node` reads it through `context_reduce`."""
+    with gm.graph.inserting_after(node):
+        whole = gm.graph.call_function(context_reduce, (node,), {"mean": mean})
+    copy_meta(node, whole, kind="other", **_FREE)
+    node.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
 
 
 def _mean_loss(node: fx.Node) -> bool:

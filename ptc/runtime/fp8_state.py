@@ -1,7 +1,9 @@
-"""The float8 linears' amax histories in checkpoints (`train.dtype = fp8`, delayed scaling).
+"""The float8 GEMMs' amax histories in checkpoints (`train.dtype = fp8`, delayed scaling).
 
 A linear's history ([3, window]: the amaxes of its input, weight and output
-gradient over the last steps, newest first; `ptc.ops.fp8_linear`) is:
+gradient over the last steps, newest first; `ptc.ops.fp8_linear`; an experts'
+grouped product's has a weight row per expert of the whole stack, an ep rank
+recording its own experts', `ptc.ops.fp8_grouped`) is:
 
 - replicated over tp: every amax is reduced (max) over the tp group, so it
   is the whole tensor's, the one an unsplit run records; any tp size reads

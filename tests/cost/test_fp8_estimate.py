@@ -10,18 +10,21 @@ forward's scale (3 bytes), for M tokens of a micro-batch; tp 2 divides each line
 work as it divides the linear. The saved activations
 change: each linear keeps its own float8 copy of its input (one byte an element, not
 two): less for the attention output and MLP down projections, more for an input that
-q, k and v read (three copies, 3 bytes, against one bf16 tensor's 2).
+q, k and v read (three copies, 3 bytes, against one bf16 tensor's 2). A mixture of experts'
+grouped products run in float8 too: a MoE layer's fp8 FLOPs include its experts'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
+from ptc.compiler.cost.compute import Split, phase_work
 from ptc.compiler.search.estimate import estimate
-from ptc.compiler.profile.cache import model_profile
+from ptc.compiler.profile.cache import model_profile, plan_profile
 from ptc.dsl import load_plan
 
 PLAN = Path(__file__).resolve().parents[2] / "examples" / "llama7b_h100x8.ptc"
@@ -113,3 +116,29 @@ def test_rowwise_and_mxfp8_pay_their_extra_casts_at_the_same_gemm_rate(recipe):
     extra = _recipe_cast_seconds(other, er.layout, recipe) - _cast_seconds(tensorwise, e8.layout)
     assert er.breakdown["compute"] - e8.breakdown["compute"] == pytest.approx(extra, rel=1e-6)
     assert er.step_time_s > e8.step_time_s
+
+
+def test_a_moe_layers_float8_gemms_include_its_routed_experts():
+    """The tiny Mixtral (hidden 32; 4 query and 2 key/value heads of 8; a router over 4
+    experts of 64, top-2): per token its linears' forward takes 2·(32·32 + 2·32·16 + 32·32 +
+    32·4) FLOPs, its experts' grouped products 2·2·(32·128 + 64·32) (two rows a token,
+    gate_up then down), four fifths of them. fp8_flops counts both, so the cost model
+    runs none of the layer's GEMMs at bf16's rate: forward, and dgrad and wgrad backward,
+    all at the fp8 rate."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from hf_helpers import HFCase, hf_plan  # noqa: PLC0415 - the transformers test models
+
+    plan = _with(hf_plan(HFCase("mixtral")), dtype="fp8", fp8_emulate=True)
+    profile = plan_profile(plan)
+    f = profile.fn
+    for b, s in ((1, 16), (2, 8), (3, 5)):
+        tokens = b * s
+        linears = 2 * tokens * (32 * 32 + 2 * 32 * 16 + 32 * 32 + 32 * 4)
+        experts = 2 * 2 * tokens * (32 * 128 + 64 * 32)
+        assert f["fp8_flops"](b, s) == linears + experts
+        assert f["fp8_flops"](b, s) == f["work.layer.fwd.gemm.all"](b, s)  # every GEMM
+        split = Split(tp=1, kv_divisor=1, sp=False, cp=1)
+        for phase, times in (("fwd", 1), ("bwd", 2)):
+            work = phase_work(profile, "layer", phase, b, s, split, s)
+            assert work.gemm == 0 and work.fp8 == times * (linears + experts)
+    assert experts / (linears + experts) > 0.79

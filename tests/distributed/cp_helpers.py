@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_helpers import STEPS, tiny_plan, train_cases
+from dist_helpers import SEQ, STEPS, tiny_plan, train_cases
 from tp_helpers import tp_model
 
-from ptc.plan import HardwareSpec, ParallelSpec, Plan
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan
+
+ROUTER_LOSS = ModelSpec(family="custom", vocab=64, max_seq=SEQ,
+                        factory="tests.user_models.transformers_models:mixtral_router_loss")
+"""Mixtral trained on its next-token loss plus its load-balancing loss over the batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +24,8 @@ class CPCase:
     """One context-parallel layout of one tiny model."""
 
     family: str
-    """"gpt", "llama" or "nanogpt", "+dropout" for dropout 0.1 (as `tp_helpers.tp_model`)."""
+    """"gpt", "llama" or "nanogpt", "+dropout" for dropout 0.1 (as `tp_helpers.tp_model`), or
+    "mixtral+router_loss" (`ROUTER_LOSS`)."""
     cp: int = 2
     tp: int = 1
     sp: bool = False
@@ -51,7 +56,8 @@ def cp_plan(case: CPCase, steps: int = STEPS) -> Plan:
     base = tiny_plan("gpt", zero=case.zero, dp=case.dp, accum=accum, steps=steps,
                      dtype=case.dtype)
     return dataclasses.replace(
-        base, model=tp_model(case.family, case.tp),
+        base, model=ROUTER_LOSS if case.family == "mixtral+router_loss" else
+        tp_model(case.family, case.tp),
         hardware=HardwareSpec.preset("cpu", gpus_per_node=case.world),
         parallel=ParallelSpec(cp=case.cp, tp=case.tp, pp=case.pp, dp=case.dp, zero=case.zero,
                               sequence_parallel=case.sp))

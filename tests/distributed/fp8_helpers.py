@@ -134,30 +134,45 @@ def run_fp8_recipe_cases(cases: list[tuple]) -> dict:
     return train_cases(cases, fp8_recipe_plan)
 
 
-def split_gemm_worker(recipes: tuple[str, ...]) -> dict:
+def split_gemm_worker(recipes: tuple[str, ...], grouped: bool = False) -> dict:
     """Worker (2 ranks, gloo): per recipe and tp role, the largest |split - unsplit| of y,
-    dx and dW of one fp8_linear, each over its bound (`test_fp8_recipes`): the linear run
-    whole on every rank, then column-parallel (W's rows split: y and dW by column, dx a
-    partial sum) and row-parallel (W's columns and x's features split: y a partial sum, dx
-    and dW by column), each rank's pieces joined."""
+    dx and dW of one fp8_linear (`grouped`: one fp8_grouped_mm of 3 experts, one of which
+    receives no row), each over its bound (`test_fp8_recipes`): the GEMM run whole on every
+    rank, then column-parallel (W's output features split: y and dW by column, dx a partial
+    sum) and row-parallel (W's and x's input features split: y a partial sum, dx and dW by
+    column), each rank's pieces joined."""
     import torch
     import torch.distributed as dist
 
     from ptc.ops.comm import bind_axes
+    from ptc.ops.fp8_grouped import fp8_grouped_mm
     from ptc.ops.fp8_linear import COLUMN, ROW, Fp8Scaling, fp8_linear
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 32, 64, generator=g) * torch.logspace(-2, 1, 64)
-    w = torch.randn(128, 64, generator=g) * torch.logspace(0, -2, 128)[:, None]
-    dy = torch.randn(2, 32, 128, generator=g) * torch.logspace(-3, 0, 128)
+    x = torch.randn(64, 64, generator=g) * torch.logspace(-2, 1, 64)
+    w = torch.randn(3 if grouped else 1, 128, 64, generator=g) * torch.logspace(0, -2, 128)[:, None]
+    dy = torch.randn(64, 128, generator=g) * torch.logspace(-3, 0, 128)
+    offs = torch.tensor([24, 24, 64], dtype=torch.int32)
+    if grouped:  # the stack [experts, in, out] as a model's [out, in] experts are read
+        w, n_dim, k_dim = w.transpose(-2, -1), 2, 1
+        op = lambda x, w, s: fp8_grouped_mm(x, w, offs, s)  # noqa: E731
+        plain = lambda a, b: torch._grouped_mm(a, b, offs)  # noqa: E731
+        magnitude = {"y": plain(x.abs(), w.abs()), "dx": plain(dy.abs(), w.abs().mT),
+                     "dw": plain(x.abs().t(), dy.abs())}
+    else:  # [2, 32, 64] tokens of a linear's weight [out, in]
+        x, w, dy, n_dim, k_dim = x.reshape(2, 32, 64), w[0], dy.reshape(2, 32, 128), 0, 1
+        op = lambda x, w, s: fp8_linear(x, w, None, s)  # noqa: E731
+        magnitude = {"y": x.abs().reshape(-1, 64) @ w.abs().t(),
+                     "dx": dy.abs().reshape(-1, 128) @ w.abs(),
+                     "dw": dy.abs().reshape(-1, 128).t() @ x.abs().reshape(-1, 64)}
 
     def run(x, w, dy, recipe, role):
-        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        x, w = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
         scaling = Fp8Scaling(delayed=False, window=1, emulate=True, axis="tp" if role else None,
-                             recipe=recipe, role=role)
-        y = fp8_linear(x, w, None, scaling)
+                             recipe=recipe, role=role, experts=w.shape[0] if grouped else 1)
+        y = op(x, w, scaling)
         y.backward(dy)
         return y.detach(), x.grad, w.grad
 
@@ -170,28 +185,26 @@ def split_gemm_worker(recipes: tuple[str, ...]) -> dict:
         dist.all_reduce(t)
         return t
 
+    def part(t, dim):
+        size = t.shape[dim] // world
+        return t.narrow(dim, rank * size, size)
+
     out = {}
-    n, k = w.shape[0] // world, w.shape[1] // world
     # fp32 sums in another order: 2·(K + 4)·2^-24 of the products' magnitudes (K at most
     # 128, the dgrad's), the float8
     # operands within 2^-3 of the originals (e4m3, current scaling: no saturation).
     slack = 2 * (128 + 4) * 2.0**-24 * (1 + 2**-3) ** 2
-    magnitude = {"y": x.abs().reshape(-1, 64) @ w.abs().t(),
-                 "dx": dy.abs().reshape(-1, 128) @ w.abs(),
-                 "dw": dy.abs().reshape(-1, 128).t() @ x.abs().reshape(-1, 64)}
     with bind_axes({"tp": dist.group.WORLD}):
         for recipe in recipes:
             whole = run(x, w, dy, recipe, None)
-            rows = slice(rank * n, (rank + 1) * n)
-            y, dx, dw = run(x, w[rows], dy[..., rows], recipe, COLUMN)
-            column = (joined(y, -1), summed(dx), joined(dw, 0))
-            cols = slice(rank * k, (rank + 1) * k)
-            y, dx, dw = run(x[..., cols], w[:, cols], dy, recipe, ROW)
-            row = (summed(y), joined(dx, -1), joined(dw, 1))
+            y, dx, dw = run(x, part(w, n_dim), part(dy, -1), recipe, COLUMN)
+            column = (joined(y, -1), summed(dx), joined(dw, n_dim))
+            y, dx, dw = run(part(x, -1), part(w, k_dim), dy, recipe, ROW)
+            row = (summed(y), joined(dx, -1), joined(dw, k_dim))
             for role, split in ((COLUMN, column), (ROW, row)):
                 out[recipe, role] = {
                     name: ((a - b).abs().reshape(magnitude[name].shape)
-                           / (slack * magnitude[name])).max().item()
+                           / (slack * magnitude[name] + 1e-30)).max().item()
                     for name, a, b in zip(("y", "dx", "dw"), split, whole)}
     dist.destroy_process_group()
     return out

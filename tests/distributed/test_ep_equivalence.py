@@ -1,7 +1,7 @@
 """Mixtures of experts train under expert parallelism exactly as in eager PyTorch.
 
 `parallel.ep` shards each MoE layer's routed experts over ep ranks folded
-from dp (`ptc.passes.shard_experts`): the rows the router sends to an expert
+from dp·cp (`ptc.passes.shard_experts`): the rows the router sends to an expert
 travel to the rank holding it by an all-to-all of uneven splits and come
 back after its GEMMs. Routing itself — softmax top-2 (Mixtral, Qwen3-MoE),
 sigmoid grouped top-k with a correction bias beside a shared expert and a
@@ -16,8 +16,10 @@ parameter after 5 AdamW steps, within the bounds `tests/tolerances.py`
 derives from the same run in float64 (bf16: from that recipe's own distance
 to fp64). Covered: ep 2 and 4 at dp 4 (ZeRO 0-3: each expert's gradient
 averaged, and its shards gathered, over the ranks that hold it), ep × tp (the
-stacks split by both; with sequence parallelism too), ep × pp (1F1B and zero bubble, whose split backward
-runs the dispatch's gradient in I), full and selective recompute (the dispatch
+stacks split by both; with sequence parallelism too; DeepSeek-V3's latent attention
+split by heads), ep × pp (1F1B and zero bubble, whose split backward
+runs the dispatch's gradient in I), ep × cp (ep folded from the cp ranks, and from
+dp·cp), full and selective recompute (the dispatch
 recomputed with its layer), bf16, attention dropout, a top-1 router, and routers frozen at zero
 so that every token goes to experts 0 and 1 and the ranks holding the others
 receive nothing. The bytes each rank holds equal `Program.state_bytes`. All
@@ -42,6 +44,7 @@ CASES = [
     HFCase("mixtral", dp=4, ep=2, checkpoint="full"),
     HFCase("qwen3_moe", dp=4, ep=4, checkpoint="selective"),
     HFCase("mixtral", tp=2, dp=2, ep=2), HFCase("mixtral", pp=2, dp=2, ep=2),
+    HFCase("deepseek_v3", tp=2, dp=2, ep=2),
     HFCase("qwen2_moe", tp=2, dp=2, ep=2, sp=True, zero=1),
     HFCase("mixtral", pp=2, dp=2, ep=2, schedule="zero_bubble"),
     HFCase("qwen2_moe", dp=4, ep=2), HFCase("phimoe", dp=4, ep=2),
@@ -52,6 +55,9 @@ CASES = [
     HFCase("mixtral", dp=4, ep=4, config=(("num_experts_per_tok", 1),)),
     HFCase("mixtral_one_sided", dp=4, ep=4),
     HFCase("mixtral_one_sided", dp=4, ep=2, config=(("num_experts_per_tok", 1),)),
+    # with context parallelism: ep 2 folds the two cp ranks of each sample's chunks, ep 4
+    # both samples' cp ranks
+    HFCase("mixtral", dp=2, cp=2, ep=2), HFCase("mixtral", dp=2, cp=2, ep=4),
 ]
 _runs: dict = {}
 

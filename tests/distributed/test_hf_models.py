@@ -17,7 +17,9 @@ head, fewer than tp, the heads are replicated (in SDPA's grouped-query form and 
 the eager attention's repeated heads). Mixtral's experts (stacked weights
 applied by a grouped product) are split as MLPs under tp, their top-2 router
 kept whole; with sequence parallelism each MoE block runs on the whole
-sequence (gathered at its input, its output scattered back). bf16 plans are compared with eager training by ptc's bf16 recipe
+sequence (gathered at its input, its output scattered back); with context
+parallelism (Mixtral, Qwen3-MoE, and with ep over the cp ranks) each rank routes
+its own chunks' token rows (`ptc.passes.grouped_rows`). bf16 plans are compared with eager training by ptc's bf16 recipe
 (bf16 compute, AdamW on fp32 masters), within bounds derived from that run's
 own distance to fp64 (`tests/tolerances.py`). The module given to
 `ptc.compile` is what trains: the loss of
@@ -39,7 +41,9 @@ And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GP
 GPT-OSS (attention sinks), PhiMoE (these three train though ptc cannot price them) and
 GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off), GLM,
 LFM2 (short convolutions) and Mamba (a state-space scan, no attention). Newer ones:
-DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts) under pp and ZeRO-3,
+DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts) under pp, ZeRO-3 and
+tp (with sequence parallelism too: its low-rank latents and rotary key computed whole,
+split by heads from its up projections on, as Megatron-Core splits MLA),
 GLM-4, Apertus (xIELU: learned scalars through softplus, read on the split MLP activations,
 so their gradient is summed over tp), NanoChat, OLMoE, BitNet and VaultGemma.
 
@@ -116,6 +120,12 @@ LAUNCHES = {"layouts": [
     # with sequence parallelism: each MoE block gathered whole, its experts split over tp,
     # its output scattered back (a shared expert beside them in Qwen2-MoE)
     HFCase("mixtral", tp=2, sp=True), HFCase("qwen2_moe", tp=2, sp=True),
+    # with context parallelism: each rank routes the token rows of its chunks, grouped by
+    # expert and put back on the rank (with ep: exchanged between the two cp ranks); the
+    # routers' load-balancing loss is left out of the loss transformers returns without
+    # labels, here as in eager PyTorch
+    HFCase("mixtral", cp=2), HFCase("qwen3_moe", cp=2), HFCase("mixtral", cp=2, ep=2),
+    HFCase("mixtral", cp=2, config=(("output_router_logits", True),)),
 ], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
@@ -179,11 +189,13 @@ LAUNCHES = {"layouts": [
     # gets it whole
     HFCase("mamba", tp=2, sp=True, shards=(("backbone.layers.*.mixer*", "replicate"),)),
 ], "newer families": [
-    # multi-head latent attention and sigmoid-routed experts (DeepSeek-V3: tp cannot split
-    # its attention), sandwich norms (GLM-4), xIELU (Apertus), squared ReLU with q/k norms
+    # multi-head latent attention and sigmoid-routed experts (DeepSeek-V3: its latents whole,
+    # its up projections split by heads, its rotary key expanded to each rank's heads),
+    # sandwich norms (GLM-4), xIELU (Apertus), squared ReLU with q/k norms
     # without weights (NanoChat), experts with q/k norms across the heads (OLMoE), norms
     # inside attention and MLP (BitNet), Gemma without soft-capping (VaultGemma)
     HFCase("deepseek_v3", pp=2), HFCase("deepseek_v3", dp=2, zero=3),
+    HFCase("deepseek_v3", tp=2), HFCase("deepseek_v3", tp=2, sp=True),
     HFCase("glm4", tp=2, sp=True), HFCase("apertus", tp=2, sp=True),
     HFCase("nanochat", tp=2, sp=True), HFCase("olmoe", pp=2), HFCase("bitnet", dp=2, zero=3),
     HFCase("vaultgemma", tp=2, sp=True),

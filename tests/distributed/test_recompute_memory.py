@@ -6,7 +6,8 @@ gathered activations kept as their local chunks under sequence parallelism,
 the checkpoint regions' inputs, what a saving region's selective checkpoint
 caches), for GPT (written-out attention, LayerNorm, GELU) and Llama (fused
 attention, grouped-query, RoPE, RMSNorm, SwiGLU), fp32, bf16 and fp8 (emulated; its rowwise
-and mxfp8 recipes too), tp 2 with
+and mxfp8 recipes too; and transformers' Mixtral, whose experts' grouped products run in
+fp8 too), tp 2 with
 and without sequence parallelism, under none, selective, full, ops, each
 recompute module alone and all four; `checkpoint = auto(all)` under a budget that makes it mix
 op-level and module recompute; and modules `shard ... replicate` rules keep whole (an MLP,
@@ -104,14 +105,24 @@ RECIPE_CASES += [MemoryCase(spec, False, "fp8", policy, recipe="mxfp8")
 scales: `SavedClasses.split_const`), and mxfp8 where every contraction holds whole 32-blocks
 on a rank (Llama's key/value projections of 2 heads have 16 output features a rank: with 4)."""
 CASES += RECIPE_CASES
+MIXTRAL = ModelSpec(family="custom", factory="tests.user_models.transformers_models:mixtral",
+                    max_seq=16, layers=2)
+MOE_CASES = [MemoryCase(MIXTRAL, False, "fp8", policy, recipe=recipe)
+             for recipe in ("tensorwise", "rowwise") for policy in ("none", "full", "ops")]
+MOE_CASES += [MemoryCase(MIXTRAL, False, "bf16", policy) for policy in ("none", "ops")]
+"""A mixture of experts in fp8: each expert grouped product keeps its input's float8 copy
+and scales (tensorwise: x's and one per expert's weight; rowwise: one per expert and column,
+split with the down stack's rows under tp), and its offsets as they are; a saving region
+keeps its output (`ptc.ops.fp8_grouped`), as it keeps a bf16 grouped product's
+(`ptc.ops.recompute.GROUPED_PRODUCTS`). Measured in a launch of their own."""
 LOSS_SCALAR = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
 not."""
-_measured: list = []
+_measured: dict[int, list] = {}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + MOE_CASES, ids=str)
 def test_saved_activations_per_rank_match_the_memory_model(case: MemoryCase) -> None:
     predicted = predicted_activations(case, 2)
     scalar = 0 if ("head", "replicate") in case.shards else LOSS_SCALAR[case.dtype]
@@ -121,9 +132,12 @@ def test_saved_activations_per_rank_match_the_memory_model(case: MemoryCase) -> 
 
 
 def _measured_case(case: MemoryCase) -> list:
-    if not _measured:
-        _measured.extend(run_local(measure_activations, 2, CASES, 2)[0])
-    return _measured[CASES.index(case)]
+    """Every rank's measurement of `case`, its launch's cases (CASES or MOE_CASES) measured
+    once."""
+    cases = CASES if case in CASES else MOE_CASES
+    if id(cases) not in _measured:
+        _measured[id(cases)] = run_local(measure_activations, 2, cases, 2)[0]
+    return _measured[id(cases)][cases.index(case)]
 
 
 @pytest.mark.timeout(600)

@@ -112,8 +112,9 @@ class MemoryCase:
         ckpt = self.checkpoint if isinstance(self.checkpoint, str) else ",".join(self.checkpoint)
         rules = "".join(f"-{pattern}={style}" for pattern, style in self.shards)
         dtype = self.dtype if self.recipe == "tensorwise" else f"{self.dtype}:{self.recipe}"
-        return (f"{self.spec.family}-kv{self.spec.num_kv_heads}{'-sp' if self.sp else ''}"
-                f"-{dtype}-{ckpt}{rules}")
+        model = self.spec.factory.rpartition(":")[2] if self.spec.factory else \
+            f"{self.spec.family}-kv{self.spec.num_kv_heads}"
+        return f"{model}{'-sp' if self.sp else ''}-{dtype}-{ckpt}{rules}"
 
 
 def memory_plan(case: MemoryCase, tp: int) -> Plan:

@@ -1,15 +1,29 @@
-"""The fp8_compute pass (quantize_gemms_pass): which linears it rewrites, and with what."""
+"""The fp8_compute pass (quantize_gemms_pass): which linears and experts' grouped products
+it rewrites, and with what."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from pathlib import Path
+
 import pytest
 
-from ptc.compiler.graph.meta import get_info
-from ptc.errors import CompileError
-from ptc.lower.driver import compile_plan
-from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear
-from ptc.ops.recompute import checkpoint_region
-from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec
+ROOT = Path(__file__).resolve().parents[2]
+for extra in (ROOT, ROOT / "tests" / "distributed"):  # plain `pytest` puts neither on the path
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from hf_helpers import HFCase, hf_module, hf_plan  # noqa: E402
+
+from ptc.compiler.graph.meta import get_info  # noqa: E402
+from ptc.errors import CompileError  # noqa: E402
+from ptc.lower.driver import compile_plan  # noqa: E402
+from ptc.ops.expert_parallel import ep_dispatch  # noqa: E402
+from ptc.ops.fp8_grouped import fp8_grouped_mm  # noqa: E402
+from ptc.ops.fp8_linear import Fp8Scaling, fp8_linear  # noqa: E402
+from ptc.ops.recompute import checkpoint_region  # noqa: E402
+from ptc.plan import HardwareSpec, ModelSpec, ParallelSpec, Plan, TrainSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,3 +113,77 @@ def test_mxfp8_refuses_sequence_chunks_without_whole_blocks():
                                            r"rank tokens, not a multiple of 32"):
         compile_plan(_recipe_plan("mxfp8", tp=2, sp=True))
     compile_plan(_recipe_plan("mxfp8", tp=2, sp=True, seq=64))
+
+
+# ---------------------------------------------------------------- routed experts
+
+
+def _moe(recipe: str = "tensorwise", *, config: tuple = (), seq: int | None = None,
+         **parallel):
+    """The tiny Mixtral (4 experts, top-2) in fp8 (emulated) at `parallel`, compiled."""
+    case = HFCase("mixtral", config=config)
+    plan = hf_plan(case)
+    world = parallel.get("tp", 1) * parallel.get("dp", 1)
+    train = dataclasses.replace(plan.train, dtype="fp8", fp8_emulate=True, fp8_recipe=recipe,
+                                fp8_scaling="delayed" if recipe == "tensorwise" else "current",
+                                global_batch=2 * parallel.get("dp", 1))
+    model = plan.model
+    if seq is not None:
+        train = dataclasses.replace(train, seq_len=seq)
+        model = dataclasses.replace(model, max_seq=seq)
+    plan = dataclasses.replace(plan, model=model, train=train,
+                               hardware=HardwareSpec.preset("cpu", gpus_per_node=world),
+                               parallel=dataclasses.replace(plan.parallel, **parallel))
+    return compile_plan(plan, model=hf_module(case))
+
+
+def _grouped(gm):
+    return [n for n in gm.graph.nodes if n.target is fp8_grouped_mm]
+
+
+def test_the_experts_grouped_products_become_fp8_grouped_mm_of_the_local_experts():
+    """Under ep 2 each reads the dispatched rows and local offsets and the rank's 2 of the 4
+    experts, with a state of a history row per expert of the whole stack."""
+    program = _moe(dp=2, ep=2)
+    gm = program.stages[0].graph
+    nodes = _grouped(gm)
+    assert len(nodes) == 4 and len(_fp8_nodes(gm)) == 10  # q, k, v, o and the router, twice
+    for node in nodes:
+        x, weight, offs, state = node.args
+        assert offs.args[0].target is ep_dispatch and offs.args[1] == 1  # the local offsets
+        if "gate_up" in str(state.target):
+            assert x.args[0].target is ep_dispatch and x.args[1] == 0  # the dispatched rows
+        assert get_info(weight).shapes[0][0] == 2
+        scaling = gm.get_submodule(str(state.target))
+        assert scaling.experts == 4 and scaling.expert_axis == "ep" and scaling.delayed
+        assert get_info(node).kind == "linear" and get_info(node).flops > 0
+    assert any("and 4 fp8_grouped_mm" in line for line in program.pass_log)
+
+
+def test_tp_splits_the_expert_stacks_as_linears_and_says_so():
+    """rowwise: gate_up column-parallel, down row-parallel (the scale vectors they reduce)."""
+    gm = _moe("rowwise", tp=2).stages[0].graph
+    roles = {str(n.args[3].target).rsplit("experts_", 1)[1]:
+             gm.get_submodule(str(n.args[3].target)).role for n in _grouped(gm)}
+    assert roles == {"gate_up_proj": "column", "down_proj": "row"}, roles
+
+
+def test_checkpointed_and_zero3_experts_take_their_state_and_gathered_stacks():
+    gm = _moe(dp=2, ep=2, zero=3, checkpoint="full").stages[0].graph
+    regions = [gm.get_submodule(str(n.args[0].target)) for n in gm.graph.nodes
+               if n.target is checkpoint_region]
+    inner = [n for r in regions for n in _grouped(r)]
+    assert len(inner) == 4 and all(n.args[3].op == "placeholder" for n in inner)
+    assert all(n.args[1].op != "get_attr" for n in inner)
+
+
+def test_mxfp8_refuses_an_expert_stack_without_whole_blocks_naming_it():
+    """Every linear holds whole blocks (4 key/value heads, 32 experts for the router), the
+    experts' down stack contracts 48 features."""
+    config = (("num_key_value_heads", 4), ("num_local_experts", 32),
+              ("intermediate_size", 48), ("max_position_embeddings", 32))
+    with pytest.raises(CompileError, match=r"fp8_recipe = mxfp8: grouped product node "
+                                           r"_grouped_mm_1 .*of expert stack "
+                                           r"model\.layers\.0\.mlp\.experts\.down_proj has 48 "
+                                           r"input and 32 output features on each rank"):
+        _moe("mxfp8", config=config, seq=32)

@@ -271,7 +271,9 @@ class TestRefusals:
         program = compile_plan(moe_plan("mixtral", zero=3), model=hf_module(HFCase("mixtral")))
         assert len(calls(stage_graph(program), ep_dispatch)) == 2
         (stage,) = program.stages
-        assert [(u.expert, u.shards) for u in stage.layout.units if u.expert] == [(True, 1)]
+        # each layer's experts a unit of their own, sharded over the dp/ep = 1 ranks holding them
+        assert [(u.name, u.shards) for u in stage.layout.units if u.expert] == [
+            ("model.layers.0.experts", 1), ("model.layers.1.experts", 1)]
         assert any(line.startswith("shard_params_pass") for line in program.pass_log)
 
     def test_ep_one_needs_no_experts(self) -> None:

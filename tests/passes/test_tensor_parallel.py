@@ -33,7 +33,8 @@ from ptc.models.llama import LlamaAttention  # noqa: E402
 from ptc.compiler.records.tp_layout import ParamShard  # noqa: E402
 from ptc.errors import CompileError  # noqa: E402
 from ptc.passes import shard_tensors_pass  # noqa: E402
-from ptc.compiler.graph.nodes import is_linear  # noqa: E402
+from ptc.passes.cat_form import to_cat_form  # noqa: E402
+from ptc.compiler.graph.nodes import is_linear, op_name  # noqa: E402
 from ptc.compiler.graph.tp_structure import find_sharding  # noqa: E402
 from ptc.plan import (HardwareSpec, ModelSpec, ParallelSpec, Plan, ShardRule,  # noqa: E402
                       TrainSpec)
@@ -253,6 +254,73 @@ class TestMixtureOfExperts:
         assert tuple(gm.get_parameter("model.layers.0.mlp.gate.weight").shape) == (4, 32)
         down = next(n for n in gm.graph.nodes if is_linear(n) == f"{experts}.down_proj")
         assert [u.target for u in down.users] == [reduce_from_tp]
+
+
+def _deepseek_v3(**config) -> tuple[fx.GraphModule, Plan]:
+    """DeepSeek-V3's tiny graph (4 heads, q/kv latents of 16, a rotary key of 4 features per
+    head, experts in layer 1) as the pass meets it, and a tp 2 plan for it."""
+    from tests.user_models.transformers_models import deepseek_v3  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    p = plan(ModelSpec(family="custom", factory="tests.user_models.transformers_models:"
+                       "deepseek_v3", kwargs=config, vocab=64, max_seq=16))
+    return capture(deepseek_v3(**config), micro_batch=2, seq_len=16), p
+
+
+class TestLatentAttention:
+    """DeepSeek-V3's multi-head latent attention, split as Megatron-Core splits MLA."""
+
+    attn = "model.layers.0.self_attn"
+
+    def test_down_projections_whole_up_projections_by_heads(self):
+        gm, p = _deepseek_v3()
+        to_cat_form(gm)  # as the pass does first: its keys filled in place become a cat
+        found = find_sharding(gm, p)
+        styles = {name: found.styles[f"{self.attn}.{name}"] for name in (
+            "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj")}
+        assert styles == {"q_a_proj": "replicate", "kv_a_proj_with_mqa": "replicate",
+                          "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+        assert found.why[f"{self.attn}.q_a_proj"].startswith("low-rank projection")
+        assert found.why["model.layers.1.mlp.gate"].startswith("MoE router")  # sigmoid + bias
+        (shared, _) = found.shared_heads  # one per layer: the rotary key k_pe
+        (entry,) = shared.entries  # k_pe's piece of kv_a_proj_with_mqa's output
+        assert op_name(entry) == "getitem" and is_linear(entry.args[0].args[0]) == \
+            f"{self.attn}.kv_a_proj_with_mqa"
+
+    def test_each_rank_expands_the_rotary_key_to_its_own_heads(self):
+        gm, p = _deepseek_v3()
+        gm = apply_pass(shard_tensors_pass, gm, p)
+        shapes = {name: tuple(gm.get_parameter(f"{self.attn}.{name}.weight").shape) for name in (
+            "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj")}
+        assert shapes == {"q_a_proj": (16, 32), "kv_a_proj_with_mqa": (20, 32),
+                          "q_b_proj": (16, 16), "kv_b_proj": (24, 16), "o_proj": (32, 16)}
+        # per layer: one copy_to_tp before q_b_proj, one before kv_b_proj, one for k_pe
+        copies = [n for n in calls(gm, copy_to_tp)
+                  if get_info(n).module_path.startswith(self.attn)]
+        assert [op_name(c.args[0]) for c in copies] == ["mul", "getitem", "view"]
+        sdpa = next(n for n in gm.graph.nodes if get_info(n).kind == "attention")
+        k_nope, k_pe = sdpa.args[1].args[0]  # the keys: a cat of the rank's heads
+        assert op_name(k_pe) == "expand" and k_pe.args[1] == [-1, 2, -1, -1]
+        assert get_info(k_nope).shapes == get_info(k_pe).shapes == ((2, 2, 16, 4),)
+        # the latents' norms run whole outside the split region: their gradients are whole
+        assert graph_record(gm).tensor_parallel.partial_grads == ()
+
+    def test_a_rule_keeping_the_attention_whole_keeps_its_rotary_key_whole(self):
+        gm, p = _deepseek_v3()
+        rules = (ShardRule(pattern="model.layers.*.self_attn.*", style="replicate"),)
+        gm = apply_pass(shard_tensors_pass, gm, dataclasses.replace(
+            p, parallel=dataclasses.replace(p.parallel, shards=rules)))
+        assert tuple(gm.get_parameter(f"{self.attn}.kv_b_proj.weight").shape) == (48, 16)
+        k_pe = next(n for n in gm.graph.nodes if op_name(n) == "expand"
+                    and get_info(n).shapes == ((2, 4, 16, 4),))
+        assert k_pe.args[1] == [-1, 4, -1, -1]
+
+    def test_queries_without_a_latent(self):
+        """q_lora_rank = None: the queries come from one q_proj, split by heads."""
+        gm, p = _deepseek_v3(q_lora_rank=None)
+        gm = apply_pass(shard_tensors_pass, gm, p)
+        assert tuple(gm.get_parameter(f"{self.attn}.q_proj.weight").shape) == (16, 32)
+        assert tuple(gm.get_parameter(f"{self.attn}.kv_a_proj_with_mqa.weight").shape) == (20, 32)
 
 
 class TestShardRules:

@@ -197,3 +197,20 @@ class TestRunPasses:
         assert piece.target is operator.getitem and isinstance(piece.args[1], slice)
         slot = gm.zero.layout.params["layers.0.attn.qkv.weight"]
         assert piece.args[1] == slice(slot.offset, slot.offset + slot.numel)
+
+
+
+def test_a_transformers_models_layers_are_gathered_one_at_a_time() -> None:
+    """A transformers model's blocks sit under "model.layers": each is a unit of its own, as
+    a built-in's "layers.N" is, so ZeRO-3 gathers one layer's weights at a time, not the
+    whole decoder ("model") at once; the embedding and final norm, outside the blocks, share
+    "model"."""
+    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+    from hf_helpers import HFCase, hf_module, hf_plan  # noqa: PLC0415
+
+    from ptc.lower.driver import compile_plan  # noqa: PLC0415
+
+    case = HFCase("llama", dp=2, zero=3)
+    (stage,) = compile_plan(hf_plan(case), model=hf_module(case)).stages
+    assert [u.name for u in stage.layout.units] == [
+        "model", "model.layers.0", "model.layers.1", "lm_head"]

@@ -32,7 +32,8 @@ attention (low-rank queries and keys/values, rotary on a slice of each head) wit
 first layer and sigmoid-routed experts beside shared ones (DeepSeek-V3), norms after
 attention and MLP as well as before (GLM-4), the xIELU activation (Apertus), squared-ReLU
 MLPs and q/k norms without weights (NanoChat), experts with q/k norms (OLMoE), norms inside
-attention and MLP (BitNet), and a Gemma without soft-capping (VaultGemma).
+attention and MLP (BitNet), and a Gemma without soft-capping (VaultGemma). And a model whose
+own loss adds its routers' load-balancing loss over the batch (`mixtral_router_loss`).
 """
 
 import torch
@@ -130,6 +131,29 @@ def mixtral_one_sided(**overrides) -> MixtralForCausalLM:
         torch.nn.init.zeros_(layer.mlp.gate.weight)
         layer.mlp.gate.requires_grad_(False)
     return model
+
+
+class RouterLossLM(torch.nn.Module):
+    """A causal LM trained on its next-token loss plus its routers' load-balancing loss:
+    transformers' `aux_loss` (the fraction of top-k choices and the mean probability of each
+    expert, over every token of the batch) times the config's `router_aux_loss_coef`.
+    forward(tokens, targets) returns (logits, loss), so that ptc trains the model's loss."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config  # what a reference run reads (the experts' implementation)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor):
+        out = self.lm(tokens, output_router_logits=True)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        return out.logits, loss + self.lm.config.router_aux_loss_coef * out.aux_loss
+
+
+def mixtral_router_loss(**overrides) -> RouterLossLM:
+    """Mixtral with its load-balancing loss in the loss, weighted 0.1 (a hundred times the
+    default, so that a difference in it shows)."""
+    return RouterLossLM(mixtral(**{"router_aux_loss_coef": 0.1} | overrides))
 
 
 def qwen2_moe(**overrides) -> Qwen2MoeForCausalLM:

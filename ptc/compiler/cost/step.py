@@ -242,7 +242,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         hw).seconds)
     ep_layer = {pol: ep_exchanges(pol) * ep_unit * (imbalance if layout.ep > 1 else 1.0)
                 for pol in policies}
-    waits = expert_wait(profile, layout, rates(hw, dtype).gemm, bb, ss, imbalance)
+    rate = rates(hw, dtype)
+    waits = expert_wait(profile, layout, rate.fp8 or rate.gemm, bb, ss, imbalance)
     extra_f = {pol: _recompute_flops(f, pol, bb, ss, keys, layer_f, core_f, tp)
                for pol in policies}
     p2p = _cached(memo, ("p2p", boundary, tp, groups["pp"]),
@@ -332,9 +333,9 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "step_sync": _cached(memo, ("sync", tp, cp, p, layout.dp, layout.zero), lambda: step_sync(
             profile, layout, hw, prec, groups)),
     }
-    per_micro = 3 * (profile.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
+    per_micro = 3 * (layout.layers * f["flops.layer"](bb, seq_len)  # a whole sample's
                      + f["flops.pre"](bb, seq_len) + f["flops.post"](bb, seq_len))
-    executed = 3 * tp * cp * (profile.layers * layer_f + pre_f + post_f)  # replicated work too
+    executed = 3 * tp * cp * (layout.layers * layer_f + pre_f + post_f)  # replicated work too
     recomputed = sum(tp * cp * extra_f[pol] * n for pol, n in layout.policy_counts())
     micro_total = mb * layout.dp
     return StepCost(step_time=sum(breakdown.values()), breakdown=breakdown,
@@ -365,9 +366,9 @@ def expert_wait(profile: ModelProfile, layout: Layout, gemm_rate: float, bb, ss,
                 imbalance: float) -> float:
     """Seconds one layer's experts keep the ep group waiting per micro-batch: the busiest
     rank's experts compute `imbalance` times the mean's rows, forward and backward (three
-    GEMMs of 2 FLOPs per weight element a row meets: one expert's elements), the others
-    wait for it at the next all-to-all. 0 without expert parallelism or at an even
-    routing."""
+    GEMMs of 2 FLOPs per weight element a row meets: one expert's elements, at
+    `gemm_rate`: float8's where the experts run in it), the others wait for it at the next
+    all-to-all. 0 without expert parallelism or at an even routing."""
     if layout.ep == 1 or imbalance <= 1.0 or not profile.routed_rows:
         return 0.0
     params = profile.params["layer"]

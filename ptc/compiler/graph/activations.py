@@ -56,6 +56,9 @@ class SavedStorage:
     """An output of a node named in `saved_storages`' `held`."""
     key: int = 0
     """Identity of the storage within one run (`output_storages` names the same ones)."""
+    floating: bool = True
+    """Its values are floating-point, not indices or a grouped product's offsets: what a
+    float8 GEMM keeps a float8 copy of (`ptc.compiler.profile.fp8`)."""
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -101,6 +104,7 @@ class _SavedRecorder(torch.fx.Interpreter):
         self.current = ""
         self.producer: dict[int, str] = {}
         self.saved: dict[int, tuple[int, list[str]]] = {}
+        self.floating: dict[int, bool] = {}
         self.keep: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
 
     def run_node(self, n: torch.fx.Node):
@@ -130,6 +134,7 @@ class _SavedRecorder(torch.fx.Interpreter):
             nbytes, savers = self.saved.setdefault(key, (t.untyped_storage().nbytes(), []))
             if self.current not in savers:
                 savers.append(self.current)
+            self.floating[key] = t.is_floating_point()
             self.keep.append(t)
         return t
 
@@ -190,7 +195,7 @@ def saved_and_output_storages(gm: torch.fx.GraphModule, inputs: Sequence[torch.T
         producer = rec.producer.get(key)
         out.append(SavedStorage(producer=producer or savers[0], internal=producer is None,
                                 savers=tuple(savers), nbytes=nbytes, held=key in held_sizes,
-                                key=key))
+                                key=key, floating=rec.floating[key]))
     out += [SavedStorage(producer=rec.producer[key], internal=False, savers=(), nbytes=nbytes,
                          held=True, key=key)
             for key, nbytes in held_sizes.items() if key not in rec.saved]

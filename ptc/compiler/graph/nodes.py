@@ -34,9 +34,10 @@ ACTIVATION_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, n
                       nn.ELU, nn.Softplus)
 
 LINEAR_OPS = frozenset({"linear"})
-FP8_LINEAR_OPS = frozenset({"fp8_linear"})
-"""ptc's float8 linear (`ptc.ops.fp8_linear`), which the fp8_compute pass puts in the place of
-a layer's linear: a linear to the passes after it (a region keeps or recomputes it as one)."""
+FP8_LINEAR_OPS = frozenset({"fp8_linear", "fp8_grouped_mm"})
+"""ptc's float8 linear and grouped product (`ptc.ops.fp8_linear`, `ptc.ops.fp8_grouped`), which
+the fp8_compute pass puts in the place of a layer's linear or its experts' grouped product: a
+linear to the passes after it (a region keeps or recomputes it as one)."""
 GROUPED_MM_OPS = frozenset({"grouped_mm", "grouped_mm_fallback"})
 """Products of token groups with a stack of per-expert weights [experts, in, out] (MoE
 experts: torch's grouped_mm, transformers' fallback op)."""
@@ -53,6 +54,8 @@ ALONG_DIM_OPS = {"softmax": ("dim", 1), "log_softmax": ("dim", 1), "cumsum": ("d
                  "argsort": ("dim", 1), "topk": ("dim", 2), "roll": ("dims", 2),
                  "flip": ("dims", 1)}
 """Ops that combine or reorder the elements along one dim: (keyword, argument index) of it."""
+_LAST_DIM_BY_DEFAULT = frozenset({"sort", "argsort", "topk", "diff"})
+"""Ops of ALONG_DIM_OPS whose dim, when not given, is the last one (the others flatten)."""
 CONVOLUTION_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d"})
 """Ops that combine neighbouring elements of their spatial dims (a causal convolution)."""
 EMBEDDING_OPS = frozenset({"embedding"})
@@ -99,8 +102,8 @@ CREATION_OPS = frozenset({
     "new_full", "new_empty", "lift_fresh_copy", "rand", "randn", "rand_like", "randn_like",
     "empty_strided", "new_empty_strided", "finfo",
 })
-_CASTS = frozenset({"contiguous", "clone", "to", "type", "type_as", "float", "half", "bfloat16",
-                    "to_copy", "detach", "alias"})
+CAST_OPS = frozenset({"contiguous", "clone", "to", "type", "type_as", "float", "half", "bfloat16",
+                      "to_copy", "detach", "alias"})
 """Ops that change how a tensor is stored or typed, never its dimensions."""
 TRANSPARENT_OPS = frozenset({
     "view", "reshape", "unsafe_view", "transpose", "t", "permute", "contiguous", "expand",
@@ -165,8 +168,9 @@ def where(node: fx.Node) -> str:
 
 def mixes_along(node: fx.Node, x: fx.Node, dim: int) -> bool:
     """Whether `node` combines or reorders the elements of its input `x` along `dim`: a
-    softmax, cumulative op, sort or roll along it (or along an unnamed dim), a convolution.
-    Such an op is wrong on a rank's part of that dim."""
+    softmax, cumulative op, sort, top-k or roll along it (a sort or top-k without a dim runs
+    along the last; a roll without one along all), a convolution. Such an op is wrong on a
+    rank's part of that dim."""
     name = op_name(node).lower()
     if name in CONVOLUTION_OPS:
         return True
@@ -174,7 +178,9 @@ def mixes_along(node: fx.Node, x: fx.Node, dim: int) -> bool:
         return False
     key, index = ALONG_DIM_OPS[name]
     dims = node.kwargs.get(key, node.args[index] if len(node.args) > index else None)
-    if dims is None:  # flatten-then-sort, or torch's default of the last dim
+    if dims is None and name in _LAST_DIM_BY_DEFAULT:
+        dims = -1  # a router's topk over the experts of each token row
+    if dims is None:  # roll of the flattened tensor, a softmax of torch's implicit dim
         return True
     rank = len(get_info(x).shapes[0])
     return dim in {d % rank for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
@@ -397,7 +403,7 @@ def linear_out_dim(node: fx.Node) -> int | None:
             dim = b if dim == a else a if dim == b else dim
         elif step == "permute":
             dim = list(operand.args[1])[dim] % len(operand.args[1])
-        elif step not in _CASTS:
+        elif step not in CAST_OPS:
             return None
         operand = operand.args[0]
     return None
@@ -458,14 +464,36 @@ def is_fp8_linear(node: fx.Node) -> str | None:
 
     The linears of the transformer layers (a layer index from capture), as
     Transformer Engine's recipe has it: the embedding and the LM head (no
-    layer) stay in the compute dtype, and so do expert stacks' grouped
-    products (`GROUPED_MM_OPS`) and linears whose weight is not one [out, in]
-    or [in, out] matrix.
+    layer) stay in the compute dtype, and so do linears whose weight is not
+    one [out, in] or [in, out] matrix. Expert stacks' grouped products are
+    `is_fp8_grouped`'s.
     """
+    if op_name(node) in GROUPED_MM_OPS:
+        return None
+    return _fp8_gemm(node)
+
+
+def is_fp8_grouped(node: fx.Node) -> str | None:
+    """Name of the expert stack of a grouped product whose GEMMs `train.dtype = fp8` runs in
+    float8, or None.
+
+    The routed experts' products of the transformer layers (`GROUPED_MM_OPS`
+    with group offsets), as Megatron-Core runs them with Transformer
+    Engine's grouped linear, whose weight operand is the stack itself, up to
+    transposes and casts, and which adds no bias and keeps its output dtype: a
+    stack sliced or reshaped on the way stays in the compute dtype.
+    """
+    if op_name(node) not in GROUPED_MM_OPS or not isinstance(_arg(node, 2, "offs"), fx.Node) \
+            or _arg(node, 3, "bias") is not None or _arg(node, 4, "out_dtype") is not None:
+        return None
+    return _fp8_gemm(node)
+
+
+def _fp8_gemm(node: fx.Node) -> str | None:
+    """`is_linear`'s path of a layer's linear whose weight is one matrix (a stack of them)."""
     path = is_linear(node)
     info = get_info(node)
-    if path is None or info is None or info.layer is None or op_name(node) in GROUPED_MM_OPS \
-            or linear_out_dim(node) is None:
+    if path is None or info is None or info.layer is None or linear_out_dim(node) is None:
         return None
     return path
 

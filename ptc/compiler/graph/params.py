@@ -9,6 +9,7 @@ from collections.abc import Collection
 import torch
 from torch import fx, nn
 
+from ptc.compiler.graph.meta import graph_record
 from ptc.compiler.graph.nodes import module_path
 from ptc.compiler.graph.stage_graphs import tied_names
 from ptc.compiler.records.ep_layout import ExpertParallelLayout
@@ -16,12 +17,29 @@ from ptc.compiler.records.params import ParamLayout, ParamSlot, ShardUnit
 from ptc.errors import CompileError
 
 
-def group_key(path: str) -> str:
-    """The unit a module path belongs to: "layers.3.attn.qkv" -> "layers.3", "head" -> "head"."""
+def group_key(path: str, blocks: str | None = None) -> str:
+    """The unit a module path belongs to: its block, where the capture found the model's
+    blocks at `blocks` ("model.layers.3.self_attn.q_proj" -> "model.layers.3" for a
+    transformers model's "model.layers"); else "layers.3.attn.qkv" -> "layers.3", "head"
+    -> "head". A block is a unit of its own, so ZeRO-3 gathers one layer's weights at a
+    time, whatever the module path leading to the blocks."""
+    if blocks and path.startswith(f"{blocks}."):
+        index = path[len(blocks) + 1:].split(".", 1)[0]
+        if index.isdigit():
+            return f"{blocks}.{index}"
     parts = path.split(".")
     if len(parts) > 1 and parts[1].isdigit():
         return ".".join(parts[:2])
     return parts[0]
+
+
+def blocks_path(gm: fx.GraphModule) -> str | None:
+    """Where the capture found the model's blocks ("model.layers"), or None in a graph ptc
+    did not capture (a hand-built test graph: its units follow `group_key`'s other rule)."""
+    try:
+        return graph_record(gm).capture.blocks_path
+    except KeyError:
+        return None
 
 
 def used_params(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, nn.Parameter]]:
@@ -52,11 +70,12 @@ def param_layout(gm: fx.GraphModule, shards: int, *, own_units: Collection[str] 
     unit_names: list[str] = []
     members: dict[str, list[nn.Parameter]] = {}
     seen: set[int] = set()
+    blocks = blocks_path(gm)
     for node in gm.graph.nodes:
         params = used_params(gm, node)
         if not params:
             continue
-        group = group_key(module_path(node) or params[0][0])
+        group = group_key(module_path(node) or params[0][0], blocks)
         for name, p in params:
             if id(p) in seen:
                 continue

@@ -10,6 +10,13 @@ No per-model tables: the structure is read off the dataflow.
   row-parallel. Key/value heads fewer than tp (tp a multiple of them) are
   replicated: their projections stay whole, and each rank keeps the heads
   its own query heads read where k and v meet them (`Sharding.kv_replicated`).
+- **Latent attention** (DeepSeek's MLA, as Megatron-Core splits it). A linear
+  whose output only feeds an attention's head projections — through a norm or
+  a split — is a low-rank down projection: replicated, each rank computes the
+  whole latent and its column-parallel up projection splits it by heads. A key
+  part of one head broadcast to every head (`expand`, the rotary key k_pe) is
+  a shared head (`SharedHead`): computed whole and expanded to the rank's own
+  heads.
 - **MLP.** A linear whose input is computed only elementwise (activations,
   products, dropout, casts) from other linears' outputs is row-parallel and
   those linears are column-parallel (both gate and up of a SwiGLU).
@@ -35,6 +42,7 @@ as opposed to parameters, buffers and what is built from them alone.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -71,6 +79,27 @@ _ROUTER_SCORES = frozenset({"softmax", "sigmoid", "log_softmax"})
 _MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
 
 
+@dataclass(frozen=True)
+class SharedHead:
+    """One head broadcast to every head of an attention (`expand` of a size-1 heads dim):
+    the rotary key that multi-head latent attention shares between its heads (DeepSeek's
+    k_pe). Each tp rank expands it to its own heads only; what it is computed from stays
+    whole on every rank and enters the tp region at `entries` (through `copy_to_tp`, so
+    that the gradients of the ranks' heads are summed before they leave it)."""
+
+    expand: fx.Node
+    """The broadcast: its heads size becomes the rank's heads count."""
+    projection: str
+    """The linear the rest of those keys (or values) come from: the broadcast is split with
+    it, and kept whole when a rule keeps it whole."""
+    entries: tuple[fx.Node, ...]
+    """The nodes whose values enter the tp region: the first ones computed for the broadcast
+    alone (the shared piece split off a down projection's output), in graph order."""
+    readers: frozenset[fx.Node]
+    """The nodes that read the entries' values in the region, between them and the
+    broadcast, the broadcast included."""
+
+
 @dataclass
 class Sharding:
     """How each linear and embedding is split, and the nodes the rewrite needs."""
@@ -89,6 +118,8 @@ class Sharding:
     loss_heads: dict[fx.Node, str] = field(default_factory=dict)
     """Cross-entropy node -> the module path of the linear its logits come from (the loss
     is vocabulary-parallel while that head's style is "vocab")."""
+    shared_heads: list[SharedHead] = field(default_factory=list)
+    """Parts of the attentions' keys or values that one head gives all heads."""
 
     def nodes_of(self, gm: fx.GraphModule, style: str) -> list[fx.Node]:
         """Linear / embedding nodes whose module has `style`, in graph order."""
@@ -123,6 +154,8 @@ class _Finder:
         self.linears = {n: p for n in gm.graph.nodes if (p := is_linear(n))}
         self.embeddings = {n: p for n in gm.graph.nodes if (p := is_embedding(n))}
         self.data = _data_nodes(gm)
+        self.broadcasts = [n for n in gm.graph.nodes
+                           if n in self.data and _broadcasts_one_head(n)]
         self.order = _order(gm)  # the finder only reads the graph: one index for every sort
         self.failures: dict[str, str] = {}  # linear path -> why it could not be split
         self.blocker: fx.Node | None = None  # the op the last failed trace stopped at
@@ -155,12 +188,17 @@ class _Finder:
                 found.styles[path], found.why[path] = VOCAB, "LM head (its logits reach the loss)"
                 found.loss_heads[node] = path
 
-    def _per_logit(self, node: fx.Node) -> bool:
-        """Whether `node` transforms each logit by itself: an elementwise op whose other
-        operands are constants (Gemma 2's soft-capping: logits / c, tanh, * c)."""
+    def _elementwise_alone(self, node: fx.Node) -> bool:
+        """Whether `node` is elementwise on one activation: its other operands are
+        parameters, buffers or constants."""
         meta = get_info(node)
         return meta is not None and meta.kind in ("pointwise", "activation") and \
-            sum(a in self.data for a in node.all_input_nodes) == 1 and \
+            sum(a in self.data for a in node.all_input_nodes) == 1
+
+    def _per_logit(self, node: fx.Node) -> bool:
+        """Whether `node` transforms each logit by itself: an elementwise op whose other
+        operands are scalars (Gemma 2's soft-capping: logits / c, tanh, * c)."""
+        return self._elementwise_alone(node) and \
             all(a not in self.data and not node_shape(a) for a in node.all_input_nodes[1:])
 
     # ------------------------------------------------------------- attention
@@ -171,25 +209,13 @@ class _Finder:
             parts = attention_parts(node)
             if parts is None:
                 continue
-            sources = []
-            head_dim = (node_shape(parts.q) or (None,))[-1]
-            for role, operand in (("q", parts.q), ("k", parts.k), ("v", parts.v)):
-                reached = self._trace_back(operand, _HEAD_OPS, stop=self.linears,
-                                           also=lambda n: _per_head(n, head_dim))
-                shape = node_shape(operand)
-                if shape is not None and len(shape) >= 3:
-                    heads.add(shape[-3])
-                if len(reached) != 1:
-                    why = self._why_not_heads(role, node, reached)
-                    whole = [lin for x in (parts.q, parts.k, parts.v) for lin in self._trace_back(
-                        x, frozenset(), stop=self.linears, also=lambda n: True)]
-                    self._fail_all(whole + [self._trace_forward(node, _MERGE_OPS)], why)
-                    sources = None
-                    break
-                sources.append(reached[0])
+            heads.update(shape[-3] for shape in map(node_shape, (parts.q, parts.k, parts.v))
+                         if shape is not None and len(shape) >= 3)
+            traced = self._head_sources(node, parts)
             out = self._trace_forward(node, _MERGE_OPS)
-            if sources is None or out is None:
+            if traced is None or out is None:
                 continue
+            sources, shared = traced
             kv_heads = self._kv_heads(parts, sources)
             uneven = self._uneven_heads(parts, sources, kv_heads)
             if uneven:
@@ -209,7 +235,77 @@ class _Finder:
                     found.why[path] = "attention q/k/v (split by heads)"
             path = self.linears[out]
             found.styles[path], found.why[path] = ROWWISE, "attention output projection"
+            found.shared_heads.extend(self._shared_head(expand, self.linears[src])
+                                      for expand, src in shared.items())
+            self._down_projections(found, {*sources, *shared})
         found.heads = frozenset(heads)
+
+    def _head_sources(self, attention: fx.Node,
+                      parts) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
+        """The one linear each of q, k and v comes from through ops that keep heads apart,
+        and the one-head broadcasts (`SharedHead`) the keys or values also take a part from,
+        each with the linear of its role; None, with the failure recorded for the linears
+        involved, when they do not."""
+        q = node_shape(parts.q)
+        stop = self.linears | {b: "" for b in self.broadcasts
+                               if q is not None and _broadcast_to(b, q)}
+        sources, shared = [], {}
+        for role, operand in (("q", parts.q), ("k", parts.k), ("v", parts.v)):
+            reached = self._trace_back(operand, _HEAD_OPS, stop=stop,
+                                       also=lambda n: _per_head(n, (q or (None,))[-1]))
+            linears = [n for n in reached if n in self.linears]
+            if len(linears) != 1:
+                why = self._why_not_heads(role, attention, reached)
+                whole = [lin for x in (parts.q, parts.k, parts.v) for lin in self._trace_back(
+                    x, frozenset(), stop=self.linears, also=lambda n: True)]
+                self._fail_all(whole + [self._trace_forward(attention, _MERGE_OPS)], why)
+                return None
+            sources.append(linears[0])
+            shared.update((n, linears[0]) for n in reached if n not in self.linears)
+        return sources, shared
+
+    def _shared_head(self, expand: fx.Node, projection: str) -> SharedHead:
+        """The broadcast `expand` with what enters the tp region on its way: the values that
+        the nodes computed for it alone read from elsewhere (a piece of a split is taken
+        whole: its getitem enters, not the split)."""
+        readers = self._feeders({expand}) | {expand}
+        entries = {n if op_name(n) == "getitem" else a for n in readers
+                   for a in n.all_input_nodes if a in self.data and a not in readers}
+        return SharedHead(expand=expand, projection=projection,
+                          entries=tuple(sorted(entries, key=self.order)),
+                          readers=frozenset(readers))
+
+    def _down_projections(self, found: Sharding, targets: set[fx.Node]) -> None:
+        """Replicate the linears computed only for an attention's head projections and shared
+        heads (`targets`): the low-rank down projections of multi-head latent attention, whose
+        latent every rank computes whole (as Megatron-Core's MLA does)."""
+        for node in sorted(self._feeders(targets) & self.linears.keys(), key=self.order):
+            path = self.linears[node]
+            if path not in found.styles:
+                found.styles[path] = REPLICATE
+                found.why[path] = "low-rank projection into an attention's heads (replicated)"
+
+    def _feeders(self, targets: set[fx.Node]) -> set[fx.Node]:
+        """The data nodes computed for `targets` alone (every use of each leads to one of
+        them), back from the targets' inputs to the linears that begin them, included."""
+        inside, queued, heap = set(targets), set(), []
+
+        def queue_inputs(node: fx.Node) -> None:
+            for a in node.all_input_nodes:
+                if a in self.data and a not in queued:
+                    queued.add(a)
+                    heapq.heappush(heap, (-self.order(a), a))
+
+        for target in targets:
+            queue_inputs(target)
+        while heap:  # latest first: a node's users are decided before it
+            _, node = heapq.heappop(heap)
+            if node in inside or not all(u in inside for u in node.users if u in self.data):
+                continue
+            inside.add(node)
+            if node not in self.linears:
+                queue_inputs(node)
+        return inside - targets
 
     def _why_not_heads(self, role: str, attention: fx.Node, reached: list[fx.Node]) -> str:
         if reached:
@@ -222,9 +318,12 @@ class _Finder:
 
     def _kv_heads(self, parts, sources: list[fx.Node]) -> int:
         """Key/value heads of an attention, from its k projection's features (the attention
-        may see them repeated to the query heads); a fused qkv holds them besides q's."""
+        may see them repeated to the query heads); a fused qkv holds them besides q's, a
+        fused kv (MLA's up projection) says them by the heads its output is viewed as."""
         q, k = node_shape(parts.q), node_shape(parts.k)
         heads, head_dim = q[-3], q[-1]
+        if sources[1] is sources[2] is not sources[0]:
+            return _viewed_heads(sources[1]) or k[-3]
         features = node_shape(sources[1])[-1]
         if sources[1] is sources[0]:
             features = (features - heads * head_dim) // 2
@@ -275,11 +374,12 @@ class _Finder:
                 self.failures.setdefault(path, self._why_not(node))
 
     def _routes(self, node: fx.Node) -> bool:
-        """Whether a linear's output reaches a top-k through casts and a softmax or
-        sigmoid: a mixture-of-experts router, which stays whole."""
+        """Whether a linear's output reaches a top-k through casts, a softmax or sigmoid
+        and elementwise ops with constants (DeepSeek's per-expert correction bias): a
+        mixture-of-experts router, which stays whole."""
         def onward(n: fx.Node) -> list[fx.Node]:
-            return [u for u in n.users
-                    if op_name(u) in TRANSPARENT_OPS or op_name(u) in _ROUTER_SCORES]
+            return [u for u in n.users if op_name(u) in TRANSPARENT_OPS
+                    or op_name(u) in _ROUTER_SCORES or self._elementwise_alone(u)]
 
         return any(op_name(u) == "topk" for n in walk([node], onward) for u in n.users)
 
@@ -372,6 +472,35 @@ def _splits_features(node: fx.Node) -> bool:
     shape = node_shape(node.args[0])
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     return shape is not None and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
+
+
+def _broadcasts_one_head(node: fx.Node) -> bool:
+    """Whether `node` expands a size-1 dim third from the end ([.., 1, s, d] -> [.., h, s, d]):
+    one head given to every head."""
+    if op_name(node) != "expand" or not node.args:
+        return False
+    before, after = node_shape(node.args[0]), node_shape(node)
+    return before is not None and after is not None and len(before) == len(after) >= 3 and \
+        before[-3] == 1 < after[-3]
+
+
+def _broadcast_to(node: fx.Node, q: tuple[int, ...]) -> bool:
+    """Whether the one-head broadcast `node` gives its head to as many heads as the
+    attention's queries `q` [.., heads, s, d] have, in the same layout."""
+    shape = node_shape(node)
+    return len(shape) == len(q) and shape[-3] == q[-3]
+
+
+def _viewed_heads(projection: fx.Node) -> int | None:
+    """The heads a projection's output is viewed as: dim -2 of a reshape of its features F
+    into [.., heads, F / heads] (None when it has none)."""
+    features = node_shape(projection)[-1]
+    for user in projection.users:
+        shape = node_shape(user)
+        if op_name(user) in ("view", "reshape") and shape is not None and len(shape) >= 2 and \
+                shape[-2] * shape[-1] == features and shape[-2] > 1:
+            return shape[-2]
+    return None
 
 
 def _per_head(node: fx.Node, head_dim: int | None) -> bool:
@@ -511,7 +640,7 @@ def _override(gm: fx.GraphModule, found: Sharding, rules: tuple[ShardRule, ...],
               failures: dict[str, str]) -> set[str]:
     """Give each linear, embedding and norm the style of the last rule matching its path
     (a norm: replicate only); the patterns that matched. A path a rule places leaves
-    `failures`."""
+    `failures`; a shared head whose projection it keeps whole stays whole with it."""
     paths = {p for n in gm.graph.nodes if (p := _module(n))}
     embeddings = {p for n in gm.graph.nodes if (p := is_embedding(n))}
     heads = {p for p, s in found.styles.items() if s == VOCAB and p not in embeddings}
@@ -537,4 +666,6 @@ def _override(gm: fx.GraphModule, found: Sharding, rules: tuple[ShardRule, ...],
         found.styles[path], found.why[path] = style, f"rule \"{rule.pattern}\" {rule.style}"
         found.kv_replicated.discard(path)
         failures.pop(path, None)
+    found.shared_heads = [shared for shared in found.shared_heads
+                          if found.styles.get(shared.projection) == COLWISE]
     return used

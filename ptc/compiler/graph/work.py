@@ -12,6 +12,9 @@ Terms, per op (one aten call):
 - *dispatched op*: every aten call, views included: what the host pays a
   dispatch for (`Work.ops`);
 - *GEMM*: mm, addmm, bmm, baddbmm; its FLOPs 2·batch·m·n·k (`Work.gemm`);
+  a grouped product of routed experts (`_grouped_mm`, transformers'
+  fallback op) too: 2·m·n·k over its groups' rows (its weight gradient,
+  whose operands are both rows, contracts each row once, not once per group);
 - *attention kernel*: `scaled_dot_product_attention` without dropout runs as
   a fused flash kernel: forward 4·b·a·s_q·s_kv·d FLOPs (`flops.sdpa_flops`),
   backward 2.5 times that — flash attention's backward runs five of the
@@ -63,7 +66,8 @@ FLASH_BACKWARD = 2.5
 (the scores recomputed, dV, dP, dQ, dK) against the forward's two (Dao 2023,
 FlashAttention-2, section 3.1.2)."""
 
-_GEMMS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
+_GEMMS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_grouped_mm": 0,
+          "grouped_mm_fallback": 0}
 """aten GEMM name -> index of its left operand in the call's arguments."""
 _LOOKUPS = frozenset({"embedding", "index_select", "gather", "nll_loss_forward",
                       "nll_loss2d_forward"})
@@ -148,9 +152,10 @@ def op_work(func, args: tuple, kwargs: dict, out) -> Work:
     if _is_view(func):
         return Work(ops=1)
     if name in _GEMMS:
-        left = args[_GEMMS[name]]
+        left, right = args[_GEMMS[name]], args[_GEMMS[name] + 1]
         out_t = out if isinstance(out, torch.Tensor) else tree_leaves(out)[0]
-        return Work(gemm=2.0 * out_t.numel() * left.shape[-1], ops=1)
+        groups = out_t.shape[0] if left.dim() == right.dim() == 2 < out_t.dim() else 1
+        return Work(gemm=2.0 * out_t.numel() * left.shape[-1] / groups, ops=1)
     tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     if name in _LOOKUPS:
@@ -170,11 +175,14 @@ def gemm_call(func, args: tuple, params: dict[int, tuple[tuple[str, ...], torch.
     batch = a.shape[0] if a.dim() == 3 else 1
     call = GemmCall(batch=batch, m=a.shape[-2], n=b_.shape[-1], k=a.shape[-1])
     for operand, gemm_dims in ((a, ("m", "k")), (b_, ("k", "n"))):
-        found = params.get(operand.untyped_storage()._cdata) if operand.dim() == 2 else None
+        # A weight matrix, or a stack of experts' (each group's product reads one).
+        found = params.get(operand.untyped_storage()._cdata) if operand.dim() in (2, 3) \
+            else None
         if found is None:
             continue
         param_names, p = found
-        dims = tuple((g, d) for g, size, stride in zip(gemm_dims, operand.shape, operand.stride())
+        dims = tuple((g, d) for g, size, stride in zip(gemm_dims, operand.shape[-2:],
+                                                        operand.stride()[-2:])
                      for d in range(p.dim()) if p.shape[d] == size and p.stride(d) == stride)
         return dataclasses.replace(call, param=param_names, param_dims=dims)
     return call

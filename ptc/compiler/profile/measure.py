@@ -9,14 +9,14 @@ import torch.fx
 from ptc.compiler.graph.activations import saved_and_output_storages
 from ptc.compiler.graph.gemm_tiles import split_dim
 from ptc.compiler.graph.meta import get_info
-from ptc.compiler.graph.nodes import attention_parts, is_fp8_linear, linear_out_dim, linear_weight
+from ptc.compiler.graph.nodes import attention_parts, linear_in_dim, linear_out_dim, linear_weight
 from ptc.compiler.graph.recompute_regions import (EXTRA_POLICIES, attention_cores, is_matmul,
                                                   recompute_regions)
 from ptc.compiler.graph.tp_structure import COLWISE, ROWWISE, VOCAB, Sharding
 from ptc.compiler.graph.work import GemmCall, graph_work
 from ptc.compiler.profile.classes import (kv_nodes, linear_styles, saved_whole, sp_moves,
                                           tp_sharded, whole_under_sp)
-from ptc.compiler.profile.fp8 import fp8_casts, fp8_linears as find_fp8_linears, kept_as, \
+from ptc.compiler.profile.fp8 import fp8_casts, fp8_gemms as find_fp8_gemms, kept_as, \
     with_fp8_copies
 from ptc.compiler.profile.regions import (boundary_nodes, layer_nodes, meta_inputs, node_regions,
                                           placeholder_names)
@@ -40,11 +40,11 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
     placeholders = placeholder_names(gm)
     storages, outputs = saved_and_output_storages(gm, meta_inputs(gm),
                                                   held=boundary_nodes(gm, region))
-    fp8_linears = find_fp8_linears(gm, fp8)
+    fp8_gemms = find_fp8_gemms(gm, fp8)
     for st in storages:
-        nbytes = with_fp8_copies(st, fp8_linears)
+        nbytes = with_fp8_copies(st, fp8_gemms)
         cls = "tp" if st.producer in sharded else "seq"
-        split_scales = kept_as(st, fp8_linears, st.savers)[2] if cls == "tp" else 0
+        split_scales = kept_as(st, fp8_gemms, st.savers)[2] if cls == "tp" else 0
         # A graph input (targets) belongs where it is used.
         r = region[st.savers[0] if st.producer in placeholders and st.savers
                    else st.producer]
@@ -60,7 +60,7 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
             targets = (r,)
         # Selective recompute drops what the core saves of what it makes; a saver after the
         # core still keeps the storage (or, a float8 GEMM, its own copy of it).
-        dropped = nbytes - with_fp8_copies(st, fp8_linears, [x for x in st.savers
+        dropped = nbytes - with_fp8_copies(st, fp8_gemms, [x for x in st.savers
                                                               if x not in core]) \
             if st.producer in core else 0
         kept_whole = st.producer in placeholders or saved_whole(st, whole)
@@ -92,7 +92,7 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
     whole_keys = {st.key for st in storages if saved_whole(st, whole)} | {
         key for name in whole for key in outputs.get(name, {})}
     out.update(_policy_terms(gm, storages, outputs, region, sharded, kv_path, sharding,
-                             whole_keys, fp8_linears))
+                             whole_keys, fp8_gemms))
     out.update({f"{r}.flops": 0 for r in ("pre", "layer", "post", "core", "kv", "fp8")})
     for n in gm.graph.nodes:
         info = get_info(n)
@@ -102,14 +102,14 @@ def measure_saved(gm: torch.fx.GraphModule, sharding: Sharding, *,
                 out["core.flops"] += info.flops
             if n.name in kv_path and region[n.name] == "layer":
                 out["kv.flops"] += info.flops
-            if n.name in fp8_linears and region[n.name] == "layer":
+            if n.name in fp8_gemms and region[n.name] == "layer":
                 out["fp8.flops"] += info.flops
     return out
 
 
 def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str, str],
                   sharded: set[str], kv_path: set[str], sharding: Sharding,
-                  whole_keys: set[int], fp8_linears: set[str]) -> dict[str, int]:
+                  whole_keys: set[int], fp8_gemms: set[str]) -> dict[str, int]:
     """Per policy of EXTRA_POLICIES layer 0 can take: the bytes of the storages layer 0
     makes that stay kept under it, by class (`{policy}.tp`, `.seq`, `.kv`, `.whole`), the
     FLOPs it recomputes (`.flops`), whether a region reads the layer's input (`.holds`) and
@@ -143,7 +143,7 @@ def _policy_terms(gm: torch.fx.GraphModule, storages, outputs, region: dict[str,
             after = [x for x in st.savers if x not in inside]
             if not after:
                 continue
-            whole, copy_bytes, split = kept_as(st, fp8_linears, after)
+            whole, copy_bytes, split = kept_as(st, fp8_gemms, after)
             if whole:
                 whole_kept[st.key] = (st.nbytes, st.producer)
             if copy_bytes:
@@ -209,6 +209,7 @@ def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: str | Non
     styles = linear_styles(gm, sharding)
     split = sharded | {name for name, style in styles.items() if style == ROWWISE}
     whole = whole_under_sp(gm, sharded)
+    fp8_gemms = find_fp8_gemms(gm, fp8)
     out = {f"work.{r}.{ph}.{q}.{c}": 0 for r in WORK_REGIONS for ph in ("fwd", "bwd")
            for q in WORK_QUANTITIES for c in WORK_CLASSES if q not in COUNTS or c == "all"}
     out.update({f"work.{rerun_region(p)}.fwd.{q}.{c}": 0 for p in reruns
@@ -229,8 +230,9 @@ def measure_work(gm: torch.fx.GraphModule, sharding: Sharding, *, fp8: str | Non
                              ("bwd", node_work.backward, node_work.backward_gemms)):
             values = {"gemm": w.gemm, "attn": w.attention, "mem": w.memory,
                       "fmem": w.fused_memory, "ops": w.ops, "kern": w.kernels}
-            if fp8 and name in nodes and is_fp8_linear(nodes[name]) and node_work.forward_gemms:
-                for q, value in fp8_casts(node_work.forward_gemms[0], ph, fp8).items():
+            if name in fp8_gemms and node_work.forward_gemms:
+                for q, value in fp8_casts(node_work.forward_gemms[0], ph, fp8,
+                                          fp8_gemms.experts.get(name, 1)).items():
                     values[q] += value
             shaped = [(call, frozenset(classes) - {"all"}, split_dim(call, *split_by))
                       for call in calls]
@@ -254,7 +256,7 @@ def _split_weight(gm: torch.fx.GraphModule, node: torch.fx.Node, style: str | No
         shape = tuple(gm.get_parameter(weight).shape)
     except AttributeError:
         return None, None, None
-    return weight, out_dim if style != ROWWISE else 1 - out_dim, shape
+    return weight, out_dim if style != ROWWISE else linear_in_dim(node), shape
 
 
 def rerun_region(policy: str) -> str:

@@ -155,8 +155,9 @@ class ModelProfile:
     """Forward FLOPs of one layer's key/value path (its projections, RoPE on k): divided
     by `kv_divisor` rather than tp."""
     fp8_flops: sympy.Expr
-    """Forward FLOPs of one layer's float8 GEMMs (`nodes.is_fp8_linear`) when profiled for
-    train dtype "fp8", else 0."""
+    """Forward FLOPs of one layer's float8 GEMMs (`nodes.is_fp8_linear`, and its routed
+    experts' grouped products, `nodes.is_fp8_grouped`) when profiled for train dtype "fp8",
+    else 0."""
     work: dict[str, sympy.Expr]
     """What each region asks of the device per micro-batch (`ptc.compiler.graph.work`), by
     "{region}.{phase}.{quantity}.{class}": region "pre", "layer", "post", "core" (the
