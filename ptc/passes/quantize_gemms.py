@@ -2,7 +2,8 @@
 
 Each linear `nodes.is_fp8_linear` picks (those of the transformer layers;
 not the embedding or the LM head, which Transformer Engine also keeps in
-bf16) becomes
+bf16, nor a mixture of experts' router, which Megatron-Core keeps in high
+precision) becomes
 
     fp8_linear(x, weight, bias, scaling)
 

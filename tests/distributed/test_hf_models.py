@@ -72,7 +72,7 @@ import pytest
 from dist_helpers import assert_same_training, reference
 from hf_helpers import HFCase, hf_module, hf_plan, run_hf_cases
 
-from ptc.errors import CompileError
+from ptc.errors import CaptureError, CompileError
 from ptc.lower.driver import compile_plan
 from ptc.runtime.launcher import run_local
 
@@ -121,11 +121,9 @@ LAUNCHES = {"layouts": [
     # its output scattered back (a shared expert beside them in Qwen2-MoE)
     HFCase("mixtral", tp=2, sp=True), HFCase("qwen2_moe", tp=2, sp=True),
     # with context parallelism: each rank routes the token rows of its chunks, grouped by
-    # expert and put back on the rank (with ep: exchanged between the two cp ranks); the
-    # routers' load-balancing loss is left out of the loss transformers returns without
-    # labels, here as in eager PyTorch
+    # expert and put back on the rank (with ep: exchanged between the two cp ranks); a
+    # load-balancing loss in the model's own loss: tests/distributed/test_cp_equivalence.py
     HFCase("mixtral", cp=2), HFCase("qwen3_moe", cp=2), HFCase("mixtral", cp=2, ep=2),
-    HFCase("mixtral", cp=2, config=(("output_router_logits", True),)),
 ], "families": [
     # more families: soft-capping (Gemma 2), shared experts behind a scalar gate
     # (Qwen2-MoE), a per-head interleaved qkv (GPT-NeoX), dropout on flattened token rows
@@ -237,6 +235,17 @@ def test_trains_like_eager_pytorch(launch: str, case: HFCase) -> None:
 def _assert_refused(case: HFCase, pattern: str) -> None:
     """Compiling `case` is a CompileError whose text matches `pattern`."""
     with pytest.raises(CompileError, match=pattern):
+        compile_plan(hf_plan(case), model=hf_module(case))
+
+
+def test_a_loss_term_the_appended_loss_would_drop_is_refused() -> None:
+    """transformers adds the routers' load-balancing loss (`output_router_logits`) to its
+    loss only when given labels; ptc appends its cross-entropy to the logits, which would
+    train without it: refused in one line saying what to do (a model whose forward returns
+    its whole loss trains it: `mixtral_router_loss`)."""
+    case = HFCase("mixtral", dp=2, config=(("output_router_logits", True),))
+    with pytest.raises(CaptureError, match=r"^model MixtralForCausalLM: its forward returns "
+                       r"'aux_loss', a loss term .* output_router_logits = False"):
         compile_plan(hf_plan(case), model=hf_module(case))
 
 

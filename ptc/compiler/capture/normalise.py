@@ -10,7 +10,10 @@ floating [b, s, V] tensor (largest V); the *model's loss* is the output
 named "loss", else its 0-d floating tensor. With `with_loss`, the graph
 returns the model's own loss when forward took targets, else the mean
 cross-entropy of logits[b·s, V] against targets[b·s] appended to the graph
-(module path "", so every other node keeps the user's module path).
+(module path "", so every other node keeps the user's module path). A model
+that then returns another loss term by name (a mixture of experts' "aux_loss"
+with transformers' `output_router_logits`, which the library adds to its loss
+only when given labels) is refused: the appended loss would train without it.
 
 Job: rewrite a door's graph to that convention and propagate shapes
 through the result.
@@ -75,6 +78,7 @@ def normalise_io(graph: fx.Graph, call: CallRule, evaluator: Evaluator, out_spec
         if logits is None:
             raise CaptureError(no_logits_message(model_name, _named_leaves(structure),
                                                  evaluator, b, s))
+        _refuse_loss_terms(structure, model_name)
         if targets is None:
             with graph.inserting_after(tokens):
                 targets = graph.placeholder("targets")
@@ -115,6 +119,20 @@ def _named_leaves(obj, name: str = ""):
     elif hasattr(obj, "__dataclass_fields__"):
         for key in obj.__dataclass_fields__:
             yield from _named_leaves(getattr(obj, key), key)
+
+
+def _refuse_loss_terms(structure, model_name: str) -> None:
+    """CaptureError naming the outputs called "..._loss" (other than "loss") that the
+    appended cross-entropy would leave out of training."""
+    terms = sorted({name for name, _ in _named_leaves(structure)
+                    if name.endswith("_loss")})
+    if terms:
+        raise CaptureError(
+            f"model {model_name}: its forward returns {', '.join(repr(t) for t in terms)}, a "
+            f"loss term the cross-entropy ptc appends to the logits would not train (the "
+            f"model adds it to its loss only when given labels); turn it off (transformers: "
+            f"output_router_logits = False), or have forward(tokens, targets) return the "
+            f"whole loss to train")
 
 
 def _pick_outputs(structure, evaluator: Evaluator, b: int, s: int):

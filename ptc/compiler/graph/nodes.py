@@ -465,12 +465,28 @@ def is_fp8_linear(node: fx.Node) -> str | None:
     The linears of the transformer layers (a layer index from capture), as
     Transformer Engine's recipe has it: the embedding and the LM head (no
     layer) stay in the compute dtype, and so do linears whose weight is not
-    one [out, in] or [in, out] matrix. Expert stacks' grouped products are
+    one [out, in] or [in, out] matrix, and a mixture of experts' routers
+    (`picks_experts`), which Megatron-Core keeps in high precision: their
+    scores decide where every token goes. Expert stacks' grouped products are
     `is_fp8_grouped`'s.
     """
-    if op_name(node) in GROUPED_MM_OPS:
+    if op_name(node) in GROUPED_MM_OPS or picks_experts(node):
         return None
     return _fp8_gemm(node)
+
+
+_TOWARD_TOPK = TRANSPARENT_OPS | SOFTMAX_OPS | POINTWISE_OPS | {"sigmoid"}
+"""Ops a router's logits pass on their way to the top-k choice of experts (casts, a softmax
+or sigmoid, a correction bias, a scale)."""
+
+
+def picks_experts(node: fx.Node) -> bool:
+    """Whether `node`'s output reaches a top-k through element-wise ops only: a mixture of
+    experts' router, whose scores choose each token's experts."""
+    def onward(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if op_name(u) in _TOWARD_TOPK]
+
+    return any(op_name(u) == "topk" for n in walk([node], onward) for u in n.users)
 
 
 def is_fp8_grouped(node: fx.Node) -> str | None:
