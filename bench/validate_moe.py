@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ptc.compiler.profile.cache import with_model_shape  # noqa: E402
 from ptc.compiler.search.estimate import estimate  # noqa: E402
-from ptc.compiler.shapes import even_cut  # noqa: E402
+from ptc.compiler.shapes import even_cut, hardware_for  # noqa: E402
 from ptc.errors import PtcError  # noqa: E402
-from ptc.plan import (HardwareSpec, ModelSpec, OptimizerSpec, ParallelSpec, Plan,  # noqa: E402
-                      RuntimeSpec, TrainSpec)
+from ptc.plan import (ModelSpec, OptimizerSpec, ParallelSpec, Plan, RuntimeSpec,  # noqa: E402
+                      TrainSpec)
 from validate_cost_model import error_summary  # noqa: E402
 from validate_out_of_sample import RECIPES, pair_order  # noqa: E402
 
@@ -259,11 +259,8 @@ def build(row: Row) -> Plan:
     layers, config = CONFIGS[row.model]
     model = ModelSpec(family="custom", factory="ptc.models.transformers_config:from_config",
                       kwargs={**config, "num_hidden_layers": 2})
-    per_node = 64 if row.system.startswith("DGX-GB") and row.gpus > 72 else None
-    probe = HardwareSpec.preset(SYSTEMS[row.system])
-    per_node = min(per_node or probe.gpus_per_node, row.gpus)
-    hardware = HardwareSpec.preset(SYSTEMS[row.system], nodes=row.gpus // per_node,
-                                   gpus_per_node=per_node)
+    rack = 64 if row.system.startswith("DGX-GB") and row.gpus > 72 else None
+    hardware = hardware_for(SYSTEMS[row.system], row.gpus, rack)
     dp = row.gpus // (row.tp * row.pp * row.cp)
     cut = even_cut(layers, row.pp) if layers % (row.pp * row.vp) == 0 else {
         "first_stage_layers": (layers + 2) // row.pp - 1,

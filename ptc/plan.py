@@ -13,7 +13,9 @@ All quantities are in base units: bytes, bytes/s, FLOP/s, seconds.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -484,6 +486,20 @@ class HardwareSpec(_Section):
         if dtype in self.gemm_flops:
             return self.gemm_flops[dtype]
         return self.peak_flops[dtype] * self.achievable_fraction * self.clock_share
+
+
+def _profiled_imbalance(path: str) -> float | None:
+    """The routing imbalance the profile at `path` measured (None: it has none), read once per
+    version of the file: the estimate asks for it at every pipeline cut it prices."""
+    return _imbalance_of(path, os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _imbalance_of(path: str, version: int) -> float | None:
+    from ptc.hwprofile import load_profile  # noqa: PLC0415 - only plans naming one need it
+
+    routing = load_profile(path).routing
+    return None if routing is None else routing.imbalance
 
 
 def profile_fields(path: str) -> dict[str, Any]:
@@ -1141,11 +1157,9 @@ class Plan:
         if self.moe.imbalance is not None:
             return float(self.moe.imbalance)
         if self.hardware.profile:
-            from ptc.hwprofile import load_profile  # noqa: PLC0415 - only plans naming one
-
-            routing = load_profile(self.hardware.profile).routing
-            if routing is not None:
-                return routing.imbalance
+            measured = _profiled_imbalance(self.hardware.profile)
+            if measured is not None:
+                return measured
         return 1.0
 
     def __post_init__(self) -> None:

@@ -37,6 +37,21 @@ def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab:
     model = ModelSpec(family=family, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                       ffn=ffn, kv_heads=kv_heads, max_seq=seq_len, tied_embeddings=tied_embeddings,
                       dropout=dropout)
+    hardware = hardware_for(gpu, num_gpus, gpus_per_node)
+    if dp == "auto" and tp != "auto" and pp != "auto":
+        dp = num_gpus // (tp * pp)
+    return Plan(model=model, hardware=hardware,
+                parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, **parallel),
+                train=TrainSpec(seq_len=seq_len, global_batch=global_batch,
+                                micro_batch=micro_batch, dtype=dtype,
+                                optimizer=OptimizerSpec(name=optimizer)))
+
+
+def hardware_for(gpu: str | HardwareSpec, num_gpus: int,
+                 gpus_per_node: int | None = None) -> HardwareSpec:
+    """`num_gpus` GPUs of a preset (or of a HardwareSpec, its node count recomputed), in whole
+    nodes of `gpus_per_node` (the preset's, or fewer when `num_gpus` is fewer): a 256-GPU run
+    on 72-GPU NVL72 racks says the 64 per rack it uses."""
     if isinstance(gpu, HardwareSpec):
         per_node = gpus_per_node or gpu.gpus_per_node
         hardware = HardwareSpec(**{**{f: getattr(gpu, f) for f in gpu.__dataclass_fields__},
@@ -49,13 +64,7 @@ def plan_from_shape(*, family: str, layers: int, hidden: int, heads: int, vocab:
     if num_gpus % hardware.gpus_per_node:
         raise ValueError(f"num_gpus({num_gpus}) is not a multiple of gpus_per_node"
                          f"({hardware.gpus_per_node}); pass the gpus_per_node the run uses")
-    if dp == "auto" and tp != "auto" and pp != "auto":
-        dp = num_gpus // (tp * pp)
-    return Plan(model=model, hardware=hardware,
-                parallel=ParallelSpec(tp=tp, pp=pp, dp=dp, **parallel),
-                train=TrainSpec(seq_len=seq_len, global_batch=global_batch,
-                                micro_batch=micro_batch, dtype=dtype,
-                                optimizer=OptimizerSpec(name=optimizer)))
+    return hardware
 
 
 def even_cut(layers: int, pp: int) -> dict[str, int]:

@@ -136,8 +136,8 @@ class RoutedTokens(Session):
     def __init__(self) -> None:
         self.counts: list[torch.Tensor] = []
         """Per dispatch, in call order: rows per expert [E], summed over the ep group."""
-        self.loads: list[float] = []
-        """Per dispatch: the rows the busiest ep rank's experts received over the mean."""
+        self.ranks: list[int] = []
+        """Per dispatch: the ep ranks its experts were shared out over."""
         self.dropped: int | None = None
         """Rows dropped over the experts' capacity (`ptc.ops.expert_capacity`), this rank's;
         None where no capacity applies."""
@@ -148,11 +148,8 @@ class RoutedTokens(Session):
 
     def add(self, route: torch.Tensor) -> None:
         """Count one dispatch's route ([ep, E] rows per source rank and expert)."""
-        per_expert = route.sum(0)
-        self.counts.append(per_expert)
-        per_rank = per_expert.view(route.shape[0], -1).sum(1).double()
-        if per_rank.sum() > 0:
-            self.loads.append(float(per_rank.max() / per_rank.mean()))
+        self.counts.append(route.sum(0))
+        self.ranks.append(route.shape[0])
 
     def spread(self) -> tuple[float, ...]:
         """(min, mean, max) rows an expert received in one layer's dispatch of one
@@ -163,9 +160,13 @@ class RoutedTokens(Session):
         return float(every.min()), float(every.mean()), float(every.max())
 
     def imbalance(self) -> float | None:
-        """The rows the busiest ep rank received over the mean, averaged over dispatches
-        (what `moe.imbalance` prices); None when nothing was dispatched."""
-        return sum(self.loads) / len(self.loads) if self.loads else None
+        """The rows the busiest ep rank received over the mean, averaged over the dispatches
+        that moved rows (what `moe.imbalance` prices); None when none did. Read once a step,
+        so the forwards never wait for the device."""
+        loads = [per_rank.max() / per_rank.mean() for per_rank in (
+            counts.view(ranks, -1).sum(1).double() for counts, ranks in zip(self.counts, self.ranks))
+            if per_rank.sum() > 0]
+        return float(torch.stack(loads).mean()) if loads else None
 
 
 def _check_rows(x: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:

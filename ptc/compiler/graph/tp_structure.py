@@ -52,7 +52,7 @@ from torch import fx
 from ptc.compiler.graph.meta import get_info, graph_info
 from ptc.compiler.graph.nodes import (CROSS_ENTROPY_OPS, DROPOUT_OPS, TRANSPARENT_OPS,
                                       attention_parts, is_embedding, is_linear, node_shape,
-                                      op_name, walk)
+                                      op_name, picks_experts, walk)
 from ptc.errors import CompileError
 from ptc.plan import Plan, ShardRule
 
@@ -73,8 +73,6 @@ _HEAD_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {
 _HEAD_REDUCTIONS = frozenset({"mean", "var", "sum", "norm", "rms_norm", "layer_norm"})
 # Ops between an MLP's projections: elementwise only.
 _ELEMENTWISE_KINDS = frozenset({"activation", "pointwise", "dropout"})
-# Ops from a router's logits to its top-k choice of experts.
-_ROUTER_SCORES = frozenset({"softmax", "sigmoid", "log_softmax"})
 # Ops from an attention's output to its output projection: the heads merge.
 _MERGE_OPS = TRANSPARENT_OPS | DROPOUT_OPS | {"getitem"}
 
@@ -366,22 +364,12 @@ class _Finder:
                 found.styles[p], found.why[p] = COLWISE, f"MLP input projection of {path}"
             found.styles[path], found.why[path] = ROWWISE, "MLP output projection"
         for node, path in self.linears.items():
-            if path not in found.styles and self._routes(node):
+            if path not in found.styles and picks_experts(node):
                 found.styles[path], found.why[path] = REPLICATE, "MoE router (its scores pick experts)"
             elif path not in found.styles and (node_shape(node) or (0,))[-1] == 1:
                 found.styles[path], found.why[path] = REPLICATE, "a scalar gate (one output feature)"
             elif path not in found.styles:
                 self.failures.setdefault(path, self._why_not(node))
-
-    def _routes(self, node: fx.Node) -> bool:
-        """Whether a linear's output reaches a top-k through casts, a softmax or sigmoid
-        and elementwise ops with constants (DeepSeek's per-expert correction bias): a
-        mixture-of-experts router, which stays whole."""
-        def onward(n: fx.Node) -> list[fx.Node]:
-            return [u for u in n.users if op_name(u) in TRANSPARENT_OPS
-                    or op_name(u) in _ROUTER_SCORES or self._elementwise_alone(u)]
-
-        return any(op_name(u) == "topk" for n in walk([node], onward) for u in n.users)
 
     def _elementwise_sources(self, x) -> tuple[list[fx.Node], fx.Node | None]:
         """Linears that `x` is computed from elementwise, and the first non-elementwise op."""

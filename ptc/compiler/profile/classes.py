@@ -11,6 +11,7 @@ import sympy
 import torch
 import torch.fx
 
+from ptc.compiler.graph.flops import numel
 from ptc.compiler.graph.meta import copy_meta, get_info, graph_info
 from ptc.compiler.graph.nodes import (ATTENTION_OPS, CONVOLUTION_OPS, CROSS_ENTROPY_OPS,
                                       POINTWISE_OPS, is_embedding, is_linear, logits_linear,
@@ -196,13 +197,8 @@ def tp_regions(gm: torch.fx.GraphModule, sharding: Sharding, hidden: int
     boundary = record.micro_batch * record.seq_len * hidden
     entries = {n.args[0] for n in layer if styles.get(n.name) == COLWISE and n.args}
     exits = [n for n in layer if styles.get(n.name) == ROWWISE]
-    return (sum(_elements(x) for x in entries) / boundary,
-            sum(_elements(x) for x in exits) / boundary)
-
-
-def _elements(node: torch.fx.Node) -> int:
-    """Elements of a node's tensor output."""
-    return math.prod(node_shape(node))
+    return (sum(numel(node_shape(x)) for x in entries) / boundary,
+            sum(numel(node_shape(x)) for x in exits) / boundary)
 
 
 def saved_whole(storage, whole: set[str]) -> bool:
