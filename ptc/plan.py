@@ -346,6 +346,12 @@ class HardwareSpec(_Section):
     multiprocessors: int = 0
     """Streaming multiprocessors per GPU (cost model): GEMMs are priced at their shape's
     tile and wave efficiency (`ptc.compiler.graph.gemm_tiles`); 0 prices them by FLOPs alone."""
+    comm_multiprocessors: int = 0
+    """Streaming multiprocessors a running collective's kernels hold (NCCL's thread blocks,
+    one per channel; cost model): compute beside a hidden collective runs on the others, so
+    each second of communication hidden behind compute adds comm_multiprocessors /
+    multiprocessors of a second (`StepCost` part "contention"); 0 adds none, as does a GPU
+    of `multiprocessors` 0."""
     board_power: float = 0.0
     """Board power (TDP) per accelerator, watts: the power limit its rates hold at (the
     preset's; 0 when unknown, and for the CPU, which has no limit to cap)."""
@@ -383,7 +389,7 @@ class HardwareSpec(_Section):
             nvlink_sharp=p.nvlink_sharp, achievable_fraction=p.achievable_fraction,
             host_bandwidth=p.host_bandwidth, host_memory_bytes=p.host_memory_bytes,
             dispatch_overhead=p.dispatch_overhead,
-            multiprocessors=p.multiprocessors,
+            multiprocessors=p.multiprocessors, comm_multiprocessors=p.comm_multiprocessors,
             board_power=p.board_power, min_power_limit=p.min_power_limit,
         )
         if overrides.get("profile"):
@@ -403,6 +409,12 @@ class HardwareSpec(_Section):
         self._number(sink, "host_memory_bytes", strict=True)
         self._number(sink, "dispatch_overhead")
         self._int(sink, "multiprocessors", minimum=0)
+        self._int(sink, "comm_multiprocessors", minimum=0)
+        if isinstance(self.comm_multiprocessors, int) and isinstance(self.multiprocessors, int) \
+                and 0 < self.multiprocessors <= self.comm_multiprocessors:
+            self._bad(sink, "comm_multiprocessors",
+                      f"comm_multiprocessors ({self.comm_multiprocessors}) must be fewer than "
+                      f"the GPU's multiprocessors ({self.multiprocessors})")
         for dtype, value in dict(self.gemm_flops).items():
             if dtype not in DTYPES + ("tf32",):
                 self._bad(sink, "gemm_flops", f"unknown compute dtype {dtype!r} in gemm_flops",
@@ -471,6 +483,14 @@ class HardwareSpec(_Section):
         """Whether the host runs the kernels itself (a CPU), rather than queueing them on an
         accelerator that runs them while the host goes on."""
         return self.gpu == "cpu"
+
+    @property
+    def contention(self) -> float:
+        """Seconds of compute a second of communication hidden behind it adds: the share of
+        the SMs its kernels hold (`comm_multiprocessors`)."""
+        if self.synchronous or not self.multiprocessors:
+            return 0.0
+        return self.comm_multiprocessors / self.multiprocessors
 
     @property
     def clock_share(self) -> float:

@@ -131,7 +131,7 @@ def _hardware(hw: HardwareSpec) -> str:
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
                  "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
                  "host_memory_bytes", "gemm_flops", "dispatch_overhead", "multiprocessors",
-                 "board_power", "min_power_limit", "power_limit"):
+                 "comm_multiprocessors", "board_power", "min_power_limit", "power_limit"):
         value = getattr(hw, name)
         base = getattr(reference, name) if reference else profiled.get(
             name, _default(HardwareSpec, name))

@@ -109,6 +109,7 @@ HARDWARE_KEYS: dict[str, Key] = {
     "dispatch_overhead": Key("dispatch_overhead", quantity("time"),
                              example="dispatch_overhead = 8 us"),
     "multiprocessors": Key("multiprocessors", integer),
+    "comm_multiprocessors": Key("comm_multiprocessors", integer),
     "board_power": Key("board_power", quantity("power"), example="board_power = 700 W"),
     "min_power_limit": Key("min_power_limit", quantity("power"),
                            example="min_power_limit = 200 W"),

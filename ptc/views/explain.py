@@ -35,7 +35,7 @@ from ptc.presets import PRESETS
 from ptc.units import format_bytes, format_duration, format_seconds
 
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble",
-         "optimizer", "step_sync")
+         "contention", "optimizer", "step_sync")
 """Step-time parts in display order."""
 COMM_PARTS = ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "step_sync")
 """The parts that are communication."""
@@ -394,6 +394,11 @@ def _rates(plan: Plan, est: Estimate) -> FitTable:
         table.add_row(f"a layer's GEMM waves used ({sms} SMs)",
                       f"{forward:.1%} forward, {backward:.1%} backward",
                       origin("multiprocessors", hw.multiprocessors))
+    if hw.contention:
+        table.add_row("SMs a collective holds (compute beside it runs on the rest)",
+                      f"{hw.comm_multiprocessors} of {hw.multiprocessors}: "
+                      f"{hw.contention:.1%} of each hidden second",
+                      origin("comm_multiprocessors", hw.comm_multiprocessors))
     fused = plan.runtime.compile
     table.add_row("memory-bound ops" + (" (chains fused: runtime.compile)" if fused else
                                         " (each op a kernel)"),

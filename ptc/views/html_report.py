@@ -46,7 +46,7 @@ ACTION_COLOURS = {"F": (FORWARD, "forward"), "B": (BACKWARD, "backward"),
 """Each compute kind's colour and name in the schedule's picture."""
 """Colours of forward and backward actions in the schedule chart."""
 PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
-           "#8c8c8c", "#ccb974")
+           "#8c8c8c", "#ccb974", "#64b5cd", "#2f4b7c")
 """Colours of memory terms and step-time parts, in order."""
 BUDGET = "#c00000"
 """Colour of the memory budget's line."""

@@ -47,6 +47,11 @@ recompute, and the communication it cannot hide).
   layer's weights for every forward (the recompute forward included) and
   again for backward, and reduce-scatters its gradients, every micro-batch;
   with overlap each layer's traffic hides behind that layer's compute.
+- contention: a collective hidden behind compute holds some of the GPU's SMs
+  while it runs (NCCL's thread blocks), so the compute beside it runs on the
+  rest: each second of tp, pp or dp communication hidden adds
+  `HardwareSpec.contention` (comm_multiprocessors / multiprocessors) of a
+  second. Optimizer offload's copies run on the copy engines and add none.
 - step sync: the guard's and the gradient norm's all-reduces, and the latency of
   gathering ZeRO 1-2's weights unit by unit (`ptc.compiler.cost.step_sync`).
 - on a CPU (`HardwareSpec.synchronous`) collectives run on the cores that
@@ -230,13 +235,16 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         for policy in policies:
             z3[policy] = (3 if policy in RERUN_LAYER else 2) * ag.seconds + rs.seconds
 
-    # Keys and values all-gathered over cp at each attention (and again when a full layer is
-    # recomputed), their gradients reduce-scattered: exposed, as Llama 3's all-gather runs
-    # before the attention it feeds.
-    kv_bytes = 2 * prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
-    cp_unit = _cached(memo, ("cp", kv_bytes, tp, kv_div, groups["cp"]), lambda: (
-        comm.all_gather(kv_bytes / kv_div, groups["cp"], hw).seconds if cp > 1 else 0.0))
-    cp_layer = {pol: (3 if pol in RERUN_LAYER else 2) * cp_unit for pol in policies}
+    # Keys and values all-gathered over cp at each attention, one collective each (and again
+    # when a full layer is recomputed), their gradients reduce-scattered: exposed, as Llama
+    # 3's all-gather runs before the attention it feeds.
+    k_bytes = prec.weight * bb * seq_len * profile.hidden * profile.kv_heads / profile.heads
+    cp_gather, cp_scatter = _cached(memo, ("cp", k_bytes, tp, kv_div, groups["cp"]), lambda: (
+        (2 * comm.all_gather(k_bytes / kv_div, groups["cp"], hw).seconds,
+         2 * comm.reduce_scatter(k_bytes / kv_div, groups["cp"], hw).seconds)
+        if cp > 1 else (0.0, 0.0)))
+    cp_layer = {pol: (2 if pol in RERUN_LAYER else 1) * cp_gather + cp_scatter
+                for pol in policies}
     ep_unit = _cached(memo, ("ep", bb, ss, layout.ep, groups["grad"]), lambda: comm.all_to_all(
         ep_rows_bytes(profile, prec, bb, ss), expert_group(groups["grad"], layout.ep),
         hw).seconds)
@@ -305,6 +313,8 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         ("tp_comm", mb * slowest.tp_hidden),
         ("pp_comm", max(0.0, pp_issued - mb * slowest.pp - fill)),
         ("dp_comm", mb * slowest.dp_hidden + dp_issued - dp_exposed)) if seconds > 0}
+    # The compute those collectives ran beside had the SMs their kernels did not hold.
+    contention = hw.contention * sum(hidden.values())
     if layout.offload:
         # Every stage steps at once: the step waits for the slowest one's.
         offload = max((offloaded_step(
@@ -329,6 +339,7 @@ def step_cost(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
         "pp_comm": mb * slowest.pp + fill,
         "dp_comm": mb * slowest.dp + dp_exposed,
         "bubble": bubble,
+        "contention": contention,
         "optimizer": optimizer,
         "step_sync": _cached(memo, ("sync", tp, cp, p, layout.dp, layout.zero), lambda: step_sync(
             profile, layout, hw, prec, groups)),
