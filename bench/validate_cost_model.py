@@ -73,7 +73,7 @@ for each source S, each chip's share is the median of the shares solved by
 the rows of the other sources (each row's share is solved once and
 recombined), and S's rows are priced with it, all else as priced. A chip with
 no row outside S takes the share of the chip the presets price it by (H200,
-B200, GB200 and GB300 take H100's), and failing that the median over every
+B200, B300, GB200 and GB300 take H100's), and failing that the median over every
 row outside S, all chips together (H100 when S is the 2024 README, V100 when
 it is the 2020 README). It prints per source the median and max |error| in
 sample and held out, then for each the median, p90, max and the rows within
@@ -234,7 +234,7 @@ def solved_share(row: dict, plan) -> float:
     return (lo + hi) / 2
 
 
-FAMILY = {"H200": "H100", "B200": "H100", "GB200": "H100", "GB300": "H100"}
+FAMILY = {"H200": "H100", "B200": "H100", "B300": "H100", "GB200": "H100", "GB300": "H100"}
 """Chips the presets price with another chip's share (ptc/presets.py): Hopper's H100 share."""
 
 

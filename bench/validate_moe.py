@@ -30,8 +30,8 @@ Each row is built by the same rules:
   scaling); communication overlapped and fused memory-bound kernels (`runtime.compile`),
   as the dense script's rows; runs of more than 72 GPUs on GB200/GB300 use 64 GPUs of
   each NVL72 rack.
-Not expressible, each with its reason: DGX-B300 (no preset), DeepSeek-V3 (dense first
-layers before MoE ones: ptc prices every layer as its first), Kimi-K2 (the Muon
+Not expressible, each with its reason: DeepSeek-V3 (dense first layers before MoE ones:
+ptc prices every layer as its first), Kimi-K2 (the Muon
 optimizer) and what ptc does not price (sequence parallelism with MoE blocks).
 
 It prints each row, then the median, p90 and max |error|, the rows within 10 % and 25 %,
@@ -97,7 +97,7 @@ MODELS = {"DeepSeekV3": "DeepSeek-V3", "GPT OSS 120B": "GPT-OSS-120B", "Kimi_K2"
 
 SYSTEMS = {"DGX-H100": "H100-SXM", "DGX-B200": "B200", "DGX-GB200": "GB200",
            "DGX-GB300": "GB300", "DGX-B300": "B300"}
-"""The summary's systems -> ptc's hardware presets (B300 has none: not expressible)."""
+"""The summary's systems -> ptc's hardware presets."""
 
 RUNS = """
 26.08    | DeepSeekV3      | DGX-GB300 | 256 | MXFP8 | 4096  | 1 | 0 | 1 | 2  | 1 | 8   | 32 | 6288

@@ -171,6 +171,8 @@ def _written_kwargs(out: fx.Node, parts) -> dict:
                             "splits causal self-attention written as softmax(q @ kᵀ · scale "
                             "masked causally) @ v, or F.scaled_dot_product_attention")
 
+    if parts.sinks is not None:
+        raise refuse("joins per-head sink logits to its scores (attention sinks)")
     probs = out.args[0]
     dropout = None
     if op_name(probs) == "site_dropout":

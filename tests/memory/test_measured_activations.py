@@ -119,6 +119,24 @@ def test_keyed_dropout_keeps_what_the_model_predicts(dtype):
     assert predicted_activations(spec, dtype, b, s) == measured + gap
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_attention_sinks_and_routed_experts_keep_what_the_model_predicts(dtype):
+    """transformers' GPT-OSS run as ptc runs it (the captured graph): its written-out
+    attention joins per-head sink logits to the scores and drops their column after the
+    softmax, its experts run as grouped products behind a top-2 router; what autograd saves
+    is what the profile of the model counts."""
+    spec = ModelSpec(family="custom", factory="tests.user_models.transformers_models:gpt_oss",
+                     max_seq=16)
+    b, s = 2, 16
+    model = as_runtime_holds(build_model(spec, device="cpu", seed=0), DTYPES[dtype])
+    gm = with_weights(capture(model, micro_batch=b, seq_len=s, dtype=DTYPES[dtype]), model)
+    tokens, targets = torch.randint(0, model.config.vocab_size, (2, b, s))
+    measured = saved_bytes(gm, lambda: gm(tokens, targets))
+    layers = model.config.num_hidden_layers
+    assert predicted_activations(dataclasses.replace(spec, layers=layers), dtype, b, s) \
+        == measured
+
+
 def test_measurement_sees_dropout_masks():
     """The measuring hook itself: a dropout layer adds its mask's bytes."""
     spec = SPECS["gpt"]

@@ -565,6 +565,9 @@ class AttentionParts:
     """True for scaled_dot_product_attention, False for matmul-softmax-matmul."""
     scores: fx.Node | None = None
     """Written out: the softmax's input (the scores after scaling and masking); else None."""
+    sinks: fx.Node | None = None
+    """Written out with attention sinks (GPT-OSS): the per-head logits joined to each row of
+    scores before the softmax, whose column the probabilities then drop; else None."""
 
 
 def _back(node, through: frozenset[str], hops: int = 8):
@@ -614,15 +617,33 @@ def attention_parts(node: fx.Node) -> AttentionParts | None:
     if operands is None or param_source(operands[1]) is not None:
         return None
     probs = _back(operands[0], _PROBS_OPS)
+    dropped = _sink_column_dropped(probs)
+    if dropped:
+        probs = _back(probs.args[0], _PROBS_OPS)
     if not isinstance(probs, fx.Node) or _functional_name(probs) not in SOFTMAX_OPS:
         return None
-    scores = _back(probs.args[0], _SCORE_OPS)
-    if not isinstance(scores, fx.Node) or op_name(scores) not in MATMUL_OPS:
+    scores, sinks = _back(probs.args[0], _SCORE_OPS), None
+    if dropped and isinstance(scores, fx.Node) and op_name(scores) == "cat" \
+            and len(scores.args[0]) == 2 and _arg(scores, 1, "dim") in (-1, 3):
+        scores, sinks = scores.args[0]
+        scores = _back(scores, _SCORE_OPS)
+    if not isinstance(scores, fx.Node) or op_name(scores) not in MATMUL_OPS or dropped != (
+            sinks is not None):
         return None
     qk = _matmul_operands(scores)
     if qk is None:
         return None
-    return AttentionParts(qk[0], qk[1], operands[1], node, False, probs.args[0])
+    return AttentionParts(qk[0], qk[1], operands[1], node, False, probs.args[0], sinks)
+
+
+def _sink_column_dropped(node) -> bool:
+    """Whether `node` drops the last column of the keys dim (`probs[..., :-1]`): where
+    attention sinks leave the softmax."""
+    if not isinstance(node, fx.Node) or op_name(node) != "slice":
+        return False
+    dim, start, end = (_arg(node, i, name) for i, name in ((1, "dim"), (2, "start"),
+                                                           (3, "end")))
+    return dim in (-1, 3) and start in (None, 0) and end == -1
 
 
 def is_attention(node: fx.Node) -> bool:

@@ -214,6 +214,11 @@ class _Finder:
             if traced is None or out is None:
                 continue
             sources, shared = traced
+            if parts.sinks is not None:
+                self._fail_all([*sources, out], "its attention joins per-head sink logits to "
+                               "the scores (attention sinks), which tensor parallelism does "
+                               "not split by heads")
+                continue
             kv_heads = self._kv_heads(parts, sources)
             uneven = self._uneven_heads(parts, sources, kv_heads)
             if uneven:
