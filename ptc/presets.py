@@ -15,7 +15,7 @@ chip: for each run of `published_runs.csv` (../shared/validation) the share at
 which ptc's prediction of that run equals its measurement, all else as priced,
 and the preset takes the median over the chip's runs
 (`python bench/validate_cost_model.py --solve-shares`): A100 0.62 (31 runs;
-both memory sizes, one chip), V100 0.69 (4), H100 0.56 (11; H200, B200, B300,
+both memory sizes, one chip), V100 0.69 (4), H100 0.61 (11; H200, B200, B300,
 GB200 and GB300 take Hopper's, scored out of sample by
 `bench/validate_out_of_sample.py`). Megatron-LM's own whole-step figures agree
 about as well once the rest of the step is priced apart: 52 % of peak on A100 with
@@ -80,8 +80,8 @@ the SM count, so the Blackwell and Ampere parts take the same count until a
 figure of their own is found.
 
 `host_memory_bytes` is the usual node's: 1 TB (DGX A100), 2 TB (DGX H100,
-DGX H200, DGX B200, DGX B300), 1.5 TB (DGX-2), 36 Grace CPUs of 480 GB each (GB200 and
-GB300 NVL72 racks); for the CPU preset, the memory of its 8 ranks.
+DGX H200, DGX B200, DGX B300), 1.5 TB (DGX-2), 36 Grace CPUs of 480 GB each
+(GB200 and GB300 NVL72 racks); for the CPU preset, the memory of its 8 ranks.
 """
 
 from __future__ import annotations
