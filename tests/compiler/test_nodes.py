@@ -182,3 +182,26 @@ def test_a_parameter_seen_through_an_activation_is_behind_it():
     gm = torch.fx.symbolic_trace(LearnedActivation())
     behind = {n.name: names for n, names in nodes.params_behind(gm).items()}
     assert behind == {"alpha": ("alpha",), "softplus": ("alpha",)}
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_scores_masked_by_where_are_followed_through_its_kept_values(flipped):
+    """GPT-Neo masks its scores as where(causal, scores, min): the scores are the operand
+    shaped as the output, in either place, not the condition."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def attend(q, k, v, causal):
+        scores = q @ k.transpose(-2, -1)
+        low = torch.tensor(torch.finfo(scores.dtype).min)
+        masked = torch.where(~causal, low, scores) if flipped else \
+            torch.where(causal, scores, low)
+        return torch.softmax(masked, dim=-1) @ v
+
+    q = torch.randn(1, 2, 8, 4)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    gm = make_fx(attend)(q, q, q, causal)
+    (parts,) = [nodes.attention_parts(n) for n in gm.graph.nodes if nodes.is_attention(n)]
+    # The scores' batched matmul: queries [.., 8 positions, 4], transposed keys [.., 4, 8].
+    assert nodes.node_shape(parts.q)[-2:] == (8, 4)
+    assert nodes.node_shape(parts.k)[-2:] == (4, 8)
+    assert nodes.op_name(parts.scores) == "where"

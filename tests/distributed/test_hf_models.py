@@ -37,9 +37,10 @@ keeps the heads apart), ALiBi built per head (MPT), squared-ReLU MLPs (Nemotron)
 per-head q/k LayerNorms (Persimmon), layers without rotary (SmolLM3) and learned
 positions (BioGPT). StableLM, whose per-head norms are one module per head, trains
 with its attention kept whole by a rule; without it, a CompileError names that rule.
-And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GPT-Neo,
-GPT-OSS (attention sinks: splitting them by heads or the sequence is refused in one line
-naming them), PhiMoE (GPT-Neo trains though ptc cannot price it) and
+And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GPT-Neo
+(scores masked by where(causal, scores, min); split by heads under tp; trained though
+ptc cannot price it), GPT-OSS (attention sinks: splitting them by heads or the sequence
+is refused in one line naming them), PhiMoE and
 GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off), GLM,
 LFM2 (short convolutions) and Mamba (a state-space scan, no attention). Newer ones:
 DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts) under pp, ZeRO-3 and
@@ -176,7 +177,8 @@ LAUNCHES = {"layouts": [
     # ptc cannot price GPT-Neo (it says so in one line) but trains it
     HFCase("gemma", tp=2, sp=True), HFCase("codegen", tp=2), HFCase("ernie4_5", tp=2, sp=True),
     HFCase("hunyuan", tp=2, sp=True), HFCase("arcee", tp=2, sp=True), HFCase("qwen3_moe", tp=2),
-    HFCase("gpt_neo", pp=2), HFCase("gpt_oss", dp=2, zero=3), HFCase("phimoe", pp=2),
+    HFCase("gpt_neo", pp=2), HFCase("gpt_neo", tp=2), HFCase("gpt_oss", dp=2, zero=3),
+    HFCase("phimoe", pp=2),
     HFCase("codegen", dp=2, zero=3),
 ], "and beyond": [
     # GraniteMoE, whose forward takes `use_cache` only through **kwargs; GLM's fused gate_up

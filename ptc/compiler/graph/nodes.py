@@ -571,13 +571,24 @@ class AttentionParts:
 
 
 def _back(node, through: frozenset[str], hops: int = 8):
-    """Follow first arguments back while the ops are in `through`."""
+    """Follow the data operand back (`_data_operand`) while the ops are in `through`."""
     for _ in range(hops):
         if not isinstance(node, fx.Node) or _functional_name(node) not in through \
                 or not node.args:
             return node
-        node = node.args[0]
+        node = _data_operand(node)
     return node
+
+
+def _data_operand(node: fx.Node):
+    """The operand whose values `node` carries on: the first, but for `where(condition, a,
+    b)`, the one of a and b shaped as its output (a where both are: GPT-Neo's
+    `where(causal, scores, min)`)."""
+    if op_name(node) != "where" or len(node.args) < 3:
+        return node.args[0]
+    shape = node_shape(node)
+    a, b = node.args[1], node.args[2]
+    return b if node_shape(a) != shape and node_shape(b) == shape else a
 
 
 def _functional_name(node: fx.Node) -> str:
