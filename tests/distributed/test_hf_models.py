@@ -38,8 +38,7 @@ per-head q/k LayerNorms (Persimmon), layers without rotary (SmolLM3) and learned
 positions (BioGPT). StableLM, whose per-head norms are one module per head, trains
 with its attention kept whole by a rule; without it, a CompileError names that rule.
 And Gemma, CodeGen (its qkv in groups), ERNIE 4.5, Hunyuan, Arcee, Qwen3-MoE, GPT-Neo
-(scores masked by where(causal, scores, min); split by heads under tp; trained though
-ptc cannot price it), GPT-OSS (attention sinks: splitting them by heads or the sequence
+(scores masked by where(causal, scores, min); split by heads under tp), GPT-OSS (attention sinks: splitting them by heads or the sequence
 is refused in one line naming them), PhiMoE and
 GraniteMoE (its forward takes `use_cache` through **kwargs: capture sets it off), GLM,
 LFM2 (short convolutions) and Mamba (a state-space scan, no attention). Newer ones:
@@ -173,8 +172,7 @@ LAUNCHES = {"layouts": [
     # GeGLU and (1 + w) norms (Gemma), a qkv in 4 groups of (q, v, k) rows (CodeGen),
     # interleaved rotary (ERNIE 4.5), per-head q/k norms after rotary (Hunyuan), squared
     # ReLU without gate (Arcee), Qwen3-MoE's experts, local attention layers (GPT-Neo),
-    # attention sinks and clamped SwiGLU experts (GPT-OSS), a sparsemixer router (PhiMoE);
-    # ptc cannot price GPT-Neo (it says so in one line) but trains it
+    # attention sinks and clamped SwiGLU experts (GPT-OSS), a sparsemixer router (PhiMoE)
     HFCase("gemma", tp=2, sp=True), HFCase("codegen", tp=2), HFCase("ernie4_5", tp=2, sp=True),
     HFCase("hunyuan", tp=2, sp=True), HFCase("arcee", tp=2, sp=True), HFCase("qwen3_moe", tp=2),
     HFCase("gpt_neo", pp=2), HFCase("gpt_neo", tp=2), HFCase("gpt_oss", dp=2, zero=3),
