@@ -158,9 +158,12 @@ class GpuPreset:
     which has no limit to cap (module docstring)."""
     min_power_limit: float = 0.0
     """The lowest power limit the part accepts (nvidia-smi's "Min Power Limit"), watts."""
-    comm_multiprocessors: int = 0
-    """SMs a running collective's kernels hold (module docstring); 0 for the CPU, where
-    nothing runs beside compute."""
+
+    @property
+    def comm_multiprocessors(self) -> int:
+        """SMs a running collective's kernels hold (module docstring): NCCL's blocks on a
+        GPU; 0 on the CPU, where nothing runs beside compute."""
+        return NCCL_BLOCKS if self.multiprocessors else 0
 
 
 CLOCK_POWER_EXPONENT = 1 / 3
@@ -213,8 +216,7 @@ GB200 = GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
                   nvlink_sharp=True, achievable_fraction=0.61,
                   host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148,
                   host_memory_bytes=36 * 480 * GB, board_power=1200 * W,
-                  min_power_limit=200 * W,
-                  comm_multiprocessors=NCCL_BLOCKS)
+                  min_power_limit=200 * W)
 """NVIDIA GB200: the Blackwell GPU of an NVL72 rack (GB300 is this with its own memory, NIC
 and SMs)."""
 
@@ -243,8 +245,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
                   host_bandwidth=PCIE4_X16, multiprocessors=108,
-                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W),
         GpuPreset(name="A100-80GB", hbm_bytes=80 * GiB,
                   peak_flops={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
@@ -252,8 +253,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=25 * GB_S, inter_latency=6 * US, gpus_per_node=8,
                   nvlink_sharp=False, achievable_fraction=0.62,
                   host_bandwidth=PCIE4_X16, multiprocessors=108,
-                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=1 * TB, board_power=400 * W, min_power_limit=100 * W),
         # NVIDIA H100 Tensor Core GPU datasheet (SXM column, sparsity figures halved):
         # 80 GB HBM3 at 3.35 TB/s, FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2
         # TFLOP/s; NVLink 4: 900 GB/s per GPU, both directions. Node: DGX H100, 8 GPUs on
@@ -266,8 +266,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.61,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
-                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
         # with sparsity, halved here): 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both
         # directions), FP32 67, TF32 989/2, BF16 = FP16 1979/2, FP8 3958/2 TFLOP/s. Node:
@@ -280,8 +279,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.61,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
-                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
         # with sparsity halved): 1,440 GB HBM3e (180 GB per GPU) at 64 TB/s (8 TB/s per GPU);
         # FP8 72 PFLOP/s -> 4.5 dense, FP16 = BF16 36 -> 2.25, TF32 18 -> 1.125 PFLOP/s,
@@ -296,8 +294,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
                   nvlink_sharp=True, achievable_fraction=0.61,
                   host_bandwidth=PCIE5_X16, multiprocessors=148,
-                  host_memory_bytes=2 * TB, board_power=1000 * W, min_power_limit=200 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=2 * TB, board_power=1000 * W, min_power_limit=200 * W),
         GB200,
         GB300,
         # NVIDIA HGX B300 (8 Blackwell Ultra GPUs; per GPU = total / 8, tensor figures with
@@ -325,8 +322,7 @@ PRESETS: dict[str, GpuPreset] = {
                   inter_bandwidth=8 * 12.5 * GB_S / 16, inter_latency=6 * US,
                   gpus_per_node=16, nvlink_sharp=False, achievable_fraction=0.69,
                   host_bandwidth=PCIE3_X16, multiprocessors=80,
-                  host_memory_bytes=1.5 * TB, board_power=300 * W, min_power_limit=150 * W,
-                  comm_multiprocessors=NCCL_BLOCKS),
+                  host_memory_bytes=1.5 * TB, board_power=300 * W, min_power_limit=150 * W),
         GpuPreset(name="cpu", hbm_bytes=16 * GiB,
                   peak_flops={"fp32": 0.2 * TFLOPS, "bf16": 0.1 * TFLOPS},
                   mem_bandwidth=20 * GB_S, intra_bandwidth=5 * GB_S, intra_latency=20 * US,

@@ -60,6 +60,10 @@ class _Attention(nn.Module):
                 scores = scores.masked_fill(ones.triu(1), float("-inf"))
             elif self.kind == "written causal buffer":  # nanoGPT's way
                 scores = scores.masked_fill(self.causal[:s, :s] == 0, float("-inf"))
+            elif self.kind == "written where causal":  # GPT-Neo's way
+                scores = torch.where(ones.tril(), scores, -3.4e38)
+            elif self.kind == "written where the wrong way":
+                scores = torch.where(ones.triu(), scores, -3.4e38)
             elif self.kind == "written added mask":  # Hugging Face's eager way
                 scores = scores + torch.zeros_like(ones, dtype=scores.dtype).masked_fill(
                     ones.triu(1), -3.4e38)
@@ -70,9 +74,10 @@ class _Attention(nn.Module):
 
 
 CAUSAL = ["sdpa causal", "sdpa window", "sdpa additive mask", "written causal",
-          "written causal buffer", "written added mask"]
+          "written causal buffer", "written added mask", "written where causal"]
 SEES_LATER = {"sdpa bidirectional": "it hides no key from any query",
               "sdpa mask the wrong way": "its mask lets a query see a later key",
+              "written where the wrong way": "its mask lets a query see a later key",
               "written unmasked": "it hides no key from any query"}
 
 

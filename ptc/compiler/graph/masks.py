@@ -32,7 +32,7 @@ from torch import fx
 
 from ptc.compiler.graph.meta import get_info
 from ptc.compiler.graph.nodes import (CREATION_OPS, MATMUL_OPS, AttentionParts, attention_parts,
-                                      get_attr_value, node_shape, op_name)
+                                      data_operand, get_attr_value, node_shape, op_name)
 
 _FUSED_ARGS = {
     "scaled_dot_product_attention": ((3, "attn_mask"), (5, "is_causal")),
@@ -118,7 +118,8 @@ class MaskReader:
             return None
         hidden = torch.zeros(size, dtype=torch.bool)
         for how, mask in masks:
-            value = _later(size) if how == "causal" else self.constant_value(mask)
+            value = _later(size) if how == "causal" else self._filled(mask) \
+                if how == "filled" else self.constant_value(mask)
             if not isinstance(value, torch.Tensor):
                 return None
             try:  # broadcast, as the attention broadcasts it
@@ -126,6 +127,19 @@ class MaskReader:
             except RuntimeError:
                 return None
         return hidden if hidden.shape[-2:] == size else None
+
+    def _filled(self, where: fx.Node) -> torch.Tensor | None:
+        """Where `where(condition, a, b)` puts its fill in the scores' place (a bool tensor),
+        when the fill hides a key (GPT-Neo's `where(causal, scores, min)`); None when the
+        fill or the condition is not constant, or the fill does not hide."""
+        scores = data_operand(where)
+        condition, fill = where.args[0], (where.args[2] if scores is where.args[1]
+                                          else where.args[1])
+        condition, fill = self.constant_value(condition), self.constant_value(fill)
+        if not isinstance(condition, torch.Tensor) or fill is None or \
+                not bool((torch.as_tensor(fill) <= HIDDEN_BELOW).all()):
+            return None
+        return ~condition.bool() if scores is where.args[1] else condition.bool()
 
     @staticmethod
     def _judge(hidden: torch.Tensor | None) -> str | None:
@@ -174,6 +188,7 @@ _HIDES = {
     "kept where true": lambda value: ~value if value.dtype == torch.bool
     else value <= HIDDEN_BELOW,
     "hidden where true": lambda value: value.bool(),
+    "filled": lambda value: value,  # `MaskReader._filled`: already the keys hidden
     "added": lambda value: value <= HIDDEN_BELOW,
     "subtracted": lambda value: value >= -HIDDEN_BELOW,
 }
@@ -194,9 +209,10 @@ def _fused_masks(node: fx.Node) -> list[tuple[str, object]] | None:
 
 
 def _written_masks(parts: AttentionParts) -> list[tuple[str, object]] | None:
-    """How the masked_fills and added masks between a written-out attention's score
-    matmul and its softmax hide keys: (how, mask) pairs; None when a fill is not one that
-    hides, or the way back to the score matmul leaves the first arguments."""
+    """How the masked_fills, wheres and added masks between a written-out attention's
+    score matmul and its softmax hide keys: (how, mask) pairs, a where as ("filled", the
+    where node); None when a fill is not one that hides, or the way back to the score matmul
+    leaves the scores' operand (`nodes.data_operand`)."""
     current, masks = parts.scores, []
     while op_name(current) not in MATMUL_OPS:
         name = op_name(current)
@@ -207,10 +223,11 @@ def _written_masks(parts: AttentionParts) -> list[tuple[str, object]] | None:
         elif name in ("add", "add_", "sub") and isinstance(current.args[1], fx.Node):
             masks.append(("added" if name != "sub" else "subtracted", current.args[1]))
         elif name in ("where", "where_"):
-            return None  # the scores are not its first argument: not followed here
-        if not current.args or not isinstance(current.args[0], fx.Node):
+            masks.append(("filled", current))
+        following = data_operand(current) if current.args else None
+        if not isinstance(following, fx.Node):
             return None
-        current = current.args[0]
+        current = following
     return masks
 
 

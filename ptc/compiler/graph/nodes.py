@@ -571,17 +571,17 @@ class AttentionParts:
 
 
 def _back(node, through: frozenset[str], hops: int = 8):
-    """Follow the data operand back (`_data_operand`) while the ops are in `through`."""
+    """Follow the data operand back (`data_operand`) while the ops are in `through`."""
     for _ in range(hops):
         if not isinstance(node, fx.Node) or _functional_name(node) not in through \
                 or not node.args:
             return node
-        node = _data_operand(node)
+        node = data_operand(node)
     return node
 
 
-def _data_operand(node: fx.Node):
-    """The operand whose values `node` carries on: the first, but for `where(condition, a,
+def data_operand(node: fx.Node):
+    """The operand whose values `node` carries on toward an attention's softmax: the first, but for `where(condition, a,
     b)`, the one of a and b shaped as its output (a where both are: GPT-Neo's
     `where(causal, scores, min)`)."""
     if op_name(node) != "where" or len(node.args) < 3:
