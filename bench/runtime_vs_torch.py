@@ -270,9 +270,11 @@ def torch_pp_step(program, schedule_class=None):
     batch = plan.train.global_batch
 
     def step(k: int) -> None:
-        tokens, targets = source.batch(k * batch, batch)
-        ends = {"target": targets, "losses": []} if count - 1 in mine else {}
-        schedule.step(*([tokens] if 0 in mine else []), **ends)
+        # Only the ranks of the first and last stage read samples, as ptc's.
+        first, last = 0 in mine, count - 1 in mine
+        tokens, targets = source.batch(k * batch, batch) if first or last else (None, None)
+        ends = {"target": targets, "losses": []} if last else {}
+        schedule.step(*([tokens] if first else []), **ends)
         # The global-norm clip over all stages, as ptc's.
         squares = torch.stack([p.grad.pow(2).sum() for p in weights]).sum()
         dist.all_reduce(squares)

@@ -31,9 +31,11 @@ stage's last B of the step; ZeRO-3: the graph's `gather_params` under a
 `ParamSession` per stage and micro-batch), the sequence-parallel regather of
 gathered activations around each forward, the sums after the last action
 (tied weights between the stages holding them, sequence-partial gradients
-over tp), the global-norm clip over dp, tp and pp counting a tied weight once,
-the NaN guard (one all-reduce over the job; none when the job is pure data
-parallel at ZeRO-0, whose gradient all-reduce carries it: `FoldedGuard`),
+over tp), the NaN guard (one all-reduce over the job; none when the job is
+pure data parallel at ZeRO-0, whose gradient all-reduce carries it:
+`FoldedGuard`), which also sums the ranks' parts of the squared gradient norm
+for the global-norm clip (each element counted once, a tied weight once:
+`ShardedOptimizer.norm_share`),
 the update of the rank's masters and the publishing of the
 new weights (with optimizer offload: on the host, unit by unit, its copies
 pipelined with the CPU's step; `ptc.runtime.offload`). Under
@@ -515,13 +517,17 @@ class Trainer:
             fill_main_grads(self.units)
             lr = learning_rate(step, train.optimizer.lr, train.lr_schedule, train.steps)
 
-            def update() -> float:
+            def norm_share() -> torch.Tensor:
+                # With offload, of the gradients where the reductions left them (the device).
+                return self.optimizer.norm_share(
+                    uncounted=self._uncounted, whole=self.guard is not None,
+                    grads=self.offload.sources if self.offload is not None else None)
+
+            def update(squared_norm: torch.Tensor) -> float:
                 faults.at_phase("optimizer", self.rank, step + 1)
                 if self.offload is not None:  # clips, steps and publishes unit by unit
-                    return self.offload.update(self.optimizer, lr, train.grad_clip,
-                                               uncounted=self._uncounted, pp_group=self.pp_group)
-                norm = self.optimizer.clip(train.grad_clip, uncounted=self._uncounted,
-                                           pp_group=self.pp_group)
+                    return self.offload.update(self.optimizer, lr, train.grad_clip, squared_norm)
+                norm = self.optimizer.clip(train.grad_clip, squared_norm)
                 self.optimizer.step(lr)
                 leave = leave_weights and self.plan.parallel.overlap
                 for s, chunk in self.chunks.items():
@@ -533,7 +539,8 @@ class Trainer:
             # The tp ranks of a stage compute the same loss: one of them reports it.
             share = state.loss_sum if self.tp_rank == 0 else torch.zeros_like(state.loss_sum)
             bad, norm, loss_sum = guarded_update(self.rank, step, state.loss_sum, share,
-                                                 [u.grad for u in self.units], update, self.guard)
+                                                 [u.grad for u in self.units], norm_share,
+                                                 update, self.guard)
             self.optimizer.zero_grad()
             if train.dtype == "fp8":  # the step's amaxes join the delayed-scaling history
                 for chunk in self.chunks.values():

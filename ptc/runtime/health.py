@@ -4,15 +4,17 @@ Non-finite guard. After backward each rank checks its loss and gradient
 buffers; one all-reduce over every rank of the job of a one-slot-per-rank
 vector tells all of them which ranks saw a NaN or an Inf, so every rank takes
 the same decision (stop, skip, roll back) before any optimizer step. The same
-all-reduce carries one more slot, the sum of the ranks' step losses, so the
-step's loss costs no collective of its own. A rank
+all-reduce carries two more slots, the sum of the ranks' step losses and of
+their parts of the squared gradient norm, so neither the step's loss nor the
+clipping norm costs a collective of its own. A rank
 deciding alone would skip a collective the others enter, and the job would
 hang. Weights are checked the same way before a checkpoint is written.
 
 A job that is pure data parallel at ZeRO-0 (`FoldedGuard`) needs not even
 that all-reduce: the same slots ride the step's last gradient all-reduce,
 and the summed gradients, the same on every rank, are checked where they
-lie — the decision is again the same everywhere.
+lie — the decision is again the same everywhere, and so is the clipping
+norm each rank takes of them.
 
 Hangs and stragglers. Every process group has a finite timeout
 (`ptc.runtime.mesh.timeout`). Under NCCL the flight recorder keeps each
@@ -60,22 +62,24 @@ def nonfinite_ranks(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | 
 def nonfinite_ranks_and_sum(tensors: Sequence[torch.Tensor], share: torch.Tensor,
                             group: dist.ProcessGroup | None = None
                             ) -> tuple[tuple[int, ...], torch.Tensor]:
-    """`nonfinite_ranks(tensors)`, and the sum over the ranks of their scalar `share`.
+    """`nonfinite_ranks(tensors)`, and the sum over the ranks of their `share` (a scalar, or
+    a vector of shares summed slot by slot).
 
-    One all-reduce carries both (a slot per rank for its flag, one for the
-    shares): the step loss travels with the guard instead of in collectives
-    of its own.
+    One all-reduce carries both (a slot per rank for its flag, the shares'
+    after them): the step loss and the gradient norm travel with the guard
+    instead of in collectives of their own.
     """
+    shares = share.detach().float().reshape(-1)
     sums = torch.stack([t.detach().sum(dtype=torch.float32).to(share.device) for t in tensors])
     bad = (~torch.isfinite(sums).all()).to(torch.float32)
     if not dist.is_initialized():
-        return ((0,) if bad.item() else ()), share.detach().float()
+        return ((0,) if bad.item() else ()), shares.reshape(share.shape)
     world = dist.get_world_size(group)
-    flags = torch.zeros(world + 1, device=share.device)
+    flags = torch.zeros(world + shares.numel(), device=share.device)
     flags[dist.get_rank(group)] = bad
-    flags[world] = share.detach().float()
+    flags[world:] = shares
     dist.all_reduce(flags, group=group)
-    return tuple(flags[:world].nonzero().flatten().tolist()), flags[world]
+    return tuple(flags[:world].nonzero().flatten().tolist()), flags[world:].reshape(share.shape)
 
 
 class FoldedGuard:
@@ -140,8 +144,8 @@ class FoldedGuard:
 
 
 def guarded_update(rank: int, step: int, loss: torch.Tensor, share: torch.Tensor,
-                   grads: Sequence[torch.Tensor], update: Callable[[], float],
-                   folded: FoldedGuard | None = None
+                   grads: Sequence[torch.Tensor], norm_share: Callable[[], torch.Tensor],
+                   update: Callable[[torch.Tensor], float], folded: FoldedGuard | None = None
                    ) -> tuple[tuple[int, ...], float, torch.Tensor]:
     """The non-finite guard of one optimizer step: run `update` unless a rank saw NaN or Inf.
 
@@ -150,18 +154,25 @@ def guarded_update(rank: int, step: int, loss: torch.Tensor, share: torch.Tensor
     another rank reports the same one) and its `grads`, on every rank of the
     job (collective: one all-reduce, `nonfinite_ranks_and_sum`; none when
     `folded`, the `FoldedGuard` the step's gradient all-reduce carried).
-    `update` clips, steps and publishes and returns the gradient norm; it
-    runs on every rank or on none. Returns the bad ranks (empty: the update
-    ran), the norm (NaN when skipped) and the summed loss. `step` is
+    `norm_share()` gives this rank's part of the squared gradient norm
+    (`ShardedOptimizer.norm_share`), which the same all-reduce sums (when
+    `folded`: the whole square, every rank holding every summed gradient);
+    `update(squared_norm)` clips, steps and publishes and returns the gradient
+    norm; it runs on every rank or on none. Returns the bad ranks (empty: the
+    update ran), the norm (NaN when skipped) and the summed loss. `step` is
     0-based; the `PTC_FAULT` nan hook (`faults`) fires here (when `folded`:
     in its `start`).
     """
-    if folded is not None:
+    if folded is not None:  # every rank holds the whole summed gradients: its part is all
         bad, total = folded.verdict(grads)
+        squared = norm_share()
     else:
         corrupt_gradients(rank, step + 1, grads)  # test hook
-        bad, total = nonfinite_ranks_and_sum([loss, *grads], share)
-    return bad, (float("nan") if bad else update()), total
+        bad, sums = nonfinite_ranks_and_sum([loss, *grads],
+                                            torch.stack([share.detach().float(),
+                                                         norm_share().float()]))
+        total, squared = sums[0], sums[1]
+    return bad, (float("nan") if bad else update(squared)), total
 
 
 def configure_flight_recorder(trace_dir: str | os.PathLike) -> None:

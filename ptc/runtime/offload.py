@@ -56,10 +56,9 @@ differ from its CUDA kernels in the last bit.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
 from ptc.ops.comm import Work
 from ptc.ops.zero3 import Arrivals
@@ -83,18 +82,17 @@ class HostOptimizer:
         self.arrivals = Arrivals()
         """ZeRO-3: the sent weights the next forward's gathers wait for."""
 
-    def update(self, optimizer: ShardedOptimizer, lr: float, max_norm: float | None, *,
-               uncounted: Collection[int] = (), pp_group: dist.ProcessGroup | None = None
-               ) -> float:
+    def update(self, optimizer: ShardedOptimizer, lr: float, max_norm: float | None,
+               squared_norm: torch.Tensor) -> float:
         """Clip, step and publish every unit (the module docstring); the norm before the clip.
 
         Call after the step's reductions, where the non-offloaded run clips
-        and steps; `uncounted` and `pp_group` as in `ShardedOptimizer.grad_norm`.
+        and steps; `squared_norm`: the job's sum of `ShardedOptimizer.norm_share` of the
+        gradients where the reductions left them (`sources`).
         """
         arrived = [self.down.copy(unit.master.grad, source, after=self.sent[i])
                    for i, (unit, source) in enumerate(zip(self.units, self.sources))]
-        norm, scale = optimizer.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group,
-                                            grads=self.sources)
+        norm, scale = optimizer.clip_factor(max_norm, squared_norm)
         scale = scale.cpu() if scale is not None else None
         gathers: list[Work] = []
         with torch.no_grad():

@@ -15,13 +15,15 @@ are restored after each update (AdamW's weight decay would shrink them), as
 eager PyTorch leaves a parameter without a gradient alone.
 
 Global-norm clipping follows `torch.nn.utils.clip_grad_norm_`: the norm of
-all gradients (from ZeRO-1 on: each rank's shard sums, all-reduced; under
-tensor parallelism also over tp, with parameters replicated over tp counted
-once), then every gradient times min(1, max_norm / (norm + 1e-6)).
+all gradients, then every gradient times min(1, max_norm / (norm + 1e-6)).
+Each rank gives its part of the squared norm (`norm_share`): summed over
+every rank of the job — by the non-finite guard's one all-reduce, which
+carries it (`ptc.runtime.health.guarded_update`) — the parts count each
+gradient element once, so the norm costs no collective of its own.
 
 With optimizer offload (`ptc.runtime.offload`) the masters and their
 gradients are host tensors: the norm is taken of the same fp32 gradients
-where the reductions left them, on the device (`clip_factor(grads=...)`),
+where the reductions left them, on the device (`norm_share(grads=...)`),
 while they travel to the host, and each unit is stepped on its own as soon
 as its gradient has arrived (`step(lr, unit=i)`). AdamW and SGD are
 elementwise, with a step count per tensor, so stepping the units one by one
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ptc.plan import OptimizerSpec
-from ptc.ops.comm import all_reduce_flat, group_size
+from ptc.ops.comm import group_rank, group_size
 from ptc.runtime.params import UnitState
 
 CLIP_EPS = 1e-6
@@ -71,66 +73,61 @@ class ShardedOptimizer:
         return torch.optim.SGD(masters, lr=spec.lr, momentum=spec.momentum,
                                weight_decay=spec.weight_decay)
 
-    def grad_norm(self, *, uncounted: Collection[int] = (),
-                  pp_group: dist.ProcessGroup | None = None,
-                  grads: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """The global L2 norm of the gradient over every rank's part of it.
+    def norm_share(self, *, uncounted: Collection[int] = (),
+                   grads: Sequence[torch.Tensor] | None = None, whole: bool = False
+                   ) -> torch.Tensor:
+        """This rank's part of the squared global L2 norm of the gradient: summed over every
+        rank of the job, the square of the norm `clip_grad_norm_` takes.
 
-        Sums the squares of this rank's gradients (`grads[i]` of unit i,
-        default each master's `.grad`), counting a parameter that tp
-        replicates once over tp and leaving out the units whose ids are in
-        `uncounted` (the extra copies of a weight tied across pipeline
-        stages), then adds the sums over dp (when sharded; without, the expert units'
-        over ep), tp and pp.
+        Sums the squares of this rank's gradients (`grads[i]` of unit i, default each
+        master's `.grad`), leaving out the units whose ids are in `uncounted` (the extra
+        copies of a weight tied across pipeline stages), and counts each element once over
+        the ranks that hold it: a parameter tp replicates 1/tp on each tp rank; below ZeRO-1,
+        where every rank of dp·cp holds the whole reduced gradient, on the first rank of
+        dp·cp, the routed experts' on the first ep ranks (each holding other experts); from
+        ZeRO-1 on each rank its own shard. The ranks of different tp and pp places hold
+        different parameters. `whole`: every gradient this rank holds counts (pure data
+        parallelism at ZeRO-0, whose guard takes no sum: `ptc.runtime.health.FoldedGuard`).
         """
         grads = [u.master.grad for u in self.units] if grads is None else list(grads)
         counted = [(u, g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
                    if id(u) not in uncounted]
-        device = self.units[0].grad.device if self.units else None  # where collectives run
-        per_unit = [g.pow(2).sum() for _, g, _ in counted]
-        squares = torch.stack(per_unit).sum() if counted else torch.zeros(())
-        experts = [sq for (u, _, _), sq in zip(counted, per_unit) if u.spec.expert]
+        device = self.units[0].grad.device if self.units else None  # where the guard runs
+        zero = torch.zeros((), device=device)
         tp = group_size(self.tp_group)
-        if tp > 1:
-            # Every tp rank holds the same gradient of a replicated parameter: count it once.
-            same = sum((g[a:b].pow(2).sum() for _, g, ranges in counted for a, b in ranges),
-                       torch.zeros((), device=squares.device))
-            squares = squares - same * (1 - 1 / tp)
-        squares = squares.to(device)
-        if experts and not self.sharded:
-            # The ranks holding the same experts hold their whole gradient, and the other ep
-            # ranks the other experts: their squares are summed over ep (from ZeRO-1 on, the
-            # shards' over dp, as every other unit's).
-            mine = torch.stack(experts).sum().to(device)
-            every = mine.clone()
-            all_reduce_flat(every.view(1), self.ep_group).wait()
-            squares = squares + (every - mine)
-        if self.sharded:
-            all_reduce_flat(squares.view(1), self.group).wait()
-        if tp > 1:
-            all_reduce_flat(squares.view(1), self.tp_group).wait()
-        if group_size(pp_group) > 1:
-            all_reduce_flat(squares.view(1), pp_group).wait()
-        return squares.sqrt()
+        place = group_rank(self.group)  # where this rank is in dp·cp
 
-    def clip_factor(self, max_norm: float | None, *, uncounted: Collection[int] = (),
-                    pp_group: dist.ProcessGroup | None = None,
-                    grads: Sequence[torch.Tensor] | None = None
+        def holds_once(unit: UnitState) -> bool:
+            if self.sharded or whole:
+                return True
+            return place < group_size(self.ep_group) if unit.spec.expert else place == 0
+
+        squares = zero
+        for unit, g, ranges in counted:
+            if not holds_once(unit):
+                continue
+            part = g.pow(2).sum().to(device)
+            if tp > 1:  # every tp rank holds the same gradient of a replicated parameter
+                same = sum((g[a:b].pow(2).sum() for a, b in ranges), torch.zeros(())).to(device)
+                part = part - same * (1 - 1 / tp)
+            squares = squares + part
+        return squares
+
+    def clip_factor(self, max_norm: float | None, squared_norm: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(global norm, factor min(1, max_norm / (norm + eps)) or None without `max_norm`);
-        the arguments as in `grad_norm`."""
-        norm = self.grad_norm(uncounted=uncounted, pp_group=pp_group, grads=grads)
+        """(global norm, factor min(1, max_norm / (norm + eps)) or None without `max_norm`),
+        from the job's sum of `norm_share`."""
+        norm = squared_norm.sqrt()
         if max_norm is None:
             return norm, None
         return norm, (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
 
-    def clip(self, max_norm: float | None, *, uncounted: Collection[int] = (),
-             pp_group: dist.ProcessGroup | None = None) -> float:
+    def clip(self, max_norm: float | None, squared_norm: torch.Tensor) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
-        `uncounted` and `pp_group` as in `grad_norm`; every unit is scaled.
+        `squared_norm`: the job's sum of `norm_share`; every unit is scaled.
         """
-        norm, scale = self.clip_factor(max_norm, uncounted=uncounted, pp_group=pp_group)
+        norm, scale = self.clip_factor(max_norm, squared_norm)
         if scale is not None:
             for unit in self.units:
                 unit.master.grad.mul_(scale.to(unit.master.device))

@@ -269,7 +269,7 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
 
     `plan_of(case)` gives the plan, `module_of(case)` (optional) the user's module to
     compile instead of the plan's model. Rank 0 returns, per case: losses, full
-    weights after training, held and predicted bytes, pass log; and, where `gathered`
+    weights after training, each step's gradient norm, held and predicted bytes, pass log; and, where `gathered`
     is given, "gathered": every rank's `gathered(trainer, program, groups)` after training.
     """
     import torch.distributed as dist
@@ -290,9 +290,11 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
             # As the training loop runs them: each step but the last leaves its ZeRO 1-2
             # weight all-gathers for the next forward to wait on (`ptc.ops.weight_gathers`).
             steps = plan.train.steps
-            losses, left = [], []
+            losses, norms, left = [], [], []
             for k in range(steps):
-                losses.append(trainer.train_step(k, leave_weights=k + 1 < steps).loss)
+                stats = trainer.train_step(k, leave_weights=k + 1 < steps)
+                losses.append(stats.loss)
+                norms.append(stats.grad_norm)
                 left.append(weight_gathers.pending())
             state = trainer.full_state_dict()
             held = trainer.held_bytes()
@@ -302,7 +304,7 @@ def train_cases(cases: list, plan_of, module_of=None, gathered=None) -> dict:
                 dist.all_gather_object(extra["gathered"], gathered(trainer, program, groups))
         if dist.get_rank() == 0:
             results[case] = {
-                "losses": losses, "left_in_flight": left, "state": state, "held": held,
+                "losses": losses, "norms": norms, "left_in_flight": left, "state": state, "held": held,
                 "predicted": program.state_bytes(), "log": program.pass_log, **extra}
     dist.destroy_process_group()
     return results

@@ -52,7 +52,7 @@ recompute, and the communication it cannot hide).
   rest: each second of tp, pp or dp communication hidden adds
   `HardwareSpec.contention` (comm_multiprocessors / multiprocessors) of a
   second. Optimizer offload's copies run on the copy engines and add none.
-- step sync: the guard's and the gradient norm's all-reduces, and the latency of
+- step sync: the guard's all-reduce (which carries the gradient norm), and the latency of
   gathering ZeRO 1-2's weights unit by unit (`ptc.compiler.cost.step_sync`).
 - on a CPU (`HardwareSpec.synchronous`) collectives run on the cores that
   compute: nothing overlaps, whatever `overlap` says.

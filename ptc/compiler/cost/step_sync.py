@@ -4,14 +4,14 @@ After the last backward and before the next forward the runtime
 (`ptc.runtime.executor.Trainer.train_step`) runs, one after the other and
 with nothing to hide behind:
 
-- the non-finite guard: one all-reduce over every rank of a flag per rank and
-  the loss (`ptc.runtime.health.nonfinite_ranks_and_sum`), except where it
+- the non-finite guard: one all-reduce over every rank of a flag per rank,
+  the loss and the parts of the squared gradient norm clipping takes
+  (`ptc.runtime.health.nonfinite_ranks_and_sum`,
+  `ptc.runtime.optimizer.ShardedOptimizer.norm_share`), except where it
   rides the step's last gradient all-reduce (`guard_folds`: pure data
   parallel at ZeRO-0, fp32 gradients reduced in fp32, no offload;
-  `ptc.runtime.health.FoldedGuard`), a few bytes more on that all-reduce;
-- the gradient norm for clipping: one all-reduce of a scalar over dp·cp when
-  ZeRO shards the gradients (stage >= 1), and one over tp and one over pp
-  when they are larger than 1 (`ptc.runtime.optimizer.ShardedOptimizer`);
+  `ptc.runtime.health.FoldedGuard`), a few bytes more on that all-reduce,
+  every rank then holding the whole gradient the norm is taken of;
 - with ZeRO 1-2, the updated weights are all-gathered unit by unit
   (`ptc.runtime.params.publish`): the embedding, each layer, the final norm
   and head of the stage. The step-time model prices the stage's weights as
@@ -35,6 +35,9 @@ from ptc.plan import HardwareSpec
 FLAG_BYTES = 4
 """Bytes of one rank's slot in the guard's all-reduce (float32)."""
 
+GUARD_SUMS = 2
+"""Slots the guard's all-reduce sums beside the ranks' flags: the loss, the squared norm."""
+
 
 def world_group(layout: Layout, gpus_per_node: int) -> AxisGroup:
     """Every rank of the job as one group, ranks numbered node by node."""
@@ -49,10 +52,8 @@ def step_sync(profile: ModelProfile, layout: Layout, hw: HardwareSpec, prec: Pre
     world = world_group(layout, hw.gpus_per_node)
     folded = guard_folds(zero=layout.zero, dp=layout.dp, world=world.size,
                          offload=layout.offload, grad_bytes=prec.grad, wire_bytes=prec.grad_wire)
-    seconds = 0.0 if folded else comm.all_reduce(FLAG_BYTES * (world.size + 1), world, hw).seconds
-    norm_groups = [groups["grad"]] if layout.zero >= 1 else []
-    norm_groups += [groups[axis] for axis in ("tp", "pp")]
-    seconds += sum(comm.all_reduce(FLAG_BYTES, g, hw).seconds for g in norm_groups)
+    seconds = 0.0 if folded else \
+        comm.all_reduce(FLAG_BYTES * (world.size + GUARD_SUMS), world, hw).seconds
     if layout.zero in (1, 2) and groups["grad"].size > 1:
         seconds += _unit_gathers(profile, layout, hw, prec, groups["grad"])
     return seconds
