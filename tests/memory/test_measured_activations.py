@@ -137,6 +137,26 @@ def test_attention_sinks_and_routed_experts_keep_what_the_model_predicts(dtype):
         == measured
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_where_masked_attention_keeps_what_the_model_predicts(dtype):
+    """transformers' GPT-Neo run as ptc runs it (the captured graph, with the fill value its
+    forward makes, which export lifts as a constant): its written-out attention masks the
+    scores with where(causal, scores, fill); what autograd saves is what the profile of the
+    model counts, less CPU's LayerNorm statistics (`cpu_statistics_gap`)."""
+    spec = ModelSpec(family="custom", factory="tests.user_models.transformers_models:gpt_neo",
+                     max_seq=16)
+    b, s = 2, 12
+    model = as_runtime_holds(build_model(spec, device="cpu", seed=0), DTYPES[dtype])
+    gm = with_weights(capture(model, micro_batch=b, seq_len=s, dtype=DTYPES[dtype]), model)
+    tokens, targets = torch.randint(0, model.config.vocab_size, (2, b, s))
+    measured = saved_bytes(gm, lambda: gm(tokens, targets))
+    norms = sum(isinstance(m, nn.LayerNorm) for m in model.modules())
+    gap = cpu_statistics_gap(norms, b * s, DTYPES[dtype])
+    layers = model.config.num_layers
+    assert predicted_activations(dataclasses.replace(spec, layers=layers), dtype, b, s) \
+        == measured + gap
+
+
 def test_measurement_sees_dropout_masks():
     """The measuring hook itself: a dropout layer adds its mask's bytes."""
     spec = SPECS["gpt"]

@@ -19,6 +19,8 @@ from torch import fx, nn
 
 from ptc.compiler.graph.devices import bind_device
 from ptc.compiler.graph.lazy_code import graph_module, owner_module
+from ptc.compiler.graph.meta import graph_info
+from ptc.compiler.records.graph_meta import KEY
 
 
 def meta_model(model: nn.Module, dtype: torch.dtype, *, buffers_as_built: bool = False
@@ -72,16 +74,51 @@ def with_weights(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     graph, with its NodeInfo metadata, is copied; `gm` is left untouched.
     Compute happens in the dtype of `model`'s tensors. An export-door graph
     records the device of the tensors it creates (`arange(..., device=meta)`);
-    those become the device of `model`'s parameters.
+    those become the device of `model`'s parameters. The constants export
+    lifted out of the forward (a tensor it builds from a Python number) are
+    not `model`'s: they come from the capture (`CaptureInfo.constants`).
     """
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         val_map[node] = graph.node_copy(node, val_map.__getitem__)
-    bound = graph_module(model, graph, type(gm).__name__)
+    constants = graph_info(gm).constants if KEY in gm.meta else {}
+    lifted = {node.target: constants[node.target] for node in gm.graph.nodes
+              if node.op == "get_attr" and node.target in constants
+              and not _has_attr(model, node.target)}
+    root = _with_buffers(model, lifted) if lifted else model
+    bound = graph_module(root, graph, type(gm).__name__)
     bound.meta.update(gm.meta)
     bind_device(bound, next((t.device for t in model.parameters()), torch.device("cpu")))
     return bound
+
+
+def _has_attr(model: nn.Module, name: str) -> bool:
+    owner: object = model
+    for part in name.split("."):
+        if not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
+
+
+def _with_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> nn.Module:
+    """`model` seen with `buffers` (dotted name -> tensor) added, `model` itself unchanged:
+    each module on a buffer's path is a shallow copy with its own module and buffer tables,
+    so every parameter and other module is `model`'s own."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    for name, value in buffers.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            child = copy.copy(owner._modules[part])
+            child._modules = dict(child._modules)
+            owner._modules[part] = child
+            owner = child
+        owner._buffers = dict(owner._buffers)
+        owner._buffers[leaf] = value
+    return root
 
 
 def keep_tied_names(gm: fx.GraphModule, model: nn.Module) -> None:
