@@ -120,39 +120,25 @@ def test_keyed_dropout_keeps_what_the_model_predicts(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_attention_sinks_and_routed_experts_keep_what_the_model_predicts(dtype):
-    """transformers' GPT-OSS run as ptc runs it (the captured graph): its written-out
-    attention joins per-head sink logits to the scores and drops their column after the
-    softmax, its experts run as grouped products behind a top-2 router; what autograd saves
-    is what the profile of the model counts."""
-    spec = ModelSpec(family="custom", factory="tests.user_models.transformers_models:gpt_oss",
+@pytest.mark.parametrize("factory, s", [("gpt_oss", 16), ("gpt_neo", 12)])
+def test_transformers_attention_forms_keep_what_the_model_predicts(factory, s, dtype):
+    """transformers models run as ptc runs them (the captured graph): GPT-OSS, whose
+    written-out attention joins per-head sink logits to the scores and drops their column
+    after the softmax, its experts grouped products behind a top-2 router; GPT-Neo, whose
+    attention masks the scores with where(causal, scores, fill), the fill a tensor its
+    forward makes (export lifts it as a constant). What autograd saves is what the profile
+    of the model counts, less CPU's LayerNorm statistics (`cpu_statistics_gap`; GPT-OSS
+    has RMSNorms)."""
+    spec = ModelSpec(family="custom", factory=f"tests.user_models.transformers_models:{factory}",
                      max_seq=16)
-    b, s = 2, 16
-    model = as_runtime_holds(build_model(spec, device="cpu", seed=0), DTYPES[dtype])
-    gm = with_weights(capture(model, micro_batch=b, seq_len=s, dtype=DTYPES[dtype]), model)
-    tokens, targets = torch.randint(0, model.config.vocab_size, (2, b, s))
-    measured = saved_bytes(gm, lambda: gm(tokens, targets))
-    layers = model.config.num_hidden_layers
-    assert predicted_activations(dataclasses.replace(spec, layers=layers), dtype, b, s) \
-        == measured
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_where_masked_attention_keeps_what_the_model_predicts(dtype):
-    """transformers' GPT-Neo run as ptc runs it (the captured graph, with the fill value its
-    forward makes, which export lifts as a constant): its written-out attention masks the
-    scores with where(causal, scores, fill); what autograd saves is what the profile of the
-    model counts, less CPU's LayerNorm statistics (`cpu_statistics_gap`)."""
-    spec = ModelSpec(family="custom", factory="tests.user_models.transformers_models:gpt_neo",
-                     max_seq=16)
-    b, s = 2, 12
+    b = 2
     model = as_runtime_holds(build_model(spec, device="cpu", seed=0), DTYPES[dtype])
     gm = with_weights(capture(model, micro_batch=b, seq_len=s, dtype=DTYPES[dtype]), model)
     tokens, targets = torch.randint(0, model.config.vocab_size, (2, b, s))
     measured = saved_bytes(gm, lambda: gm(tokens, targets))
     norms = sum(isinstance(m, nn.LayerNorm) for m in model.modules())
     gap = cpu_statistics_gap(norms, b * s, DTYPES[dtype])
-    layers = model.config.num_layers
+    layers = model.config.num_hidden_layers
     assert predicted_activations(dataclasses.replace(spec, layers=layers), dtype, b, s) \
         == measured + gap
 
