@@ -43,6 +43,14 @@ Every row is built by the same rules:
   scaled current (torchao's dynamic scaling, torchtitan's default); torchtitan leaves
   the output projection in bf16, as ptc's fp8 does;
 - torch.compile -> `runtime.compile = true`;
+- attention: torchtitan's SDPA asks for the flash backend first on Hopper
+  (torchtitan/models/attention.py; cuDNN's only on Blackwell, pull request
+  1196), and PyTorch leaves cuDNN's opt-in there since its 2.5 bugs
+  (pytorch/pytorch#138522): FlashAttention-2's kernel. Its rate is the one
+  measured beside cuDNN's in one run on an H100 (pytorch/pytorch#142132,
+  December 2024, shape (1, 24, 4608, 128): 329.5 against 631.3 TFLOP/s), as
+  a share of the kernel ptc prices at the GEMM rate:
+  `attention_fraction` = 329.5 / 631.3 x the preset's `achievable_fraction`;
 - hardware: Meta's Grand Teton hosts (T24, A25) are "H100-SXM" with the sources' own
   figures, 96 GB HBM2e at 2.4 TB/s (`hbm_bytes`, `mem_bandwidth`) under the default
   500 W power limit (`power_limit`), 400 Gb/s RDMA per GPU (the preset's 50 GB/s);
@@ -76,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ptc.compiler.search.estimate import estimate  # noqa: E402
 from ptc.compiler.shapes import plan_from_shape  # noqa: E402
 from ptc.plan import Plan  # noqa: E402
+from ptc.presets import PRESETS  # noqa: E402
 from ptc.units import UNITS  # noqa: E402
 from validate_cost_model import error_summary  # noqa: E402
 from validate_out_of_sample import LLAMA3, pair_order  # noqa: E402
@@ -84,6 +93,10 @@ GiB = UNITS["GiB"][1]
 
 SEQ = 8192
 """The sequence length of torchtitan's Llama 3 train configs (8B, 70B and 405B alike)."""
+
+FLASH2_OVER_CUDNN = 329.483 / 631.338
+"""FlashAttention-2's (SDPA's flash backend) rate over cuDNN's fused attention kernel on an
+H100, measured in one tritonbench run (pytorch/pytorch#142132)."""
 
 SYSTEMS = {
     "GrandTeton": dict(gpu="H100-SXM", hbm_bytes=96 * 10**9, mem_bandwidth=2.4 * 10**12,
@@ -206,6 +219,7 @@ def build(model: str, system: str, gpus: int, fsdp: int, tp: int, pp: int, cp: i
     kind, v = SCHEDULES[schedule]
     micro = local_batch // pp if pp > 1 else local_batch
     fields = dict(SYSTEMS[system])
+    fields["attention_fraction"] = FLASH2_OVER_CUDNN * PRESETS[fields["gpu"]].achievable_fraction
     plan = plan_from_shape(
         family="llama", vocab=128256, kv_heads=8, seq_len=seq, global_batch=local_batch * fsdp,
         gpu=fields.pop("gpu"), num_gpus=gpus, tp=tp, pp=pp, dp=fsdp, cp=cp, micro_batch=micro,

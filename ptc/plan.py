@@ -327,6 +327,11 @@ class HardwareSpec(_Section):
     """Whether the intra-node switch reduces in the network (NVLS)."""
     achievable_fraction: float = 0.5
     """Share of the dense peak a matrix product (GEMM) reaches (cost model)."""
+    attention_fraction: float | None = None
+    """Share of the dense peak the matrix products of a fused attention kernel reach (cost
+    model); None: the GEMMs' rate, as cuDNN's and FlashAttention-3's kernels run on Hopper.
+    FlashAttention-2's (SDPA's flash backend) runs at about half of it there
+    (docs/cost-model.md, "Attention kernels")."""
     host_bandwidth: float = PCIE4_X16
     """Per-accelerator, per-direction bandwidth of its link to host memory (PCIe), bytes/s:
     what optimizer offload's copies move at (default PCIe Gen4 x16)."""
@@ -404,6 +409,7 @@ class HardwareSpec(_Section):
         self._number(sink, "hbm_bytes", strict=True)
         self._number(sink, "mem_bandwidth", strict=True)
         self._number(sink, "achievable_fraction", strict=True)
+        self._number(sink, "attention_fraction", strict=True, allow_none=True)
         self._number(sink, "memory_margin")
         self._number(sink, "host_bandwidth", strict=True)
         self._number(sink, "host_memory_bytes", strict=True)
@@ -425,9 +431,10 @@ class HardwareSpec(_Section):
                 and 0 < self.hbm_bytes <= self.memory_margin:
             self._bad(sink, "memory_margin", f"memory_margin ({self.memory_margin:g} bytes) leaves "
                       f"no memory: it must be below hbm ({self.hbm_bytes:g} bytes)")
-        if isinstance(self.achievable_fraction, (int, float)) and self.achievable_fraction > 1:
-            self._bad(sink, "achievable_fraction",
-                      f"achievable_fraction is a share of peak (0, 1], got {self.achievable_fraction:g}")
+        for name in ("achievable_fraction", "attention_fraction"):
+            share = getattr(self, name)
+            if isinstance(share, (int, float)) and share > 1:
+                self._bad(sink, name, f"{name} is a share of peak (0, 1], got {share:g}")
         if not self.peak_flops:
             self._bad(sink, "peak_flops", "peak_flops needs at least one dtype, e.g. bf16 = 989 TFLOP/s")
         for dtype, value in dict(self.peak_flops).items():
@@ -506,6 +513,14 @@ class HardwareSpec(_Section):
         if dtype in self.gemm_flops:
             return self.gemm_flops[dtype]
         return self.peak_flops[dtype] * self.achievable_fraction * self.clock_share
+
+    def attention_rate(self, dtype: str) -> float:
+        """FLOP/s of a fused attention kernel's matrix products in `dtype`: peak x
+        attention_fraction x clock_share where attention_fraction is given, else the GEMMs'
+        (`gemm_rate`)."""
+        if self.attention_fraction is None:
+            return self.gemm_rate(dtype)
+        return self.peak_flops[dtype] * self.attention_fraction * self.clock_share
 
 
 def _profiled_imbalance(path: str) -> float | None:

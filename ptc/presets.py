@@ -15,7 +15,7 @@ chip: for each run of `published_runs.csv` (../shared/validation) the share at
 which ptc's prediction of that run equals its measurement, all else as priced,
 and the preset takes the median over the chip's runs
 (`python bench/validate_cost_model.py --solve-shares`): A100 0.62 (31 runs;
-both memory sizes, one chip), V100 0.69 (4), H100 0.61 (11; H200, B200, B300,
+both memory sizes, one chip), V100 0.69 (4), H100 0.58 (11; H200, B200, B300,
 GB200 and GB300 take Hopper's, scored out of sample by
 `bench/validate_out_of_sample.py`). Megatron-LM's own whole-step figures agree
 about as well once the rest of the step is priced apart: 52 % of peak on A100 with
@@ -213,7 +213,7 @@ GB200 = GpuPreset(name="GB200", hbm_bytes=186 * 10**9,
                               "fp8": 5000 * TFLOPS},
                   mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=72,
-                  nvlink_sharp=True, achievable_fraction=0.61,
+                  nvlink_sharp=True, achievable_fraction=0.58,
                   host_bandwidth=NVLINK_C2C_PER_GPU, multiprocessors=148,
                   host_memory_bytes=36 * 480 * GB, board_power=1200 * W,
                   min_power_limit=200 * W)
@@ -264,7 +264,7 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=3350 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.61,
+                  nvlink_sharp=True, achievable_fraction=0.58,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
                   host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; tensor figures there are
@@ -277,7 +277,7 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 1979 * TFLOPS},
                   mem_bandwidth=4800 * GB_S, intra_bandwidth=450 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.61,
+                  nvlink_sharp=True, achievable_fraction=0.58,
                   host_bandwidth=PCIE5_X16, multiprocessors=132,
                   host_memory_bytes=2 * TB, board_power=700 * W, min_power_limit=200 * W),
         # NVIDIA DGX B200 / HGX B200 datasheets (8 GPUs; per GPU = total / 8, tensor figures
@@ -292,7 +292,7 @@ PRESETS: dict[str, GpuPreset] = {
                               "fp8": 4500 * TFLOPS},
                   mem_bandwidth=8000 * GB_S, intra_bandwidth=900 * GB_S, intra_latency=2 * US,
                   inter_bandwidth=50 * GB_S, inter_latency=5 * US, gpus_per_node=8,
-                  nvlink_sharp=True, achievable_fraction=0.61,
+                  nvlink_sharp=True, achievable_fraction=0.58,
                   host_bandwidth=PCIE5_X16, multiprocessors=148,
                   host_memory_bytes=2 * TB, board_power=1000 * W, min_power_limit=200 * W),
         GB200,

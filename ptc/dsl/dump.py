@@ -129,7 +129,8 @@ def _hardware(hw: HardwareSpec) -> str:
         lines.append(f"profile = {quote(hw.profile)}")
     reference = None if hw.gpu == "custom" else HardwareSpec.preset(hw.gpu, profile=hw.profile)
     for name in ("hbm_bytes", "peak_flops", "mem_bandwidth", "intra", "inter",
-                 "nvlink_sharp", "achievable_fraction", "memory_margin", "host_bandwidth",
+                 "nvlink_sharp", "achievable_fraction", "attention_fraction", "memory_margin",
+                 "host_bandwidth",
                  "host_memory_bytes", "gemm_flops", "dispatch_overhead", "multiprocessors",
                  "comm_multiprocessors", "board_power", "min_power_limit", "power_limit"):
         value = getattr(hw, name)

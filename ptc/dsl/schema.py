@@ -101,6 +101,8 @@ HARDWARE_KEYS: dict[str, Key] = {
                  placeholder=LinkSpec(bandwidth=1.0, latency=0.0)),
     "nvlink_sharp": Key("nvlink_sharp", boolean),
     "achievable_fraction": Key("achievable_fraction", number),
+    "attention_fraction": Key("attention_fraction", optional(number),
+                              example="attention_fraction = 0.3"),
     "memory_margin": Key("memory_margin", quantity("bytes"), example="memory_margin = 4 GiB"),
     "host_bandwidth": Key("host_bandwidth", quantity("bandwidth"),
                           example="host_bandwidth = 64 GB/s"),

@@ -381,6 +381,11 @@ def _rates(plan: Plan, est: Estimate) -> FitTable:
     rate = hw.gemm_rate(dtype)
     shown = f"{rate / 1e12:,.4g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.4g} GFLOP/s"
     table.add_row(f"GEMM ({dtype})", shown + gemm_how, gemm_source)
+    if hw.attention_fraction is not None:
+        table.add_row(f"fused attention kernel ({dtype})",
+                      f"{hw.attention_rate(dtype) / 1e12:,.4g} TFLOP/s "
+                      f"(peak x {hw.attention_fraction:g}{capped})",
+                      origin("attention_fraction", hw.attention_fraction))
     if hw.power_limit is not None:
         table.add_row(_power_row(hw, dtype), f"{hw.power_limit:g} W of {hw.board_power:g} W",
                       origin("power_limit", hw.power_limit))

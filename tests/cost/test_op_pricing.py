@@ -12,12 +12,14 @@ import dataclasses
 import pytest
 import sympy
 import torch
+from torch import fx
 from torch.nn import functional as F
 
 from ptc.compiler.cost.compute import PhaseWork, Rates, Split, layer_times, phase_work, rates
 from ptc.compiler.profile.types import b, s
 from ptc.compiler.profile.cache import model_profile
-from ptc.compiler.graph.work import FLASH_BACKWARD, function_work
+from ptc.compiler.graph.work import CAUSAL_SHARE, FLASH_BACKWARD, function_work, \
+    graph_work
 from ptc.plan import HardwareSpec, ModelSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,12 +60,30 @@ def test_views_move_nothing():
 
 def test_a_phase_costs_its_gemms_at_the_gemm_rate_and_its_bytes_at_the_memory_rate():
     work = PhaseWork(gemm=3e12, memory=2e9, ops=1000)
-    cpu = Rates(gemm=1e12, fp8=None, memory=1e9, dispatch=1e-5, synchronous=True)
+    cpu = Rates(gemm=1e12, attention=1e12, fp8=None, memory=1e9, dispatch=1e-5, synchronous=True)
     gpu = dataclasses.replace(cpu, synchronous=False)
     assert work.seconds(cpu) == pytest.approx(3 + 2 + 1000 * 1e-5)
     assert work.seconds(gpu) == pytest.approx(3 + 2)  # the host's 10 ms hide behind 5 s
     busy_host = dataclasses.replace(gpu, dispatch=0.01)
     assert work.seconds(busy_host) == pytest.approx(1000 * 0.01)  # 10 s of dispatch > 5 s
+
+
+def test_a_fused_attention_kernel_runs_at_its_own_share_of_peak_where_one_is_given():
+    """Without `attention_fraction` the attention kernel's matrix products run at the GEMM
+    rate (measured or not); with it, at peak x that share x the power limit's clock share,
+    so only the attention FLOPs of a phase take longer."""
+    hw = HardwareSpec.preset("H100-SXM")
+    assert rates(hw, "bf16").attention == rates(hw, "bf16").gemm
+    measured = dataclasses.replace(hw, gemm_flops={"bf16": 7e14})
+    assert rates(measured, "bf16").attention == 7e14
+    flash2 = dataclasses.replace(hw, attention_fraction=0.3, power_limit=500.0)
+    r = rates(flash2, "bf16")
+    assert r.attention == pytest.approx(989e12 * 0.3 * flash2.clock_share)
+    assert r.gemm == pytest.approx(989e12 * hw.achievable_fraction * flash2.clock_share)
+    work = PhaseWork(gemm=3e12, attention=2e12, memory=1e9)
+    full = dataclasses.replace(r, attention=r.gemm)
+    assert work.seconds(r) - work.seconds(full) == pytest.approx(2e12 / r.attention
+                                                                 - 2e12 / r.gemm)
 
 
 def test_rates_come_from_the_hardware():
@@ -116,11 +136,28 @@ def test_a_gpt_layers_gemms_are_its_linears_and_its_written_out_attention():
 def test_sdpa_runs_as_flash_attention():
     h = LLAMA.hidden
     work = model_profile(LLAMA, "fp32").work
-    flash = 4 * b * s**2 * h  # 2·(b·a·s)·s·(d + d)
+    flash = 4 * b * s**2 * h / CAUSAL_SHARE  # 2·(b·a·s)·s·(d + d), causal: half the tiles
     assert sympy.expand(work["layer.fwd.attn.all"] - flash) == 0
     assert sympy.expand(work["layer.bwd.attn.all"] - FLASH_BACKWARD * flash) == 0
     # no s x s scores pass through memory: the layer's bytes grow with s, not s²
     assert sympy.degree(work["layer.fwd.mem.all"], s) == 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_causal_flash_kernel_skips_the_tiles_above_the_diagonal(causal):
+    """SDPA's FLOPs are 4·b·a·s²·d forward and 2.5 times that backward; with `is_causal`
+    the kernel computes only the tiles on and below the diagonal: half of them."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, is_causal=causal).sum()
+
+    q = torch.empty(2, 4, 16, 8, device="meta", requires_grad=True)
+    (work,) = [w for w in graph_work(fx.symbolic_trace(Attention()), [q]).values()
+               if w.forward.attention]
+    full = 4 * 2 * 4 * 16**2 * 8
+    assert work.forward.attention == full / (CAUSAL_SHARE if causal else 1)
+    assert work.backward.attention == FLASH_BACKWARD * work.forward.attention
 
 
 def test_tensor_parallelism_splits_the_blocks_and_leaves_the_norms_whole():
@@ -138,7 +175,7 @@ def test_tensor_parallelism_splits_the_blocks_and_leaves_the_norms_whole():
 
 def test_a_layer_costs_its_work_at_the_rates():
     profile = model_profile(GPT, "fp32")
-    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    r = Rates(gemm=2e10, attention=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
     t = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
     f = profile.fn
 
@@ -227,7 +264,7 @@ def test_dropout_runs_as_one_fused_kernel_with_a_one_byte_mask():
 
 def test_fused_pricing_follows_runtime_compile():
     profile = model_profile(GPT, "fp32")
-    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    r = Rates(gemm=2e10, attention=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
     eager = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
     fused = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1),
                         fused=True)
@@ -251,7 +288,7 @@ def test_a_policy_recomputes_the_work_of_the_ops_its_regions_rerun():
     # `modules(mlp)` reruns the MLP's up and down projections (h -> 4h -> h) and what is
     # between them
     assert sympy.expand(work["rerun[modules(mlp)].fwd.gemm.all"] - 2 * (2 * b * s * 4 * h * h)) == 0
-    r = Rates(gemm=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
+    r = Rates(gemm=2e10, attention=2e10, fp8=None, memory=5e9, dispatch=8e-6, synchronous=True)
     t = layer_times(profile, r, bb=2, ss=32, seq_len=32, split=Split(1, 1, False, 1))
     f = profile.fn
     mlp = sum(f[f"work.rerun[modules(mlp)].fwd.{q}.all"](2, 32) / rate

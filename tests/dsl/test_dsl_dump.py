@@ -124,6 +124,7 @@ def plans(draw: st.DrawFn) -> Plan:
             **draw(st.fixed_dictionaries({}, optional={
                 "hbm_bytes": positive, "mem_bandwidth": positive,
                 "achievable_fraction": st.floats(0.01, 1.0),
+                "attention_fraction": st.floats(0.01, 1.0),
                 "intra": st.builds(LinkSpec, bandwidth=positive, latency=positive)})))
     else:
         hardware = HardwareSpec(

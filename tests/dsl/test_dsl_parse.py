@@ -215,11 +215,19 @@ def test_bf16_on_v100_is_refused() -> None:
 
 def test_preset_fields_can_be_overridden() -> None:
     plan = parse(edit("nodes = 1", "nodes = 1\n  hbm = 94 GB\n  peak = flops(bf16 = 900 TFLOP/s)"
-                                   "\n  achievable_fraction = 0.4\n  nvlink_sharp = false"))
+                                   "\n  achievable_fraction = 0.4\n  nvlink_sharp = false"
+                                   "\n  attention_fraction = 0.3"))
     hw = plan.hardware
     assert hw.gpu == "H100-SXM" and hw.hbm_bytes == 94e9 and hw.peak_flops == {"bf16": 900e12}
     assert hw.achievable_fraction == 0.4 and hw.nvlink_sharp is False
+    assert hw.attention_fraction == 0.3
     assert hw.mem_bandwidth == 3350e9  # untouched preset figure
+
+
+def test_a_share_of_peak_above_one_is_refused_at_its_line() -> None:
+    (err,) = errors(edit("nodes = 1", "nodes = 1\n  attention_fraction = 1.5"))
+    assert err.field == "hardware.attention_fraction" and err.span is not None
+    assert err.message == "attention_fraction is a share of peak (0, 1], got 1.5"
 
 
 def test_custom_model_items_become_factory_kwargs() -> None:

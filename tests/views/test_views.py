@@ -96,3 +96,14 @@ def test_explain_shows_a_power_limit_beside_the_gemm_rate_it_lowers():
     full = " ".join(_text(render_explain(load_plan(
         EXAMPLES / "llama70b_h100x64_tp8_pp4_dp2.ptc")), 80).split())
     assert "power limit" not in full
+
+
+def test_explain_shows_an_attention_kernel_rate_the_plan_names():
+    plan = load_plan(EXAMPLES / "llama70b_h100x64_tp8_pp4_dp2.ptc",
+                     overrides={"hardware.attention_fraction": "0.3"})
+    rate = plan.hardware.attention_rate("bf16") / 1e12
+    text = " ".join(_text(render_explain(plan), 100).split())
+    assert "fused attention kernel (bf16)" in text and f"{rate:,.4g} TFLOP/s (peak x 0.3)" in text
+    full = " ".join(_text(render_explain(load_plan(
+        EXAMPLES / "llama70b_h100x64_tp8_pp4_dp2.ptc")), 100).split())
+    assert "fused attention kernel" not in full

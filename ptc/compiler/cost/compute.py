@@ -13,12 +13,13 @@ Each physical effect has one rate (`Rates`, from the hardware section):
 - GEMMs run at R = `HardwareSpec.gemm_rate(dtype)` (a calibration's measured
   rate, else peak x achievable_fraction x the clock share a power limit leaves,
   `HardwareSpec.clock_share`), float8 GEMMs at R8 (the fp8 peak, likewise); a fused
-  attention kernel's matrix products run at R too;
+  attention kernel's matrix products run at Ra = `HardwareSpec.attention_rate(dtype)`
+  (R, unless the hardware names the kernel's own share of peak: `attention_fraction`);
 - memory-bound ops (element-wise, norms, softmax, the loss, copies) and the
   attention kernel's reads and writes move their bytes at B = mem_bandwidth;
 - the host spends o = dispatch_overhead dispatching each op.
 
-Kernel time K = G/R + G8/R8 + A/R + M/B. On a CPU the host runs the kernels
+Kernel time K = G/R + G8/R8 + A/Ra + M/B. On a CPU the host runs the kernels
 itself, so a phase takes K + N·o; on a GPU the host queues kernels while the
 device runs earlier ones, so it takes max(K, N·o) (the slower of the two
 sets the pace).
@@ -49,7 +50,9 @@ class Rates:
     """The rate of each physical effect, for one compute dtype."""
 
     gemm: float
-    """FLOP/s of matrix products (and fused attention's)."""
+    """FLOP/s of matrix products."""
+    attention: float
+    """FLOP/s of a fused attention kernel's matrix products."""
     fp8: float | None
     """FLOP/s of float8 GEMMs (train dtype fp8), else None."""
     memory: float
@@ -72,7 +75,8 @@ def rates(hw: HardwareSpec, dtype: str) -> Rates:
     if dtype == "fp8":
         fp8 = hw.gemm_flops.get("fp8") or hw.peak_flops.get("fp8", hw.peak_flops["bf16"]) \
             * hw.achievable_fraction * hw.clock_share
-    return Rates(gemm=hw.gemm_rate(compute), fp8=fp8, memory=hw.mem_bandwidth,
+    return Rates(gemm=hw.gemm_rate(compute), attention=hw.attention_rate(compute), fp8=fp8,
+                 memory=hw.mem_bandwidth,
                  dispatch=hw.dispatch_overhead, synchronous=hw.synchronous,
                  multiprocessors=0 if compute in hw.gemm_flops else hw.multiprocessors)
 
@@ -95,7 +99,7 @@ class PhaseWork:
     def kernel_seconds(self, r: Rates) -> float:
         """K: the device's time for these kernels."""
         return (self.gemm / r.gemm + (self.fp8 / r.fp8 if self.fp8 else 0.0)
-                + self.attention / r.gemm + self.memory / r.memory)
+                + self.attention / r.attention + self.memory / r.memory)
 
     def seconds(self, r: Rates) -> float:
         """K + N·o on a CPU, max(K, N·o) on a GPU (module docstring)."""

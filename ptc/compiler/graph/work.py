@@ -17,7 +17,8 @@ Terms, per op (one aten call):
   whose operands are both rows, contracts each row once, not once per group);
 - *attention kernel*: `scaled_dot_product_attention` without dropout runs as
   a fused flash kernel: forward 4·b·a·s_q·s_kv·d FLOPs (`flops.sdpa_flops`),
-  backward 2.5 times that — flash attention's backward runs five of the
+  half that where it is causal (`is_causal`: the kernel skips the tiles
+  above the diagonal, `CAUSAL_SHARE`), backward 2.5 times the forward's — flash attention's backward runs five of the
   forward's two matrix products per tile, recomputing the scores (Dao 2023,
   FlashAttention-2, section 3.1.2) — and it reads and writes q, k, v, the
   output and its log-sum-exp once each way (`Work.attention`, bytes in
@@ -60,6 +61,10 @@ from torch.utils._pytree import tree_leaves
 
 from ptc.compiler.graph.activations import DROPOUT_TARGETS, dropout_active
 from ptc.compiler.graph.flops import sdpa_flops
+
+CAUSAL_SHARE = 2
+"""A causal flash kernel computes the tiles on and below the diagonal of the score matrix
+and skips those above it: about half of its FLOPs (`Work.attention` divides by this)."""
 
 FLASH_BACKWARD = 2.5
 """FLOPs of flash attention's backward over its forward's: five matrix products per tile
@@ -313,8 +318,10 @@ class _FlashAttention(torch.autograd.Function):
     """Meta stand-in for a flash attention kernel: its output, and its work each way."""
 
     @staticmethod
-    def forward(ctx, q, k, v, record):  # noqa: D102 - autograd.Function protocol
+    def forward(ctx, q, k, v, causal, record):  # noqa: D102 - autograd.Function protocol
         flops = sdpa_flops(q.shape, k.shape, v.shape)
+        if causal and q.shape[-2] == k.shape[-2]:
+            flops //= CAUSAL_SHARE
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = 4 * q.shape[:-1].numel()
         moved = _nbytes(q) + _nbytes(k) + _nbytes(v) + _nbytes(out)
@@ -329,7 +336,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out = ctx.saved_tensors
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         ctx.record(ctx.work, "backward", (grad, q, k, v, out), grads)
-        return *grads, None
+        return *grads, None, None
 
 
 class _FusedDropout(torch.autograd.Function):
@@ -394,7 +401,8 @@ class _WorkInterpreter(torch.fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         if target in _SDPA and _flash(args, kwargs):
-            return _FlashAttention.apply(*args[:3], self._kernel_recorder())
+            return _FlashAttention.apply(*args[:3], _causal(args, kwargs),
+                                         self._kernel_recorder())
         if target in DROPOUT_TARGETS and dropout_active(args, kwargs):
             return _FusedDropout.apply(args[0], self._kernel_recorder())
         return super().call_function(target, args, kwargs)
@@ -404,6 +412,11 @@ class _WorkInterpreter(torch.fx.Interpreter):
         if isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0:
             return _FusedDropout.apply(args[0], self._kernel_recorder())
         return super().call_module(target, args, kwargs)
+
+
+def _causal(args: Sequence, kwargs: dict) -> bool:
+    """Whether the attention call asks for the causal mask (`is_causal`)."""
+    return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
 
 
 def _flash(args: Sequence, kwargs: dict) -> bool:
