@@ -7,7 +7,9 @@ The convention (one multiply-add = 2 FLOPs):
 - attention, fused (scaled_dot_product_attention): the two matmuls,
   2·B·s_q·s_kv·(d_k + d_v) with B the batch·heads of the query — for equal
   head sizes 4·b·a·s²·d. A causal mask is still counted in full (as
-  Megatron and PaLM's MFU do), so the figure is the dense one. Written-out
+  Megatron and PaLM's MFU do), so the figure is the dense one; the work a
+  causal flash kernel does, which the cost model prices, is half of it
+  (`ptc.compiler.graph.work.CAUSAL_SHARE`). Written-out
   attention's two matmuls are counted as matmuls and sum to the same.
 - elementwise, normalisation, softmax, dropout, reduction and loss ops: one
   FLOP per element of their largest tensor operand (input or output) — a
