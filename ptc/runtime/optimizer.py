@@ -93,7 +93,6 @@ class ShardedOptimizer:
         counted = [(u, g, ranges) for u, g, ranges in zip(self.units, grads, self.replicated)
                    if id(u) not in uncounted]
         device = self.units[0].grad.device if self.units else None  # where the guard runs
-        zero = torch.zeros((), device=device)
         tp = group_size(self.tp_group)
         place = group_rank(self.group)  # where this rank is in dp·cp
 
@@ -102,15 +101,16 @@ class ShardedOptimizer:
                 return True
             return place < group_size(self.ep_group) if unit.spec.expert else place == 0
 
-        squares = zero
+        squares = torch.zeros((), device=device)
         for unit, g, ranges in counted:
             if not holds_once(unit):
                 continue
-            part = g.pow(2).sum().to(device)
+            part = g.pow(2).sum()
             if tp > 1:  # every tp rank holds the same gradient of a replicated parameter
-                same = sum((g[a:b].pow(2).sum() for a, b in ranges), torch.zeros(())).to(device)
+                same = sum((g[a:b].pow(2).sum() for a, b in ranges),
+                           torch.zeros((), device=g.device))
                 part = part - same * (1 - 1 / tp)
-            squares = squares + part
+            squares = squares + part.to(device)
         return squares
 
     def clip_factor(self, max_norm: float | None, squared_norm: torch.Tensor

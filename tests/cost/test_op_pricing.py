@@ -160,6 +160,18 @@ def test_a_causal_flash_kernel_skips_the_tiles_above_the_diagonal(causal):
     assert work.backward.attention == FLASH_BACKWARD * work.forward.attention
 
 
+def test_context_parallelism_prices_every_tile_of_its_masked_kernel():
+    """Under cp, ptc's kernel meets every gathered key through a mask (`ptc.ops.context`):
+    a causal model's core is priced at every tile of its 1/cp share, twice what the causal
+    kernel of the whole sequence computes, over cp."""
+    profile = model_profile(LLAMA, "fp32")
+    assert profile.causal_kernel
+    whole = profile.fn["work.layer.fwd.attn.all"](2, 32)
+    cp2 = phase_work(profile, "layer", "fwd", 2, 16, Split(1, 1, False, 2), 32)
+    assert cp2.attention == pytest.approx(CAUSAL_SHARE * whole / 2)
+    assert not model_profile(GPT, "fp32").causal_kernel  # written out: every score computed
+
+
 def test_tensor_parallelism_splits_the_blocks_and_leaves_the_norms_whole():
     profile = model_profile(GPT, "fp32")
     whole, tp_part = (profile.fn[f"work.layer.fwd.mem.{c}"](2, 32) for c in ("all", "tp"))

@@ -106,19 +106,23 @@ def _with_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> nn.Modu
     """`model` seen with `buffers` (dotted name -> tensor) added, `model` itself unchanged:
     each module on a buffer's path is a shallow copy with its own module and buffer tables,
     so every parameter and other module is `model`'s own."""
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
+    copies: dict[str, nn.Module] = {}
+
+    def copied(path: str) -> nn.Module:  # the module at `path`, copied once
+        if path not in copies:
+            parent, _, part = path.rpartition(".")
+            original = model.get_submodule(path)
+            copies[path] = copy.copy(original)
+            copies[path]._modules = dict(original._modules)
+            copies[path]._buffers = dict(original._buffers)
+            if path:
+                copied(parent)._modules[part] = copies[path]
+        return copies[path]
+
     for name, value in buffers.items():
-        *path, leaf = name.split(".")
-        owner = root
-        for part in path:
-            child = copy.copy(owner._modules[part])
-            child._modules = dict(child._modules)
-            owner._modules[part] = child
-            owner = child
-        owner._buffers = dict(owner._buffers)
-        owner._buffers[leaf] = value
-    return root
+        path, _, leaf = name.rpartition(".")
+        copied(path)._buffers[leaf] = value
+    return copied("")
 
 
 def keep_tied_names(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -581,9 +581,9 @@ def _back(node, through: frozenset[str], hops: int = 8):
 
 
 def data_operand(node: fx.Node):
-    """The operand whose values `node` carries on toward an attention's softmax: the first, but for `where(condition, a,
-    b)`, the one of a and b shaped as its output (a where both are: GPT-Neo's
-    `where(causal, scores, min)`)."""
+    """The operand whose values `node` carries on toward an attention's softmax: the first,
+    but for `where(condition, a, b)` the one of a and b shaped as its output (a where both
+    are: GPT-Neo's `where(causal, scores, min)`)."""
     if op_name(node) != "where" or len(node.args) < 3:
         return node.args[0]
     shape = node_shape(node)

@@ -401,7 +401,7 @@ class _WorkInterpreter(torch.fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         if target in _SDPA and _flash(args, kwargs):
-            return _FlashAttention.apply(*args[:3], _causal(args, kwargs),
+            return _FlashAttention.apply(*args[:3], _asks_causal(args, kwargs),
                                          self._kernel_recorder())
         if target in DROPOUT_TARGETS and dropout_active(args, kwargs):
             return _FusedDropout.apply(args[0], self._kernel_recorder())
@@ -414,9 +414,17 @@ class _WorkInterpreter(torch.fx.Interpreter):
         return super().call_module(target, args, kwargs)
 
 
-def _causal(args: Sequence, kwargs: dict) -> bool:
+def _asks_causal(args: Sequence, kwargs: dict) -> bool:
     """Whether the attention call asks for the causal mask (`is_causal`)."""
     return bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+
+
+def runs_causal_kernel(gm: torch.fx.GraphModule) -> bool:
+    """Whether `gm`'s fused attention runs as a causal flash kernel (a
+    scaled_dot_product_attention asking `is_causal`, without dropout), whose work
+    `graph_work` counts at the half of the tiles it computes (`CAUSAL_SHARE`)."""
+    return any(n.op == "call_function" and n.target in _SDPA and _flash(n.args, n.kwargs)
+               and _asks_causal(n.args, n.kwargs) for n in gm.graph.nodes)
 
 
 def _flash(args: Sequence, kwargs: dict) -> bool:

@@ -12,6 +12,7 @@ from ptc.compiler.graph.meta import get_info, graph_info
 from ptc.compiler.graph.nodes import (GROUPED_MM_OPS, attention_parts, is_embedding, is_linear,
                                       linear_weight, node_shape, op_name)
 from ptc.compiler.graph.recompute_regions import EXTRA_POLICIES, recompute_regions
+from ptc.compiler.graph.work import runs_causal_kernel
 from ptc.compiler.graph.tp_structure import (COLWISE, ROWWISE, VOCAB, Sharding, infer_sharding,
                                              rule_paths)
 from ptc.compiler.profile.classes import (is_saved_term, saved_classes, tp_regions,
@@ -102,7 +103,8 @@ def profile_one_layer(spec: ModelSpec, dtype: str, shards: tuple[ShardRule, ...]
         output_unsaved=saved["out_unsaved"], input_unsaved=saved["in_unsaved"],
         flops={r: fit[f"{r}.flops"] for r in ("pre", "layer", "post")},
         core_flops=fit["core.flops"], kv_flops=fit["kv.flops"], fp8_flops=fit["fp8.flops"],
-        work=work, work_b1=work_b1, gemms=gemms, gemms_b1=gemms_b1,
+        work=work, work_b1=work_b1, causal_kernel=runs_causal_kernel(first),
+        gemms=gemms, gemms_b1=gemms_b1,
         policy_saved={p: saved_classes(fit, p) for p in policies},
         policy_flops={p: fit[f"{p}.flops"] for p in policies},
         policy_gathers={p: int(fit[f"{p}.gathers"]) for p in policies},
