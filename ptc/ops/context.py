@@ -7,13 +7,16 @@ attention work (the early chunks see few keys, the late ones many). Every
 op except attention is local to a position, so it runs on the rank's
 S/cp positions unchanged; attention needs every earlier position's keys
 and values, which `context_attention` all-gathers over cp (Llama 3's
-method: the backward reduce-scatters their gradients).
+method: the backward reduce-scatters their gradients). Each of the rank's
+chunks then meets only the keys up to its own end, so no rank computes the
+products a causal mask discards wholesale (`key_tile_share`).
 
-| op                  | forward                                  | backward                     |
-|---------------------|------------------------------------------|------------------------------|
-| `context_chunks`    | keep the rank's two chunks along `dim`   | zeros at the other positions |
-| `context_attention` | all-gather k, v over cp; causal attention | reduce-scatter dk, dv        |
-| `context_reduce`    | all-reduce (sum or mean) over cp         | the same all-reduce          |
+| op                  | forward                                          | backward                     |
+|---------------------|--------------------------------------------------|------------------------------|
+| `context_chunks`    | keep the rank's two chunks along `dim`           | zeros at the other positions |
+| `context_attention` | all-gather k, v over cp; each chunk's queries    | reduce-scatter dk, dv        |
+|                     | attend causally to the keys up to its end        |                              |
+| `context_reduce`    | all-reduce (sum or mean) over cp                 | the same all-reduce          |
 
 A sum or mean over the sequence (a load-balancing loss's fraction of tokens per
 expert) is each rank's over its positions, then `context_reduce`d into the whole
@@ -35,7 +38,7 @@ from torch.nn import functional as F
 
 from ptc.ops.comm import axis_group, group_rank, group_size
 from ptc.ops.dropout import current_samples, keyed_dropout
-from ptc.ops.positions import chunk_positions, gathered_order
+from ptc.ops.positions import chunk_positions, gathered_order, query_chunks
 from ptc.ops.tp_ops import all_gather_seq, copy_to_tp, reduce_from_tp
 
 CP = "cp"
@@ -70,41 +73,81 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       enable_gqa: bool = False, site: int | None = None,
                       full: tuple[int, ...] | None = None, fused: bool = True,
                       axis: str = CP) -> torch.Tensor:
-    """Causal attention of this rank's queries [b, h, s/cp, d] over every position's keys.
+    """Causal attention of this rank's queries [b, h, s/cp, d] over the keys before them.
 
     Keys and values [b, kv, s/cp, d] are all-gathered over cp and put in
-    position order; a query at position p attends to the keys at positions
-    <= p. `fused`: through scaled_dot_product_attention (what the model
-    called), else written out (scores, softmax, probabilities @ values).
-    With `dropout_p` and the runtime's keyed samples the probabilities get
-    dropout site `site`'s mask of the whole sample (`full`: [heads, s, s]),
-    of which the rank keeps its query rows.
+    position order. Each of the rank's two query chunks meets only the keys up
+    to its own chunk's end (`query_chunks`), under the causal mask aligned to
+    that end: the products of the keys after it, about half of the sequence's,
+    are never computed (`key_tile_share`). `fused`: through
+    scaled_dot_product_attention (what the model called), else written out
+    (scores, softmax, probabilities @ values). With `dropout_p` and the
+    runtime's keyed samples the probabilities get dropout site `site`'s mask
+    of the whole sample (`full`: [heads, s, s]), of which each chunk keeps its
+    rows and keys.
     """
     group = axis_group(axis)
-    ranks, rank = group_size(group), group_rank(group)
     seq_dim = query.dim() - 2
     key, value = _gather_positions(key, seq_dim, axis), _gather_positions(value, seq_dim, axis)
-    length = key.shape[seq_dim]
-    rows = chunk_positions(length, rank, ranks, device=query.device)
-    allowed = rows[:, None] >= torch.arange(length, device=query.device)[None, :]
     samples = current_samples()
     keyed = dropout_p > 0.0 and samples is not None and site is not None
-    if fused and not keyed:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
-                                              dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=enable_gqa)
+    outputs = []
+    for start, size, end in query_chunks(key.shape[seq_dim], group_rank(group),
+                                         group_size(group)):
+        q = query.narrow(seq_dim, start, size)
+        k, v = key.narrow(seq_dim, 0, end), value.narrow(seq_dim, 0, end)
+        if fused and not keyed:  # the first chunk of the first rank is the plain causal one
+            outputs.append(F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if size == end else _before_end(size, end, q.device),
+                is_causal=size == end, dropout_p=dropout_p, scale=scale,
+                enable_gqa=enable_gqa))
+        else:
+            outputs.append(_written_out(q, k, v, scale=scale, dropout_p=dropout_p,
+                                        enable_gqa=enable_gqa,
+                                        dropout=(site, samples, full) if keyed else None))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, seq_dim)
+
+
+def _written_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 scale: float | None, dropout_p: float, enable_gqa: bool,
+                 dropout: tuple | None) -> torch.Tensor:
+    """Causal attention of the query chunk ending where `key` ends (the mask aligned to the
+    last key), written out; `dropout`: (site, samples, full) of the keyed mask, else torch's
+    dropout (when `dropout_p`)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    size, end = query.shape[-2], key.shape[-2]
+    allowed = _before_end(size, end, query.device)
     factor = scale if scale is not None else query.shape[-1] ** -0.5
     scores = (query @ key.transpose(-2, -1) * factor).masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if keyed:
+    if dropout is not None:
+        site, samples, full = dropout
+        window = (slice(None), slice(end - size, end), slice(0, end))
         probs = keyed_dropout(probs, dropout_p, site=site, samples=samples, full=full,
-                              parts=((probs.dim() - 2, axis),))
+                              window=window)
     elif dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, True)
     return probs @ value
+
+
+def _before_end(size: int, end: int, device: torch.device) -> torch.Tensor:
+    """The causal mask [size, end] of the `size` queries just before position `end` over
+    the keys 0..end-1 (True: attended): each meets the keys at or before its own position."""
+    rows = torch.arange(end - size, end, device=device)
+    return rows[:, None] >= torch.arange(end, device=device)[None, :]
+
+
+def key_tile_share(ranks: int) -> float:
+    """The share of the whole sequence's query-key products (every tile, masked or not) one
+    cp rank's attention computes, for `ranks` >= 2. Its two chunks of c = S/(2·ranks)
+    queries meet the keys up to their own chunk's end, (r+1)·c and (2·ranks−r)·c keys:
+    (2·ranks+1)·c² products of (2·ranks·c)² on every rank but the first, whose first chunk,
+    the only square one, runs as the plain causal kernel and skips half of it. Every kernel
+    computes each tile of a masked call: the causal half of the whole over `ranks` and the
+    masked half of the chunks on the diagonal, c² more."""
+    return (2 * ranks + 1) / (4 * ranks * ranks)
 
 
 context_attention.ptc_collective = ("all-gather k, v over cp", "reduce-scatter dk, dv over cp")

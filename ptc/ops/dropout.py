@@ -71,14 +71,18 @@ def keep_mask(shape: tuple[int, ...], p: float, *, seed: int, site: int, sample:
 
 def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,
                   full: tuple[int, ...] | None = None, axis: str = "tp",
-                  parts: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
+                  parts: tuple[tuple[int, str], ...] = (),
+                  window: tuple[slice, ...] = ()) -> torch.Tensor:
     """Dropout of `x` [samples, ...] with each sample's mask from `keep_mask`.
 
     `full`: the shape of one sample's whole tensor when `x` holds a part of
-    it. `parts`: (dim of x, mesh axis) pairs saying how, applied in order: the
-    rank keeps its part along that dim (its two chunks along "cp", its
-    contiguous slice along any other axis). A dim still larger than x's after
-    them is split over `axis`, contiguously.
+    it. `window`: slices of that whole tensor, from its first dim, that `x`
+    holds whatever the layout (one query chunk's rows and the keys before
+    them), taken first. `parts`: (dim of x, mesh axis) pairs saying how the
+    layout splits the rest, applied in order: the rank keeps its part along
+    that dim (its two chunks along "cp", its contiguous slice along any other
+    axis). A dim still larger than x's after them is split over `axis`,
+    contiguously.
     """
     if p == 0.0:
         return x
@@ -86,6 +90,7 @@ def keyed_dropout(x: torch.Tensor, p: float, *, site: int, samples: Samples,
     masks = torch.stack([keep_mask(whole, p, seed=samples.seed, site=site,
                                    sample=samples.first + j, device=x.device)
                          for j in range(x.shape[0])])
+    masks = masks[(slice(None), *window)]
     local = tuple(x.shape)
     for dim, part_axis in parts:
         masks = _rank_part(masks, dim, part_axis, masks.shape[dim] // _ranks(part_axis))

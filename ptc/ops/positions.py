@@ -26,6 +26,16 @@ def chunk_positions(length: int, rank: int, ranks: int, device=None) -> torch.Te
     return torch.cat([first, last])
 
 
+def query_chunks(length: int, rank: int, ranks: int) -> tuple[tuple[int, int, int], ...]:
+    """The runs of consecutive positions cp rank `rank` of `ranks` holds of a sequence of
+    `length`, as (start in the rank's local order, positions, end in the whole sequence): a
+    causal query there meets the keys before `end` only. One run when `ranks` is 1."""
+    if ranks == 1:
+        return ((0, length, length),)
+    chunk = length // (2 * ranks)
+    return ((0, chunk, (rank + 1) * chunk), (chunk, chunk, (2 * ranks - rank) * chunk))
+
+
 @functools.lru_cache(maxsize=64)
 def gathered_order(length: int, ranks: int, device=None) -> torch.Tensor:
     """Index that puts a cp all-gather (rank 0's positions, then rank 1's, ...) back in

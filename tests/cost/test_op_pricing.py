@@ -160,16 +160,24 @@ def test_a_causal_flash_kernel_skips_the_tiles_above_the_diagonal(causal):
     assert work.backward.attention == FLASH_BACKWARD * work.forward.attention
 
 
-def test_context_parallelism_prices_every_tile_of_its_masked_kernel():
-    """Under cp, ptc's kernel meets every gathered key through a mask (`ptc.ops.context`):
-    a causal model's core is priced at every tile of its 1/cp share, twice what the causal
-    kernel of the whole sequence computes, over cp."""
-    profile = model_profile(LLAMA, "fp32")
-    assert profile.causal_kernel
-    whole = profile.fn["work.layer.fwd.attn.all"](2, 32)
-    cp2 = phase_work(profile, "layer", "fwd", 2, 16, Split(1, 1, False, 2), 32)
-    assert cp2.attention == pytest.approx(CAUSAL_SHARE * whole / 2)
-    assert not model_profile(GPT, "fp32").causal_kernel  # written out: every score computed
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_context_parallelism_prices_the_keys_before_each_chunk(family):
+    """Under cp, each of a rank's query chunks meets the keys up to its own end through a
+    mask (`ptc.ops.context`): `key_tile_share(cp)` of every tile of the whole sequence's
+    core, twice the profile's where the model's causal kernel skips half (Llama's SDPA;
+    GPT's written-out attention computes every score)."""
+    spec, quantity = (LLAMA, "attention") if family == "llama" else (GPT, "gemm")
+    profile = model_profile(spec, "fp32")
+    assert profile.causal_kernel == (family == "llama")
+    every_tile = CAUSAL_SHARE if profile.causal_kernel else 1
+    core = profile.fn[f"work.core.fwd.{'attn' if family == 'llama' else 'gemm'}.all"]
+    for cp in (2, 4):
+        local = getattr(phase_work(profile, "layer", "fwd", 2, 32 // cp,
+                                   Split(1, 1, False, 1), 32 // cp), quantity)
+        split = getattr(phase_work(profile, "layer", "fwd", 2, 32 // cp,
+                                   Split(1, 1, False, cp), 32), quantity)
+        want = every_tile * core(2, 32) * (2 * cp + 1) / (4 * cp * cp) - core(2, 32 // cp)
+        assert split - local == pytest.approx(want)
 
 
 def test_tensor_parallelism_splits_the_blocks_and_leaves_the_norms_whole():

@@ -30,11 +30,11 @@ by t, its key/value part by `kv_divisor`; the rest is replicated over tp,
 unless sequence parallelism splits it along the sequence (1/t), all but the
 "whole" class: a module a rule keeps whole, run on the whole sequence where it
 mixes positions. Context
-parallelism gives each rank s/cp positions, whose queries meet all s keys:
-the attention core's work is 1/cp of the whole sequence's — of every tile of it
-where the model's kernel is a causal one that skips half (`ModelProfile.causal_kernel`),
-since ptc's cp kernel masks the keys rather than skipping their tiles
-(`ptc.ops.context`). Every rank dispatches every op.
+parallelism gives each rank s/cp positions in two chunks, whose queries meet the keys
+up to their chunk's end: the attention core's work is `key_tile_share(cp)` of every
+tile of the whole sequence's (`ptc.ops.context`; twice what the profile counts where
+the model's kernel is a causal one that skips half, `ModelProfile.causal_kernel`).
+Every rank dispatches every op.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from ptc.compiler.graph.gemm_tiles import efficiency
 from ptc.compiler.graph.work import CAUSAL_SHARE
 from ptc.compiler.profile.types import ModelProfile
 from ptc.compiler.profile.measure import rerun_region
+from ptc.ops.context import key_tile_share
 from ptc.plan import HardwareSpec, policy_modules
 
 
@@ -169,8 +170,7 @@ def phase_work(profile: ModelProfile, region: str, phase: str, bb: int, ss: int,
     def per_rank(quantity: str) -> float:
         classes = ("all", "tp", "kv", "whole")
         total, tp, kv, seq_whole = (term(f"{quantity}.{c}", bb, ss) for c in classes)
-        if split.cp > 1 and keys:  # the core's queries meet all keys
-            # ptc's cp kernel masks every key (`ptc.ops.context`): no tile is skipped
+        if split.cp > 1 and keys:  # the core's queries meet the keys before their chunk
             every_tile = CAUSAL_SHARE if quantity == "attn" and profile.causal_kernel else 1
             total, tp, kv, seq_whole = (
                 v + _core_keys(f, prefix, phase, f"{quantity}.{c}", bb, seq_len, ss, split.cp,
@@ -219,10 +219,11 @@ def tile_efficiency(profile: ModelProfile, region: str, phase: str, bb: int, ss:
 def _core_keys(f, prefix: str, phase: str, name: str, bb: int, seq_len: int, ss: int,
                cp: int, every_tile: int = 1) -> float:
     """What a rank's attention core does beyond a sequence of `ss` positions under cp: its
-    queries meet all `seq_len` keys, so it does 1/cp of the whole sequence's core
-    (`every_tile` times it: the kernel computes the tiles a causal one skips)."""
+    queries meet the keys up to their chunk's end, `key_tile_share(cp)` of every tile of the
+    whole sequence's core (`every_tile` times the profile's: the tiles a causal kernel
+    skips included)."""
     core = f[f"{prefix}.core.{phase}.{name}"]
-    return every_tile * core(bb, seq_len) / cp - core(bb, ss)
+    return every_tile * core(bb, seq_len) * key_tile_share(cp) - core(bb, ss)
 
 
 def layer_times(profile: ModelProfile, r: Rates, *, bb: int, ss: int, seq_len: int,
