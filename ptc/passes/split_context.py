@@ -13,8 +13,9 @@ captured graph into the graph every cp rank runs:
   activations (learned positions, rotary tables);
 - each causal attention becomes `context_attention`, which all-gathers the
   keys and values over cp (and reduce-scatters their gradients): fused
-  scaled_dot_product_attention with is_causal and no mask, or the written
-  out form scores → causal masked_fill → softmax → dropout → @ values;
+  scaled_dot_product_attention with is_causal and no mask (capture turns
+  one handed exactly the causal mask into it, `ptc.compiler.capture.causal_kernel`),
+  or the written out form scores → causal masked_fill → softmax → dropout → @ values;
 - dropout sites on split activations keep their part of each sample's mask.
 
 Everything else is local to a position, or made so:
@@ -38,11 +39,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import fx
 
 from ptc.compiler.records.decisions import Decisions
-from ptc.compiler.graph.masks import MaskReader
 from ptc.compiler.graph.meta import copy_meta, graph_info
 from ptc.compiler.graph.nodes import (LOSS_OPS, attention_parts, has_effect, mixes_along, op_name,
                                       where)
@@ -132,10 +131,7 @@ def _fused_kwargs(node: fx.Node) -> dict:
         raise CompileError(f"context parallelism: {where(node)} is an attention kernel ptc "
                            "does not split over cp; call F.scaled_dot_product_attention")
     call = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
-    mask = call.get("attn_mask")
-    causal = call.get("is_causal", False) and mask is None or \
-        not call.get("is_causal", False) and mask is not None and _is_constant_causal(mask)
-    if not causal:
+    if not call.get("is_causal", False) or call.get("attn_mask") is not None:
         raise CompileError(f"context parallelism: {where(node)} is not causal attention (is_causal"
                            "=True without a mask, or a mask computed from constants alone that "
                            "is the causal one: no padding, no bias, no window); cp splits only "
@@ -144,23 +140,6 @@ def _fused_kwargs(node: fx.Node) -> dict:
                 scale=call.get("scale"), dropout_p=call.get("dropout_p", 0.0),
                 enable_gqa=call.get("enable_gqa", False), site=call.get("site"),
                 full=call.get("full"), fused=True)
-
-
-def _is_constant_causal(mask: fx.Node) -> bool:
-    """Whether `mask` is constant (ptc.compiler.graph.masks: a Hugging Face model's mask built from
-    its position ids) and equals the causal mask: True (or 0) where the key's position is at
-    most the query's, False (or -inf) elsewhere."""
-    value = MaskReader().constant_value(mask)
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or \
-            value.shape[-1] != value.shape[-2]:
-        return False
-    size = value.shape[-1]
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    if value.dtype == torch.bool:
-        return bool((value == causal).all())
-    kept = value == 0
-    masked = torch.isneginf(value) | (value <= torch.finfo(value.dtype).min)
-    return bool((kept == causal).all() and (masked == ~causal).all())
 
 
 def _written_kwargs(out: fx.Node, parts) -> dict:

@@ -4,7 +4,6 @@ sequence's causal attention, computed by every rank from the same seed in float6
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 
 def _whole(case: dict) -> dict[str, torch.Tensor]:

@@ -17,6 +17,9 @@ weight is ever allocated, and call forward by one rule (`call`). The graph is
 then normalised (`normalise`: placeholders `tokens` and, with a loss,
 `targets`; one output), shape-propagated on meta tensors (`evaluate`), and
 every node annotated once with a `NodeInfo` (`annotate`, ptc.compiler.graph.meta).
+A fused attention handed exactly the causal mask asks for the causal kernel
+instead (`causal_kernel`), and each dropout becomes a numbered site
+(`dropout_sites`).
 What cannot be captured is said by `messages`, with the user's module and line.
 
 Public API: `capture(model, ...)` and `with_weights(gm, model)`.
@@ -29,6 +32,7 @@ from torch import fx, nn
 
 from ptc.compiler.capture.annotate import annotate_graph, find_blocks
 from ptc.compiler.capture.call import call_rule
+from ptc.compiler.capture.causal_kernel import ask_for_the_causal_kernel
 from ptc.compiler.capture.evaluate import DataDependent, NodeFailed
 from ptc.compiler.capture.dropout_sites import number_dropout_sites
 from ptc.compiler.capture.export_door import export_graph
@@ -105,18 +109,20 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
         frozen=tuple(name for name, p in model.named_parameters(remove_duplicate=False)
                      if not p.requires_grad))))
     annotate_graph(gm, root, evaluator, blocks, dtype)
+    reader = MaskReader({name: value for name, value in model.named_buffers()
+                         if not value.is_meta})
     if with_loss:
-        _refuse_a_model_that_sees_later_tokens(gm, model)
+        _refuse_a_model_that_sees_later_tokens(gm, model, reader)
+    ask_for_the_causal_kernel(gm, reader)
     number_dropout_sites(gm, micro_batch, seq_len)
     return gm
 
 
-def _refuse_a_model_that_sees_later_tokens(gm: fx.GraphModule, model: nn.Module) -> None:
+def _refuse_a_model_that_sees_later_tokens(gm: fx.GraphModule, model: nn.Module,
+                                           reader: MaskReader) -> None:
     """CaptureError at the first attention whose mask lets a query see a later key: trained
     on next tokens, such a model would learn to copy its input (ptc.compiler.graph.masks). Masks
-    kept as buffers are read from `model` where it holds them off the meta device."""
-    reader = MaskReader({name: value for name, value in model.named_buffers()
-                         if not value.is_meta})
+    kept as buffers are read from `model` where it holds them off the meta device (`reader`)."""
     for node in gm.graph.nodes:
         why = reader.later_keys_seen(node)
         if why is not None:

@@ -4,9 +4,9 @@ ptc trains next-token prediction: the logits at position t must come from
 tokens 0..t alone, or the model learns to copy the token it is asked to
 predict. In a captured transformer what mixes positions is attention, so
 its mask decides. Capture refuses a model with an attention that lets a
-query see a later key (`MaskReader.later_keys_seen`); context parallelism
-splits only attention whose mask is exactly the causal one
-(`MaskReader.constant_value`).
+query see a later key (`MaskReader.later_keys_seen`), and gives a fused
+attention whose mask is exactly the causal one the causal kernel instead
+(`MaskReader.only_causal`, `ptc.compiler.capture.causal_kernel`).
 
 Terms: *hidden* is a bool tensor [..., queries, keys], True where the
 attention gives the key no weight. A mask is *constant* when it is computed
@@ -95,6 +95,27 @@ class MaskReader:
             return None
         masks = _fused_masks(node) if parts.fused else _written_masks(parts)
         return None if masks is None else self._hidden(parts, masks)
+
+    def only_causal(self, node: fx.Node) -> bool:
+        """Whether the fused attention ending at `node` (is_causal not set) is given a
+        constant mask that is exactly the causal one over one sequence: True (a bool mask)
+        or 0 (a float mask) where the key is at or before the query, False or a hiding fill
+        after it, the same for every sample and head. Such an attention is `is_causal`
+        without the mask."""
+        parts = attention_parts(node)
+        if parts is None or not parts.fused or not _over_one_sequence(parts):
+            return False
+        masks = _fused_masks(node)
+        if masks is None or len(masks) != 1 or masks[0][0] != "kept where true":
+            return False
+        value = self.constant_value(masks[0][1])
+        size = _scores_size(parts)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != size:
+            return False
+        later = _later(size)
+        if value.dtype == torch.bool:
+            return bool((value == ~later).all())
+        return bool(((value == 0) == ~later).all() and ((value <= HIDDEN_BELOW) == later).all())
 
     def constant_value(self, node) -> object | None:
         """The value `node` has at every call, evaluated on the CPU; None when it reads the
