@@ -170,7 +170,7 @@ def _eager_loss(model, rule, source, plan: Plan, first: int, count: int) -> torc
             return out.loss if hasattr(out, "loss") else out[1]
         out = model(tokens, **rule.concrete)  # logits, or an output with .logits (labels None)
         logits = out.logits if hasattr(out, "logits") else out
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @contextlib.contextmanager

@@ -16,9 +16,11 @@ parallelism the split tensors those modules read are gathered into copies of the
 kept besides the split ones where a region keeps both: `ModelProfile.sp_saved`).
 
 The prediction is `stage_memory(...)["activations"]` of the same plan. It
-is exact but for two known terms: the CPU LayerNorm statistics of
+is exact but for three known terms: transformers' key/value repeat where a
+rank holds one key/value head (`repeat_view_gap`: a view the model charges
+as a copy, subtracted from the prediction), the CPU LayerNorm statistics of
 `cpu_statistics_gap` (added to the measurement), and the weight total
-torch's cross-entropy saves (one scalar of the compute dtype, 4 or 2 bytes),
+torch's cross-entropy saves (one float32 scalar: the loss runs on the logits' float32 copy),
 which the profile counts and the vocabulary-parallel loss of tp does not
 keep (a head kept whole keeps torch's loss, and the scalar). Under sequence parallelism two things stay whole on every rank and the
 model says so (`SavedClasses.whole`): token ids and targets, and the output
@@ -43,6 +45,7 @@ from ptc.compiler.search.estimate import AUTO_POLICIES, estimate
 from ptc.compiler.profile.cache import model_profile
 from ptc.plan import ModelSpec
 from ptc.runtime.launcher import run_local
+from tests.user_models.transformers_models import mixtral
 
 pytestmark = pytest.mark.distributed
 
@@ -115,17 +118,38 @@ and scales (tensorwise: x's and one per expert's weight; rowwise: one per expert
 split with the down stack's rows under tp), and its offsets as they are; a saving region
 keeps its output (`ptc.ops.fp8_grouped`), as it keeps a bf16 grouped product's
 (`ptc.ops.recompute.GROUPED_PRODUCTS`). Measured in a launch of their own."""
-LOSS_SCALAR = {"fp32": 4, "bf16": 2, "fp8": 2}
+LOSS_SCALAR = 4
 """Bytes of the weight total torch's cross-entropy saves and the vocabulary-parallel one does
-not."""
+not: one float32 scalar in every dtype (ptc's loss runs on the logits' float32 copy)."""
 _measured: dict[int, list] = {}
+
+
+def repeat_view_gap(case: MemoryCase, tp: int) -> int:
+    """Bytes the model predicts and a rank does not keep where it holds one key/value head of
+    a transformers model (Mixtral here, 2 key/value heads at tp 2). transformers repeats each
+    key/value head to its query heads by expand, then reshape: a copy, which attention saves
+    and the profile measures (in its `kv` class), unless the rank holds one head, where the
+    reshape is a view and what attention keeps is the unrepeated key and value. The memory
+    model does not yet see the view: it charges the copies, 1 - kv/heads of them too much.
+    Zero where the policy recomputes them (ops, full) and for ptc's own models (GPT's
+    repeat_interleave copies at any count, Llama's attention takes the heads unrepeated)."""
+    if case.spec != MIXTRAL or case.checkpoint != "none":
+        return 0
+    config = mixtral().config
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if kv // tp != 1:
+        return 0
+    plan = memory_plan(case, tp)
+    dim = config.hidden_size // heads
+    copy = plan.train.micro_batch * plan.train.seq_len * heads // tp * dim * 2  # bf16
+    return case.spec.layers * 2 * (copy - copy * kv // heads)  # key and value per layer
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES + MOE_CASES, ids=str)
 def test_saved_activations_per_rank_match_the_memory_model(case: MemoryCase) -> None:
-    predicted = predicted_activations(case, 2)
-    scalar = 0 if ("head", "replicate") in case.shards else LOSS_SCALAR[case.dtype]
+    predicted = predicted_activations(case, 2) - repeat_view_gap(case, 2)
+    scalar = 0 if ("head", "replicate") in case.shards else LOSS_SCALAR
     for rank, (measured, gap, _) in enumerate(_measured_case(case)):
         assert predicted - (measured + gap) == scalar, \
             f"{case} rank {rank}: predicted {predicted}, measured {measured} + {gap}"

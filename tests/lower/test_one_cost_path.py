@@ -93,7 +93,9 @@ def test_a_memory_budget_the_even_split_overflows_moves_the_cut() -> None:
     even = ptc.estimate(plan)
     first, last = even.stage_memory_bytes
     assert first > last
-    tight = make_plan(vocab=512, hbm=(first + last) / 2)
+    moved = max(ptc.estimate(with_ends(plan, 3)).stage_memory_bytes)  # a layer off rank 0
+    assert moved < first
+    tight = make_plan(vocab=512, hbm=(first + moved) / 2)
     assert not ptc.estimate(with_ends(tight, 4)).fits
     program = assert_one_cost_path(tight)
     assert program.decisions.estimate.fits

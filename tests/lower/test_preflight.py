@@ -163,9 +163,15 @@ def test_a_plan_that_does_not_fit_memory_is_refused_unless_allowed(tmp_path, cap
                                              "parallel.dp": 64}))
     peak, budget = est.stage_memory_bytes[0], est.budget_bytes
     assert peak > budget
+    # The suggestion is true: tp 16 fits; tp 8 misses by a hair (its loss's backward holds
+    # two float32 gradients over 16 K vocabulary entries a token).
+    fits = {tp: estimate(load_plan(BIG, overrides={"parallel.tp": tp, "parallel.pp": 1,
+                                                   "parallel.dp": 64 // tp})).fits
+            for tp in (8, 16)}
+    assert fits == {8: False, 16: True}
     want = (f"--parallel.tp: error: stage 0 needs {format_bytes(peak)} per GPU, "
             f"{format_bytes(peak - budget)} over the {format_bytes(budget)} budget (HBM less "
-            f"memory_margin); it would fit with tp = 8, pp = 1; `ptc plan` ranks the layouts "
+            f"memory_margin); it would fit with tp = 16, pp = 1; `ptc plan` ranks the layouts "
             f"that fit; --allow-oom runs it anyway")
     err = _refused("check", BIG, capsys, *flags)
     assert [line for line in err if ": error: " in line] == [want]

@@ -67,8 +67,9 @@ def saved_bytes(module: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) ->
 
 def measured_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor,
                          targets: torch.Tensor) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves in one forward + loss."""
-    return saved_bytes(model, lambda: F.cross_entropy(model(tokens).flatten(0, 1),
+    """Bytes of the distinct non-parameter storages autograd saves in one forward + loss, the
+    loss as ptc appends it: on the logits' float32 copy."""
+    return saved_bytes(model, lambda: F.cross_entropy(model(tokens).flatten(0, 1).float(),
                                                       targets.flatten()))
 
 

@@ -84,7 +84,9 @@ def normalise_io(graph: fx.Graph, call: CallRule, evaluator: Evaluator, out_spec
                 targets = graph.placeholder("targets")
             evaluator.inputs["targets"] = torch.zeros(b, s, dtype=torch.long, device="meta")
         with graph.inserting_before(out_node):
-            result = _append_loss(graph, logits, targets, evaluator.value(logits).shape[-1], aten)
+            value = evaluator.value(logits)
+            result = _append_loss(graph, logits, targets, value.shape[-1],
+                                  value.dtype != torch.float32, aten)
     else:
         if logits is None:
             raise CaptureError(no_logits_message(model_name, _named_leaves(structure),
@@ -156,13 +158,22 @@ def _pick_outputs(structure, evaluator: Evaluator, b: int, s: int):
 
 
 def _append_loss(graph: fx.Graph, logits: fx.Node, targets: fx.Node, vocab: int,
-                 aten: bool) -> fx.Node:
-    """Append mean cross-entropy(logits[b·s, V], targets[b·s]) nodes; return the loss."""
+                 upcast: bool, aten: bool) -> fx.Node:
+    """Append mean cross-entropy(logits[b·s, V], targets[b·s]) nodes; return the loss.
+
+    `upcast`: the logits are in a 16-bit dtype, and the loss is computed on their float32
+    copy, as torchtitan, Megatron-LM and transformers compute it: in bf16 each token's loss
+    and its softmax gradient would carry bf16's 8 bits (the loss in steps of 1/64 near 4).
+    """
     if aten:
         ops = torch.ops.aten
         flat = graph.call_function(ops.reshape.default, (logits, [-1, vocab]))
+        if upcast:
+            flat = graph.call_function(ops._to_copy.default, (flat,), {"dtype": torch.float32})
         flat_targets = graph.call_function(ops.reshape.default, (targets, [-1]))
         return graph.call_function(ops.cross_entropy_loss.default, (flat, flat_targets))
     flat = graph.call_method("reshape", (logits, -1, vocab))
+    if upcast:
+        flat = graph.call_method("float", (flat,))
     flat_targets = graph.call_method("reshape", (targets, -1))
     return graph.call_function(F.cross_entropy, (flat, flat_targets))

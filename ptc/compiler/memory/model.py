@@ -20,7 +20,10 @@ Terms per stage (bytes, one tp/dp rank of that stage):
   between layers are kept by whoever needs them (`_chunk_ends`): the next
   layer's checkpoint, the pipeline runtime (a stage's output), or a node
   that saves them.
-- `recompute`: the working set of recomputing one layer in backward.
+- `recompute`: the working set of the backward beyond what is saved:
+  recomputing one layer, or on the stage holding the loss the loss's own
+  backward (two float32 gradients of the logits, `_loss_gradients`),
+  whichever is larger (the loss's runs first, before any layer's).
 - with optimizer offload (`Layout.offload`) the `optimizer` term is 0: the
   fp32 masters, the moments and the step counters live in host memory,
   beside an fp32 copy of the rank's gradient shard that the CPU step reads
@@ -320,7 +323,25 @@ def _stage_activations(profile: ModelProfile, layout: Layout, stage: int, bb, ss
         freed = [act("layer", "none") - act("layer", pol)
                  for pol in sorted(set(policies) - {"none"})]
         recompute = freed[0] if len(freed) == 1 else mx(*freed)
+    if stage == layout.last_rank:  # the loss's backward, before any layer's: not together
+        recompute = mx(recompute, _loss_gradients(profile, bb, ss, tt))
     return activations, recompute
+
+
+LOSS_GRADIENT_BYTES = 2 * 4
+"""Bytes per token and vocabulary entry the loss's backward holds beyond what is saved: two
+float32 gradients of the logits at once (of the log-softmax and of its input; the
+vocabulary-parallel loss's softmax copy and its scaled gradient), whatever the compute dtype
+(ptc's loss runs on the logits' float32 copy, `ptc.compiler.capture.normalise`)."""
+
+
+def _loss_gradients(profile: ModelProfile, bb, ss, tt) -> object:
+    """Bytes the loss's backward holds at once on one rank for one micro-batch of `bb`
+    samples of `ss` positions: `LOSS_GRADIENT_BYTES` per token and vocabulary entry of the
+    rank (V/t where tensor parallelism splits the head over the vocabulary, its own weight
+    or the embedding table it is tied to)."""
+    head = profile.params["post"].split or (profile.tied and profile.params["pre"].split)
+    return LOSS_GRADIENT_BYTES * bb * ss * profile.vocab / (tt if head else 1)
 
 
 def _saved_bytes(profile: ModelProfile, layout: Layout, bb, ss, tt
