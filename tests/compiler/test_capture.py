@@ -173,6 +173,21 @@ class TestLossMatchesEager:
         expected = F.cross_entropy(real(tokens).flatten(0, 1), targets.flatten())
         torch.testing.assert_close(with_weights(gm, real)(tokens, targets), expected)
 
+    @pytest.mark.parametrize("door", ["fx", "export"])
+    def test_a_16_bit_models_loss_runs_on_its_float32_logits(self, door):
+        """As torchtitan, Megatron-LM and transformers compute it: in bf16 the loss would
+        move in steps of 1/64 near 4. The same ops as eager on the same values: equal."""
+        gm = capture(build_model(LLAMA), micro_batch=B, seq_len=S, dtype=torch.bfloat16,
+                     front_door=door)
+        real = build_model(LLAMA, device="cpu", seed=1).to(torch.bfloat16)
+        tokens, targets = tokens_and_targets()
+        with torch.no_grad():
+            loss = with_weights(gm, real)(tokens, targets)
+            logits = real(tokens)
+        assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+        assert torch.equal(loss, F.cross_entropy(logits.flatten(0, 1).float(),
+                                                 targets.flatten()))
+
     def test_without_loss_returns_logits(self):
         gm = capture(build_model(LLAMA), micro_batch=B, seq_len=S, with_loss=False)
         assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["tokens"]
