@@ -76,6 +76,8 @@ class ModelSummary:
     """Module paths of every linear (the tensor-parallel pass shards these)."""
     attentions: tuple[str, ...]
     """Module paths of every attention."""
+    causal_masks: int = 0
+    """Attentions handed exactly the causal mask, run as the causal kernel instead."""
     norms: tuple[str, ...]
     """Module paths of every normalisation (sequence parallel acts around these)."""
     embeddings: tuple[str, ...]
@@ -154,6 +156,7 @@ def summarize(gm: fx.GraphModule) -> ModelSummary:
         matmul_flops_per_step=matmul_flops, num_layers=cap.num_layers,
         blocks_path=cap.blocks_path, layer=layer, layers_identical=identical,
         linears=tuple(found["linear"]), attentions=tuple(found["attention"]),
+        causal_masks=cap.causal_masks,
         norms=tuple(found["norm"]), embeddings=tuple(found["embedding"]),
         nodes=len(gm.graph.nodes))
 
@@ -241,7 +244,9 @@ def summary_rows(summary: ModelSummary) -> list[tuple[str, str]]:
         ]
     rows += [
         (f"linears ({len(s.linears)})", _paths(s.linears, s.blocks_path)),
-        (f"attentions ({len(s.attentions)})", _paths(s.attentions, s.blocks_path)),
+        (f"attentions ({len(s.attentions)})", _paths(s.attentions, s.blocks_path)
+         + (f"; {s.causal_masks} handed exactly the causal mask run the causal kernel "
+            "instead" if s.causal_masks else "")),
         (f"norms ({len(s.norms)})", _paths(s.norms, s.blocks_path)),
         (f"embeddings ({len(s.embeddings)})", _paths(s.embeddings, s.blocks_path)),
         ("graph nodes", str(s.nodes)),

@@ -48,3 +48,16 @@ def test_render():
     plain = format_summary(summary)
     assert "parameters" in plain and "model FLOPs" in plain
     assert isinstance(summary.dtype, torch.dtype)
+
+
+def test_the_summary_says_which_attentions_run_the_causal_kernel_for_their_mask():
+    """transformers hands SDPA a causal mask built from positions: capture gives each such
+    attention the causal kernel, and the summary says how many (ptc's GPT has no mask)."""
+    from tests.user_models.transformers_models import llama  # noqa: PLC0415
+
+    summary = summarize(capture(llama(), micro_batch=B, seq_len=S))
+    assert summary.causal_masks == 2 == len(summary.attentions)
+    assert "; 2 handed exactly the causal mask run the causal kernel instead" in \
+        format_summary(summary)
+    plain = summarize(capture(build_model(GPT), micro_batch=B, seq_len=S))
+    assert plain.causal_masks == 0 and "causal kernel" not in format_summary(plain)

@@ -27,6 +27,8 @@ Public API: `capture(model, ...)` and `with_weights(gm, model)`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx, nn
 
@@ -45,7 +47,7 @@ from ptc.compiler.capture.weights import keep_tied_names, meta_model, with_weigh
 from ptc.compiler.graph.lazy_code import graph_module
 from ptc.compiler.graph.masks import MaskReader
 from ptc.compiler.records.graph_meta import CaptureInfo, GraphRecord
-from ptc.compiler.graph.meta import set_graph_record
+from ptc.compiler.graph.meta import graph_info, set_graph_record, update_graph_record
 from ptc.errors import CaptureError
 
 __all__ = ["capture", "with_weights"]
@@ -113,7 +115,10 @@ def capture(model: nn.Module, *, micro_batch: int, seq_len: int,
                          if not value.is_meta})
     if with_loss:
         _refuse_a_model_that_sees_later_tokens(gm, model, reader)
-    ask_for_the_causal_kernel(gm, reader)
+    causal_masks = ask_for_the_causal_kernel(gm, reader)
+    if causal_masks:
+        update_graph_record(gm, capture=dataclasses.replace(graph_info(gm),
+                                                            causal_masks=causal_masks))
     number_dropout_sites(gm, micro_batch, seq_len)
     return gm
 

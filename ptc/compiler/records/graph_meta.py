@@ -88,6 +88,9 @@ class CaptureInfo:
     """Number of repeated blocks."""
     vocab: int | None
     """Last dimension of the logits."""
+    causal_masks: int = 0
+    """Attentions handed exactly the causal mask that capture gave the causal kernel instead
+    (`ptc.compiler.capture.causal_kernel`)."""
     frozen: tuple[str, ...] = ()
     """Parameters the model does not train (requires_grad = False), by every name the model
     holds them under: the optimizer keeps their values (`ShardedOptimizer`)."""
