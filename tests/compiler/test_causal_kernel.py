@@ -1,10 +1,10 @@
 """Capture gives a fused attention handed exactly the causal mask the causal kernel instead.
 
-Each tiny attention below hands scaled_dot_product_attention a mask built
-from constants, through both front doors. Where the mask is the causal one
-and nothing else (True / 0 where the key is at or before the query, False or
-a hiding fill after it) the captured call asks `is_causal` and the mask's
-computation is gone; a window, a bias on the kept keys or a mask read from
+Each tiny attention (test_masks' `_Attention`, one kind of mask each) hands
+scaled_dot_product_attention a mask built from constants, through both front
+doors. Where the mask is the causal one and nothing else (True / 0 where the
+key is at or before the query, False or a hiding fill after it) the captured
+call asks `is_causal` and the mask's computation is gone; a window, a bias on the kept keys or a mask read from
 the tokens stays as the model wrote it. Either way the graph, bound to the
 model's weights, computes the model's logits: in float64 both kernels form
 each output as the same softmax-weighted sum over at most S = 8 keys, so they
@@ -15,46 +15,15 @@ largest logit is ~4500 ulps, far below any masking mistake (which is O(1)).
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ptc.compiler.capture import capture, with_weights
 from ptc.compiler.graph.nodes import op_name
 from ptc.compiler.graph.work import runs_causal_kernel
 from tests.user_models import transformers_models
+from tests.compiler.test_masks import _Attention
 
 B, S = 2, 8
 TOL = 1e-12
-
-
-class _Masked(nn.Module):
-    """Embedding, one 2-head fused attention given the mask `kind` names, head."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.embed = nn.Embedding(32, 16)
-        self.qkv = nn.Linear(16, 48)
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
-        q, k, v = self.qkv(self.embed(tokens)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        row = torch.ones_like(tokens[0], dtype=torch.bool)
-        ones = row[:, None] & row[None, :]
-        if self.kind == "bool causal":
-            mask = ones.tril()[None, None].expand(b, 1, s, s)  # Hugging Face's shape
-        elif self.kind == "additive causal":
-            mask = torch.zeros_like(ones, dtype=q.dtype).masked_fill(ones.triu(1), -1e9)
-        elif self.kind == "window":  # causal, each query sees its 3 latest keys
-            mask = ones.tril() & ~ones.tril(-3)
-        elif self.kind == "causal with a bias":  # the kept keys get a non-zero score added
-            mask = torch.full_like(ones, 0.5, dtype=q.dtype).masked_fill(ones.triu(1), -1e9)
-        elif self.kind == "padding from the tokens":
-            mask = ones.tril() & (tokens != 0)[:, None, None]
-        else:
-            raise ValueError(self.kind)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.head(y.transpose(1, 2).reshape(b, s, 16))
 
 
 def _attentions(gm):
@@ -74,9 +43,9 @@ def _logits_match(gm, model: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("door", ["fx", "export"])
-@pytest.mark.parametrize("kind", ["bool causal", "additive causal"])
+@pytest.mark.parametrize("kind", ["sdpa bool causal", "sdpa additive mask"])
 def test_the_causal_mask_becomes_the_causal_kernel(kind: str, door: str) -> None:
-    model = _Masked(kind).double()
+    model = _Attention(kind).double()
     gm = capture(model, micro_batch=B, seq_len=S, dtype=torch.float64, with_loss=False,
                  front_door=door)
     (attention,) = _attentions(gm)
@@ -87,9 +56,10 @@ def test_the_causal_mask_becomes_the_causal_kernel(kind: str, door: str) -> None
 
 
 @pytest.mark.parametrize("door", ["fx", "export"])
-@pytest.mark.parametrize("kind", ["window", "causal with a bias", "padding from the tokens"])
+@pytest.mark.parametrize("kind", ["sdpa window", "sdpa causal with a bias",
+                                  "sdpa padding from the tokens"])
 def test_any_other_mask_stays(kind: str, door: str) -> None:
-    model = _Masked(kind).double()
+    model = _Attention(kind).double()
     gm = capture(model, micro_batch=B, seq_len=S, dtype=torch.float64, with_loss=False,
                  front_door=door)
     (attention,) = _attentions(gm)

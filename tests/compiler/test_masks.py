@@ -49,6 +49,12 @@ class _Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ones.tril() & ~ones.tril(-3))
         elif self.kind == "sdpa mask the wrong way":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ones.triu())
+        elif self.kind == "sdpa bool causal":  # transformers' shape, [b, 1, s, s]
+            y = F.scaled_dot_product_attention(q, k, v,
+                                               attn_mask=ones.tril()[None, None].expand(b, 1, s, s))
+        elif self.kind == "sdpa causal with a bias":  # the kept keys get 0.5 added
+            biased = torch.full_like(ones, 0.5, dtype=q.dtype).masked_fill(ones.triu(1), -1e9)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=biased)
         elif self.kind == "sdpa additive mask":
             future = torch.zeros_like(ones, dtype=q.dtype).masked_fill(ones.triu(1), -1e9)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=future)
@@ -73,7 +79,8 @@ class _Attention(nn.Module):
         return self.head(y.transpose(1, 2).reshape(b, s, 16))
 
 
-CAUSAL = ["sdpa causal", "sdpa window", "sdpa additive mask", "written causal",
+CAUSAL = ["sdpa causal", "sdpa window", "sdpa additive mask", "sdpa bool causal",
+          "sdpa causal with a bias", "written causal",
           "written causal buffer", "written added mask", "written where causal"]
 SEES_LATER = {"sdpa bidirectional": "it hides no key from any query",
               "sdpa mask the wrong way": "its mask lets a query see a later key",

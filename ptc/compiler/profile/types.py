@@ -185,7 +185,7 @@ class ModelProfile:
     causal_kernel: bool = False
     """The layer's fused attention is a causal flash kernel, its `work` counted at the half
     of the score tiles it computes (`ptc.compiler.graph.work.CAUSAL_SHARE`); context
-    parallelism's kernel, masked over every key (`ptc.ops.context`), computes them all."""
+    parallelism's own kernel is priced from every tile of it (`ptc.ops.context.key_tile_share`)."""
     gemms: dict[str, tuple[GemmShape, ...]] = field(default_factory=dict)
     """The GEMMs of each region's phase ("{region}.{phase}", regions and phases as `work`)
     with their shapes (`ptc.compiler.graph.gemm_tiles`), for micro-batches of 2 and more; a
